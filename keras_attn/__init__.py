@@ -1,0 +1,9 @@
+"""keras_attn: attention layers for Keras 3 that export everywhere."""
+
+__version__ = "0.1.0"
+
+from keras_attn import ops  # noqa: F401
+from keras_attn.layers import *  # noqa: F401,F403
+from keras_attn.layers import __all__ as _layers_all
+
+__all__ = ["ops", "__version__", *_layers_all]

@@ -1,0 +1,180 @@
+"""Helpers shared by the layers: registration, argument checks, masks."""
+
+import keras
+
+from keras_attn.ops import masking
+from keras_attn.ops.attention import check_dropout  # noqa: F401  (re-export)
+
+PACKAGE = "keras_attn"
+
+
+def register(cls):
+    """Registers `cls` for serialization as `keras_attn>ClassName`."""
+    return keras.saving.register_keras_serializable(package=PACKAGE)(cls)
+
+
+def check_positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        expected = "a positive integer" + (" or None" if allow_none else "")
+        error = TypeError if not isinstance(value, (int, float)) else ValueError
+        raise error(
+            f"Received an invalid value for argument `{name}`, expected "
+            f"{expected}. Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_non_negative_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected a "
+            f"non-negative integer. Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_positive_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected a "
+            f"positive number. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected one of "
+            f"{list(choices)}. Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"Received an invalid value for argument `{name}`, expected a bool. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_activation(name, value):
+    try:
+        keras.activations.get(value)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected the "
+            "name of a Keras activation (e.g. 'relu', 'gelu') or a callable. "
+            f"Received: {name}={value!r}"
+        ) from error
+    return value
+
+
+def check_shape_rank(name, shape, rank, layout):
+    if shape is None or len(shape) != rank:
+        raise ValueError(
+            f"Expected `{name}` of rank {rank} {layout}. Received: "
+            f"{name}_shape={None if shape is None else tuple(shape)}"
+        )
+
+
+def check_padding_mask(name, mask, tensor, tensor_name):
+    """A padding mask must be `(B, T)` matching `tensor`'s batch and length."""
+    if mask is None:
+        return
+    masking._check_mask_dtype(name, mask)
+    shape = tuple(mask.shape)
+    expected = tuple(tensor.shape[:2])
+    ok = len(shape) == 2 and all(
+        g is None or w is None or g == w for g, w in zip(shape, expected)
+    )
+    if not ok:
+        raise ValueError(
+            f"Received an invalid `{name}`: expected shape (batch, seq) = "
+            f"{expected} to match `{tensor_name}`. Received: {name}.shape={shape}"
+        )
+
+
+def check_attention_inputs(query, value, key, feature_checks=()):
+    """Checks batch and sequence agreement between query, value and key."""
+    for name, x in (("query", query), ("value", value), ("key", key)):
+        if len(x.shape) != 3:
+            raise ValueError(
+                f"Expected `{name}` of rank 3 (batch, seq, features). Received: "
+                f"{name}.shape={tuple(x.shape)}"
+            )
+    batches = [x.shape[0] for x in (query, value, key) if x.shape[0] is not None]
+    if len(set(batches)) > 1:
+        raise ValueError(
+            "`query`, `value` and `key` must have the same batch size. Received: "
+            f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}, "
+            f"key.shape={tuple(key.shape)}"
+        )
+    if (
+        value.shape[1] is not None
+        and key.shape[1] is not None
+        and value.shape[1] != key.shape[1]
+    ):
+        raise ValueError(
+            "`value` and `key` must have the same sequence length. Received: "
+            f"value.shape={tuple(value.shape)}, key.shape={tuple(key.shape)}"
+        )
+    for name, x, expected in feature_checks:
+        if expected is not None and x.shape[-1] is not None and x.shape[-1] != expected:
+            raise ValueError(
+                f"`{name}` has {x.shape[-1]} features but the layer was built "
+                f"for {expected}. Received: {name}.shape={tuple(x.shape)}"
+            )
+
+
+def merge_attention_masks(
+    query,
+    value,
+    key=None,
+    *,
+    query_mask=None,
+    value_mask=None,
+    key_mask=None,
+    attention_mask=None,
+    use_causal_mask=False,
+    num_heads=None,
+    sliding_window=None,
+    start_index=0,
+):
+    """One `(B|1, H|1, T_q, T_k)` boolean mask from every mask source.
+
+    Padding masks (Keras masks of the inputs, or given), the explicit
+    `attention_mask` and the causal mask combine by logical AND. As in
+    `keras.layers.MultiHeadAttention`, `key_mask` is ignored when `key` is
+    None or is `value`.
+    """
+    if key is None or key is value:
+        key_mask = None
+        key = value
+    check_padding_mask("query_mask", query_mask, query, "query")
+    check_padding_mask("value_mask", value_mask, value, "value")
+    check_padding_mask("key_mask", key_mask, key, "key")
+    padding = masking.padding_mask_to_attention_mask(query_mask, value_mask, key_mask)
+    explicit = masking.normalize_attention_mask(
+        attention_mask,
+        batch_size=query.shape[0],
+        query_length=query.shape[1],
+        key_length=value.shape[1],
+        num_heads=num_heads,
+    )
+    causal = None
+    window = None
+    if use_causal_mask or sliding_window is not None:
+        t_q = keras.ops.shape(query)[1]
+        t_k = keras.ops.shape(value)[1]
+        if use_causal_mask:
+            causal = masking.causal_mask(t_q, t_k, start_index=start_index)[None, None]
+        if sliding_window is not None:
+            window = masking.sliding_window_mask(
+                t_q, t_k, window=sliding_window, start_index=start_index
+            )[None, None]
+    return masking.combine_masks(padding, explicit, causal, window)

@@ -1,0 +1,168 @@
+"""Pieces shared by the Transformer encoder and decoder blocks."""
+
+import keras
+
+from keras_attn.layers import _common
+from keras_attn.layers.multi_head_attention import MultiHeadAttention
+from keras_attn.layers.rotary_embedding import RotaryEmbedding
+
+
+class BlockBase(keras.layers.Layer):
+    """Argument checks, sublayer factories and the residual pattern."""
+
+    def __init__(
+        self,
+        num_heads,
+        intermediate_dim,
+        key_dim=None,
+        dropout=0.0,
+        activation="relu",
+        normalize_first=False,
+        layer_norm_epsilon=1e-5,
+        num_key_value_heads=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        rotary_embedding=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = _common.check_positive_int("num_heads", num_heads)
+        self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)
+        self.key_dim = _common.check_positive_int("key_dim", key_dim, allow_none=True)
+        self.dropout = _common.check_dropout("dropout", dropout)
+        self.activation = _common.check_activation("activation", activation)
+        self.normalize_first = _common.check_bool("normalize_first", normalize_first)
+        self.layer_norm_epsilon = _common.check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        self.num_key_value_heads = _common.check_positive_int(
+            "num_key_value_heads", num_key_value_heads, allow_none=True
+        )
+        if num_key_value_heads is not None and num_heads % num_key_value_heads:
+            raise ValueError(
+                "Received an invalid value for argument `num_key_value_heads`, "
+                f"expected a divisor of num_heads={num_heads}. Received: "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        if isinstance(rotary_embedding, dict):
+            rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
+        if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
+            raise TypeError(
+                "Received an invalid value for argument `rotary_embedding`, "
+                "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
+                f"rotary_embedding={rotary_embedding!r}"
+            )
+        self.rotary_embedding = rotary_embedding
+        self.supports_masking = True
+
+    def _head_size(self, hidden_dim, name):
+        if hidden_dim is None:
+            raise ValueError(
+                f"The feature size of `{name}` must be known. Received: "
+                f"{name}_shape with last axis None"
+            )
+        if self.key_dim is not None:
+            return self.key_dim
+        if hidden_dim % self.num_heads:
+            raise ValueError(
+                f"The feature size of `{name}` ({hidden_dim}) must be divisible by "
+                f"num_heads={self.num_heads} when `key_dim` is None. Pass `key_dim` "
+                "explicitly or change `num_heads`."
+            )
+        return hidden_dim // self.num_heads
+
+    def _dense_kwargs(self):
+        return dict(
+            kernel_initializer=keras.initializers.get(
+                keras.initializers.serialize(self.kernel_initializer)
+            ),
+            bias_initializer=keras.initializers.get(
+                keras.initializers.serialize(self.bias_initializer)
+            ),
+            dtype=self.dtype_policy,
+        )
+
+    def _attention(self, name, hidden_dim, rotary):
+        return MultiHeadAttention(
+            num_heads=self.num_heads,
+            key_dim=self._head_size(hidden_dim, "inputs"),
+            dropout=self.dropout,
+            num_key_value_heads=self.num_key_value_heads,
+            rotary_embedding=rotary,
+            name=name,
+            **self._dense_kwargs(),
+        )
+
+    def _norm(self, name):
+        return keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
+        )
+
+    def _dropout(self, name):
+        return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
+
+    def _build_feedforward(self, sequence_shape):
+        hidden = sequence_shape[-1]
+        self.feedforward_layer_norm = self._norm("feedforward_layer_norm")
+        self.feedforward_layer_norm.build(sequence_shape)
+        self.feedforward_intermediate_dense = keras.layers.Dense(
+            self.intermediate_dim,
+            activation=self.activation,
+            name="feedforward_intermediate_dense",
+            **self._dense_kwargs(),
+        )
+        self.feedforward_intermediate_dense.build(sequence_shape)
+        self.feedforward_output_dense = keras.layers.Dense(
+            hidden, name="feedforward_output_dense", **self._dense_kwargs()
+        )
+        self.feedforward_output_dense.build(tuple(sequence_shape[:-1]) + (self.intermediate_dim,))
+        self.feedforward_dropout = self._dropout("feedforward_dropout")
+
+    def _residual(self, x, norm, dropout, fn, training):
+        """`norm(x + f(x))` (post-norm) or `x + f(norm(x))` (pre-norm)."""
+        residual = x
+        if self.normalize_first:
+            x = norm(x)
+        x, extra = fn(x)
+        x = residual + dropout(x, training=training)
+        if not self.normalize_first:
+            x = norm(x)
+        return x, extra
+
+    def _feedforward(self, x, training):
+        def ffn(h):
+            h = self.feedforward_intermediate_dense(h)
+            return self.feedforward_output_dense(h), None
+
+        x, _ = self._residual(
+            x, self.feedforward_layer_norm, self.feedforward_dropout, ffn, training
+        )
+        return x
+
+    def compute_output_shape(self, *shapes, **kwargs):
+        return tuple(shapes[0])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "intermediate_dim": self.intermediate_dim,
+                "key_dim": self.key_dim,
+                "dropout": self.dropout,
+                "activation": keras.activations.serialize(keras.activations.get(self.activation))
+                if not isinstance(self.activation, str)
+                else self.activation,
+                "normalize_first": self.normalize_first,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "num_key_value_heads": self.num_key_value_heads,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "rotary_embedding": (
+                    keras.saving.serialize_keras_object(self.rotary_embedding)
+                    if self.rotary_embedding is not None
+                    else None
+                ),
+            }
+        )
+        return config

@@ -1,0 +1,429 @@
+"""Multi-head attention: a drop-in for `keras.layers.MultiHeadAttention`, with GQA."""
+
+import string
+
+import keras
+from keras import ops
+
+from keras_attn.layers import _common
+from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.ops import attention as attention_ops
+
+
+def _output_projection_equation(num_output_dims):
+    letters = string.ascii_lowercase[4 : 4 + num_output_dims]
+    return f"abcd,cd{letters}->ab{letters}", letters
+
+
+@_common.register
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention (Vaswani et al., 2017) with grouped-query heads.
+
+    Same constructor arguments, call signature, weights and outputs as
+    `keras.layers.MultiHeadAttention` for inputs `(batch, seq, features)`,
+    so it can replace it (`MultiHeadAttention.from_keras(layer)` copies a
+    built Keras layer). In addition:
+
+    - `num_key_value_heads` (Ainslie et al., 2023): keys and values get fewer
+      heads than queries, each shared by `num_heads / num_key_value_heads`
+      query heads (1 = multi-query attention). The shared heads are never
+      repeated in memory.
+    - `rotary_embedding`: a `RotaryEmbedding` applied to projected queries
+      and keys.
+    - `attention_bias=` at call time: an additive `(B|1, H|1, T_q, T_k)`
+      logits bias, e.g. from `AlibiBias` or `RelativePositionBias`.
+    - A query row whose keys are all masked outputs zeros (before the output
+      projection), never NaN and never an average of the values.
+
+    Args:
+        num_heads: number of query heads.
+        key_dim: size of each query/key head.
+        value_dim: size of each value head; defaults to `key_dim`.
+        dropout: dropout rate on the attention probabilities.
+        use_bias: whether the projections have biases.
+        output_shape: last dims of the output; defaults to the query's features.
+        attention_axes: only None (or the sequence axis) is supported.
+        sliding_window: if set, each query sees keys within
+            `sliding_window - 1` positions (as Keras).
+        flash_attention: accepted for compatibility; only None/False.
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint: as for `keras.layers.EinsumDense`.
+        use_gate: sigmoid gate on the attention output (as Keras).
+        seed: seed for dropout.
+        num_key_value_heads: heads for keys and values; must divide `num_heads`.
+        rotary_embedding: a `RotaryEmbedding` (or its config) or None.
+
+    Call arguments:
+        query: `(B, T_q, D_q)`.
+        value: `(B, T_k, D_v)`.
+        key: optional `(B, T_k, D_k)`; `value` is used when None.
+        query_mask, value_mask, key_mask: `(B, T)` padding masks (filled in
+            from Keras masks automatically).
+        attention_mask: boolean `(B, T_k)`, `(T_q, T_k)`, `(B, T_q, T_k)` or
+            `(B, H, T_q, T_k)`; True = attend.
+        attention_bias: additive logits bias, broadcastable to `(B, H, T_q, T_k)`.
+        use_causal_mask: hide keys after each query position.
+        return_attention_scores: also return `(B, H, T_q, T_k)` scores.
+        training: whether dropout is active.
+        start_index: position of the first query for the rotary embedding.
+
+    Returns:
+        `(B, T_q, *output_shape)`, or `(output, scores)`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> mha = MultiHeadAttention(num_heads=4, key_dim=8, num_key_value_heads=2)
+    >>> x = np.random.rand(2, 6, 16).astype("float32")
+    >>> out, scores = mha(x, x, use_causal_mask=True, return_attention_scores=True)
+    >>> tuple(out.shape), tuple(scores.shape)
+    ((2, 6, 16), (2, 4, 6, 6))
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        dropout=0.0,
+        use_bias=True,
+        output_shape=None,
+        attention_axes=None,
+        sliding_window=None,
+        flash_attention=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        use_gate=False,
+        seed=None,
+        num_key_value_heads=None,
+        rotary_embedding=None,
+        **kwargs,
+    ):
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.num_heads = _common.check_positive_int("num_heads", num_heads)
+        self.key_dim = _common.check_positive_int("key_dim", key_dim)
+        self.value_dim = _common.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim
+        self.num_key_value_heads = (
+            _common.check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
+            or num_heads
+        )
+        if num_heads % self.num_key_value_heads:
+            raise ValueError(
+                "Received an invalid value for argument `num_key_value_heads`, "
+                f"expected a divisor of num_heads={num_heads}. Received: "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        self.dropout = _common.check_dropout("dropout", dropout)
+        self.use_bias = _common.check_bool("use_bias", use_bias)
+        self.use_gate = _common.check_bool("use_gate", use_gate)
+        if output_shape is not None:
+            if isinstance(output_shape, int):
+                output_shape = (output_shape,)
+            if not isinstance(output_shape, (tuple, list)) or not output_shape or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in output_shape
+            ):
+                raise ValueError(
+                    "Received an invalid value for argument `output_shape`, "
+                    "expected a positive int or a tuple of positive ints. "
+                    f"Received: output_shape={output_shape!r}"
+                )
+            output_shape = tuple(output_shape)
+        self._output_shape = output_shape
+        if attention_axes not in (None, 1, (1,), [1], -2, (-2,), [-2]):
+            raise ValueError(
+                "keras_attn.layers.MultiHeadAttention attends over one sequence "
+                "axis of (batch, seq, features) inputs; `attention_axes` must be "
+                f"None or 1. Received: attention_axes={attention_axes!r}. Reshape "
+                "multi-axis inputs to one sequence axis."
+            )
+        self.sliding_window = _common.check_positive_int(
+            "sliding_window", sliding_window, allow_none=True
+        )
+        if flash_attention:
+            raise ValueError(
+                "`flash_attention=True` is not available; keras_attn runs exact "
+                "attention through keras_attn.ops. Received: flash_attention=True"
+            )
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
+        if isinstance(rotary_embedding, dict):
+            rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
+        if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
+            raise TypeError(
+                "Received an invalid value for argument `rotary_embedding`, "
+                "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
+                f"rotary_embedding={rotary_embedding!r}"
+            )
+        if rotary_embedding is not None and self.key_dim % 2:
+            raise ValueError(
+                f"`rotary_embedding` needs an even `key_dim`. Received: key_dim={key_dim}"
+            )
+        self.rotary_embedding = rotary_embedding
+        self.supports_masking = True
+
+    def _dense_kwargs(self):
+        return dict(
+            kernel_initializer=self.kernel_initializer,
+            bias_initializer=self.bias_initializer,
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+        )
+
+    def _projection(self, name, heads, head_dim, activation=None):
+        return keras.layers.EinsumDense(
+            "abc,cde->abde",
+            output_shape=(None, heads, head_dim),
+            bias_axes="de" if self.use_bias else None,
+            activation=activation,
+            name=name,
+            **self._dense_kwargs(),
+        )
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        key_shape = value_shape if key_shape is None else key_shape
+        layout = "(batch, seq, features)"
+        _common.check_shape_rank("query", query_shape, 3, layout)
+        _common.check_shape_rank("value", value_shape, 3, layout)
+        _common.check_shape_rank("key", key_shape, 3, layout)
+        if value_shape[1] is not None and key_shape[1] is not None and value_shape[1] != key_shape[1]:
+            raise ValueError(
+                "`value` and `key` must have the same sequence length. Received: "
+                f"value_shape={tuple(value_shape)}, key_shape={tuple(key_shape)}"
+            )
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if shape[-1] is None:
+                raise ValueError(
+                    f"The last axis of `{name}` must be known. Received: {name}_shape={tuple(shape)}"
+                )
+        self._query_dense = self._projection("query", self.num_heads, self.key_dim)
+        self._query_dense.build(query_shape)
+        self._key_dense = self._projection("key", self.num_key_value_heads, self.key_dim)
+        self._key_dense.build(key_shape)
+        self._value_dense = self._projection("value", self.num_key_value_heads, self.value_dim)
+        self._value_dense.build(value_shape)
+        if self.use_gate:
+            self._gate_dense = self._projection("gate", self.num_heads, self.value_dim, "sigmoid")
+            self._gate_dense.build(query_shape)
+        out_dims = self._output_shape or (query_shape[-1],)
+        equation, letters = _output_projection_equation(len(out_dims))
+        self._output_dense = keras.layers.EinsumDense(
+            equation,
+            output_shape=(None,) + tuple(out_dims),
+            bias_axes=letters if self.use_bias else None,
+            name="attention_output",
+            **self._dense_kwargs(),
+        )
+        self._output_dense.build((query_shape[0], query_shape[1], self.num_heads, self.value_dim))
+        self._feature_dims = (query_shape[-1], value_shape[-1], key_shape[-1])
+        self.built = True
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        *,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        attention_bias=None,
+        use_causal_mask=False,
+        return_attention_scores=False,
+        training=None,
+        start_index=0,
+    ):
+        key_or_value = value if key is None else key
+        d_q, d_v, d_k = self._feature_dims
+        _common.check_attention_inputs(
+            query,
+            value,
+            key_or_value,
+            feature_checks=(("query", query, d_q), ("value", value, d_v), ("key", key_or_value, d_k)),
+        )
+        mask = _common.merge_attention_masks(
+            query,
+            value,
+            key,
+            query_mask=query_mask,
+            value_mask=value_mask,
+            key_mask=key_mask,
+            attention_mask=attention_mask,
+            use_causal_mask=use_causal_mask,
+            num_heads=self.num_heads,
+            sliding_window=self.sliding_window,
+        )
+        # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
+        q = self._query_dense(query)
+        k = self._key_dense(key_or_value)
+        # value = [B, T_k, H_kv, value_dim]
+        v = self._value_dense(value)
+        if self.rotary_embedding is not None:
+            q = self.rotary_embedding(q, start_index=start_index)
+            k = self.rotary_embedding(k, start_index=start_index)
+        result = attention_ops.dot_product_attention(
+            q,
+            k,
+            v,
+            attention_mask=mask,
+            bias=attention_bias,
+            scale=None,
+            dropout_rate=self.dropout,
+            training=bool(training),
+            seed=self.seed_generator,
+            return_attention_scores=return_attention_scores,
+        )
+        output, scores = result if return_attention_scores else (result, None)
+        # output = [B, T_q, H, value_dim]
+        if self.use_gate:
+            output = output * self._gate_dense(query)
+        output = self._output_dense(output)
+        if return_attention_scores:
+            return output, scores
+        return output
+
+    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        out_dims = self._output_shape or (query_shape[-1],)
+        return tuple(query_shape[:-1]) + tuple(out_dims)
+
+    def compute_output_spec(
+        self, query, value, key=None, return_attention_scores=False, **kwargs
+    ):
+        out = keras.KerasTensor(
+            self.compute_output_shape(query.shape, value.shape), dtype=self.compute_dtype
+        )
+        if not return_attention_scores:
+            return out
+        scores = keras.KerasTensor(
+            (query.shape[0], self.num_heads, query.shape[1], value.shape[1]),
+            dtype=self.compute_dtype,
+        )
+        return out, scores
+
+    @classmethod
+    def from_keras(cls, layer):
+        """A layer with the same weights and outputs as a built Keras MHA/GQA layer.
+
+        Accepts a built `keras.layers.MultiHeadAttention` or
+        `keras.layers.GroupQueryAttention` over `(batch, seq, features)` inputs.
+        """
+        if isinstance(layer, keras.layers.GroupQueryAttention):
+            return cls._from_keras_gqa(layer)
+        if not isinstance(layer, keras.layers.MultiHeadAttention):
+            raise TypeError(
+                "`from_keras` expects a keras.layers.MultiHeadAttention or "
+                f"GroupQueryAttention. Received: {type(layer).__name__}"
+            )
+        if not layer.built:
+            raise ValueError(
+                "`from_keras` needs a built layer (call it once, or `build` it), "
+                f"so its weights exist. Received an unbuilt layer: {layer.name}"
+            )
+        config = layer.get_config()
+        query_kernel = layer._query_dense.kernel
+        if len(query_kernel.shape) != 3:
+            raise ValueError(
+                "`from_keras` supports layers over (batch, seq, features) inputs "
+                f"with one attention axis. Received: query kernel shape "
+                f"{tuple(query_kernel.shape)}, attention_axes={config.get('attention_axes')}"
+            )
+        kwargs = {
+            k: config[k]
+            for k in (
+                "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_shape",
+                "kernel_initializer", "bias_initializer", "kernel_regularizer",
+                "bias_regularizer", "activity_regularizer", "kernel_constraint",
+                "bias_constraint", "seed", "use_gate", "sliding_window", "dtype",
+            )
+            if k in config
+        }
+        new = cls(**kwargs)
+        query_shape = (None, None, layer._query_dense.kernel.shape[0])
+        key_shape = (None, None, layer._key_dense.kernel.shape[0])
+        value_shape = (None, None, layer._value_dense.kernel.shape[0])
+        new.build(query_shape, value_shape, key_shape)
+        pairs = [
+            (new._query_dense, layer._query_dense),
+            (new._key_dense, layer._key_dense),
+            (new._value_dense, layer._value_dense),
+            (new._output_dense, layer._output_dense),
+        ]
+        if new.use_gate:
+            pairs.append((new._gate_dense, layer._gate_dense))
+        for ours, theirs in pairs:
+            ours.set_weights(theirs.get_weights())
+        return new
+
+    @classmethod
+    def _from_keras_gqa(cls, layer):
+        if not layer.built:
+            raise ValueError(
+                "`from_keras` needs a built layer (call it once, or `build` it). "
+                f"Received an unbuilt layer: {layer.name}"
+            )
+        config = layer.get_config()
+        new = cls(
+            num_heads=config["num_query_heads"],
+            key_dim=config["head_dim"],
+            num_key_value_heads=config["num_key_value_heads"],
+            dropout=config["dropout"],
+            use_bias=config["use_bias"],
+            dtype=config.get("dtype"),
+        )
+        query_shape = (None, None, layer._query_dense.kernel.shape[0])
+        key_shape = (None, None, layer._key_dense.kernel.shape[0])
+        value_shape = (None, None, layer._value_dense.kernel.shape[0])
+        new.build(query_shape, value_shape, key_shape)
+        for ours, theirs in (
+            (new._query_dense, layer._query_dense),
+            (new._key_dense, layer._key_dense),
+            (new._value_dense, layer._value_dense),
+            (new._output_dense, layer._output_dense),
+        ):
+            ours.set_weights(theirs.get_weights())
+        return new
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "dropout": self.dropout,
+                "use_bias": self.use_bias,
+                "output_shape": self._output_shape,
+                "sliding_window": self.sliding_window,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
+                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "use_gate": self.use_gate,
+                "seed": self.seed,
+                "num_key_value_heads": self.num_key_value_heads,
+                "rotary_embedding": (
+                    keras.saving.serialize_keras_object(self.rotary_embedding)
+                    if self.rotary_embedding is not None
+                    else None
+                ),
+            }
+        )
+        return config

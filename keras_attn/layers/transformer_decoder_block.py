@@ -1,0 +1,159 @@
+"""Transformer decoder block: causal self-attention, cross-attention, feed-forward."""
+
+import keras
+
+from keras_attn.layers import _common
+from keras_attn.layers import _transformer
+from keras_attn.ops import masking
+
+
+@_common.register
+class TransformerDecoderBlock(_transformer.BlockBase):
+    """One Transformer decoder layer (Vaswani et al., 2017).
+
+    Causal self-attention, then cross-attention over `encoder_sequence`
+    (skipped when it is None, so the block also serves decoder-only models),
+    then the feed-forward network; each with a residual connection, dropout
+    and LayerNorm (post-norm by default, pre-norm with `normalize_first`).
+    Sublayer names follow KerasHub's `TransformerDecoder`.
+
+    Args: as `TransformerEncoderBlock`.
+
+    Call arguments:
+        decoder_sequence: `(B, T_dec, D)`.
+        encoder_sequence: `(B, T_enc, D_enc)` or None.
+        decoder_padding_mask: `(B, T_dec)`; from the Keras mask when None.
+        encoder_padding_mask: `(B, T_enc)`; from the Keras mask when None.
+        decoder_attention_mask: explicit self-attention mask.
+        encoder_attention_mask: explicit cross-attention mask.
+        use_causal_mask: causal self-attention (default True).
+        training: dropout on/off.
+        return_attention_scores: also return a dict of scores:
+            `{"self_attention": (B, H, T_dec, T_dec)}` plus
+            `"cross_attention": (B, H, T_dec, T_enc)` when there is an encoder.
+
+    Returns:
+        `(B, T_dec, D)`, or `(output, scores_dict)`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> block = TransformerDecoderBlock(num_heads=2, intermediate_dim=32)
+    >>> dec = np.random.rand(2, 4, 16).astype("float32")
+    >>> enc = np.random.rand(2, 7, 16).astype("float32")
+    >>> out, scores = block(dec, enc, return_attention_scores=True)
+    >>> tuple(out.shape), tuple(scores["cross_attention"].shape)
+    ((2, 4, 16), (2, 2, 4, 7))
+    """
+
+    def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
+        layout = "(batch, seq, features)"
+        _common.check_shape_rank("decoder_sequence", decoder_sequence_shape, 3, layout)
+        hidden = decoder_sequence_shape[-1]
+        self.self_attention = self._attention("self_attention", hidden, self.rotary_embedding)
+        self.self_attention.build(decoder_sequence_shape, decoder_sequence_shape)
+        self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
+        self.self_attention_layer_norm.build(decoder_sequence_shape)
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
+        self.cross_attention = None
+        if encoder_sequence_shape is not None:
+            _common.check_shape_rank("encoder_sequence", encoder_sequence_shape, 3, layout)
+            self.cross_attention = self._attention("cross_attention", hidden, None)
+            self.cross_attention.build(decoder_sequence_shape, encoder_sequence_shape)
+            self.cross_attention_layer_norm = self._norm("cross_attention_layer_norm")
+            self.cross_attention_layer_norm.build(decoder_sequence_shape)
+            self.cross_attention_dropout = self._dropout("cross_attention_dropout")
+        self._build_feedforward(decoder_sequence_shape)
+        self.built = True
+
+    def call(
+        self,
+        decoder_sequence,
+        encoder_sequence=None,
+        decoder_padding_mask=None,
+        encoder_padding_mask=None,
+        decoder_attention_mask=None,
+        encoder_attention_mask=None,
+        use_causal_mask=True,
+        training=None,
+        return_attention_scores=False,
+    ):
+        if encoder_sequence is not None and self.cross_attention is None:
+            raise ValueError(
+                "This TransformerDecoderBlock was built without an "
+                "`encoder_sequence`, so it has no cross-attention weights; it "
+                "cannot be called with one. Build or first call it with "
+                "`encoder_sequence` for an encoder-decoder model."
+            )
+        if encoder_sequence is None and self.cross_attention is not None:
+            raise ValueError(
+                "This TransformerDecoderBlock has cross-attention; it must be "
+                "called with `encoder_sequence`."
+            )
+        if decoder_padding_mask is None:
+            decoder_padding_mask = masking.keras_mask_of(decoder_sequence)
+        if encoder_sequence is not None and encoder_padding_mask is None:
+            encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
+
+        def self_attend(x):
+            return self.self_attention(
+                x,
+                x,
+                query_mask=decoder_padding_mask,
+                value_mask=decoder_padding_mask,
+                attention_mask=decoder_attention_mask,
+                use_causal_mask=use_causal_mask,
+                return_attention_scores=True,
+                training=training,
+            )
+
+        x, self_scores = self._residual(
+            decoder_sequence,
+            self.self_attention_layer_norm,
+            self.self_attention_dropout,
+            self_attend,
+            training,
+        )
+        scores = {"self_attention": self_scores}
+        if encoder_sequence is not None:
+
+            def cross_attend(x):
+                return self.cross_attention(
+                    x,
+                    encoder_sequence,
+                    query_mask=decoder_padding_mask,
+                    value_mask=encoder_padding_mask,
+                    attention_mask=encoder_attention_mask,
+                    return_attention_scores=True,
+                    training=training,
+                )
+
+            x, scores["cross_attention"] = self._residual(
+                x,
+                self.cross_attention_layer_norm,
+                self.cross_attention_dropout,
+                cross_attend,
+                training,
+            )
+        x = self._feedforward(x, training)
+        if return_attention_scores:
+            return x, scores
+        return x
+
+    def compute_output_spec(
+        self, decoder_sequence, encoder_sequence=None, return_attention_scores=False, **kwargs
+    ):
+        out = keras.KerasTensor(decoder_sequence.shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return out
+        b, t = decoder_sequence.shape[0], decoder_sequence.shape[1]
+        scores = {
+            "self_attention": keras.KerasTensor(
+                (b, self.num_heads, t, t), dtype=self.compute_dtype
+            )
+        }
+        if encoder_sequence is not None:
+            scores["cross_attention"] = keras.KerasTensor(
+                (b, self.num_heads, t, encoder_sequence.shape[1]), dtype=self.compute_dtype
+            )
+        return out, scores

@@ -1,0 +1,105 @@
+"""Transformer encoder block: self-attention and feed-forward."""
+
+import keras
+
+from keras_attn.layers import _common
+from keras_attn.layers import _transformer
+from keras_attn.ops import masking
+
+
+@_common.register
+class TransformerEncoderBlock(_transformer.BlockBase):
+    """One Transformer encoder layer (Vaswani et al., 2017).
+
+    Multi-head self-attention and a two-layer feed-forward network, each with
+    a residual connection, dropout and LayerNorm: post-norm
+    (`x = LN(x + f(x))`, the original) by default, pre-norm
+    (`x = x + f(LN(x))`) with `normalize_first=True`. Sublayers have the
+    same names and weight shapes as KerasHub's `TransformerEncoder`.
+
+    Args:
+        num_heads: attention heads.
+        intermediate_dim: hidden size of the feed-forward network.
+        key_dim: size of each head; defaults to `features // num_heads`.
+        dropout: dropout of the attention probabilities and of both residual
+            branches.
+        activation: activation of the feed-forward network.
+        normalize_first: pre-norm if True, post-norm if False.
+        layer_norm_epsilon: LayerNorm epsilon.
+        num_key_value_heads: grouped-query attention (see `MultiHeadAttention`).
+        kernel_initializer, bias_initializer: of every dense sublayer.
+        rotary_embedding: optional `RotaryEmbedding` used in self-attention.
+
+    Call arguments:
+        inputs: `(B, T, D)`.
+        padding_mask: `(B, T)` valid-token mask; taken from the Keras mask of
+            `inputs` when None.
+        attention_mask: explicit mask (see `MultiHeadAttention`).
+        attention_bias: additive logits bias, e.g. from `AlibiBias`.
+        use_causal_mask: causal self-attention (for decoder-only stacks).
+        training: dropout on/off.
+        return_attention_scores: also return `(B, H, T, T)` scores.
+
+    Returns:
+        `(B, T, D)`, or `(output, scores)`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> block = TransformerEncoderBlock(num_heads=2, intermediate_dim=32)
+    >>> tuple(block(np.random.rand(2, 5, 16).astype("float32")).shape)
+    (2, 5, 16)
+    """
+
+    def build(self, inputs_shape):
+        _common.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")
+        self.self_attention = self._attention(
+            "self_attention", inputs_shape[-1], self.rotary_embedding
+        )
+        self.self_attention.build(inputs_shape, inputs_shape)
+        self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
+        self.self_attention_layer_norm.build(inputs_shape)
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
+        self._build_feedforward(inputs_shape)
+        self.built = True
+
+    def call(
+        self,
+        inputs,
+        padding_mask=None,
+        attention_mask=None,
+        attention_bias=None,
+        use_causal_mask=False,
+        training=None,
+        return_attention_scores=False,
+    ):
+        if padding_mask is None:
+            padding_mask = masking.keras_mask_of(inputs)
+
+        def attend(x):
+            return self.self_attention(
+                x,
+                x,
+                query_mask=padding_mask,
+                value_mask=padding_mask,
+                attention_mask=attention_mask,
+                attention_bias=attention_bias,
+                use_causal_mask=use_causal_mask,
+                return_attention_scores=True,
+                training=training,
+            )
+
+        x, scores = self._residual(
+            inputs, self.self_attention_layer_norm, self.self_attention_dropout, attend, training
+        )
+        x = self._feedforward(x, training)
+        if return_attention_scores:
+            return x, scores
+        return x
+
+    def compute_output_spec(self, inputs, return_attention_scores=False, **kwargs):
+        out = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return out
+        b, t = inputs.shape[0], inputs.shape[1]
+        return out, keras.KerasTensor((b, self.num_heads, t, t), dtype=self.compute_dtype)

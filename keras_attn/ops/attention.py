@@ -1,0 +1,280 @@
+"""The attention core: scores, masking, softmax and the weighted sum.
+
+Every layer in keras_attn goes through `attend_from_logits` (directly, or via
+`dot_product_attention`), so masking and numerics cannot differ between code
+paths: with or without dropout, with or without returned scores.
+
+Tensors use the layout `(batch, seq, heads, head_dim)`.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_attn.ops import masking
+
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+def _dyn_dim(x, axis):
+    dim = x.shape[axis]
+    return dim if dim is not None else ops.shape(x)[axis]
+
+
+def _check_rank(name, x, rank):
+    if len(x.shape) != rank:
+        raise ValueError(
+            f"Expected `{name}` of rank {rank} (batch, seq, heads, head_dim). "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+
+
+def check_dropout(name, rate):
+    """Validates a dropout rate: a finite float in [0, 1)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(
+            f"Received an invalid value for argument `{name}`, expected a float "
+            f"in [0, 1). Received: {name}={rate!r}"
+        )
+    if not (math.isfinite(rate) and 0.0 <= rate < 1.0):
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected a float "
+            f"in [0, 1). Received: {name}={rate!r}"
+        )
+    return float(rate)
+
+
+def attend_from_logits(
+    logits,
+    value,
+    *,
+    mask=None,
+    bias=None,
+    dropout_rate=0.0,
+    training=False,
+    seed=None,
+    return_attention_scores=False,
+):
+    """Masked softmax over keys and the weighted sum of values.
+
+    Args:
+        logits: `(B, H, T_q, T_k)` attention logits, any float dtype; the
+            softmax runs in float32.
+        value: `(B, T_k, H_kv, D_v)`; `H` must be a multiple of `H_kv`
+            (grouped-query attention without repeating `value`).
+        mask: boolean, broadcastable to `(B, H, T_q, T_k)`; True = attend.
+        bias: additive, broadcastable to `(B, H, T_q, T_k)`.
+
+    Returns:
+        `(B, T_q, H, D_v)` in `value`'s dtype, and the `(B, H, T_q, T_k)`
+        probabilities when `return_attention_scores`. Query rows with no
+        visible key give zeros (outputs, scores and gradients).
+    """
+    out_dtype = value.dtype
+    logits = ops.cast(logits, "float32")
+    if bias is not None:
+        logits = logits + ops.cast(bias, "float32")
+    row_visible = None
+    if mask is not None:
+        mask = masking._as_bool(mask)
+        # Masked logits are replaced, not offset, so very large logits and
+        # biases can never leak through the mask.
+        logits = ops.where(mask, logits, ops.cast(-3.0e38, "float32"))
+        # (B|1, H|1, T_q|1, 1): does the row see at least one key?
+        row_visible = ops.any(mask, axis=-1, keepdims=True)
+    probs = ops.softmax(logits, axis=-1)
+    if row_visible is not None and return_attention_scores:
+        probs = probs * ops.cast(row_visible, probs.dtype)
+    weights = probs
+    if training and dropout_rate > 0.0:
+        weights = keras.random.dropout(weights, dropout_rate, seed=seed)
+    weights = ops.cast(weights, out_dtype)
+
+    num_heads = logits.shape[1]
+    num_kv_heads = value.shape[2]
+    if num_heads is None or num_kv_heads is None:
+        raise ValueError(
+            "The number of heads must be static. Received logits.shape="
+            f"{tuple(logits.shape)}, value.shape={tuple(value.shape)}"
+        )
+    if num_heads == num_kv_heads:
+        output = ops.einsum("bhqk,bkhd->bqhd", weights, value)
+    else:
+        groups = num_heads // num_kv_heads
+        batch, t_q, t_k = _dyn_dim(weights, 0), _dyn_dim(weights, 2), _dyn_dim(weights, 3)
+        w5 = ops.reshape(weights, (batch, num_kv_heads, groups, t_q, t_k))
+        output = ops.einsum("bngqk,bknd->bqngd", w5, value)
+        output = ops.reshape(
+            output, (batch, t_q, num_heads, value.shape[-1])
+        )
+    if row_visible is not None:
+        # (B|1, T_q|1, H|1, 1): zero the rows that see no key. O(T) work,
+        # instead of another pass over the (T_q, T_k) probabilities.
+        visible = ops.transpose(row_visible, (0, 2, 1, 3))
+        output = output * ops.cast(visible, output.dtype)
+    if return_attention_scores:
+        return output, ops.cast(probs, out_dtype)
+    return output
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    attention_mask=None,
+    bias=None,
+    is_causal=False,
+    scale=None,
+    dropout_rate=0.0,
+    training=False,
+    return_attention_scores=False,
+    seed=None,
+    start_index=0,
+    sliding_window=None,
+):
+    """Scaled dot-product attention, `softmax(q k^T * scale + bias) v`.
+
+    Args:
+        query: `(B, T_q, H, D)`.
+        key: `(B, T_k, H_kv, D)`; `H` must be a multiple of `H_kv`
+            (grouped-query / multi-query attention, computed without
+            repeating `key` or `value`).
+        value: `(B, T_k, H_kv, D_v)`.
+        attention_mask: boolean (True = attend), shaped `(B, T_k)`,
+            `(T_q, T_k)`, `(B, T_q, T_k)` or `(B, H, T_q, T_k)`.
+        bias: additive logits bias broadcastable to `(B, H, T_q, T_k)`
+            (ALiBi, relative positions).
+        is_causal: also apply a causal mask; query `i` sees keys
+            `j <= i + start_index`.
+        scale: multiplier of the logits; None means `1 / sqrt(D)`. It is
+            applied to `query` (O(T D) work), not to the `(T_q, T_k)` logits.
+        dropout_rate: dropout on the attention probabilities when `training`.
+        training: whether dropout is active.
+        return_attention_scores: also return the `(B, H, T_q, T_k)` scores.
+        seed: a `keras.random.SeedGenerator` or int for dropout.
+        start_index: absolute position of the first query (cached decoding).
+        sliding_window: if set with `is_causal`, keys older than this many
+            positions are hidden too.
+
+    Returns:
+        `(B, T_q, H, D_v)`, and the scores when `return_attention_scores`.
+        Logits and softmax are computed in float32 whatever the input dtype,
+        and fully masked query rows give zeros, never NaN.
+
+    Example:
+
+    >>> import numpy as np
+    >>> q = np.random.rand(2, 5, 4, 8).astype("float32")
+    >>> out = dot_product_attention(q, q, q, is_causal=True)
+    >>> tuple(out.shape)
+    (2, 5, 4, 8)
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_rank(name, x, 4)
+    dropout_rate = check_dropout("dropout_rate", dropout_rate)
+    q_heads, k_heads, v_heads = query.shape[2], key.shape[2], value.shape[2]
+    if k_heads != v_heads or q_heads % k_heads:
+        raise ValueError(
+            "`key` and `value` must have the same number of heads, and the "
+            "number of query heads must be a multiple of it. Received: "
+            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
+            f"value.shape={tuple(value.shape)}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            "`query` and `key` must have the same head size (last axis). "
+            f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    tk_key, tk_value = key.shape[1], value.shape[1]
+    if tk_key is not None and tk_value is not None and tk_key != tk_value:
+        raise ValueError(
+            "`key` and `value` must have the same sequence length. Received: "
+            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+
+    head_dim = query.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    q = ops.cast(query, "float32") if query.dtype in _LOW_PRECISION else query
+    k = ops.cast(key, "float32") if key.dtype in _LOW_PRECISION else key
+    if scale != 1.0:
+        q = q * ops.cast(scale, q.dtype)
+
+    batch, t_q, t_k = _dyn_dim(q, 0), _dyn_dim(q, 1), _dyn_dim(k, 1)
+    if q_heads == k_heads:
+        logits = ops.einsum("bqhd,bkhd->bhqk", q, k)
+    else:
+        groups = q_heads // k_heads
+        q5 = ops.reshape(q, (batch, t_q, k_heads, groups, head_dim))
+        logits = ops.einsum("bqngd,bknd->bngqk", q5, k)
+        logits = ops.reshape(logits, (batch, q_heads, t_q, t_k))
+
+    mask = masking.normalize_attention_mask(
+        attention_mask, batch_size=query.shape[0], query_length=query.shape[1]
+    )
+    if is_causal:
+        causal = masking.causal_mask(
+            t_q, t_k, start_index=start_index, sliding_window=sliding_window
+        )
+        mask = masking.combine_masks(mask, causal[None, None, :, :])
+    return attend_from_logits(
+        logits,
+        value,
+        mask=mask,
+        bias=bias,
+        dropout_rate=dropout_rate,
+        training=training,
+        seed=seed,
+        return_attention_scores=return_attention_scores,
+    )
+
+
+def additive_attention(
+    query_projection,
+    key_projection,
+    value,
+    score_weight,
+    *,
+    attention_mask=None,
+    dropout_rate=0.0,
+    training=False,
+    return_attention_scores=False,
+    seed=None,
+):
+    """Bahdanau attention, `softmax(v^T tanh(W_q q + W_k k)) value`.
+
+    Args:
+        query_projection: `(B, T_q, U)`, the already projected `W_q q (+ b)`.
+        key_projection: `(B, T_k, U)`, the already projected `W_k k`.
+        value: `(B, T_k, D_v)`.
+        score_weight: `(U,)`, the vector `v`.
+        attention_mask: boolean, broadcastable to `(B, T_q, T_k)` (or any
+            shape accepted by `dot_product_attention`).
+
+    Returns:
+        `(B, T_q, D_v)` and, when asked, the `(B, T_q, T_k)` scores. At most a
+        `(B, T_q, T_k, U)` tensor is materialised.
+    """
+    q = ops.cast(query_projection, "float32")
+    k = ops.cast(key_projection, "float32")
+    # (B, T_q, T_k, U) is the largest tensor materialised.
+    hidden = ops.tanh(q[:, :, None, :] + k[:, None, :, :])
+    logits = ops.einsum("bqku,u->bqk", hidden, ops.cast(score_weight, "float32"))
+    mask = masking.normalize_attention_mask(
+        attention_mask, batch_size=q.shape[0], query_length=q.shape[1]
+    )
+    result = attend_from_logits(
+        logits[:, None, :, :],
+        value[:, :, None, :],
+        mask=mask,
+        dropout_rate=check_dropout("dropout_rate", dropout_rate),
+        training=training,
+        seed=seed,
+        return_attention_scores=return_attention_scores,
+    )
+    if return_attention_scores:
+        output, scores = result
+        return output[:, :, 0, :], scores[:, 0]
+    return result[:, :, 0, :]
