@@ -4,6 +4,7 @@ import keras
 
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import masking
 
 
 @_common.register
@@ -121,9 +122,12 @@ class AdditiveAttention(keras.layers.Layer):
             use_causal_mask=use_causal_mask,
             num_heads=1,
         )
+        with masking.hidden_keras_masks(query, key_or_value):
+            query_projection = self.query_dense(query)
+            key_projection = self.key_dense(key_or_value)
         return attention_ops.additive_attention(
-            self.query_dense(query),
-            self.key_dense(key_or_value),
+            query_projection,
+            key_projection,
             value,
             self.score_weight,
             attention_mask=mask,

@@ -8,6 +8,7 @@ from keras import ops
 from keras_attn.layers import _common
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import masking
 
 
 def _output_projection_equation(num_output_dims):
@@ -269,10 +270,12 @@ class MultiHeadAttention(keras.layers.Layer):
             sliding_window=self.sliding_window,
         )
         # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
-        q = self._query_dense(query)
-        k = self._key_dense(key_or_value)
-        # value = [B, T_k, H_kv, value_dim]
-        v = self._value_dense(value)
+        with masking.hidden_keras_masks(query, value, key_or_value):
+            q = self._query_dense(query)
+            k = self._key_dense(key_or_value)
+            # value = [B, T_k, H_kv, value_dim]
+            v = self._value_dense(value)
+            gate = self._gate_dense(query) if self.use_gate else None
         if self.rotary_embedding is not None:
             q = self.rotary_embedding(q, start_index=start_index)
             k = self.rotary_embedding(k, start_index=start_index)
@@ -290,8 +293,8 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         output, scores = result if return_attention_scores else (result, None)
         # output = [B, T_q, H, value_dim]
-        if self.use_gate:
-            output = output * self._gate_dense(query)
+        if gate is not None:
+            output = output * gate
         output = self._output_dense(output)
         if return_attention_scores:
             return output, scores

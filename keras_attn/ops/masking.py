@@ -17,12 +17,48 @@ def keras_mask_of(x):
     return getattr(x, "_keras_mask", None)
 
 
+class hidden_keras_masks:
+    """Detaches Keras masks from tensors for the duration of a `with` block.
+
+    Attention layers consume the masks of their inputs themselves; hiding
+    them keeps mask-unaware sublayers (projections) from warning that they
+    drop a mask. The masks are put back on exit.
+    """
+
+    def __init__(self, *tensors):
+        self._saved = []
+        for x in tensors:
+            mask = keras_mask_of(x)
+            if mask is not None:
+                self._saved.append((x, mask))
+
+    def __enter__(self):
+        for x, _ in self._saved:
+            x._keras_mask = None
+        return self
+
+    def __exit__(self, *exc):
+        for x, mask in self._saved:
+            x._keras_mask = mask
+        return False
+
+
 def _as_bool(mask):
     if mask is None:
         return None
     if ops.dtype(mask) != "bool":
         mask = ops.cast(mask, "bool")
     return mask
+
+
+def _expand_bool(mask, axes):
+    """`ops.expand_dims` for boolean masks.
+
+    Indexing a bool tensor with `None` lowers to a TF `StridedSlice` with
+    `new_axis_mask`, which TFLite has no builtin kernel for (it needs Flex);
+    `expand_dims` lowers to builtin ops. Same values either way.
+    """
+    return ops.expand_dims(mask, axes)
 
 
 def padding_mask_to_attention_mask(query_mask=None, value_mask=None, key_mask=None):
@@ -47,10 +83,10 @@ def padding_mask_to_attention_mask(query_mask=None, value_mask=None, key_mask=No
     masks = []
     if query_mask is not None:
         q = _as_bool(query_mask)
-        masks.append(q[:, None, :, None])
+        masks.append(_expand_bool(q, (1, 3)))
     for kv in (value_mask, key_mask):
         if kv is not None:
-            masks.append(_as_bool(kv)[:, None, None, :])
+            masks.append(_expand_bool(_as_bool(kv), (1, 2)))
     return combine_masks(*masks)
 
 
@@ -148,7 +184,7 @@ def normalize_attention_mask(
     if rank == 4:
         full = shape
     elif rank == 3:
-        mask = mask[:, None, :, :]
+        mask = _expand_bool(mask, (1,))
         full = (shape[0], 1, shape[1], shape[2])
     else:
         first = shape[0]
@@ -159,10 +195,10 @@ def normalize_attention_mask(
             and (batch_size is None or batch_size != first)
         )
         if is_query_by_key:
-            mask = mask[None, None, :, :]
+            mask = _expand_bool(mask, (0, 1))
             full = (1, 1, shape[0], shape[1])
         else:
-            mask = mask[:, None, None, :]
+            mask = _expand_bool(mask, (1, 2))
             full = (shape[0], 1, 1, shape[1])
     expected = (batch_size, num_heads, query_length, key_length)
     for got, want in zip(full, expected):
