@@ -172,9 +172,14 @@ def merge_attention_masks(
         t_q = keras.ops.shape(query)[1]
         t_k = keras.ops.shape(value)[1]
         if use_causal_mask:
-            causal = masking.causal_mask(t_q, t_k, start_index=start_index)[None, None]
+            causal = masking._expand_bool(
+                masking.causal_mask(t_q, t_k, start_index=start_index), (0, 1)
+            )
         if sliding_window is not None:
-            window = masking.sliding_window_mask(
-                t_q, t_k, window=sliding_window, start_index=start_index
-            )[None, None]
+            window = masking._expand_bool(
+                masking.sliding_window_mask(
+                    t_q, t_k, window=sliding_window, start_index=start_index
+                ),
+                (0, 1),
+            )
     return masking.combine_masks(padding, explicit, causal, window)

@@ -218,7 +218,7 @@ def dot_product_attention(
         causal = masking.causal_mask(
             t_q, t_k, start_index=start_index, sliding_window=sliding_window
         )
-        mask = masking.combine_masks(mask, causal[None, None, :, :])
+        mask = masking.combine_masks(mask, masking._expand_bool(causal, (0, 1)))
     return attend_from_logits(
         logits,
         value,
