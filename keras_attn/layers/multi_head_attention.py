@@ -9,11 +9,69 @@ from keras_attn.layers import _common
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import masking
+from keras_attn.ops import masking
 
 
 def _output_projection_equation(num_output_dims):
     letters = string.ascii_lowercase[4 : 4 + num_output_dims]
     return f"abcd,cd{letters}->ab{letters}", letters
+
+
+def _check_cache(cache):
+    if (
+        not isinstance(cache, (tuple, list))
+        or len(cache) != 2
+        or any(len(getattr(c, "shape", ())) != 4 for c in cache)
+    ):
+        raise ValueError(
+            "Received an invalid value for argument `cache`, expected a pair "
+            "`(key_cache, value_cache)` of rank-4 tensors `(batch, max_length, "
+            f"num_key_value_heads, head_dim)`. Received: cache={cache!r}"
+        )
+    if cache[0].shape[1] is None:
+        raise ValueError(
+            "The cache length (axis 1) must be static. Received: "
+            f"key_cache.shape={tuple(cache[0].shape)}"
+        )
+    return cache[0], cache[1]
+
+
+def write_cache(cache, new, index, ring=False):
+    """Writes `new` `(B, T, H, D)` into `cache` `(B, L, H, D)` at `index`.
+
+    Positions `[index, index + T)` of the cache are replaced (slots modulo `L`
+    when `ring`; of a block longer than `L` only its last `L` positions stay).
+    Written as an index comparison, a gather and a `where` over the cache
+    axis, so the update lowers to TFLite builtins and ONNX (no
+    `XlaDynamicUpdateSlice`, no scatter) and keeps the cache's static shape.
+    """
+    length = cache.shape[1]
+    new = ops.cast(new, cache.dtype)
+    index = ops.cast(index, "int32")
+    slots = ops.arange(length, dtype="int32")
+    t = new.shape[1]
+    if t == 1:
+        hit = ops.equal(slots, index % length if ring else index)
+        return ops.where(hit[None, :, None, None], new, cache)
+    t = ops.shape(new)[1] if t is None else t
+    if ring:
+        last = index + t - 1
+        offset = last - ops.mod(last - slots, length) - index
+    else:
+        offset = slots - index
+    inside = ops.logical_and(ops.greater_equal(offset, 0), ops.less(offset, t))
+    placed = ops.take(new, ops.clip(offset, 0, t - 1), axis=1)
+    return ops.where(inside[None, :, None, None], placed, cache)
+
+
+def ring_positions(length, index):
+    """Absolute position held by each slot of a ring cache before writing at `index`.
+
+    Negative where the slot was never written.
+    """
+    slots = ops.arange(length, dtype="int32")
+    previous = ops.cast(index, "int32") - 1
+    return previous - ops.mod(previous - slots, length)
 
 
 @_common.register
@@ -68,9 +126,19 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores: also return `(B, H, T_q, T_k)` scores.
         training: whether dropout is active.
         start_index: position of the first query for the rotary embedding.
+        cache: `(key_cache, value_cache)`, each `(B, max_length,
+            num_key_value_heads, head_dim)`, for incremental decoding. With
+            `cache_index`, the new tokens' keys/values are written at
+            `[cache_index, cache_index + T_q)` (rotary positions start there)
+            and keys after them are hidden; with `cache_index=None` the cache
+            is a precomputed cross-attention cache (`project_key_value`).
+            Key masks then cover the cache axis.
+        cache_index: scalar int position of the first new token.
 
     Returns:
-        `(B, T_q, *output_shape)`, or `(output, scores)`.
+        `(B, T_q, *output_shape)`, or `(output, scores)`; with a cache, the
+        updated cache is appended: `(output, cache)` or
+        `(output, scores, cache)`.
 
     Example:
 
@@ -248,7 +316,30 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
         start_index=0,
+        cache=None,
+        cache_index=None,
     ):
+        if cache is not None:
+            return self._call_with_cache(
+                query,
+                value,
+                key,
+                cache=cache,
+                cache_index=cache_index,
+                query_mask=query_mask,
+                value_mask=value_mask,
+                attention_mask=attention_mask,
+                attention_bias=attention_bias,
+                use_causal_mask=use_causal_mask,
+                return_attention_scores=return_attention_scores,
+                training=training,
+                start_index=start_index,
+            )
+        if cache_index is not None:
+            raise ValueError(
+                "`cache_index` was given without a `cache`. Received: "
+                f"cache_index={cache_index!r}, cache=None"
+            )
         key_or_value = value if key is None else key
         d_q, d_v, d_k = self._feature_dims
         _common.check_attention_inputs(
@@ -299,6 +390,150 @@ class MultiHeadAttention(keras.layers.Layer):
         if return_attention_scores:
             return output, scores
         return output
+
+    def project_key_value(self, value, key=None):
+        """Projected `(key, value)` of `value` (and `key`), for a cross-attention cache.
+
+        Returns `(B, T_k, num_key_value_heads, key_dim)` and
+        `(B, T_k, num_key_value_heads, value_dim)`, as used by
+        `call(query, None, cache=..., cache_index=None)`. Rotary positions
+        (if any) start at 0.
+        """
+        key_or_value = value if key is None else key
+        k = self._key_dense(key_or_value)
+        v = self._value_dense(value)
+        if self.rotary_embedding is not None:
+            k = self.rotary_embedding(k)
+        return k, v
+
+    def _call_with_cache(
+        self,
+        query,
+        value,
+        key,
+        *,
+        cache,
+        cache_index,
+        query_mask,
+        value_mask,
+        attention_mask,
+        attention_bias,
+        use_causal_mask,
+        return_attention_scores,
+        training,
+        start_index,
+    ):
+        """Attention over a key/value cache; returns the updated cache last.
+
+        With `cache_index=None` the cache is complete (cross-attention keys
+        and values from `project_key_value`) and is used as is; `value` may be
+        None. Otherwise the keys/values of `value` (the new tokens, positions
+        `[cache_index, cache_index + T_q)`) are written into the cache first,
+        and keys at positions `>= cache_index + T_q` are hidden. Masks over
+        keys (`value_mask`, `attention_mask`) cover the cache axis. When
+        `sliding_window` equals the cache length the cache is a ring buffer
+        (slot = position mod length), bounding memory for long generation.
+        """
+        key_cache, value_cache = _check_cache(cache)
+        d_q = self._feature_dims[0]
+        if len(query.shape) != 3 or (query.shape[-1] is not None and query.shape[-1] != d_q):
+            raise ValueError(
+                f"Expected `query` of shape (batch, seq, {d_q}). Received: "
+                f"query.shape={tuple(query.shape)}"
+            )
+        length = key_cache.shape[1]
+        t_q = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
+        # query = [B, T_q, H, key_dim]
+        q = self._query_dense(query)
+        ring = False
+        mask_parts = []
+        if cache_index is None:
+            if self.rotary_embedding is not None:
+                q = self.rotary_embedding(q, start_index=start_index)
+            k, v = key_cache, value_cache
+            new_cache = (key_cache, value_cache)
+        else:
+            key_or_value = value if key is None else key
+            k_new = self._key_dense(key_or_value)
+            v_new = self._value_dense(value)
+            if self.rotary_embedding is not None:
+                q = self.rotary_embedding(q, start_index=cache_index)
+                k_new = self.rotary_embedding(k_new, start_index=cache_index)
+            ring = self.sliding_window is not None and self.sliding_window == length
+            q_pos = ops.arange(t_q, dtype="int32") + ops.cast(cache_index, "int32")
+            new_pos = ops.arange(t_q, dtype="int32") + ops.cast(cache_index, "int32")
+            if ring:
+                # Attend over the cache as it was (slots hold earlier
+                # positions) plus the new block, so a block may wrap around.
+                old_pos = ring_positions(length, cache_index)
+                k_pos = ops.concatenate([old_pos, new_pos])
+                k = ops.concatenate([key_cache, ops.cast(k_new, key_cache.dtype)], axis=1)
+                v = ops.concatenate([value_cache, ops.cast(v_new, value_cache.dtype)], axis=1)
+                visible = ops.greater_equal(k_pos, 0)[None, :]
+                if not use_causal_mask:
+                    raise ValueError(
+                        "A ring-buffer cache (sliding_window == cache length) needs "
+                        "`use_causal_mask=True`. Received: use_causal_mask=False"
+                    )
+            else:
+                k_pos = ops.arange(length, dtype="int32")
+                k = write_cache(key_cache, k_new, cache_index)
+                v = write_cache(value_cache, v_new, cache_index)
+                # Slots after the new block hold nothing yet.
+                visible = ops.less(k_pos[None, :], q_pos[-1] + 1)
+            diff = q_pos[:, None] - k_pos[None, :]
+            if use_causal_mask:
+                visible = ops.logical_and(visible, ops.greater_equal(diff, 0))
+            if self.sliding_window is not None:
+                visible = ops.logical_and(visible, ops.less(ops.abs(diff), self.sliding_window))
+            mask_parts.append(visible[None, None])
+            if ring:
+                new_cache = (
+                    write_cache(key_cache, k_new, cache_index, ring=True),
+                    write_cache(value_cache, v_new, cache_index, ring=True),
+                )
+            else:
+                new_cache = (k, v)
+        if ring and (value_mask is not None or attention_mask is not None):
+            raise ValueError(
+                "Key masks are not supported with a ring-buffer cache. Received: "
+                f"value_mask={value_mask is not None}, attention_mask={attention_mask is not None}"
+            )
+        if value_mask is not None:
+            masking._check_mask_dtype("value_mask", value_mask)
+            mask_parts.append(masking._as_bool(value_mask)[:, None, None, :])
+        if query_mask is not None:
+            mask_parts.append(masking._as_bool(query_mask)[:, None, :, None])
+        mask_parts.append(
+            masking.normalize_attention_mask(
+                attention_mask,
+                batch_size=query.shape[0],
+                query_length=query.shape[1],
+                key_length=length,
+                num_heads=self.num_heads,
+            )
+        )
+        mask = masking.combine_masks(*mask_parts)
+        result = attention_ops.dot_product_attention(
+            q,
+            k,
+            v,
+            attention_mask=mask,
+            bias=attention_bias,
+            scale=None,
+            dropout_rate=self.dropout,
+            training=bool(training),
+            seed=self.seed_generator,
+            return_attention_scores=return_attention_scores,
+        )
+        output, scores = result if return_attention_scores else (result, None)
+        # output = [B, T_q, H, value_dim]
+        if self.use_gate:
+            output = output * self._gate_dense(query)
+        output = self._output_dense(output)
+        if return_attention_scores:
+            return output, scores, new_cache
+        return output, new_cache
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         out_dims = self._output_shape or (query_shape[-1],)

@@ -31,9 +31,14 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         return_attention_scores: also return a dict of scores:
             `{"self_attention": (B, H, T_dec, T_dec)}` plus
             `"cross_attention": (B, H, T_dec, T_enc)` when there is an encoder.
+        cache: for incremental decoding, `{"self_attention": (k, v),
+            "cross_attention": (k, v) or None}` with `(B, max_length, H_kv,
+            head_dim)` self-attention caches (see `keras_attn.generation`).
+        cache_index: position of the first token of `decoder_sequence`.
 
     Returns:
-        `(B, T_dec, D)`, or `(output, scores_dict)`.
+        `(B, T_dec, D)`, or `(output, scores_dict)`; with a cache the updated
+        cache dict is appended.
 
     Example:
 
@@ -77,7 +82,28 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         use_causal_mask=True,
         training=None,
         return_attention_scores=False,
+        cache=None,
+        cache_index=None,
     ):
+        if cache is not None:
+            return self._call_with_cache(
+                decoder_sequence,
+                encoder_sequence,
+                cache=cache,
+                cache_index=cache_index,
+                decoder_padding_mask=decoder_padding_mask,
+                encoder_padding_mask=encoder_padding_mask,
+                decoder_attention_mask=decoder_attention_mask,
+                encoder_attention_mask=encoder_attention_mask,
+                use_causal_mask=use_causal_mask,
+                training=training,
+                return_attention_scores=return_attention_scores,
+            )
+        if cache_index is not None:
+            raise ValueError(
+                "`cache_index` was given without a `cache`. Received: "
+                f"cache_index={cache_index!r}, cache=None"
+            )
         if encoder_sequence is not None and self.cross_attention is None:
             raise ValueError(
                 "This TransformerDecoderBlock was built without an "
@@ -139,6 +165,111 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         if return_attention_scores:
             return x, scores
         return x
+
+    def _call_with_cache(
+        self,
+        decoder_sequence,
+        encoder_sequence,
+        *,
+        cache,
+        cache_index,
+        decoder_padding_mask,
+        encoder_padding_mask,
+        decoder_attention_mask,
+        encoder_attention_mask,
+        use_causal_mask,
+        training,
+        return_attention_scores,
+    ):
+        """Incremental decoding: `cache` is a dict of `(key, value)` pairs.
+
+        `cache["self_attention"]` is `(B, max_length, H_kv, head_dim)` twice;
+        the new tokens are written at `cache_index`. `cache["cross_attention"]`
+        holds the projected encoder keys/values: when it is missing or None it
+        is computed from `encoder_sequence` (prefill) and returned, so later
+        steps reuse it and may pass `encoder_sequence=None`. In this mode
+        `decoder_padding_mask`, if given, is a `(B, max_length)` mask over
+        the cached positions (for left-padded prompts).
+        """
+        if not isinstance(cache, dict) or "self_attention" not in cache:
+            raise ValueError(
+                "Received an invalid value for argument `cache`, expected a dict "
+                "with a `self_attention` (key, value) pair and, for "
+                "encoder-decoder blocks, a `cross_attention` pair (or None). "
+                f"Received: cache={cache!r}"
+            )
+        if cache_index is None:
+            raise ValueError(
+                "A decoder-block cache needs `cache_index`, the position of the "
+                "first new token. Received: cache_index=None"
+            )
+        cross_cache = cache.get("cross_attention")
+        if self.cross_attention is None and (
+            encoder_sequence is not None or cross_cache is not None
+        ):
+            raise ValueError(
+                "This TransformerDecoderBlock was built without an "
+                "`encoder_sequence`; it has no cross-attention. Received an "
+                "`encoder_sequence` or a `cross_attention` cache."
+            )
+        if self.cross_attention is not None and cross_cache is None:
+            if encoder_sequence is None:
+                raise ValueError(
+                    "This TransformerDecoderBlock has cross-attention: pass "
+                    "`encoder_sequence` (prefill) or a `cross_attention` cache."
+                )
+            cross_cache = self.cross_attention.project_key_value(encoder_sequence)
+        if encoder_sequence is not None and encoder_padding_mask is None:
+            encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
+        new_cache = {}
+
+        def self_attend(x):
+            out, scores, new_cache["self_attention"] = self.self_attention(
+                x,
+                x,
+                value_mask=decoder_padding_mask,
+                attention_mask=decoder_attention_mask,
+                use_causal_mask=use_causal_mask,
+                return_attention_scores=True,
+                training=training,
+                cache=cache["self_attention"],
+                cache_index=cache_index,
+            )
+            return out, scores
+
+        x, self_scores = self._residual(
+            decoder_sequence,
+            self.self_attention_layer_norm,
+            self.self_attention_dropout,
+            self_attend,
+            training,
+        )
+        scores = {"self_attention": self_scores}
+        if self.cross_attention is not None:
+
+            def cross_attend(x):
+                out, scores, new_cache["cross_attention"] = self.cross_attention(
+                    x,
+                    None,
+                    value_mask=encoder_padding_mask,
+                    attention_mask=encoder_attention_mask,
+                    return_attention_scores=True,
+                    training=training,
+                    cache=cross_cache,
+                )
+                return out, scores
+
+            x, scores["cross_attention"] = self._residual(
+                x,
+                self.cross_attention_layer_norm,
+                self.cross_attention_dropout,
+                cross_attend,
+                training,
+            )
+        x = self._feedforward(x, training)
+        if return_attention_scores:
+            return x, scores, new_cache
+        return x, new_cache
 
     def compute_output_spec(
         self, decoder_sequence, encoder_sequence=None, return_attention_scores=False, **kwargs
