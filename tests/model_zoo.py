@@ -1,0 +1,131 @@
+"""Small functional models, one per public layer, shared by tests (and exporters' tests)."""
+
+import keras
+import numpy as np
+
+from keras_attn import layers as kal
+
+VOCAB = 40
+DIM = 16
+
+
+def _ids(name="tokens"):
+    return keras.Input((None,), dtype="int32", name=name)
+
+
+def _features(name="features", dim=DIM):
+    return keras.Input((None, dim), name=name)
+
+
+def dot_product_attention():
+    x = _features()
+    return keras.Model(x, kal.DotProductAttention()(x, x, use_causal_mask=True), name="dot_product_attention")
+
+
+def additive_attention():
+    q = _features("query")
+    v = _features("value", 12)
+    return keras.Model([q, v], kal.AdditiveAttention(8)(q, v), name="additive_attention")
+
+
+def multi_head_attention():
+    x = _features()
+    y = kal.MultiHeadAttention(4, 4, num_key_value_heads=2)(x, x, use_causal_mask=True)
+    return keras.Model(x, y, name="multi_head_attention")
+
+
+def cross_attention():
+    q = _features("query")
+    v = _features("memory", 12)
+    return keras.Model([q, v], kal.MultiHeadAttention(2, 8)(q, v), name="cross_attention")
+
+
+def sinusoidal_position_encoding():
+    x = _features()
+    return keras.Model(x, x + kal.SinusoidalPositionEncoding()(x), name="sinusoidal_position_encoding")
+
+
+def learned_position_embedding():
+    x = _features()
+    return keras.Model(x, x + kal.LearnedPositionEmbedding(32)(x), name="learned_position_embedding")
+
+
+def rotary_embedding():
+    x = _features()
+    rope = kal.RotaryEmbedding()
+    y = kal.MultiHeadAttention(2, 8, rotary_embedding=rope)(x, x, use_causal_mask=True)
+    return keras.Model(x, [y, kal.RotaryEmbedding()(x)], name="rotary_embedding")
+
+
+def alibi_bias():
+    x = _features()
+    bias = kal.AlibiBias(4)(x)
+    y = kal.MultiHeadAttention(4, 4)(x, x, attention_bias=bias, use_causal_mask=True)
+    return keras.Model(x, y, name="alibi_bias")
+
+
+def relative_position_bias():
+    x = _features()
+    bias = kal.RelativePositionBias(4, embeddings_initializer="random_normal")(x)
+    y = kal.MultiHeadAttention(4, 4)(x, x, attention_bias=bias)
+    return keras.Model(x, y, name="relative_position_bias")
+
+
+def token_and_position_embedding(position="learned"):
+    ids = _ids()
+    h = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, position=position, mask_zero=True)(ids)
+    return keras.Model(ids, h, name=f"token_and_position_embedding_{position}")
+
+
+def encoder_classifier(normalize_first=False, num_classes=3):
+    """TokenAndPositionEmbedding(mask_zero) -> encoder block -> masked mean pool -> softmax."""
+    ids = _ids()
+    h = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, mask_zero=True)(ids)
+    h = kal.TransformerEncoderBlock(2, 32, normalize_first=normalize_first)(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    probs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(pooled)
+    return keras.Model(ids, probs, name="encoder_classifier")
+
+
+def encoder_decoder():
+    enc_ids = _ids("encoder_tokens")
+    dec_ids = _ids("decoder_tokens")
+    enc = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, mask_zero=True)(enc_ids)
+    enc = kal.TransformerEncoderBlock(2, 32)(enc)
+    dec = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, mask_zero=True)(dec_ids)
+    dec = kal.TransformerDecoderBlock(2, 32, normalize_first=True)(dec, enc)
+    logits = keras.layers.Dense(VOCAB, name="logits")(dec)
+    return keras.Model([enc_ids, dec_ids], logits, name="encoder_decoder")
+
+
+def decoder_only():
+    ids = _ids()
+    h = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, position="sinusoidal")(ids)
+    h = kal.TransformerDecoderBlock(2, 32, num_key_value_heads=1)(h)
+    return keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(h), name="decoder_only")
+
+
+ALL = {
+    f.__name__: f
+    for f in (
+        dot_product_attention, additive_attention, multi_head_attention, cross_attention,
+        sinusoidal_position_encoding, learned_position_embedding, rotary_embedding, alibi_bias,
+        relative_position_bias, token_and_position_embedding, encoder_classifier,
+        encoder_decoder, decoder_only,
+    )
+}
+
+
+def sample_inputs(model, batch=2, length=7, seed=0):
+    """Random inputs for `model`; integer inputs get trailing padding (id 0) in row 0."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for inp in model.inputs:
+        if "int" in str(inp.dtype):
+            x = rng.integers(1, VOCAB, size=(batch, length)).astype("int32")
+            if batch > 0 and length > 2:
+                x[0, -2:] = 0
+        else:
+            x = rng.standard_normal((batch, length, inp.shape[-1])).astype("float32")
+        out.append(x)
+    return out if len(out) > 1 else out[0]

@@ -1,0 +1,130 @@
+"""Transformer blocks against a NumPy reference."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import layers as kal
+from tests import reference as ref
+from tests.test_attention_layers import _mha_weights
+
+
+def _randomize(layer, rng):
+    layer.set_weights([rng.standard_normal(w.shape).astype("float32") * 0.3 for w in layer.get_weights()])
+
+
+def _ln(layer):
+    return layer.gamma.numpy(), layer.beta.numpy(), layer.epsilon
+
+
+def _ffn(block, x, act):
+    w1 = block.feedforward_intermediate_dense
+    w2 = block.feedforward_output_dense
+    h = act(ref.linear(x, w1.kernel.numpy(), w1.bias.numpy()))
+    return ref.linear(h, w2.kernel.numpy(), w2.bias.numpy())
+
+
+def _sublayer(block, x, norm, fn):
+    if block.normalize_first:
+        return x + fn(ref.layer_norm(x, *_ln(norm)))
+    return ref.layer_norm(x + fn(x), *_ln(norm))
+
+
+def encoder_reference(block, x, mask, act, causal=False):
+    heads = block.num_heads
+    full = mask[:, None, None, :]
+    if causal:
+        full = full & ref.causal(x.shape[1])[None, None]
+    attn = block.self_attention
+
+    def self_attend(h):
+        return ref.mha(h, h, h, _mha_weights(attn), heads, attn.num_key_value_heads, mask=full)[0]
+
+    x = _sublayer(block, x, block.self_attention_layer_norm, self_attend)
+    return _sublayer(block, x, block.feedforward_layer_norm, lambda h: _ffn(block, h, act))
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+@pytest.mark.parametrize("activation, act", [("relu", ref.relu), ("gelu", ref.gelu)])
+def test_encoder_block_matches_reference(rng, normalize_first, activation, act):
+    block = kal.TransformerEncoderBlock(
+        num_heads=2, intermediate_dim=12, activation=activation, normalize_first=normalize_first,
+        num_key_value_heads=1,
+    )
+    x = rng.standard_normal((2, 5, 8)).astype("float32")
+    mask = np.array([[1, 1, 1, 0, 0], [1] * 5], bool)
+    block(x)
+    _randomize(block, rng)
+    out = np.asarray(block(x, padding_mask=mask))
+    want = encoder_reference(block, x, mask, act)
+    valid = mask
+    np.testing.assert_allclose(out[valid], want[valid], atol=1e-4)
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_decoder_block_matches_reference(rng, normalize_first):
+    block = kal.TransformerDecoderBlock(num_heads=2, intermediate_dim=12, normalize_first=normalize_first)
+    dec = rng.standard_normal((2, 4, 8)).astype("float32")
+    enc = rng.standard_normal((2, 6, 8)).astype("float32")
+    enc_mask = np.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)
+    block(dec, enc)
+    _randomize(block, rng)
+    out, scores = block(dec, enc, encoder_padding_mask=enc_mask, return_attention_scores=True)
+    sa, ca = block.self_attention, block.cross_attention
+
+    def self_attend(h):
+        return ref.mha(h, h, h, _mha_weights(sa), 2, 2, mask=ref.causal(4)[None, None])[0]
+
+    def cross_attend(h):
+        return ref.mha(h, enc, enc, _mha_weights(ca), 2, 2, mask=enc_mask[:, None, None, :])[0]
+
+    x = _sublayer(block, dec, block.self_attention_layer_norm, self_attend)
+    x = _sublayer(block, x, block.cross_attention_layer_norm, cross_attend)
+    want = _sublayer(block, x, block.feedforward_layer_norm, lambda h: _ffn(block, h, ref.relu))
+    np.testing.assert_allclose(out, want, atol=1e-4)
+    assert tuple(scores["self_attention"].shape) == (2, 2, 4, 4)
+    assert tuple(scores["cross_attention"].shape) == (2, 2, 4, 6)
+    np.testing.assert_array_equal(np.asarray(scores["cross_attention"])[0, :, :, 4:], 0.0)
+
+
+def test_decoder_only_block_is_causal(rng):
+    block = kal.TransformerDecoderBlock(num_heads=2, intermediate_dim=12)
+    x = rng.standard_normal((1, 6, 8)).astype("float32")
+    base = np.asarray(block(x))
+    x2 = x.copy()
+    x2[0, 3:] += 1.0
+    np.testing.assert_allclose(np.asarray(block(x2))[0, :3], base[0, :3], atol=1e-5)
+    with pytest.raises(ValueError, match="built without an `encoder_sequence`"):
+        block(x, x)
+
+
+def test_blocks_consume_and_propagate_keras_masks(rng):
+    ids = keras.Input((None,), dtype="int32")
+    emb = kal.TokenAndPositionEmbedding(30, 16, 8, mask_zero=True)
+    enc_block = kal.TransformerEncoderBlock(2, 16)
+    h = enc_block(emb(ids))
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(ids, [h, pooled])
+    tokens = np.array([[4, 5, 6, 0, 0], [7, 8, 9, 10, 11]])
+    out, pooled_out = (np.asarray(t) for t in model(tokens))
+    want = np.stack([out[b][tokens[b] != 0].mean(0) for b in range(2)])
+    np.testing.assert_allclose(pooled_out, want, atol=1e-5)
+    # Same result as an explicit padding mask, and padded tokens change nothing.
+    x = np.asarray(emb(tokens))
+    explicit = np.asarray(enc_block(x, padding_mask=tokens != 0))
+    np.testing.assert_allclose(explicit[tokens != 0], out[tokens != 0], atol=1e-5)
+    tokens2 = tokens.copy()
+    tokens2[0, 3:] = 0
+    np.testing.assert_allclose(np.asarray(model(tokens2)[0])[0, :3], out[0, :3], atol=1e-6)
+
+
+def test_block_output_specs_with_different_lengths():
+    dec = keras.Input((4, 8))
+    enc = keras.Input((9, 8))
+    block = kal.TransformerDecoderBlock(2, 16)
+    out, scores = block(dec, enc, return_attention_scores=True)
+    assert tuple(out.shape) == (None, 4, 8)
+    assert tuple(scores["cross_attention"].shape) == (None, 2, 4, 9)
+    assert block.compute_output_shape((None, 4, 8), (None, 9, 8)) == (None, 4, 8)
+    enc_out, enc_scores = kal.TransformerEncoderBlock(2, 16)(enc, return_attention_scores=True)
+    assert tuple(enc_scores.shape) == (None, 2, 9, 9)

@@ -1,0 +1,107 @@
+"""Position layers against NumPy references."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import layers as kal
+from tests import reference as ref
+
+
+@pytest.mark.parametrize("dim, start", [(8, 0), (7, 3)])
+def test_sinusoidal(dim, start):
+    x = np.zeros((2, 6, dim), "float32")
+    out = kal.SinusoidalPositionEncoding(max_wavelength=1000)(x, start_index=start)
+    want = ref.sinusoidal(6, dim, 1000.0, start)
+    np.testing.assert_allclose(out[1], want, atol=1e-5)
+    assert tuple(out.shape) == x.shape
+
+
+def test_sinusoidal_extrapolates_beyond_training_lengths():
+    out = kal.SinusoidalPositionEncoding()(np.zeros((1, 3, 4), "float32"), start_index=100000)
+    np.testing.assert_allclose(out[0], ref.sinusoidal(3, 4, start=100000), atol=2e-3)
+
+
+def test_learned_position_embedding_slices_and_errors():
+    layer = kal.LearnedPositionEmbedding(sequence_length=10)
+    x = np.zeros((2, 4, 3), "float32")
+    out = layer(x, start_index=5)
+    np.testing.assert_array_equal(out[0], layer.position_embeddings.numpy()[5:9])
+    with pytest.raises(ValueError, match="covers 10 positions"):
+        layer(np.zeros((1, 11, 3), "float32"))
+    with pytest.raises(ValueError, match="start_index"):
+        layer(x, start_index=7)
+    with pytest.raises(ValueError, match="start_index"):
+        layer(x, start_index=-1)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 8), (2, 5, 6)])
+def test_rotary(rng, shape):
+    x = rng.standard_normal(shape).astype("float32")
+    out = kal.RotaryEmbedding(max_wavelength=500, scaling_factor=2.0)(x, start_index=4)
+    np.testing.assert_allclose(out, ref.rotary(x, 500.0, start=4, scaling_factor=2.0), atol=1e-5)
+
+
+def test_rotary_relative_property(rng):
+    """q.k after RoPE depends only on the distance between positions."""
+    rope = kal.RotaryEmbedding()
+    q = np.broadcast_to(rng.standard_normal((1, 1, 8)), (1, 12, 8)).astype("float32")
+    k = np.broadcast_to(rng.standard_normal((1, 1, 8)), (1, 12, 8)).astype("float32")
+    rq, rk = np.asarray(rope(q)), np.asarray(rope(k))
+    dots = np.einsum("qd,kd->qk", rq[0], rk[0])
+    np.testing.assert_allclose(dots[5, 2], dots[9, 6], atol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [4, 6, 8])
+def test_alibi(heads):
+    q = np.zeros((2, 3, 16), "float32")
+    k = np.zeros((2, 7, 16), "float32")
+    out = np.asarray(kal.AlibiBias(heads)(q, k, start_index=4))
+    slopes = np.array(ref.alibi_slopes(heads))
+    dist = np.abs((np.arange(3)[:, None] + 4) - np.arange(7)[None])
+    np.testing.assert_allclose(out[0], -slopes[:, None, None] * dist[None], rtol=1e-6)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_bias(rng, bidirectional):
+    layer = kal.RelativePositionBias(3, num_buckets=16, max_distance=40, bidirectional=bidirectional)
+    q = np.zeros((1, 50, 4), "float32")
+    layer(q)
+    table = rng.standard_normal((16, 3)).astype("float32")
+    layer.set_weights([table])
+    out = np.asarray(layer(q, start_index=2))
+    for i in range(0, 50, 7):
+        for j in range(0, 50, 3):
+            bucket = ref.t5_bucket(j - (i + 2), bidirectional, 16, 40)
+            np.testing.assert_allclose(out[0, :, i, j], table[bucket], atol=1e-6)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_token_and_position_embedding(position):
+    layer = kal.TokenAndPositionEmbedding(20, 8, 6, position=position, mask_zero=True)
+    ids = np.array([[3, 4, 0, 0], [5, 6, 7, 1]])
+    out = np.asarray(layer(ids, start_index=2))
+    tokens = layer.token_embedding.embeddings.numpy()[ids]
+    if position == "sinusoidal":
+        pos = ref.sinusoidal(4, 6, start=2)
+    else:
+        pos = layer.position_embedding.position_embeddings.numpy()[2:6]
+    np.testing.assert_allclose(out, tokens + pos[None], atol=1e-5)
+    np.testing.assert_array_equal(layer.compute_mask(ids), ids != 0)
+
+
+def test_start_index_matches_full_pass():
+    """Positions of a suffix computed with start_index equal those of the full pass."""
+    x = np.zeros((1, 9, 6), "float32")
+    for layer in (kal.SinusoidalPositionEncoding(), kal.LearnedPositionEmbedding(12), kal.RotaryEmbedding()):
+        inp = x + np.arange(6, dtype="float32") if isinstance(layer, kal.RotaryEmbedding) else x
+        full = np.asarray(layer(inp))
+        np.testing.assert_allclose(np.asarray(layer(inp[:, 5:], start_index=5)), full[:, 5:], atol=1e-5)
+
+
+def test_positions_are_float32_under_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    layer = kal.SinusoidalPositionEncoding()
+    out = layer(np.zeros((1, 3, 4), "float16"), start_index=30000)
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    np.testing.assert_allclose(np.asarray(out, "float32")[0], ref.sinusoidal(3, 4, start=30000), atol=2e-3)
