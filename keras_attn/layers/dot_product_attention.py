@@ -4,6 +4,7 @@ import keras
 
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import chunked
 
 
 @_common.register
@@ -21,6 +22,10 @@ class DotProductAttention(keras.layers.Layer):
             no scaling (Luong's plain dot score).
         dropout: dropout rate on the attention probabilities.
         seed: seed for dropout.
+        chunk_size: None, an int or `(q_chunk, k_chunk)`: memory-efficient
+            exact attention blocked over queries and keys (see
+            `keras_attn.ops.dot_product_attention`); None uses it only for
+            long sequences, 0 never.
 
     Call arguments:
         query: `(B, T_q, D)`.
@@ -47,8 +52,11 @@ class DotProductAttention(keras.layers.Layer):
     ((2, 3, 8), (2, 3, 5))
     """
 
-    def __init__(self, scale="sqrt", dropout=0.0, seed=None, **kwargs):
+    def __init__(self, scale="sqrt", dropout=0.0, seed=None, chunk_size=None, **kwargs):
         super().__init__(**kwargs)
+        if chunk_size != 0:
+            chunked.check_chunk_size(chunk_size)
+        self.chunk_size = list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
         if scale != "sqrt" and scale is not None:
             _common.check_positive_float("scale", scale)
         self.scale = scale
@@ -117,6 +125,7 @@ class DotProductAttention(keras.layers.Layer):
             training=bool(training),
             seed=self.seed_generator,
             return_attention_scores=return_attention_scores,
+            chunk_size=self.chunk_size,
         )
         if return_attention_scores:
             output, scores = result
@@ -139,5 +148,8 @@ class DotProductAttention(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"scale": self.scale, "dropout": self.dropout, "seed": self.seed})
+        config.update(
+            {"scale": self.scale, "dropout": self.dropout, "seed": self.seed,
+             "chunk_size": self.chunk_size}
+        )
         return config

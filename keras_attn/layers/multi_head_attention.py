@@ -8,6 +8,7 @@ from keras import ops
 from keras_attn.layers import _common
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import chunked
 from keras_attn.ops import masking
 from keras_attn.ops import masking
 
@@ -112,6 +113,10 @@ class MultiHeadAttention(keras.layers.Layer):
         seed: seed for dropout.
         num_key_value_heads: heads for keys and values; must divide `num_heads`.
         rotary_embedding: a `RotaryEmbedding` (or its config) or None.
+        chunk_size: None, an int or `(q_chunk, k_chunk)`: memory-efficient
+            exact attention blocked over queries and keys (see
+            `keras_attn.ops.dot_product_attention`); None uses it only for
+            long sequences, 0 never.
 
     Call arguments:
         query: `(B, T_q, D_q)`.
@@ -172,9 +177,13 @@ class MultiHeadAttention(keras.layers.Layer):
         seed=None,
         num_key_value_heads=None,
         rotary_embedding=None,
+        chunk_size=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        if chunk_size != 0:
+            chunked.check_chunk_size(chunk_size)
+        self.chunk_size = list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
         self.num_heads = _common.check_positive_int("num_heads", num_heads)
         self.key_dim = _common.check_positive_int("key_dim", key_dim)
         self.value_dim = _common.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim
@@ -356,7 +365,9 @@ class MultiHeadAttention(keras.layers.Layer):
             value_mask=value_mask,
             key_mask=key_mask,
             attention_mask=attention_mask,
-            use_causal_mask=use_causal_mask,
+            # The causal mask is built by the ops (blockwise on the chunked
+            # path, never as a (T_q, T_k) tensor there).
+            use_causal_mask=False,
             num_heads=self.num_heads,
             sliding_window=self.sliding_window,
         )
@@ -376,11 +387,13 @@ class MultiHeadAttention(keras.layers.Layer):
             v,
             attention_mask=mask,
             bias=attention_bias,
+            is_causal=bool(use_causal_mask),
             scale=None,
             dropout_rate=self.dropout,
             training=bool(training),
             seed=self.seed_generator,
             return_attention_scores=return_attention_scores,
+            chunk_size=self.chunk_size,
         )
         output, scores = result if return_attention_scores else (result, None)
         # output = [B, T_q, H, value_dim]
@@ -657,6 +670,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "use_gate": self.use_gate,
                 "seed": self.seed,
                 "num_key_value_heads": self.num_key_value_heads,
+                "chunk_size": self.chunk_size,
                 "rotary_embedding": (
                     keras.saving.serialize_keras_object(self.rotary_embedding)
                     if self.rotary_embedding is not None

@@ -12,6 +12,7 @@ import math
 import keras
 from keras import ops
 
+from keras_attn.ops import chunked
 from keras_attn.ops import masking
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -118,6 +119,33 @@ def attend_from_logits(
     return output
 
 
+def _select_chunk_size(chunk_size, query, key, return_attention_scores, dropout_active):
+    """`(q_chunk, k_chunk)` when the blocked path is used, else None."""
+    if chunk_size is not None and not isinstance(chunk_size, bool) and chunk_size == 0:
+        return None
+    chunks = chunked.check_chunk_size(chunk_size)
+    if chunks is not None:
+        if return_attention_scores or dropout_active:
+            raise ValueError(
+                "The blocked attention path (`chunk_size`) never builds the full "
+                "score matrix, so it supports neither `return_attention_scores` "
+                "nor dropout on the probabilities in training. Received: "
+                f"chunk_size={chunk_size!r}, return_attention_scores="
+                f"{return_attention_scores}, dropout active={dropout_active}"
+            )
+        return chunks
+    t_q, t_k = query.shape[1], key.shape[1]
+    if (
+        t_q is not None
+        and t_k is not None
+        and t_q * t_k > chunked.AUTO_CHUNK_MIN_SCORES
+        and not return_attention_scores
+        and not dropout_active
+    ):
+        return (chunked.DEFAULT_CHUNK_SIZE,) * 2
+    return None
+
+
 def dot_product_attention(
     query,
     key,
@@ -133,6 +161,7 @@ def dot_product_attention(
     seed=None,
     start_index=0,
     sliding_window=None,
+    chunk_size=None,
 ):
     """Scaled dot-product attention, `softmax(q k^T * scale + bias) v`.
 
@@ -157,6 +186,13 @@ def dot_product_attention(
         start_index: absolute position of the first query (cached decoding).
         sliding_window: if set with `is_causal`, keys older than this many
             positions are hidden too.
+        chunk_size: compute exact attention in `O(T)` memory, blocked over
+            queries and keys (`keras_attn.ops.chunked`): an int, or a pair
+            `(q_chunk, k_chunk)`. None picks the blocked path by itself when
+            the static `T_q * T_k` exceeds `chunked.AUTO_CHUNK_MIN_SCORES`
+            (4096 x 4096) and neither dropout (in training) nor
+            `return_attention_scores` asks for the full score matrix; `0`
+            forces the unblocked path.
 
     Returns:
         `(B, T_q, H, D_v)`, and the scores when `return_attention_scores`.
@@ -192,6 +228,19 @@ def dot_product_attention(
         raise ValueError(
             "`key` and `value` must have the same sequence length. Received: "
             f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+
+    chunks = _select_chunk_size(
+        chunk_size, query, key, return_attention_scores, training and dropout_rate > 0.0
+    )
+    if chunks is not None:
+        mask = masking.normalize_attention_mask(
+            attention_mask, batch_size=query.shape[0], query_length=query.shape[1]
+        )
+        return chunked.chunked_dot_product_attention(
+            query, key, value, attention_mask=mask, bias=bias, is_causal=is_causal,
+            scale=scale, start_index=start_index, sliding_window=sliding_window,
+            chunk_size=chunks,
         )
 
     head_dim = query.shape[-1]

@@ -1,0 +1,434 @@
+"""Memory-efficient exact attention, blocked over queries and keys.
+
+The softmax is computed block by block with a running maximum and a running
+sum (Rabe & Staats, 2021, "Self-attention does not need O(n^2) memory";
+Dao et al., 2022, FlashAttention), so no `(T_q, T_k)` tensor is ever
+materialised: the largest temporaries are `(B, H, q_chunk, k_chunk)` score
+blocks. The backward pass is a custom gradient that recomputes the score
+blocks from `q`, `k`, `v`, the output and the per-row log-sum-exp (the
+FlashAttention backward), so training does not store `T^2` activations
+either.
+
+Everything here is `keras.ops` (`custom_gradient`, `map`, `fori_loop`,
+`take`, `slice_update`), so it runs on the TensorFlow and JAX backends; the
+PyTorch backend has no `keras.ops.custom_gradient` and is not supported.
+
+Layout inside this module: queries `(nq, B, H_kv, G, q_chunk, D)` with `G`
+query heads per key/value head (grouped-query attention without repeating
+keys or values), keys and values `(nk, B, H_kv, k_chunk, D)`.
+"""
+
+import math
+
+from keras import ops
+
+from keras_attn.ops import masking
+
+DEFAULT_CHUNK_SIZE = 512
+"""Default query and key block size of the blocked path."""
+
+AUTO_CHUNK_MIN_SCORES = 4096 * 4096
+"""`dot_product_attention` takes the blocked path by itself when the static
+`T_q * T_k` is larger than this (i.e. beyond 4096 x 4096 tokens), where the
+unblocked score tensors of a batch-1, 8-head layer already take 512 MiB each."""
+
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+def check_chunk_size(chunk_size, name="chunk_size"):
+    """Validates `chunk_size`: None, a positive int or a pair `(q_chunk, k_chunk)`.
+
+    Returns None or a `(q_chunk, k_chunk)` tuple of ints.
+    """
+    if chunk_size is None:
+        return None
+    pair = chunk_size if isinstance(chunk_size, (tuple, list)) else (chunk_size, chunk_size)
+    if len(pair) != 2 or not all(
+        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in pair
+    ):
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected None, a "
+            "positive integer or a pair of positive integers (q_chunk, k_chunk). "
+            f"Received: {name}={chunk_size!r}"
+        )
+    return (int(pair[0]), int(pair[1]))
+
+
+def _dim(x, axis):
+    d = x.shape[axis]
+    return d if d is not None else ops.shape(x)[axis]
+
+
+def _ceil_div(a, b):
+    if isinstance(a, int):
+        return -(-a // b)
+    return (a + (b - 1)) // b
+
+
+def _pad_axis(x, axis, target):
+    """Zero-pads `x` along `axis` to length `target` (static or dynamic)."""
+    length = _dim(x, axis)
+    if isinstance(length, int) and isinstance(target, int) and length == target:
+        return x
+    shape = [_dim(x, a) for a in range(len(x.shape))]
+    shape[axis] = target - length
+    pad = ops.zeros(shape, dtype=x.dtype)
+    return ops.concatenate([x, pad], axis=axis)
+
+
+def _chunk_axis(x, axis, chunk, num_chunks):
+    """Splits `axis` of `x` into `(num_chunks, chunk)` and moves `num_chunks` first."""
+    shape = [_dim(x, a) for a in range(len(x.shape))]
+    new_shape = shape[:axis] + [num_chunks, chunk] + shape[axis + 1 :]
+    x = ops.reshape(x, new_shape)
+    perm = [axis] + [a for a in range(len(new_shape)) if a != axis]
+    return ops.transpose(x, perm)
+
+
+def _to_5d(x, num_heads, num_kv_heads):
+    """`(B|1, H|1, T_q|1, T_k|1)` -> `(B|1, H_kv|1, G|1, T_q|1, T_k|1)`."""
+    h = x.shape[1]
+    if h == 1:
+        return x[:, :, None]
+    if h != num_heads:
+        raise ValueError(
+            "A mask or bias must have 1 or num_heads entries on its head axis. "
+            f"Received shape {tuple(x.shape)} with num_heads={num_heads}"
+        )
+    shape = [_dim(x, 0), num_kv_heads, num_heads // num_kv_heads, _dim(x, 2), _dim(x, 3)]
+    return ops.reshape(x, shape)
+
+
+class _Blocked:
+    """A rank-5 mask or bias, pre-split into query and key blocks.
+
+    Axes of length 1 stay broadcast (and are never tiled); `block(i, j)`
+    returns the `(B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1)` block.
+    """
+
+    def __init__(self, x, nq, nk, q_chunk, k_chunk, fill):
+        t_q_pad, t_k_pad = nq * q_chunk, nk * k_chunk
+        self.q_full = x.shape[3] != 1
+        self.k_full = x.shape[4] != 1
+        self.full_shape = x.shape
+        if self.q_full:
+            x = _pad_axis_fill(x, 3, t_q_pad, fill)
+            x = _chunk_axis(x, 3, q_chunk, nq)
+        else:
+            x = x[None]
+        if self.k_full:
+            # Key axis is now 5 (after the leading query-block axis).
+            x = _pad_axis_fill(x, 5, t_k_pad, fill)
+            x = _chunk_axis(x, 5, k_chunk, nk)
+            x = ops.transpose(x, (1, 0, 2, 3, 4, 5, 6))
+        else:
+            x = x[:, None]
+        # (nq|1, nk|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1)
+        self.blocks = x
+
+    def block(self, i, j):
+        x = ops.take(self.blocks, i if self.q_full else 0, axis=0)
+        return ops.take(x, j if self.k_full else 0, axis=0)
+
+
+def _pad_axis_fill(x, axis, target, fill):
+    length = _dim(x, axis)
+    if isinstance(length, int) and isinstance(target, int) and length == target:
+        return x
+    shape = [_dim(x, a) for a in range(len(x.shape))]
+    shape[axis] = target - length
+    pad = ops.full(shape, fill, dtype=x.dtype)
+    return ops.concatenate([x, pad], axis=axis)
+
+
+def chunked_dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    attention_mask=None,
+    bias=None,
+    is_causal=False,
+    scale=None,
+    start_index=0,
+    sliding_window=None,
+    chunk_size=DEFAULT_CHUNK_SIZE,
+):
+    """Exact scaled dot-product attention in `O(T)` memory.
+
+    Same inputs and outputs as `keras_attn.ops.dot_product_attention` (use
+    that, with `chunk_size=`, rather than this function): `query`
+    `(B, T_q, H, D)`, `key` `(B, T_k, H_kv, D)`, `value` `(B, T_k, H_kv, D_v)`,
+    a boolean `attention_mask` already normalised to rank 4
+    `(B|1, H|1, T_q|1, T_k)`, an additive `bias` broadcastable to
+    `(B, H, T_q, T_k)`. The softmax runs in float32; query rows without any
+    visible key give zeros (outputs and gradients). Dropout on the
+    probabilities and returning the scores are not available here (both
+    need the full score matrix).
+
+    Args:
+        chunk_size: `q_chunk` for both axes, or a pair `(q_chunk, k_chunk)`.
+            Lengths that are not multiples are padded internally.
+
+    Returns:
+        `(B, T_q, H, D_v)` in `value`'s dtype.
+    """
+    q_chunk, k_chunk = check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
+    out_dtype = value.dtype
+    q = ops.cast(query, "float32")
+    k = ops.cast(key, "float32")
+    v = ops.cast(value, "float32")
+    num_heads, num_kv_heads, head_dim = query.shape[2], key.shape[2], query.shape[3]
+    groups = num_heads // num_kv_heads
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+
+    batch = _dim(q, 0)
+    t_q, t_k = _dim(q, 1), _dim(k, 1)
+    # Small inputs: never use blocks bigger than the (rounded-up) sequence.
+    if isinstance(t_q, int):
+        q_chunk = min(q_chunk, max(t_q, 1))
+    if isinstance(t_k, int):
+        k_chunk = min(k_chunk, max(t_k, 1))
+    nq, nk = _ceil_div(t_q, q_chunk), _ceil_div(t_k, k_chunk)
+    t_q_pad, t_k_pad = nq * q_chunk, nk * k_chunk
+    needs_key_bound = not (isinstance(t_k, int) and t_k == t_k_pad)
+
+    mask_blocks = None
+    if attention_mask is not None:
+        mask5 = _to_5d(masking._as_bool(attention_mask), num_heads, num_kv_heads)
+        mask_blocks = _Blocked(mask5, nq, nk, q_chunk, k_chunk, False)
+    bias5 = None
+    if bias is not None:
+        bias = ops.cast(bias, "float32")
+        while len(bias.shape) < 4:
+            bias = bias[None]
+        bias5 = _to_5d(bias, num_heads, num_kv_heads)
+    start = ops.cast(start_index, "int32")
+    window = sliding_window if (is_causal and sliding_window is not None) else None
+    q_offsets = ops.arange(q_chunk, dtype="int32")
+    k_offsets = ops.arange(k_chunk, dtype="int32")
+
+    def split_q(x):
+        # (B, T_q, H, X) -> (nq, B, H_kv, G, q_chunk, X)
+        x = _pad_axis(x, 1, t_q_pad)
+        x = ops.reshape(x, (batch, nq, q_chunk, num_kv_heads, groups, x.shape[-1]))
+        return ops.transpose(x, (1, 0, 3, 4, 2, 5))
+
+    def merge_q(x):
+        # (nq, B, H_kv, G, q_chunk, X) -> (B, T_q, H, X)
+        x = ops.transpose(x, (1, 0, 4, 2, 3, 5))
+        x = ops.reshape(x, (batch, t_q_pad, num_heads, x.shape[-1]))
+        return x[:, :t_q]
+
+    def split_k(x):
+        # (B, T_k, H_kv, X) -> (nk, B, H_kv, k_chunk, X)
+        x = _pad_axis(x, 1, t_k_pad)
+        x = ops.reshape(x, (batch, nk, k_chunk, num_kv_heads, x.shape[-1]))
+        return ops.transpose(x, (1, 0, 3, 2, 4))
+
+    def merge_k(x):
+        x = ops.transpose(x, (1, 0, 3, 2, 4))
+        x = ops.reshape(x, (batch, t_k_pad, num_kv_heads, x.shape[-1]))
+        return x[:, :t_k]
+
+    def key_range(i):
+        """Key blocks `[lo, hi)` that query block `i` can see."""
+        lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(nk, "int32")
+        if is_causal:
+            last_q = i * q_chunk + (q_chunk - 1) + start
+            hi = ops.clip(last_q // k_chunk + 1, 0, nk)
+        if window is not None:
+            first_q = i * q_chunk + start
+            lo = ops.clip((first_q - window + 1) // k_chunk, 0, nk)
+        return lo, ops.maximum(lo, hi)
+
+    def query_range(j):
+        """Query blocks `[lo, hi)` that can see key block `j`."""
+        lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(nq, "int32")
+        if is_causal:
+            lo = ops.clip((j * k_chunk - start) // q_chunk, 0, nq)
+        if window is not None:
+            hi = ops.clip((j * k_chunk + k_chunk + window - 2 - start) // q_chunk + 1, 0, nq)
+        return lo, ops.maximum(lo, hi)
+
+    def visible(i, j):
+        """Boolean `(B|1, H_kv|1, G|1, q_chunk, k_chunk)` block mask, or None."""
+        result = None
+        if is_causal or needs_key_bound:
+            k_pos = j * k_chunk + k_offsets
+            if needs_key_bound:
+                result = ops.less(k_pos, t_k)[None, :]
+            if is_causal:
+                q_pos = i * q_chunk + q_offsets + start
+                diff = q_pos[:, None] - k_pos[None, :]
+                causal = ops.greater_equal(diff, 0)
+                if window is not None:
+                    causal = ops.logical_and(causal, ops.less(diff, window))
+                result = causal if result is None else ops.logical_and(result, causal)
+            result = result[None, None, None]
+        if mask_blocks is not None:
+            blk = mask_blocks.block(i, j)
+            result = blk if result is None else ops.logical_and(result, blk)
+        return result
+
+    def logits_block(q_i, k_j, i, j, bias_blocks):
+        # (B, H_kv, G, q_chunk, k_chunk); q is already scaled.
+        s = ops.einsum("bngqd,bnkd->bngqk", q_i, k_j)
+        if bias_blocks is not None:
+            s = s + bias_blocks.block(i, j)
+        vis = visible(i, j)
+        if vis is not None:
+            s = ops.where(vis, s, _NEG_INF)
+        return s
+
+    def forward(q_s, k, v, bias_blocks):
+        q_c, k_c, v_c = split_q(q_s), split_k(k), split_k(v)
+        d_v = v.shape[-1]
+
+        def one_query_block(i):
+            q_i = ops.take(q_c, i, axis=0)
+            row_shape = (batch, num_kv_heads, groups, q_chunk)
+            m0 = ops.full(row_shape, _NEG_INF, dtype="float32")
+            l0 = ops.zeros(row_shape, dtype="float32")
+            acc0 = ops.zeros(row_shape + (d_v,), dtype="float32")
+
+            def body(j, carry):
+                m, l, acc = carry
+                s = logits_block(q_i, ops.take(k_c, j, axis=0), i, j, bias_blocks)
+                m_new = ops.maximum(m, ops.max(s, axis=-1))
+                # Rows with nothing visible yet keep m = -inf: shift by 0.
+                m_safe = ops.where(ops.isfinite(m_new), m_new, 0.0)
+                p = ops.exp(s - m_safe[..., None])
+                alpha = ops.exp(m - m_safe)
+                l = l * alpha + ops.sum(p, axis=-1)
+                acc = acc * alpha[..., None] + ops.einsum(
+                    "bngqk,bnkd->bngqd", p, ops.take(v_c, j, axis=0)
+                )
+                return m_new, l, acc
+
+            lo, hi = key_range(i)
+            m, l, acc = ops.fori_loop(lo, hi, body, (m0, l0, acc0))
+            seen = ops.greater(l, 0.0)
+            out = acc / ops.where(seen, l, 1.0)[..., None]
+            lse = ops.where(seen, m + ops.log(ops.where(seen, l, 1.0)), _POS_INF)
+            return out, lse
+
+        out_c, lse_c = ops.map(one_query_block, ops.arange(nq, dtype="int32"))
+        return out_c, lse_c
+
+    def backward(q_s, k, v, out_c, lse_c, d_out, bias_blocks):
+        q_c, k_c, v_c = split_q(q_s), split_k(k), split_k(v)
+        do_c = split_q(ops.cast(d_out, "float32"))
+        # D_i = rowsum(dO * O): (nq, B, H_kv, G, q_chunk)
+        delta_c = ops.sum(do_c * out_c, axis=-1)
+
+        def probs_and_dlogits(i, j, q_i, k_j, v_j, do_i):
+            s = logits_block(q_i, k_j, i, j, bias_blocks)
+            p = ops.exp(s - ops.take(lse_c, i, axis=0)[..., None])
+            dp = ops.einsum("bngqd,bnkd->bngqk", do_i, v_j)
+            ds = p * (dp - ops.take(delta_c, i, axis=0)[..., None])
+            return p, ds
+
+        def dq_block(i):
+            q_i, do_i = ops.take(q_c, i, axis=0), ops.take(do_c, i, axis=0)
+
+            def body(j, dq):
+                k_j = ops.take(k_c, j, axis=0)
+                _, ds = probs_and_dlogits(i, j, q_i, k_j, ops.take(v_c, j, axis=0), do_i)
+                return dq + ops.einsum("bngqk,bnkd->bngqd", ds, k_j)
+
+            lo, hi = key_range(i)
+            return ops.fori_loop(lo, hi, body, ops.zeros_like(q_i))
+
+        dq_c = ops.map(dq_block, ops.arange(nq, dtype="int32"))
+
+        bias_grad_shape = None
+        if bias_blocks is not None:
+            # Per key block: (nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1).
+            b = bias_blocks.blocks
+            bias_grad_shape = [_dim(b, a) for a in range(len(b.shape))]
+            bias_grad_shape = [bias_grad_shape[0]] + bias_grad_shape[2:]
+
+        def dkv_block(j):
+            k_j, v_j = ops.take(k_c, j, axis=0), ops.take(v_c, j, axis=0)
+
+            def body(i, carry):
+                dk, dv = carry[0], carry[1]
+                q_i, do_i = ops.take(q_c, i, axis=0), ops.take(do_c, i, axis=0)
+                p, ds = probs_and_dlogits(i, j, q_i, k_j, v_j, do_i)
+                dv = dv + ops.einsum("bngqk,bngqd->bnkd", p, do_i)
+                dk = dk + ops.einsum("bngqk,bngqd->bnkd", ds, q_i)
+                if bias_blocks is None:
+                    return dk, dv
+                db = carry[2]
+                red = _reduce_to(ds, bias_blocks.blocks.shape[2:])
+                if bias_blocks.q_full:
+                    start_idx = [i] + [0] * (len(bias_grad_shape) - 1)
+                    db = ops.slice_update(db, start_idx, red[None])
+                else:
+                    db = db + red[None]
+                return dk, dv, db
+
+            init = (ops.zeros_like(k_j), ops.zeros_like(v_j))
+            if bias_blocks is not None:
+                init = init + (ops.zeros(bias_grad_shape, "float32"),)
+            lo, hi = query_range(j)
+            return ops.fori_loop(lo, hi, body, init)
+
+        results = ops.map(dkv_block, ops.arange(nk, dtype="int32"))
+        dk_c, dv_c = results[0], results[1]
+        d_bias = None
+        if bias_blocks is not None:
+            d_bias = results[2]
+            # (nk, nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1)
+            if not bias_blocks.k_full:
+                d_bias = ops.sum(d_bias, axis=0, keepdims=True)
+            d_bias = _unblock(d_bias, bias_blocks)
+        return dq_c, dk_c, dv_c, d_bias
+
+    def run(q_in, k_in, v_in, bias_in=None):
+        q_s = q_in * scale
+        bias_blocks = None
+        if bias_in is not None:
+            bias_blocks = _Blocked(bias_in, nq, nk, q_chunk, k_chunk, 0.0)
+        out_c, lse_c = forward(q_s, k_in, v_in, bias_blocks)
+        out = merge_q(out_c)
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            dq_c, dk_c, dv_c, d_bias = backward(
+                q_s, k_in, v_in, out_c, lse_c, upstream, bias_blocks
+            )
+            grads = [merge_q(dq_c) * scale, merge_k(dk_c), merge_k(dv_c)]
+            if bias_in is not None:
+                d_bias = d_bias[..., : _dim(bias_in, 3), : _dim(bias_in, 4)]
+                grads.append(ops.reshape(d_bias, ops.shape(bias_in)))
+            return tuple(grads)
+
+        return out, grad
+
+    fn = ops.custom_gradient(run)
+    if bias5 is None:
+        out = fn(q, k, v)
+    else:
+        out = fn(q, k, v, bias5)
+    return ops.cast(out, out_dtype)
+
+
+def _reduce_to(x, shape):
+    """Sums `x` over the axes where `shape` has a 1 (keeping dims)."""
+    axes = tuple(a for a, d in enumerate(shape) if d == 1 and x.shape[a] != 1)
+    return ops.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _unblock(x, blocked):
+    """`(nk|1, nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1)` -> rank 5, padded."""
+    # -> (B|1, H_kv|1, G|1, nq|1, q_chunk|1, nk|1, k_chunk|1)
+    x = ops.transpose(x, (2, 3, 4, 1, 5, 0, 6))
+    s = [_dim(x, a) for a in range(7)]
+    return ops.reshape(x, (s[0], s[1], s[2], s[3] * s[4], s[5] * s[6]))
