@@ -53,7 +53,7 @@ def write_cache(cache, new, index, ring=False):
     t = new.shape[1]
     if t == 1:
         hit = ops.equal(slots, index % length if ring else index)
-        return ops.where(hit[None, :, None, None], new, cache)
+        return ops.where(ops.reshape(hit, (1, length, 1, 1)), new, cache)
     t = ops.shape(new)[1] if t is None else t
     if ring:
         last = index + t - 1
@@ -62,7 +62,7 @@ def write_cache(cache, new, index, ring=False):
         offset = slots - index
     inside = ops.logical_and(ops.greater_equal(offset, 0), ops.less(offset, t))
     placed = ops.take(new, ops.clip(offset, 0, t - 1), axis=1)
-    return ops.where(inside[None, :, None, None], placed, cache)
+    return ops.where(ops.reshape(inside, (1, length, 1, 1)), placed, cache)
 
 
 def ring_positions(length, index):
@@ -482,7 +482,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 k_pos = ops.concatenate([old_pos, new_pos])
                 k = ops.concatenate([key_cache, ops.cast(k_new, key_cache.dtype)], axis=1)
                 v = ops.concatenate([value_cache, ops.cast(v_new, value_cache.dtype)], axis=1)
-                visible = ops.greater_equal(k_pos, 0)[None, :]
+                visible = ops.expand_dims(ops.greater_equal(k_pos, 0), 0)
                 if not use_causal_mask:
                     raise ValueError(
                         "A ring-buffer cache (sliding_window == cache length) needs "
@@ -499,7 +499,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 visible = ops.logical_and(visible, ops.greater_equal(diff, 0))
             if self.sliding_window is not None:
                 visible = ops.logical_and(visible, ops.less(ops.abs(diff), self.sliding_window))
-            mask_parts.append(visible[None, None])
+            # Expanded with reshape: None-indexing a bool tensor needs Flex in TFLite.
+            mask_parts.append(ops.expand_dims(ops.expand_dims(visible, 0), 0))
             if ring:
                 new_cache = (
                     write_cache(key_cache, k_new, cache_index, ring=True),
@@ -514,9 +515,9 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         if value_mask is not None:
             masking._check_mask_dtype("value_mask", value_mask)
-            mask_parts.append(masking._as_bool(value_mask)[:, None, None, :])
+            mask_parts.append(masking.padding_mask_to_attention_mask(value_mask=value_mask))
         if query_mask is not None:
-            mask_parts.append(masking._as_bool(query_mask)[:, None, :, None])
+            mask_parts.append(masking.padding_mask_to_attention_mask(query_mask=query_mask))
         mask_parts.append(
             masking.normalize_attention_mask(
                 attention_mask,

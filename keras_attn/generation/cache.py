@@ -1,0 +1,59 @@
+"""Key/value caches for incremental decoding.
+
+A model's cache is a list with one dict per `TransformerDecoderBlock`:
+`{"self_attention": (key, value), "cross_attention": (key, value) or None}`,
+each tensor `(batch, max_length, num_key_value_heads, head_dim)` (grouped-query
+models store only the key/value heads). The cache is written in place by
+`MultiHeadAttention(cache=..., cache_index=...)` with a comparison/gather/where
+update (`keras_attn.layers.multi_head_attention.write_cache`), which lowers to
+TFLite builtins and ONNX, unlike a scatter or `XlaDynamicUpdateSlice`.
+
+For export the cache travels as one tensor per model,
+`(num_layers, 2, batch, max_length, num_key_value_heads, head_dim)`
+(`stack_cache` / `unstack_cache`), and the cross-attention cache likewise.
+"""
+
+from keras import ops
+
+from keras_attn.layers.multi_head_attention import write_cache  # noqa: F401
+
+
+def empty_cache(batch_size, max_length, num_layers, num_key_value_heads, head_dim,
+                dtype="float32"):
+    """Zero self-attention caches: a list of `num_layers` dicts."""
+    shape = (batch_size, max_length, num_key_value_heads, head_dim)
+    return [
+        {
+            "self_attention": (ops.zeros(shape, dtype), ops.zeros(shape, dtype)),
+            "cross_attention": None,
+        }
+        for _ in range(num_layers)
+    ]
+
+
+def stack_cache(cache, part="self_attention"):
+    """One `(num_layers, 2, B, L, H_kv, D)` tensor from a cache list."""
+    return ops.stack([ops.stack(list(layer[part]), axis=0) for layer in cache], axis=0)
+
+
+def unstack_cache(stacked, cross=None):
+    """Inverse of `stack_cache`; `cross` is an optional stacked cross-attention cache."""
+    num_layers = stacked.shape[0]
+    cache = []
+    for i in range(num_layers):
+        entry = {"self_attention": (stacked[i, 0], stacked[i, 1]), "cross_attention": None}
+        if cross is not None:
+            entry["cross_attention"] = (cross[i, 0], cross[i, 1])
+        cache.append(entry)
+    return cache
+
+
+def gather_batch(cache, indices):
+    """Reorders every cache tensor along the batch axis (beam search)."""
+    out = []
+    for layer in cache:
+        entry = {}
+        for name, pair in layer.items():
+            entry[name] = None if pair is None else tuple(ops.take(t, indices, axis=0) for t in pair)
+        out.append(entry)
+    return out

@@ -1,0 +1,197 @@
+"""Small reference language models with a cached decoding path.
+
+`DecoderOnlyLM` and `Seq2SeqLM` are built from keras_attn layers and expose
+the protocol the search functions and exporters use:
+
+- `init_cache(batch_size, max_length)` -> cache list (see `cache.py`),
+- `call_with_cache(token_ids, cache, cache_index, ...)` -> `(logits, cache)`,
+- `Seq2SeqLM.encode(encoder_ids)` -> `(encoder_outputs, encoder_padding_mask)`.
+
+The plain `call` recomputes everything (the reference for cached decoding).
+Any model offering the same three methods works with `keras_attn.generation`.
+"""
+
+import keras
+from keras import ops
+
+from keras_attn.generation import cache as cache_lib
+from keras_attn.layers import _common
+from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
+from keras_attn.layers.transformer_decoder_block import TransformerDecoderBlock
+from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
+
+
+class _LMBase(keras.Model):
+    def __init__(
+        self,
+        vocabulary_size,
+        sequence_length,
+        hidden_dim,
+        num_layers,
+        num_heads,
+        intermediate_dim,
+        num_key_value_heads=None,
+        position="sinusoidal",
+        pad_token_id=0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.vocabulary_size = _common.check_positive_int("vocabulary_size", vocabulary_size)
+        self.sequence_length = _common.check_positive_int("sequence_length", sequence_length)
+        self.hidden_dim = _common.check_positive_int("hidden_dim", hidden_dim)
+        self.num_layers = _common.check_positive_int("num_layers", num_layers)
+        self.num_heads = _common.check_positive_int("num_heads", num_heads)
+        self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)
+        self.num_key_value_heads = num_key_value_heads or num_heads
+        self.position = _common.check_choice("position", position, ("sinusoidal", "learned", "rotary"))
+        self.pad_token_id = pad_token_id
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"`hidden_dim` must be divisible by `num_heads`. Received: "
+                f"hidden_dim={hidden_dim}, num_heads={num_heads}"
+            )
+        self.head_dim = hidden_dim // num_heads
+
+    def _embedding(self, name):
+        if self.position == "rotary":
+            return keras.layers.Embedding(self.vocabulary_size, self.hidden_dim, name=name)
+        return TokenAndPositionEmbedding(
+            self.vocabulary_size, self.sequence_length, self.hidden_dim,
+            position=self.position, name=name,
+        )
+
+    def _embed(self, layer, ids, start_index=0):
+        if self.position == "rotary":
+            return layer(ids)
+        return layer(ids, start_index=start_index)
+
+    def _decoder_blocks(self):
+        rotary = RotaryEmbedding() if self.position == "rotary" else None
+        return [
+            TransformerDecoderBlock(
+                self.num_heads, self.intermediate_dim,
+                num_key_value_heads=self.num_key_value_heads,
+                normalize_first=True, rotary_embedding=rotary, name=f"decoder_{i}",
+            )
+            for i in range(self.num_layers)
+        ]
+
+    def init_cache(self, batch_size, max_length, dtype="float32"):
+        return cache_lib.empty_cache(
+            batch_size, max_length, self.num_layers, self.num_key_value_heads,
+            self.head_dim, dtype,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            dict(
+                vocabulary_size=self.vocabulary_size, sequence_length=self.sequence_length,
+                hidden_dim=self.hidden_dim, num_layers=self.num_layers,
+                num_heads=self.num_heads, intermediate_dim=self.intermediate_dim,
+                num_key_value_heads=self.num_key_value_heads, position=self.position,
+                pad_token_id=self.pad_token_id,
+            )
+        )
+        return config
+
+
+@_common.register
+class DecoderOnlyLM(_LMBase):
+    """A pre-norm GPT-style language model of `TransformerDecoderBlock`s.
+
+    `call(token_ids)` gives `(B, T, vocabulary_size)` logits with causal
+    attention; `call_with_cache` does the same incrementally.
+
+    Example:
+
+    >>> import numpy as np
+    >>> lm = DecoderOnlyLM(50, 16, 16, num_layers=1, num_heads=2, intermediate_dim=32)
+    >>> tuple(lm(np.array([[3, 4, 5]])).shape)
+    (1, 3, 50)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.embedding = self._embedding("embedding")
+        self.blocks = self._decoder_blocks()
+        self.final_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")
+        self.lm_head = keras.layers.Dense(self.vocabulary_size, name="lm_head")
+
+    def call(self, token_ids, padding_mask=None):
+        x = self._embed(self.embedding, token_ids)
+        for block in self.blocks:
+            x = block(x, decoder_padding_mask=padding_mask)
+        return self.lm_head(self.final_norm(x))
+
+    def call_with_cache(self, token_ids, cache, cache_index, padding_mask=None):
+        """Logits of `token_ids` at positions `[cache_index, ...)` and the new cache.
+
+        `padding_mask` (optional) is `(B, max_length)` over the cache.
+        """
+        x = self._embed(self.embedding, token_ids, start_index=cache_index)
+        new_cache = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block(
+                x, decoder_padding_mask=padding_mask, cache=layer_cache, cache_index=cache_index
+            )
+            new_cache.append(layer_cache)
+        return self.lm_head(self.final_norm(x)), new_cache
+
+
+@_common.register
+class Seq2SeqLM(_LMBase):
+    """An encoder-decoder Transformer (`TransformerEncoderBlock`s + decoder blocks).
+
+    `call((encoder_ids, decoder_ids))` gives decoder logits; the encoder's
+    padding (`pad_token_id`) is masked in self- and cross-attention.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.encoder_embedding = self._embedding("encoder_embedding")
+        rotary = RotaryEmbedding() if self.position == "rotary" else None
+        self.encoder_blocks = [
+            TransformerEncoderBlock(
+                self.num_heads, self.intermediate_dim,
+                num_key_value_heads=self.num_key_value_heads, normalize_first=True,
+                rotary_embedding=rotary, name=f"encoder_{i}",
+            )
+            for i in range(self.num_layers)
+        ]
+        self.encoder_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="encoder_norm")
+        self.decoder_embedding = self._embedding("decoder_embedding")
+        self.blocks = self._decoder_blocks()
+        self.final_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")
+        self.lm_head = keras.layers.Dense(self.vocabulary_size, name="lm_head")
+
+    def encode(self, encoder_ids):
+        mask = ops.not_equal(encoder_ids, self.pad_token_id)
+        x = self._embed(self.encoder_embedding, encoder_ids)
+        for block in self.encoder_blocks:
+            x = block(x, padding_mask=mask)
+        return self.encoder_norm(x), mask
+
+    def call(self, inputs):
+        encoder_ids, decoder_ids = inputs
+        encoded, mask = self.encode(encoder_ids)
+        x = self._embed(self.decoder_embedding, decoder_ids)
+        for block in self.blocks:
+            x = block(x, encoded, encoder_padding_mask=mask)
+        return self.lm_head(self.final_norm(x))
+
+    def call_with_cache(self, token_ids, cache, cache_index, encoder_outputs=None,
+                        encoder_padding_mask=None):
+        """As `DecoderOnlyLM.call_with_cache`; the first call (prefill) needs
+        `encoder_outputs` and fills the cross-attention caches, later calls
+        need only `encoder_padding_mask`."""
+        x = self._embed(self.decoder_embedding, token_ids, start_index=cache_index)
+        new_cache = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block(
+                x, encoder_outputs, encoder_padding_mask=encoder_padding_mask,
+                cache=layer_cache, cache_index=cache_index,
+            )
+            new_cache.append(layer_cache)
+        return self.lm_head(self.final_norm(x)), new_cache

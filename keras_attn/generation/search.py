@@ -1,0 +1,252 @@
+"""Cached generation: greedy, sampling (temperature / top-k / top-p) and beam search.
+
+Each search is one `tf.function` (XLA-compatible with `jit_compile=True`):
+a prefill call over the (right-padded) prompt fills the cache, then a
+`tf.while_loop` feeds one token per step at `cache_index`, stopping at
+`max_length` or when every row has produced a stop token. Rows whose prompt
+is longer than the shortest one keep their prompt tokens until their prompt
+ends (so each row decodes exactly as it would alone, with right padding and
+no padding mask). After a row stops, it is filled with `pad_token_id`.
+
+The model must offer `init_cache`, `call_with_cache` and, for
+encoder-decoder models, `encode` (see `keras_attn.generation.models`).
+"""
+
+import weakref
+
+import tensorflow as tf
+
+_NEG = -1.0e9
+_FUNCTIONS = weakref.WeakKeyDictionary()
+
+
+def _check(max_length, prompt_ids, stop_token_ids):
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+        raise ValueError(
+            "Received an invalid value for argument `max_length`, expected a "
+            f"positive integer. Received: max_length={max_length!r}"
+        )
+    width = prompt_ids.shape[1]
+    if width is None or width < 1 or width > max_length:
+        raise ValueError(
+            "`prompt_ids` must be `(batch, prompt_width)` with 1 <= prompt_width "
+            f"<= max_length={max_length}. Received: prompt_ids.shape={tuple(prompt_ids.shape)}"
+        )
+    return tuple(int(t) for t in stop_token_ids)
+
+
+def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """Temperature scaling, then top-k and top-p (nucleus) filtering of `(B, V)` logits.
+
+    Filtered-out entries are set to -1e9. Top-p keeps the smallest set of
+    most likely tokens whose probability reaches `top_p` (at least one).
+    """
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0. Received: temperature={temperature!r}")
+    logits = tf.cast(logits, tf.float32) / temperature
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"`top_k` must be a positive int. Received: top_k={top_k!r}")
+        kth = tf.math.top_k(logits, k=top_k).values[:, -1:]
+        logits = tf.where(logits < kth, _NEG, logits)
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"`top_p` must be in (0, 1]. Received: top_p={top_p!r}")
+        sorted_logits = tf.sort(logits, axis=-1, direction="DESCENDING")
+        probs = tf.nn.softmax(sorted_logits, axis=-1)
+        before = tf.cumsum(probs, axis=-1, exclusive=True)
+        keep = before < top_p
+        # The smallest kept logit is the threshold (the first is always kept).
+        threshold = tf.reduce_min(tf.where(keep, sorted_logits, tf.float32.max), axis=-1, keepdims=True)
+        logits = tf.where(logits < threshold, _NEG, logits)
+    return logits
+
+
+def _column(x, index):
+    return tf.gather(x, index, axis=1)
+
+
+def _write_column(buffer, index, values):
+    hit = tf.equal(tf.range(tf.shape(buffer)[1]), index)
+    return tf.where(hit[None, :], values[:, None], buffer)
+
+
+def _prefill(model, prompt_ids, max_length, encoder_ids):
+    batch = tf.shape(prompt_ids)[0]
+    cache = model.init_cache(batch, max_length)
+    kwargs = {}
+    if encoder_ids is not None:
+        encoded, enc_mask = model.encode(encoder_ids)
+        _, cache = model.call_with_cache(prompt_ids, cache, 0, encoder_outputs=encoded,
+                                         encoder_padding_mask=enc_mask)
+        kwargs = {"encoder_padding_mask": enc_mask}
+    else:
+        _, cache = model.call_with_cache(prompt_ids, cache, 0)
+    return cache, kwargs
+
+
+def _buffers(prompt_ids, max_length, pad_token_id):
+    prompt_ids = tf.cast(prompt_ids, tf.int32)
+    width = prompt_ids.shape[1]
+    mask = tf.not_equal(prompt_ids, pad_token_id)
+    tokens = tf.pad(prompt_ids, [[0, 0], [0, max_length - width]], constant_values=pad_token_id)
+    mask = tf.pad(mask, [[0, 0], [0, max_length - width]], constant_values=False)
+    start = tf.maximum(tf.reduce_min(tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)), 1)
+    return tokens, mask, start
+
+
+def _decode_loop(model, prompt_ids, encoder_ids, max_length, stop_token_ids, pad_token_id, select):
+    tokens, prompt_mask, start = _buffers(prompt_ids, max_length, pad_token_id)
+    cache, kwargs = _prefill(model, tf.cast(prompt_ids, tf.int32), max_length, encoder_ids)
+    batch = tf.shape(tokens)[0]
+    stops = tf.constant(stop_token_ids or (-1,), tf.int32)
+
+    def cond(index, tokens, cache, done):
+        return tf.logical_and(index < max_length, tf.logical_not(tf.reduce_all(done)))
+
+    def body(index, tokens, cache, done):
+        previous = _column(tokens, index - 1)[:, None]
+        logits, cache = model.call_with_cache(previous, cache, index - 1, **kwargs)
+        chosen = tf.cast(select(logits[:, 0, :], index), tf.int32)
+        in_prompt = _column(prompt_mask, index)
+        chosen = tf.where(done, pad_token_id, chosen)
+        chosen = tf.where(in_prompt, _column(tokens, index), chosen)
+        stopped = tf.reduce_any(tf.equal(chosen[:, None], stops[None, :]), axis=1)
+        done = tf.logical_or(done, tf.logical_and(tf.logical_not(in_prompt), stopped))
+        return index + 1, _write_column(tokens, index, chosen), cache, done
+
+    done = tf.zeros((batch,), tf.bool)
+    _, tokens, _, _ = tf.while_loop(cond, body, (start, tokens, cache, done))
+    return tokens
+
+
+def _compiled(model, key, build, jit_compile):
+    table = _FUNCTIONS.setdefault(model, {})
+    if key not in table:
+        table[key] = tf.function(build, jit_compile=jit_compile, reduce_retracing=True)
+    return table[key]
+
+
+def _run(model, key, loop, prompt_ids, encoder_ids, jit_compile):
+    fn = _compiled(model, key + (encoder_ids is not None, jit_compile), loop, jit_compile)
+    prompt_ids = tf.convert_to_tensor(prompt_ids, tf.int32)
+    if encoder_ids is None:
+        return fn(prompt_ids, None)
+    return fn(prompt_ids, tf.convert_to_tensor(encoder_ids, tf.int32))
+
+
+def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token_ids=(),
+                  pad_token_id=0, jit_compile=False):
+    """Greedy cached decoding.
+
+    Args:
+        model: a model with `init_cache`, `call_with_cache` (and `encode`).
+        prompt_ids: `(B, P)` right-padded int prompt (pad = `pad_token_id`);
+            each row needs at least one token (the start token).
+        max_length: length of the returned sequences (prompt included), and
+            of the cache.
+        encoder_ids: `(B, T_enc)` encoder input for encoder-decoder models.
+        stop_token_ids: generation stops in a row after one of these.
+        pad_token_id: padding id of the prompt and of finished rows.
+        jit_compile: compile the whole loop with XLA.
+
+    Returns:
+        `(B, max_length)` int32 tokens (a tf.Tensor).
+    """
+    stops = _check(max_length, prompt_ids, stop_token_ids)
+
+    def loop(prompt_ids, encoder_ids):
+        return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
+                            lambda logits, index: tf.argmax(logits, axis=-1))
+
+    return _run(model, ("greedy", max_length, stops, pad_token_id), loop, prompt_ids,
+                encoder_ids, jit_compile)
+
+
+def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top_k=None,
+                    top_p=None, encoder_ids=None, stop_token_ids=(), pad_token_id=0,
+                    jit_compile=False):
+    """Cached sampling with temperature, top-k and top-p, reproducible from `seed`.
+
+    Each step draws with `tf.random.stateless_categorical` seeded by
+    `(seed, position)`, so a given seed gives the same tokens every run, with
+    or without XLA. Other arguments as `greedy_search`.
+    """
+    stops = _check(max_length, prompt_ids, stop_token_ids)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"`seed` must be an int. Received: seed={seed!r}")
+    filter_logits(tf.zeros((1, 2)), temperature, None, top_p)  # argument checks
+    if top_k is not None:
+        filter_logits(tf.zeros((1, top_k)), temperature, top_k, None)
+
+    def select(logits, index):
+        filtered = filter_logits(logits, temperature, top_k, top_p)
+        seeds = tf.stack([tf.constant(seed, tf.int32), tf.cast(index, tf.int32)])
+        return tf.random.stateless_categorical(filtered, 1, seed=seeds, dtype=tf.int32)[:, 0]
+
+    def loop(prompt_ids, encoder_ids):
+        return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id, select)
+
+    key = ("sample", max_length, stops, pad_token_id, seed, temperature, top_k, top_p)
+    return _run(model, key, loop, prompt_ids, encoder_ids, jit_compile)
+
+
+def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
+                stop_token_ids=(), pad_token_id=0, jit_compile=False, return_scores=False):
+    """Cached beam search (sum of log-probabilities, no length penalty).
+
+    Keeps `num_beams` hypotheses per row; the cache is stored per hypothesis
+    `(B * num_beams, ...)` and reordered with a gather when beams change.
+    A finished hypothesis is extended only by `pad_token_id` at no cost.
+    Returns the best `(B, max_length)` sequences (and their scores).
+    """
+    stops = _check(max_length, prompt_ids, stop_token_ids)
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"`num_beams` must be a positive int. Received: num_beams={num_beams!r}")
+    k = num_beams
+
+    def loop(prompt_ids, encoder_ids):
+        from keras_attn.generation import cache as cache_lib
+
+        batch = tf.shape(prompt_ids)[0]
+        tiled = tf.repeat(tf.cast(prompt_ids, tf.int32), k, axis=0)
+        enc = None if encoder_ids is None else tf.repeat(encoder_ids, k, axis=0)
+        tokens, prompt_mask, start = _buffers(tiled, max_length, pad_token_id)
+        cache, kwargs = _prefill(model, tiled, max_length, enc)
+        stop_ids = tf.constant(stops or (-1,), tf.int32)
+        first = tf.one_hot(tf.zeros((batch,), tf.int32), k, on_value=0.0, off_value=_NEG)
+        scores = tf.reshape(first, (-1,))
+        done = tf.zeros((batch * k,), tf.bool)
+
+        def cond(index, tokens, cache, done, scores):
+            return tf.logical_and(index < max_length, tf.logical_not(tf.reduce_all(done)))
+
+        def body(index, tokens, cache, done, scores):
+            previous = _column(tokens, index - 1)[:, None]
+            logits, cache = model.call_with_cache(previous, cache, index - 1, **kwargs)
+            log_probs = tf.nn.log_softmax(tf.cast(logits[:, 0, :], tf.float32), axis=-1)
+            vocab = tf.shape(log_probs)[1]
+            in_prompt = _column(prompt_mask, index)
+            forced = tf.where(in_prompt, _column(tokens, index), pad_token_id)
+            only = tf.one_hot(forced, vocab, on_value=0.0, off_value=_NEG)
+            log_probs = tf.where((in_prompt | done)[:, None], only, log_probs)
+            total = tf.reshape(scores[:, None] + log_probs, (batch, k * vocab))
+            top_scores, top_index = tf.math.top_k(total, k=k)
+            source = tf.reshape(top_index // vocab + tf.range(batch)[:, None] * k, (-1,))
+            chosen = tf.reshape(top_index % vocab, (-1,))
+            tokens = tf.gather(tokens, source)
+            cache = cache_lib.gather_batch(cache, source)
+            done = tf.gather(done, source)
+            in_prompt = tf.gather(in_prompt, source)
+            stopped = tf.reduce_any(tf.equal(chosen[:, None], stop_ids[None, :]), axis=1)
+            done = tf.logical_or(done, tf.logical_and(tf.logical_not(in_prompt), stopped))
+            tokens = _write_column(tokens, index, chosen)
+            return index + 1, tokens, cache, done, tf.reshape(top_scores, (-1,))
+
+        _, tokens, _, _, scores = tf.while_loop(cond, body, (start, tokens, cache, done, scores))
+        best = tf.range(batch) * k  # top_k sorts, so beam 0 is the best
+        return tf.gather(tokens, best), tf.gather(scores, best)
+
+    tokens, scores = _run(model, ("beam", max_length, stops, pad_token_id, k), loop, prompt_ids,
+                          encoder_ids, jit_compile)
+    return (tokens, scores) if return_scores else tokens
