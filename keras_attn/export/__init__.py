@@ -1,0 +1,34 @@
+"""Export Keras models to SavedModel (TF Serving), TFLite (LiteRT) and ONNX.
+
+Every exporter writes to a temporary path, runs the artifact on sample inputs,
+compares with the Keras model and only then moves it into place. This
+subpackage imports TensorFlow; `keras_attn.layers` do not.
+"""
+
+from keras_attn.export.check import ExportabilityReport, check_exportable
+from keras_attn.export.onnx import export_onnx
+from keras_attn.export.saved_model import export_saved_model
+from keras_attn.export.serving import predict_request, rest_predict_body
+from keras_attn.export.tflite import export_tflite
+from keras_attn.export.verify import (
+    ExportError,
+    ExportReport,
+    ParityError,
+    UnsupportedOpsError,
+    make_samples,
+)
+
+__all__ = [
+    "ExportError",
+    "ExportReport",
+    "ExportabilityReport",
+    "ParityError",
+    "UnsupportedOpsError",
+    "check_exportable",
+    "export_onnx",
+    "export_saved_model",
+    "export_tflite",
+    "make_samples",
+    "predict_request",
+    "rest_predict_body",
+]

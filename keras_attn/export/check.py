@@ -1,0 +1,90 @@
+"""`check_exportable`: find what would block an export, before exporting."""
+
+import dataclasses
+
+import keras
+
+from keras_attn.export import onnx as onnx_lib
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import tflite as tflite_lib
+from keras_attn.export import verify
+
+FORMATS = ("saved_model", "tflite", "onnx")
+
+
+@dataclasses.dataclass
+class ExportabilityReport:
+    """Per format: None when it converts, else the reason it does not.
+
+    Attributes:
+        problems: `{format: message}` for each format that would fail.
+        tf_ops: the TF op types of the serving graph.
+        warnings: things that convert but deserve attention (e.g. Lambda
+            layers, which `keras.saving.load_model(safe_mode=True)` refuses).
+    """
+
+    problems: dict
+    tf_ops: list
+    warnings: list
+
+    @property
+    def ok(self):
+        return not self.problems
+
+    def __str__(self):
+        lines = ["exportable" if self.ok else "NOT exportable"]
+        lines += [f"  {fmt}: {msg}" for fmt, msg in self.problems.items()]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def check_exportable(model, formats=FORMATS):
+    """Converts `model` in memory to each format and reports what fails.
+
+    TFLite is converted with builtin ops only, so any op that would need Flex
+    (`SELECT_TF_OPS`) is reported with the layer it comes from; ONNX is
+    converted with tf2onnx and any TF op it cannot map is reported. Nothing is
+    written and nothing is verified numerically (the exporters do that).
+
+    Example:
+
+    >>> import keras, keras_attn
+    >>> x = keras.Input((None, 8), name="x")
+    >>> m = keras.Model(x, keras_attn.MultiHeadAttention(2, 4)(x, x, use_causal_mask=True))
+    >>> check_exportable(m, formats=("tflite",)).ok
+    True
+    """
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ValueError(
+            f"Received an invalid value for argument `formats`, expected a "
+            f"non-empty subset of {list(FORMATS)}. Received: formats={formats!r}"
+        )
+    verify.input_specs(model)
+    problems = {}
+    warnings = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.Lambda):
+            warnings.append(
+                f"Lambda layer '{layer.name}': keras.saving.load_model(safe_mode=True) "
+                "(used by `keras-attn export`) refuses it; write a registered layer."
+            )
+    import tensorflow as tf
+
+    serve, signature = saved_model_lib.serving_function(model)
+    concrete = tf.function(serve, input_signature=signature, autograph=False)
+    try:
+        tf_ops = saved_model_lib.graph_op_types(concrete.get_concrete_function())
+    except Exception as error:  # tracing errors of user layers vary
+        return ExportabilityReport({"saved_model": f"tracing failed: {error}"}, [], warnings)
+    if "tflite" in formats:
+        try:
+            tflite_lib.convert(model)
+        except verify.ExportError as error:
+            problems["tflite"] = str(error).splitlines()[0][:2000]
+    if "onnx" in formats:
+        try:
+            onnx_lib.convert(model)
+        except verify.ExportError as error:
+            problems["onnx"] = str(error).splitlines()[0][:2000]
+    return ExportabilityReport(problems, tf_ops, warnings)

@@ -1,0 +1,80 @@
+"""`keras-attn export`: export a `.keras` model to SavedModel, TFLite and ONNX."""
+
+import os
+import sys
+
+FORMATS = ("saved_model", "tflite", "onnx")
+QUANTIZE = ("none", "float16", "dynamic", "int8")
+
+
+def add_parser(subparsers):
+    parser = subparsers.add_parser(
+        "export",
+        help="export a .keras model to SavedModel / TFLite / ONNX and verify it",
+        description=__doc__,
+    )
+    parser.add_argument("model", help="path to a .keras file (loaded with safe_mode=True)")
+    parser.add_argument("--format", default="all", choices=FORMATS + ("all",))
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--quantize",
+        nargs="+",
+        default=["none"],
+        choices=QUANTIZE,
+        help="TFLite variants to write (several allowed, e.g. none dynamic)",
+    )
+    parser.add_argument("--model-name", default=None, help="TF Serving model name")
+    parser.add_argument("--version", type=int, default=1, help="TF Serving version")
+    parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
+    parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
+    return parser
+
+
+def run(args):
+    import keras
+
+    import keras_attn  # noqa: F401  registers the layers for deserialisation
+    from keras_attn import export
+
+    if not os.path.isfile(args.model):
+        print(f"error: no such model file: {args.model}", file=sys.stderr)
+        return 2
+    print(f"loading {args.model} (safe_mode=True)", flush=True)
+    model = keras.saving.load_model(args.model, safe_mode=True)
+    name = args.model_name or os.path.splitext(os.path.basename(args.model))[0]
+    formats = FORMATS if args.format == "all" else (args.format,)
+    kwargs = {} if args.atol is None else {"atol": args.atol}
+    failed = 0
+    for fmt in formats:
+        jobs = [(fmt, None)]
+        if fmt == "tflite":
+            jobs = [(fmt, None if q == "none" else q) for q in args.quantize]
+        for fmt_, quant in jobs:
+            label = fmt_ + (f" ({quant})" if quant else "")
+            print(f"exporting {label} ...", flush=True)
+            try:
+                if fmt_ == "saved_model":
+                    report = export.export_saved_model(
+                        model, os.path.join(args.out, "saved_model"), model_name=name,
+                        version=args.version, **kwargs,
+                    )
+                elif fmt_ == "tflite":
+                    suffix = f"_{quant}" if quant else ""
+                    if quant == "int8":
+                        print("  int8: calibrating on random inputs from the input specs; "
+                              "use export_tflite(representative_dataset=...) with real data")
+                    report = export.export_tflite(
+                        model, os.path.join(args.out, f"{name}{suffix}.tflite"),
+                        quantization=quant, **kwargs,
+                    )
+                else:
+                    report = export.export_onnx(
+                        model, os.path.join(args.out, f"{name}.onnx"), opset=args.opset,
+                        **kwargs,
+                    )
+            except (export.ExportError, ValueError, OSError) as error:
+                failed += 1
+                print(f"  FAILED: {type(error).__name__}: {error}", file=sys.stderr)
+                continue
+            print(report, flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,139 @@
+"""ONNX export via tf2onnx, verified in onnxruntime."""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import verify
+
+OPSETS = (17, 18)
+
+
+def _rename_value(graph, old, new):
+    """Renames a tensor everywhere in an ONNX graph."""
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        node.output[:] = [new if name == old else name for name in node.output]
+    for value in list(graph.output) + list(graph.input) + list(graph.value_info):
+        if value.name == old:
+            value.name = new
+
+
+def unsupported_onnx_ops(model_proto):
+    """Op types in the graph that no ONNX opset defines (left over from TF)."""
+    import onnx
+
+    bad = set()
+    for node in model_proto.graph.node:
+        if not onnx.defs.has(node.op_type, node.domain or ""):
+            bad.add(f"{node.op_type}" + (f" ({node.domain})" if node.domain else ""))
+    return sorted(bad)
+
+
+def convert(model, *, opset=17):
+    """Converts `model` to an ONNX ModelProto named like the Keras model.
+
+    Inputs keep the `keras.Input` names, outputs the model's output names;
+    dynamic axes are named `batch` (axis 0) and `<input>_dim<k>`.
+    """
+    if opset not in OPSETS:
+        raise ValueError(
+            "Received an invalid value for argument `opset`, expected one of "
+            f"{list(OPSETS)}. Received: opset={opset!r}"
+        )
+    import tf2onnx
+
+    specs = verify.input_specs(model)
+    names = verify.output_names(model)
+    serve, _ = saved_model_lib.serving_function(model)
+    signature = [tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs]
+
+    @tf.function(input_signature=signature, autograph=False)
+    def flat_serve(*args):
+        outputs = serve({s.name: x for s, x in zip(specs, args)})
+        return [outputs[n] for n in names]
+
+    try:
+        model_proto, _ = tf2onnx.convert.from_function(
+            flat_serve, input_signature=signature, opset=opset
+        )
+    except Exception as error:  # tf2onnx raises many exception types
+        raise verify.ExportError(f"tf2onnx could not convert the model: {error}") from error
+    bad = unsupported_onnx_ops(model_proto)
+    if bad:
+        raise verify.UnsupportedOpsError(
+            f"tf2onnx left TensorFlow ops it cannot convert to ONNX opset {opset}: "
+            f"{bad}. Run check_exportable(model) to see which layers use them."
+        )
+    graph = model_proto.graph
+    for output, name in zip(list(graph.output), names):
+        if output.name != name:
+            _rename_value(graph, output.name, name)
+    for graph_input, spec in zip(graph.input, specs):
+        if graph_input.name != spec.name:
+            _rename_value(graph, graph_input.name, spec.name)
+        dims = graph_input.type.tensor_type.shape.dim
+        for axis, dim in enumerate(dims):
+            if not dim.HasField("dim_value"):
+                dim.dim_param = "batch" if axis == 0 else f"{spec.name}_dim{axis}"
+    return model_proto
+
+
+def run_onnx(model_bytes, sample, output_names):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    return [np.asarray(x) for x in session.run(output_names, sample)]
+
+
+def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True):
+    """Exports `model` to ONNX with tf2onnx and verifies it in onnxruntime.
+
+    Args:
+        model: a built functional or Sequential Keras model.
+        path: the `.onnx` file to write.
+        opset: ONNX opset, 17 or 18.
+        sample_inputs: inputs to verify with (see `export_saved_model`).
+        atol: max abs difference allowed between onnxruntime and Keras.
+        overwrite: replace an existing file.
+
+    Returns:
+        An `ExportReport` with the ONNX op types used.
+
+    Raises:
+        UnsupportedOpsError: tf2onnx cannot convert some TF op.
+        ParityError: onnxruntime differs from Keras beyond `atol`.
+    """
+    specs = verify.input_specs(model)
+    names = verify.output_names(model)
+    atol = verify.resolve_atol(atol, 1e-4)
+    samples = verify.normalize_samples(model, sample_inputs)
+    with verify.staged(path, "path", overwrite) as tmp:
+        model_proto = convert(model, opset=opset)
+        content = model_proto.SerializeToString()
+        with open(tmp, "wb") as f:
+            f.write(content)
+        checks = []
+        for sample in samples:
+            got = run_onnx(content, sample, names)
+            ref = verify.keras_outputs(model, sample)
+            err = verify.compare(ref, got, names, "ONNX")
+            checks.append({"shapes": verify.shapes_of(sample), "max_abs_error": err})
+        worst = verify.check_parity("ONNX", checks, atol, os.path.abspath(path))
+        ops = sorted({node.op_type for node in model_proto.graph.node})
+    return verify.ExportReport(
+        format="onnx",
+        path=os.path.abspath(path),
+        size_bytes=len(content),
+        max_abs_error=worst,
+        atol=atol,
+        ops=ops,
+        checks=checks,
+        details={
+            "opset": opset,
+            "inputs": [i.name for i in model_proto.graph.input],
+            "outputs": [o.name for o in model_proto.graph.output],
+        },
+    )

@@ -1,0 +1,144 @@
+"""SavedModel export laid out for TF Serving: `<dir>/<model_name>/<version>/`."""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_attn.export import verify
+
+SIGNATURE_KEY = "serving_default"
+
+
+def serving_function(model):
+    """A `serve(inputs: dict) -> dict` function and its input signature.
+
+    Inputs and outputs are keyed by the names of the model's `keras.Input`s
+    and outputs; the batch axis (and every axis the model leaves as None, e.g.
+    the sequence) is dynamic.
+    """
+    specs = verify.input_specs(model)
+    names = verify.output_names(model)
+    signature = {s.name: tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs}
+
+    def serve(inputs):
+        args = [inputs[s.name] for s in specs]
+        outputs = model(args if len(args) > 1 else args[0], training=False)
+        flat = keras.tree.flatten(outputs)
+        return {name: tensor for name, tensor in zip(names, flat)}
+
+    return serve, [signature]
+
+
+def write_saved_model(model, path):
+    """Writes the serving SavedModel of `model` at `path` (no verification)."""
+    serve, input_signature = serving_function(model)
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint(SIGNATURE_KEY, serve, input_signature=input_signature)
+    archive.write_out(path, verbose=False)
+
+
+def graph_op_types(concrete_function):
+    """Sorted TF op types of a concrete function, nested functions included."""
+    graph_def = concrete_function.graph.as_graph_def()
+    ops = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        ops.update(node.op for node in function.node_def)
+    return sorted(ops)
+
+
+def signature_description(signature_fn):
+    inputs = signature_fn.structured_input_signature[1]
+    outputs = signature_fn.structured_outputs
+    describe = lambda spec: {"dtype": spec.dtype.name, "shape": list(spec.shape)}  # noqa: E731
+    return {
+        "inputs": {k: describe(v) for k, v in inputs.items()},
+        "outputs": {k: describe(v) for k, v in outputs.items()},
+    }
+
+
+def export_saved_model(
+    model,
+    export_dir,
+    *,
+    model_name=None,
+    version=1,
+    sample_inputs=None,
+    atol=1e-4,
+    overwrite=True,
+):
+    """Exports `model` as a TF Serving SavedModel and verifies it against Keras.
+
+    Writes `<export_dir>/<model_name>/<version>/` with one `serving_default`
+    signature whose inputs and outputs carry the names of the model's
+    `keras.Input`s and outputs, with dynamic batch (and sequence) axes. The
+    SavedModel needs no keras_attn code to load or serve.
+
+    Args:
+        model: a built functional or Sequential Keras model.
+        export_dir: the TF Serving model base directory's parent.
+        model_name: the model's name for TF Serving; defaults to `model.name`.
+        version: positive integer version directory.
+        sample_inputs: inputs to verify with (array, list, dict by input name,
+            or a list of dicts); None generates two sets with different batch
+            sizes and sequence lengths from the model's input specs.
+        atol: max abs difference allowed between SavedModel and Keras.
+        overwrite: replace an existing version directory.
+
+    Returns:
+        An `ExportReport` (path, size, max abs error, TF ops, signature).
+
+    Raises:
+        ValueError: bad arguments, an unbuilt model, an unwritable path.
+        ParityError: the loaded SavedModel differs from Keras beyond `atol`.
+    """
+    specs = verify.input_specs(model)
+    if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
+        raise ValueError(
+            "Received an invalid value for argument `version`, expected a "
+            f"positive integer. Received: version={version!r}"
+        )
+    model_name = model.name if model_name is None else model_name
+    if not isinstance(model_name, str) or not model_name or os.sep in model_name:
+        raise ValueError(
+            "Received an invalid value for argument `model_name`, expected a "
+            f"non-empty name without '{os.sep}'. Received: model_name={model_name!r}"
+        )
+    atol = verify.resolve_atol(atol, 1e-4)
+    samples = verify.normalize_samples(model, sample_inputs)
+    path = os.path.join(os.fspath(export_dir), model_name, str(version))
+    names = verify.output_names(model)
+
+    with verify.staged(path, "export_dir", overwrite) as tmp:
+        write_saved_model(model, tmp)
+        loaded = tf.saved_model.load(tmp)
+        signature = loaded.signatures[SIGNATURE_KEY]
+        checks = []
+        for sample in samples:
+            got = signature(**{k: tf.constant(v) for k, v in sample.items()})
+            got = [np.asarray(got[n]) for n in names]
+            ref = verify.keras_outputs(model, sample)
+            err = verify.compare(ref, got, names, "SavedModel")
+            checks.append({"shapes": verify.shapes_of(sample), "max_abs_error": err})
+        worst = verify.check_parity("SavedModel", checks, atol, path)
+        ops = graph_op_types(signature)
+        description = signature_description(signature)
+        size = verify.size_of(tmp)
+    return verify.ExportReport(
+        format="saved_model",
+        path=os.path.abspath(path),
+        size_bytes=size,
+        max_abs_error=worst,
+        atol=atol,
+        ops=ops,
+        checks=checks,
+        details={
+            "model_name": model_name,
+            "version": version,
+            "signature": description,
+            "inputs": [s.name for s in specs],
+            "outputs": names,
+        },
+    )

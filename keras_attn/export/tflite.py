@@ -1,0 +1,224 @@
+"""TFLite / LiteRT export with builtin ops only, verified in LiteRT."""
+
+import os
+import re
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import verify
+
+QUANTIZATIONS = (None, "float16", "dynamic", "int8")
+# Default `atol` per quantization: float32 must match Keras to 1e-4; the
+# quantised models are checked loosely by default (pass `atol` to tighten).
+DEFAULT_ATOL = {None: 1e-4, "float16": 1e-2, "dynamic": 0.25, "int8": 1.0}
+
+
+def _interpreter(model_content=None, model_path=None, delegates=True):
+    from ai_edge_litert import interpreter as litert
+
+    kwargs = {}
+    if not delegates:
+        kwargs["experimental_op_resolver_type"] = (
+            litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+        )
+    return litert.Interpreter(model_content=model_content, model_path=model_path, **kwargs)
+
+
+def tflite_op_names(model_content):
+    """Sorted builtin op names in a .tflite flatbuffer."""
+    interpreter = _interpreter(model_content=model_content, delegates=False)
+    return sorted({d["op_name"] for d in interpreter._get_ops_details()})
+
+
+def _flex_error(error):
+    """An UnsupportedOpsError naming the TF ops (and layers) that need Flex."""
+    text = str(error)
+    ops = re.findall(r"TF Select ops: ([^\n]+)", text)
+    ops = sorted({o.strip() for line in ops for o in line.split(",") if o.strip()})
+    where = sorted(set(re.findall(r'fused\["(\w+):", "([^"@]+)@', text)))
+    layers = sorted({f"{path} ({op})" for op, path in where if op in ops or not ops})
+    if not ops and "neither a custom op nor a flex op" not in text:
+        return None
+    return verify.UnsupportedOpsError(
+        "The model cannot be converted to TFLite with builtin ops only "
+        f"(TFLITE_BUILTINS). Ops that would need Flex (SELECT_TF_OPS): "
+        f"{ops or 'see below'}; at: {layers[:20]}. Use layers built from "
+        "keras.ops that lower to builtins, or run check_exportable(model)."
+    )
+
+
+def _representative(model, representative_dataset, input_names):
+    if representative_dataset is None:
+        source = [
+            verify.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)
+        ]
+    elif callable(representative_dataset):
+        source = representative_dataset()
+    else:
+        source = representative_dataset
+
+    def generator():
+        for item in source:
+            sample = verify.normalize_samples(model, item, "representative_dataset")[0]
+            yield {name: sample[name] for name in input_names}
+
+    return generator
+
+
+def convert(
+    model,
+    *,
+    quantization=None,
+    representative_dataset=None,
+    builtin_ops_only=True,
+):
+    """Converts `model` to TFLite bytes (no file written, no verification).
+
+    Returns:
+        `(bytes, details)`.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            "Received an invalid value for argument `quantization`, expected "
+            f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
+        )
+    if representative_dataset is not None and quantization != "int8":
+        raise ValueError(
+            "`representative_dataset` is only used with quantization='int8'. "
+            f"Received: quantization={quantization!r}"
+        )
+    specs = verify.input_specs(model)
+    details = {"quantization": quantization or "none"}
+    with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
+        saved = os.path.join(tmp, "saved_model")
+        saved_model_lib.write_saved_model(model, saved)
+
+        def make_converter(ops_sets):
+            converter = tf.lite.TFLiteConverter.from_saved_model(
+                saved, signature_keys=[saved_model_lib.SIGNATURE_KEY]
+            )
+            converter.target_spec.supported_ops = ops_sets
+            if quantization is not None:
+                converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            if quantization == "float16":
+                converter.target_spec.supported_types = [tf.float16]
+            if quantization == "int8":
+                converter.representative_dataset = _representative(
+                    model, representative_dataset, [s.name for s in specs]
+                )
+            return converter
+
+        builtins = [tf.lite.OpsSet.TFLITE_BUILTINS]
+        if not builtin_ops_only:
+            builtins.append(tf.lite.OpsSet.SELECT_TF_OPS)
+        try:
+            if quantization == "int8":
+                try:
+                    content = make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8]).convert()
+                    details["int8_ops"] = "all int8 (TFLITE_BUILTINS_INT8)"
+                except Exception:  # noqa: BLE001  some op has no int8 kernel
+                    content = make_converter(
+                        [tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins
+                    ).convert()
+                    details["int8_ops"] = "int8 where a kernel exists, float elsewhere"
+            else:
+                content = make_converter(builtins).convert()
+        except Exception as error:  # the converter raises ConverterError
+            flex = _flex_error(error)
+            if flex is not None:
+                raise flex from error
+            raise verify.ExportError(f"TFLite conversion failed: {error}") from error
+    return content, details
+
+
+def run_signature(model_content, sample, input_names, output_names):
+    """Runs the `serving_default` signature on one `{name: array}` sample."""
+    interpreter = _interpreter(model_content=model_content)
+    runner = interpreter.get_signature_runner(saved_model_lib.SIGNATURE_KEY)
+    outputs = runner(**{name: sample[name] for name in input_names})
+    return [np.asarray(outputs[name]) for name in output_names]
+
+
+def export_tflite(
+    model,
+    path,
+    *,
+    quantization=None,
+    representative_dataset=None,
+    sample_inputs=None,
+    atol=None,
+    builtin_ops_only=True,
+    overwrite=True,
+):
+    """Exports `model` to a `.tflite` file (LiteRT) and verifies it against Keras.
+
+    The model is converted with builtin ops only (no Flex / SELECT_TF_OPS),
+    keeps a `serving_default` signature with the Keras input and output names
+    and dynamic batch/sequence axes (use `resize_tensor_input`), and is run in
+    `ai_edge_litert.interpreter.Interpreter` on the sample inputs.
+
+    Args:
+        model: a built functional or Sequential Keras model.
+        path: the `.tflite` file to write.
+        quantization: None (float32), "float16" (float16 weights),
+            "dynamic" (int8 weights, float activations) or "int8" (int8
+            weights and activations, calibrated on `representative_dataset`;
+            the model's inputs and outputs stay float/int32).
+        representative_dataset: for "int8": an iterable, or a callable
+            returning one, of input sets (array, list or dict by input name).
+            None uses random inputs from the input specs (use real data for
+            accuracy).
+        sample_inputs: inputs to verify with (see `export_saved_model`).
+        atol: max abs difference allowed; None uses 1e-4 for float32, 1e-2
+            for float16, 0.25 for dynamic and 1.0 for int8.
+        builtin_ops_only: False allows Flex ops (needs the Flex delegate on
+            device); the default refuses them.
+        overwrite: replace an existing file.
+
+    Returns:
+        An `ExportReport` with the builtin ops used.
+
+    Raises:
+        UnsupportedOpsError: an op needs Flex.
+        ParityError: LiteRT's outputs differ from Keras beyond `atol`.
+    """
+    specs = verify.input_specs(model)
+    names = verify.output_names(model)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            "Received an invalid value for argument `quantization`, expected "
+            f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
+        )
+    atol = verify.resolve_atol(atol, DEFAULT_ATOL[quantization])
+    samples = verify.normalize_samples(model, sample_inputs)
+    with verify.staged(path, "path", overwrite) as tmp:
+        content, details = convert(
+            model,
+            quantization=quantization,
+            representative_dataset=representative_dataset,
+            builtin_ops_only=builtin_ops_only,
+        )
+        with open(tmp, "wb") as f:
+            f.write(content)
+        checks = []
+        for sample in samples:
+            got = run_signature(content, sample, [s.name for s in specs], names)
+            ref = verify.keras_outputs(model, sample)
+            err = verify.compare(ref, got, names, "TFLite")
+            checks.append({"shapes": verify.shapes_of(sample), "max_abs_error": err})
+        worst = verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
+        ops = tflite_op_names(content)
+    details.update({"inputs": [s.name for s in specs], "outputs": names})
+    return verify.ExportReport(
+        format="tflite",
+        path=os.path.abspath(path),
+        size_bytes=len(content),
+        max_abs_error=worst,
+        atol=atol,
+        ops=ops,
+        checks=checks,
+        details=details,
+    )
