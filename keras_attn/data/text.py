@@ -88,11 +88,25 @@ def load_text_classification(name=None, num_train=8000, num_test=1000, seed=0, d
 
 
 def make_vectorizer(texts, max_tokens=2000, sequence_length=32):
-    """A `TextVectorization` layer (lower-case, no punctuation) adapted on `texts`."""
+    """A `TextVectorization` layer (lower-case, punctuation stripped) for `texts`.
+
+    The vocabulary is counted here in Python and ordered by (-count, word), so
+    it is the same on every run and every worker (ties never depend on
+    hashing). `texts`: an iterable of Python strings or a dataset of strings.
+    """
+    import collections
+    import re
+
+    if isinstance(texts, tf.data.Dataset):
+        texts = (t.decode("utf-8") for t in texts.as_numpy_iterator())
+    counts = collections.Counter()
+    for text in texts:
+        counts.update(re.sub(r"[^\w\s]", " ", text.lower()).split())
+    vocabulary = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     layer = keras.layers.TextVectorization(
-        max_tokens=max_tokens, output_sequence_length=sequence_length
+        max_tokens=max_tokens, output_sequence_length=sequence_length,
+        vocabulary=vocabulary[: max_tokens - 2],
     )
-    layer.adapt(texts)
     return layer
 
 

@@ -1,0 +1,84 @@
+"""Ready-made models from keras_attn layers, used by the examples and the quickstart."""
+
+import keras
+
+from keras_attn.layers import (
+    TokenAndPositionEmbedding,
+    TransformerDecoderBlock,
+    TransformerEncoderBlock,
+)
+
+
+def seq2seq_transformer(
+    input_vocabulary_size,
+    target_vocabulary_size,
+    input_length,
+    target_length,
+    embedding_dim=64,
+    num_heads=4,
+    intermediate_dim=128,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    dropout=0.0,
+    name="seq2seq_transformer",
+):
+    """A Transformer encoder-decoder: token ids in, next-token logits out.
+
+    Returns `(model, attention_model)`. Both take
+    `{"encoder_inputs": (B, input_length), "decoder_inputs": (B, target_length)}`
+    (id 0 = padding); `model` returns float32 logits `(B, target_length, V)`,
+    `attention_model` (same weights) returns `(logits, cross_attention)` with
+    the last decoder block's cross-attention `(B, heads, target_length, input_length)`.
+    """
+    enc_in = keras.Input((input_length,), dtype="int32", name="encoder_inputs")
+    dec_in = keras.Input((target_length,), dtype="int32", name="decoder_inputs")
+    x = TokenAndPositionEmbedding(
+        input_vocabulary_size, input_length, embedding_dim, mask_zero=True,
+        name="encoder_embedding",
+    )(enc_in)
+    for i in range(num_encoder_layers):
+        x = TransformerEncoderBlock(
+            num_heads, intermediate_dim, dropout=dropout, name=f"encoder_{i}"
+        )(x)
+    y = TokenAndPositionEmbedding(
+        target_vocabulary_size, target_length, embedding_dim, mask_zero=True,
+        name="decoder_embedding",
+    )(dec_in)
+    scores = None
+    for i in range(num_decoder_layers):
+        y, scores = TransformerDecoderBlock(
+            num_heads, intermediate_dim, dropout=dropout, name=f"decoder_{i}"
+        )(y, x, return_attention_scores=True)
+    logits = keras.layers.Dense(target_vocabulary_size, dtype="float32", name="logits")(y)
+    inputs = {"encoder_inputs": enc_in, "decoder_inputs": dec_in}
+    model = keras.Model(inputs, logits, name=name)
+    attention_model = keras.Model(
+        inputs, [logits, scores["cross_attention"]], name=f"{name}_with_attention"
+    )
+    return model, attention_model
+
+
+def transformer_classifier(
+    vocabulary_size,
+    sequence_length,
+    num_classes=2,
+    embedding_dim=32,
+    num_heads=2,
+    intermediate_dim=64,
+    num_layers=1,
+    dropout=0.1,
+    name="transformer_classifier",
+):
+    """`TokenAndPositionEmbedding` + encoder blocks + masked mean pooling -> logits."""
+    ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
+    x = TokenAndPositionEmbedding(
+        vocabulary_size, sequence_length, embedding_dim, mask_zero=True, name="embedding"
+    )(ids)
+    for i in range(num_layers):
+        x = TransformerEncoderBlock(
+            num_heads, intermediate_dim, dropout=dropout, name=f"encoder_{i}"
+        )(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    x = keras.layers.Dropout(dropout)(x)
+    logits = keras.layers.Dense(num_classes, dtype="float32", name="logits")(x)
+    return keras.Model(ids, logits, name=name)

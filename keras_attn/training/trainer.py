@@ -1,0 +1,302 @@
+"""A strategy-aware custom training loop for Keras models.
+
+Keras 3's `model.fit` works under `tf.distribute.MirroredStrategy` but not
+under `MultiWorkerMirroredStrategy` (keras-team/keras#20585: it fails
+converting a `PerReplica` value). `Trainer` is the loop that works under
+both (and with no strategy at all): a `strategy.run` step inside a
+`tf.function`, the loss averaged over the *global* batch, gradients
+all-reduced by the Keras optimizer, dynamic loss scaling under mixed
+precision, Keras metrics, a log line every `log_every` steps, TensorBoard
+scalars, and `tf.train.CheckpointManager` checkpoints with resume.
+
+Multi-worker use: set `TF_CONFIG` on each worker, create
+`tf.distribute.MultiWorkerMirroredStrategy()` first thing, then build the
+model and optimizer inside `strategy.scope()` and call `Trainer.fit` on every
+worker. The chief writes checkpoints and summaries to the given
+directories; other workers write theirs to a scratch directory (every worker
+must take part in saving, because saving a distributed variable is a
+collective operation) and delete them.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import keras
+import tensorflow as tf
+
+
+def strategy_from_env(num_local_devices=None):
+    """`MultiWorkerMirroredStrategy` if `TF_CONFIG` names >1 worker, else `MirroredStrategy`.
+
+    `num_local_devices` (CPU only): split the CPU into that many logical
+    devices first; must be called before TensorFlow initialises its devices.
+    """
+    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
+    workers = config.get("cluster", {}).get("worker", [])
+    if num_local_devices:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * int(num_local_devices)
+        )
+    if len(workers) > 1:
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    devices = None
+    if num_local_devices:
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    return tf.distribute.MirroredStrategy(devices=devices)
+
+
+def _is_chief(strategy):
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    return task_type == "chief" or (
+        task_type == "worker"
+        and task_id == 0
+        and "chief" not in resolver.cluster_spec().as_dict()
+    )
+
+
+class Trainer:
+    """Trains a Keras model with a `strategy.run` loop; checkpoints and resumes.
+
+    Create the model and the optimizer inside `strategy.scope()` before
+    building the `Trainer` (the trainer builds the optimizer's slots there).
+
+    Args:
+        model: a Keras model; called as `model(x, training=True)`.
+        optimizer: a Keras optimizer. With a `mixed_float16` global policy it
+            is wrapped in `keras.optimizers.LossScaleOptimizer` unless it
+            already is one.
+        loss: a Keras loss (its reduction is replaced by per-example
+            losses averaged over the global batch).
+        global_batch_size: examples per step summed over all replicas.
+        strategy: a `tf.distribute.Strategy`; the default (no-op) strategy
+            when None.
+        metrics: Keras metrics updated with `(y, logits)` each step.
+        checkpoint_dir: where `tf.train.CheckpointManager` keeps
+            checkpoints; training resumes from the latest one.
+        checkpoint_every: steps between checkpoints (and one at the end).
+        max_to_keep: checkpoints kept.
+        log_dir: TensorBoard directory for `loss`, metrics and `loss_scale`.
+        log_every: steps between log lines and summaries.
+        jit_compile: XLA-compile the replica step.
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        loss,
+        global_batch_size,
+        strategy=None,
+        metrics=(),
+        checkpoint_dir=None,
+        checkpoint_every=100,
+        max_to_keep=3,
+        log_dir=None,
+        log_every=10,
+        jit_compile=False,
+    ):
+        if not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ValueError(
+                "Received an invalid value for argument `global_batch_size`, expected "
+                f"a positive integer. Received: global_batch_size={global_batch_size!r}"
+            )
+        for name, value in (("checkpoint_every", checkpoint_every), ("log_every", log_every)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Received an invalid value for argument `{name}`, expected a "
+                    f"positive integer. Received: {name}={value!r}"
+                )
+        self.strategy = strategy or tf.distribute.get_strategy()
+        if global_batch_size % self.strategy.num_replicas_in_sync:
+            raise ValueError(
+                f"`global_batch_size` ({global_batch_size}) must be divisible by the "
+                f"number of replicas ({self.strategy.num_replicas_in_sync})."
+            )
+        self.model = model
+        loss = keras.losses.get(loss)
+        if isinstance(loss, keras.losses.Loss):
+            # Per-example values: the trainer averages over the global batch.
+            config = loss.get_config()
+            config["reduction"] = None
+            loss = loss.__class__.from_config(config)
+        self.loss = loss
+        self.global_batch_size = global_batch_size
+        self.metrics = list(metrics)
+        self.checkpoint_every = checkpoint_every
+        self.log_every = log_every
+        self.jit_compile = jit_compile
+        self.is_chief = _is_chief(self.strategy)
+        with self.strategy.scope():
+            if keras.mixed_precision.global_policy().name == "mixed_float16" and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer
+            ):
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            self.optimizer = optimizer
+            self.optimizer.build(model.trainable_variables)
+            self.step = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="step",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            self.loss_sum = keras.metrics.Mean(name="loss")
+        self.checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=self.optimizer, step=self.step
+        )
+        self.checkpoint_dir = checkpoint_dir
+        self._scratch_dir = None
+        self.manager = None
+        if checkpoint_dir is not None:
+            directory = checkpoint_dir
+            if not self.is_chief:
+                resolver = self.strategy.cluster_resolver
+                directory = os.path.join(
+                    checkpoint_dir, f".scratch_{resolver.task_type}_{resolver.task_id}"
+                )
+                self._scratch_dir = directory
+            self.manager = tf.train.CheckpointManager(
+                self.checkpoint, directory, max_to_keep=max_to_keep
+            )
+        self.writer = None
+        if log_dir is not None:
+            if self.is_chief:
+                self.writer = tf.summary.create_file_writer(log_dir)
+            else:
+                self.writer = tf.summary.create_noop_writer()
+        self._train_step = None
+        self.history = []
+
+    # -- checkpoints -------------------------------------------------------
+    def restore(self):
+        """Restores the latest checkpoint of `checkpoint_dir`; returns the step (0 if none).
+
+        Every worker reads the chief's checkpoint, so all start equal.
+        """
+        if self.checkpoint_dir is None:
+            return int(self.step.numpy())
+        latest = tf.train.latest_checkpoint(self.checkpoint_dir)
+        if latest:
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+        return int(self.step.numpy())
+
+    def save(self):
+        if self.manager is None:
+            return None
+        path = self.manager.save(checkpoint_number=self.step)
+        if self._scratch_dir is not None:
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
+        return path
+
+    # -- the step ----------------------------------------------------------
+    def _replica_step(self, x, y):
+        with tf.GradientTape() as tape:
+            logits = self.model(x, training=True)
+            per_example = self.loss(y, logits)
+            # Sum over every axis but the batch, the mean per example:
+            per_example = tf.reshape(tf.cast(per_example, tf.float32), [tf.shape(y)[0], -1])
+            per_example = tf.reduce_mean(per_example, axis=1)
+            loss = tf.nn.compute_average_loss(
+                per_example, global_batch_size=self.global_batch_size
+            )
+            if self.model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+            scaled = (
+                self.optimizer.scale_loss(loss)
+                if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+                else loss
+            )
+        grads = tape.gradient(scaled, self.model.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        for metric in self.metrics:
+            metric.update_state(y, logits)
+        return loss
+
+    def _make_train_step(self):
+        replica_step = self._replica_step
+        if self.jit_compile:
+            replica_step = tf.function(replica_step, jit_compile=True)
+
+        @tf.function
+        def train_step(iterator):
+            x, y = next(iterator)
+            per_replica_loss = self.strategy.run(replica_step, args=(x, y))
+            loss = self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
+            self.loss_sum.update_state(loss)
+            self.step.assign_add(1)
+            return loss
+
+        return train_step
+
+    # -- the loop ----------------------------------------------------------
+    def fit(self, input_fn, steps, on_step_end=None, verbose=True):
+        """Trains until the step counter reaches `steps` (resuming if a checkpoint exists).
+
+        Args:
+            input_fn: `input_context -> tf.data.Dataset` of per-replica
+                batches `(x, y)`, infinite (e.g. from
+                `keras_attn.data.distributed_input_fn`). On resume from step
+                `k`, the first `k` batches of each input pipeline are
+                skipped, so a resumed run sees the same data as an
+                uninterrupted one.
+            steps: the final value of the step counter.
+            on_step_end: optional `callable(step, loss)` called after each step.
+            verbose: print a log line every `log_every` steps.
+
+        Returns:
+            A list of `(step, loss)` pairs, one per log line.
+        """
+        start = self.restore()
+        replicas_per_pipeline = None
+
+        def skipped_input_fn(input_context):
+            nonlocal replicas_per_pipeline
+            replicas_per_pipeline = (
+                input_context.num_replicas_in_sync // input_context.num_input_pipelines
+            )
+            ds = input_fn(input_context)
+            return ds.skip(start * replicas_per_pipeline)
+
+        dataset = self.strategy.distribute_datasets_from_function(skipped_input_fn)
+        iterator = iter(dataset)
+        if self._train_step is None:
+            self._train_step = self._make_train_step()
+        begin = time.perf_counter()
+        step = start
+        while step < steps:
+            loss = self._train_step(iterator)
+            step = int(self.step.numpy())
+            loss_value = float(loss.numpy())
+            if on_step_end is not None:
+                on_step_end(step, loss_value)
+            if step % self.log_every == 0 or step == steps:
+                self._log(step, steps, begin, start)
+            if self.manager is not None and (step % self.checkpoint_every == 0 or step == steps):
+                self.save()
+        if self.writer is not None:
+            self.writer.flush()
+        return self.history
+
+    def _log(self, step, steps, begin, start):
+        values = {"loss": float(self.loss_sum.result().numpy())}
+        for metric in self.metrics:
+            values[metric.name] = float(metric.result().numpy())
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            values["loss_scale"] = float(self.optimizer.dynamic_scale.numpy())
+        self.history.append((step, values["loss"]))
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for name, value in values.items():
+                    tf.summary.scalar(name, value)
+        if self.is_chief:
+            elapsed = time.perf_counter() - begin
+            rate = (step - start) / elapsed if elapsed > 0 else 0.0
+            text = " - ".join(f"{k}: {v:.4f}" for k, v in values.items())
+            print(f"step {step}/{steps} - {text} - {rate:.1f} steps/s", file=sys.stdout, flush=True)
+        self.loss_sum.reset_state()
+        for metric in self.metrics:
+            metric.reset_state()
