@@ -60,8 +60,9 @@ class AlibiBias(keras.layers.Layer):
         k_pos = _positions.positions(ops.shape(key)[1])
         distance = ops.abs(q_pos[:, None] - k_pos[None, :])  # (T_q, T_k)
         slopes = ops.convert_to_tensor(alibi_slopes(self.num_heads, self.max_bias), "float32")
-        bias = -slopes[:, None, None] * distance[None, :, :]
-        return ops.cast(bias[None], self.compute_dtype)
+        # expand_dims, not None-indexing (a Flex-only StridedSlice in TFLite).
+        bias = -ops.reshape(slopes, (-1, 1, 1)) * ops.expand_dims(distance, 0)
+        return ops.cast(ops.expand_dims(bias, 0), self.compute_dtype)
 
     def compute_output_shape(self, query_shape, key_shape=None):
         key_shape = query_shape if key_shape is None else key_shape

@@ -113,11 +113,12 @@ class DotProductAttention(keras.layers.Layer):
         if attention_bias is not None:
             bias = attention_bias
             if len(bias.shape) == 3:
-                bias = bias[:, None]
+                bias = keras.ops.expand_dims(bias, 1)
         result = attention_ops.dot_product_attention(
-            query[:, :, None, :],
-            key_or_value[:, :, None, :],
-            value[:, :, None, :],
+            # expand_dims, not None-indexing (a Flex-only StridedSlice in TFLite).
+            keras.ops.expand_dims(query, 2),
+            keras.ops.expand_dims(key_or_value, 2),
+            keras.ops.expand_dims(value, 2),
             attention_mask=mask,
             bias=bias,
             scale=self._scale_value(),

@@ -309,14 +309,16 @@ def additive_attention(
     q = ops.cast(query_projection, "float32")
     k = ops.cast(key_projection, "float32")
     # (B, T_q, T_k, U) is the largest tensor materialised.
-    hidden = ops.tanh(q[:, :, None, :] + k[:, None, :, :])
+    # expand_dims, not None-indexing: the latter lowers to a StridedSlice
+    # with new_axis_mask that TFLite can only run with Flex.
+    hidden = ops.tanh(ops.expand_dims(q, 2) + ops.expand_dims(k, 1))
     logits = ops.einsum("bqku,u->bqk", hidden, ops.cast(score_weight, "float32"))
     mask = masking.normalize_attention_mask(
         attention_mask, batch_size=q.shape[0], query_length=q.shape[1]
     )
     result = attend_from_logits(
-        logits[:, None, :, :],
-        value[:, :, None, :],
+        ops.expand_dims(logits, 1),
+        ops.expand_dims(value, 2),
         mask=mask,
         dropout_rate=check_dropout("dropout_rate", dropout_rate),
         training=training,
