@@ -87,10 +87,14 @@ def _prefill(model, prompt_ids, max_length, encoder_ids):
 
 def _buffers(prompt_ids, max_length, pad_token_id):
     prompt_ids = tf.cast(prompt_ids, tf.int32)
-    width = prompt_ids.shape[1]
+    width = prompt_ids.shape[1] if prompt_ids.shape[1] is not None else tf.shape(prompt_ids)[1]
     mask = tf.not_equal(prompt_ids, pad_token_id)
-    tokens = tf.pad(prompt_ids, [[0, 0], [0, max_length - width]], constant_values=pad_token_id)
-    mask = tf.pad(mask, [[0, 0], [0, max_length - width]], constant_values=False)
+    padding = [[0, 0], [0, max_length - width]]
+    tokens = tf.pad(prompt_ids, padding, constant_values=pad_token_id)
+    mask = tf.pad(mask, padding, constant_values=False)
+    # Static (batch, max_length) shapes for the loop, whatever the prompt width.
+    tokens = tf.reshape(tokens, (-1, max_length))
+    mask = tf.reshape(mask, (-1, max_length))
     start = tf.maximum(tf.reduce_min(tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)), 1)
     return tokens, mask, start
 

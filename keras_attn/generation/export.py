@@ -1,0 +1,286 @@
+"""Export cached generation: prefill/decode (and generate) signatures.
+
+- SavedModel with signatures `prefill`, `decode` (cache in, cache out) and a
+  one-call greedy `generate` for TF Serving.
+- TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
+  `Interpreter.get_signature_runner`.
+- ONNX `prefill.onnx` and `decode.onnx` (tf2onnx) for onnxruntime.
+
+Signatures (decoder-only; encoder-decoder models add the marked parts):
+
+    prefill(token_ids: int32 (B, P) [, encoder_ids: int32 (B, T_enc)])
+        -> logits (B, P, V), cache (N, 2, B, max_length, H_kv, D)
+           [, cross_cache (N, 2, B, T_enc, H_kv, D), encoder_padding_mask bool (B, T_enc)]
+    decode(token_ids: int32 (B, 1), cache, index: int32 scalar
+           [, cross_cache, encoder_padding_mask])
+        -> logits (B, 1, V), cache
+    generate(prompt_ids: int32 (B, P) [, encoder_ids]) -> tokens int32 (B, max_length)
+
+`index` is the position of `token_ids` (prefill writes positions [0, P)).
+A greedy loop over these reproduces `greedy_search` token for token: feed the
+token at position `i - 1` with `index = i - 1` and take the argmax for `i`,
+starting at the shortest prompt length and keeping prompt tokens while a
+row's (right-padded) prompt lasts.
+"""
+
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from keras_attn.generation import cache as cache_lib
+from keras_attn.generation import search
+
+
+def _is_seq2seq(model):
+    return hasattr(model, "encode")
+
+
+def _cache_spec(model, batch_size, length, name):
+    one = model.init_cache(1, 1)
+    key = one[0]["self_attention"][0]
+    shape = (len(one), 2, batch_size, length, key.shape[2], key.shape[3])
+    return tf.TensorSpec(shape, tf.float32, name=name)
+
+
+def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
+                        encoder_length=None, stop_token_ids=(), pad_token_id=0):
+    """`{"prefill", "decode", "generate"}` tf.functions with input signatures.
+
+    Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
+    (SavedModel, ONNX); give them for TFLite, whose inputs are static.
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(
+            "Received an invalid value for argument `max_length`, expected an "
+            f"integer >= 2. Received: max_length={max_length!r}"
+        )
+    seq2seq = _is_seq2seq(model)
+    ids = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="token_ids")
+    enc_ids = tf.TensorSpec((batch_size, encoder_length), tf.int32, name="encoder_ids")
+    step = tf.TensorSpec((batch_size, 1), tf.int32, name="token_ids")
+    cache = _cache_spec(model, batch_size, max_length, "cache")
+    cross = _cache_spec(model, batch_size, encoder_length, "cross_cache")
+    enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
+    index = tf.TensorSpec((), tf.int32, name="index")
+    stops = tuple(int(t) for t in stop_token_ids)
+
+    def _prefill(token_ids, encoder_ids=None):
+        batch = tf.shape(token_ids)[0]
+        c = model.init_cache(batch, max_length)
+        if encoder_ids is None:
+            logits, c = model.call_with_cache(token_ids, c, 0)
+            return {"logits": logits, "cache": cache_lib.stack_cache(c)}
+        encoded, mask = model.encode(encoder_ids)
+        logits, c = model.call_with_cache(
+            token_ids, c, 0, encoder_outputs=encoded, encoder_padding_mask=mask
+        )
+        return {
+            "logits": logits,
+            "cache": cache_lib.stack_cache(c),
+            "cross_cache": cache_lib.stack_cache(c, "cross_attention"),
+            "encoder_padding_mask": mask,
+        }
+
+    def _decode(token_ids, cache, index, cross_cache=None, encoder_padding_mask=None):
+        c = cache_lib.unstack_cache(cache, cross_cache)
+        kwargs = {} if cross_cache is None else {"encoder_padding_mask": encoder_padding_mask}
+        logits, c = model.call_with_cache(token_ids, c, index, **kwargs)
+        return {"logits": logits, "cache": cache_lib.stack_cache(c)}
+
+    def _generate(prompt_ids, encoder_ids=None):
+        tokens = search._decode_loop(
+            model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
+            lambda logits, i: tf.argmax(logits, axis=-1),
+        )
+        return {"tokens": tokens}
+
+    prompt = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="prompt_ids")
+    if seq2seq:
+        prefill = tf.function(lambda token_ids, encoder_ids: _prefill(token_ids, encoder_ids),
+                              input_signature=[ids, enc_ids])
+        decode = tf.function(
+            lambda token_ids, cache, index, cross_cache, encoder_padding_mask: _decode(
+                token_ids, cache, index, cross_cache, encoder_padding_mask),
+            input_signature=[step, cache, index, cross, enc_mask])
+        generate = tf.function(lambda prompt_ids, encoder_ids: _generate(prompt_ids, encoder_ids),
+                               input_signature=[prompt, enc_ids])
+    else:
+        prefill = tf.function(lambda token_ids: _prefill(token_ids), input_signature=[ids])
+        decode = tf.function(lambda token_ids, cache, index: _decode(token_ids, cache, index),
+                             input_signature=[step, cache, index])
+        generate = tf.function(lambda prompt_ids: _generate(prompt_ids), input_signature=[prompt])
+    return {"prefill": prefill, "decode": decode, "generate": generate}
+
+
+def _module(model, functions):
+    module = tf.Module()
+    module.model = model
+    for name, fn in functions.items():
+        setattr(module, name, fn)
+    return module
+
+
+def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_id=0,
+                       include_generate=True):
+    """Writes a SavedModel with `prefill`, `decode` (and `generate`) signatures."""
+    fns = signature_functions(model, max_length=max_length, stop_token_ids=stop_token_ids,
+                              pad_token_id=pad_token_id)
+    if not include_generate:
+        fns.pop("generate")
+    module = _module(model, fns)
+    signatures = {name: fn.get_concrete_function() for name, fn in fns.items()}
+    tf.saved_model.save(module, path, signatures=signatures)
+    return path
+
+
+def _frozen_call(frozen, concrete):
+    names = sorted(concrete.structured_outputs)
+
+    def call(*args):
+        outputs = frozen(*args)
+        if isinstance(outputs, dict):
+            return outputs
+        return dict(zip(names, outputs))
+
+    return call
+
+
+def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None):
+    """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only."""
+    if _is_seq2seq(model) and encoder_length is None:
+        raise ValueError(
+            "Encoder-decoder models need a static `encoder_length` for TFLite. "
+            "Received: encoder_length=None"
+        )
+    fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
+                              prompt_length=prompt_length, encoder_length=encoder_length)
+    fns.pop("generate")
+    # With several signatures the converter keeps the weights as resource
+    # variables (VAR_HANDLE/READ_VARIABLE) that the interpreter never
+    # initialises, so each signature is frozen to constants first.
+    from tensorflow.python.framework import convert_to_constants
+
+    module = tf.Module()
+    for name, fn in fns.items():
+        concrete = fn.get_concrete_function()
+        frozen = convert_to_constants.convert_variables_to_constants_v2(concrete)
+        setattr(module, name, tf.function(_frozen_call(frozen, concrete),
+                                          input_signature=fn.input_signature))
+    with tempfile.TemporaryDirectory(prefix="keras_attn_gen_tflite_") as tmp:
+        signatures = {name: getattr(module, name).get_concrete_function() for name in fns}
+        tf.saved_model.save(module, tmp, signatures=signatures)
+        converter = tf.lite.TFLiteConverter.from_saved_model(
+            tmp, signature_keys=["prefill", "decode"]
+        )
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+        return converter.convert()
+
+
+def export_tflite(model, path, **kwargs):
+    """Writes `tflite_bytes(model, **kwargs)` to `path`; returns the path."""
+    content = tflite_bytes(model, **kwargs)
+    with open(path, "wb") as f:
+        f.write(content)
+    return path
+
+
+def _rename(graph, old, new):
+    for node in graph.node:
+        node.input[:] = [new if x == old else x for x in node.input]
+        node.output[:] = [new if x == old else x for x in node.output]
+    for value in list(graph.output) + list(graph.input):
+        if value.name == old:
+            value.name = new
+
+
+def _flattened(fn, out_names):
+    def flat(*args):
+        outputs = fn(*args)
+        return [outputs[k] for k in out_names]
+
+    return flat
+
+
+def onnx_models(model, *, max_length, opset=17):
+    """`{"prefill": ModelProto, "decode": ModelProto}` converted with tf2onnx.
+
+    Inputs and outputs carry the signature names, except that an output
+    named like an input gets `_out` appended (`cache_out`). Raises a ValueError if
+    tf2onnx leaves any op that is not a standard ONNX op.
+    """
+    import onnx
+    import tf2onnx
+
+    fns = signature_functions(model, max_length=max_length)
+    protos = {}
+    for name in ("prefill", "decode"):
+        concrete = fns[name].get_concrete_function()
+        specs = [tf.TensorSpec(t.shape, t.dtype, name=t.name.split(":")[0])
+                 for t in concrete.inputs if t.dtype != tf.resource]
+        out_names = sorted(concrete.structured_outputs)
+
+        flat_fn = tf.function(_flattened(fns[name], out_names), input_signature=specs,
+                              autograph=False)
+        proto, _ = tf2onnx.convert.from_function(flat_fn, input_signature=specs, opset=opset)
+        bad = sorted({n.op_type for n in proto.graph.node
+                      if not onnx.defs.has(n.op_type, n.domain or "")})
+        if bad:
+            raise ValueError(f"tf2onnx left non-ONNX ops in `{name}`: {bad}")
+        input_names = {spec.name for spec in specs}
+        for output, out_name in zip(list(proto.graph.output), out_names):
+            # ONNX names are unique per graph: `cache` in, `cache_out` out.
+            _rename(proto.graph, output.name, out_name + "_out" if out_name in input_names
+                    else out_name)
+        for graph_input, spec in zip(list(proto.graph.input), specs):
+            if graph_input.name != spec.name:
+                _rename(proto.graph, graph_input.name, spec.name)
+        protos[name] = proto
+    return protos
+
+
+def export_onnx(model, directory, *, max_length, opset=17):
+    """Writes `prefill.onnx` and `decode.onnx` into `directory`; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = {}
+    for name, proto in onnx_models(model, max_length=max_length, opset=opset).items():
+        paths[name] = os.path.join(directory, f"{name}.onnx")
+        with open(paths[name], "wb") as f:
+            f.write(proto.SerializeToString())
+    return paths
+
+
+def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
+                stop_token_ids=(), pad_token_id=0):
+    """Greedy decoding with two callables over NumPy dicts (any exported runtime).
+
+    `prefill(**inputs)` and `decode(**inputs)` take and return dicts named as
+    the signatures. NumPy only: this is the loop to copy into an app.
+    """
+    prompt_ids = np.asarray(prompt_ids, np.int32)
+    batch, width = prompt_ids.shape
+    tokens = np.full((batch, max_length), pad_token_id, np.int32)
+    tokens[:, :width] = prompt_ids
+    in_prompt = np.zeros((batch, max_length), bool)
+    in_prompt[:, :width] = prompt_ids != pad_token_id
+    inputs = {"token_ids": prompt_ids}
+    if encoder_ids is not None:
+        inputs["encoder_ids"] = np.asarray(encoder_ids, np.int32)
+    out = prefill(**inputs)
+    state = {"cache": out["cache"]}
+    if encoder_ids is not None:
+        state["cross_cache"] = out["cross_cache"]
+        state["encoder_padding_mask"] = out["encoder_padding_mask"]
+    done = np.zeros(batch, bool)
+    for i in range(max(int(in_prompt.sum(1).min()), 1), max_length):
+        if done.all():
+            break
+        out = decode(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
+        state["cache"] = out["cache"]
+        chosen = np.argmax(out["logits"][:, 0], axis=-1).astype(np.int32)
+        chosen = np.where(done, pad_token_id, chosen)
+        chosen = np.where(in_prompt[:, i], tokens[:, i], chosen)
+        done |= ~in_prompt[:, i] & np.isin(chosen, stop_token_ids)
+        tokens[:, i] = chosen
+    return tokens
