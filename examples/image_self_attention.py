@@ -255,6 +255,7 @@ def main(argv=None):
         summary["export_max_abs_error"] = export_all(inference, split, args.output_dir)
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if not k.endswith("_index")}, f, indent=1)
+    summary["model"] = inference
     return summary
 
 
