@@ -1,0 +1,244 @@
+"""The blocked (memory-efficient) attention path: numerics and gradients.
+
+Every expected value comes from the NumPy reference below (forward and the
+analytic softmax-attention backward), written independently of the code under
+test; the unblocked path is compared too, as a second witness.
+"""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_attn.layers import DotProductAttention
+from keras_attn.layers import MultiHeadAttention
+from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import chunked
+from keras_attn.ops import dot_product_attention
+
+
+def np_attention(q, k, v, mask, bias, scale, d_out):
+    """Forward and gradients of softmax attention in float64 NumPy.
+
+    q `(B, Tq, H, D)`, k/v `(B, Tk, Hkv, D)`, mask bool `(B, H, Tq, Tk)`,
+    bias `(B, H, Tq, Tk)` or None. Rows without visible keys give zeros.
+    """
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    groups = q.shape[2] // k.shape[2]
+    kr, vr = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    if bias is not None:
+        s = s + bias
+    s = np.where(mask, s, -np.inf)
+    row_max = np.max(s, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.where(mask, np.exp(s - row_max), 0.0)
+    denom = e.sum(-1, keepdims=True)
+    p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vr)
+    d_v = np.einsum("bhqk,bqhd->bkhd", p, d_out)
+    d_p = np.einsum("bqhd,bkhd->bhqk", d_out, vr)
+    d_s = p * (d_p - np.sum(d_p * p, axis=-1, keepdims=True))
+    d_q = np.einsum("bhqk,bkhd->bqhd", d_s, kr) * scale
+    d_k = np.einsum("bhqk,bqhd->bkhd", d_s, q) * scale
+
+    def fold(x):  # sum the query heads sharing one key/value head
+        b, t, h, d = x.shape
+        return x.reshape(b, t, h // groups, groups, d).sum(axis=3)
+
+    return out, d_q, fold(d_k), fold(d_v), d_s
+
+
+def _grads(fn, q, k, v, bias, d_out):
+    q, k, v, d_out = (tf.constant(x) for x in (q, k, v, d_out))
+    bias = None if bias is None else tf.constant(bias)
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v] + ([bias] if bias is not None else []))
+        out = fn(q, k, v, bias)
+        loss = tf.reduce_sum(out * d_out)
+    grads = tape.gradient(loss, [q, k, v] + ([bias] if bias is not None else []))
+    return [out.numpy()] + [g.numpy() for g in grads]
+
+
+CASES = {
+    # name: (B, Tq, Tk, H, Hkv, causal, padding, bias, fully_masked_row, chunk)
+    "plain": (2, 24, 24, 4, 4, False, False, False, False, 8),
+    "uneven_lengths_cross": (2, 19, 29, 4, 4, False, True, False, False, (8, 16)),
+    "causal_padding": (2, 33, 33, 4, 4, True, True, False, False, 8),
+    "bias_gqa": (2, 21, 21, 4, 2, False, True, True, False, (16, 8)),
+    "causal_bias_mqa": (1, 40, 40, 4, 1, True, False, True, False, 16),
+    "fully_masked_rows": (2, 17, 17, 2, 2, True, True, True, True, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunked_matches_numpy_and_unblocked(name, rng):
+    b, tq, tk, h, hkv, causal, padding, use_bias, empty_row, chunk = CASES[name]
+    d = 8
+    q = rng.normal(size=(b, tq, h, d)).astype("float32")
+    k = rng.normal(size=(b, tk, hkv, d)).astype("float32")
+    v = rng.normal(size=(b, tk, hkv, d)).astype("float32")
+    d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
+    bias = rng.normal(size=(1, h, tq, tk)).astype("float32") if use_bias else None
+    key_valid = np.ones((b, tk), bool)
+    if padding:
+        key_valid[-1, tk // 2 :] = False
+    mask4 = np.broadcast_to(key_valid[:, None, None, :], (b, h, tq, tk)).copy()
+    if causal:
+        mask4 &= np.tril(np.ones((tq, tk), bool))[None, None]
+    explicit = None
+    if empty_row:
+        explicit = np.ones((b, tq, tk), bool)
+        explicit[0, 5, :] = False  # query 5 of example 0 sees nothing
+        explicit[1, :, :] = key_valid[1][None, :]
+        mask4 &= explicit[:, None]
+    attention_mask = key_valid if explicit is None else explicit & key_valid[:, None, :]
+
+    def run(chunk_size):
+        def fn(q, k, v, bias):
+            return dot_product_attention(
+                q, k, v, attention_mask=attention_mask, bias=bias, is_causal=causal,
+                chunk_size=chunk_size,
+            )
+        return fn
+
+    expected = np_attention(q, k, v, mask4, bias, 1.0 / np.sqrt(d), d_out)
+    got = _grads(run(chunk), q, k, v, bias, d_out)
+    unblocked = _grads(run(0), q, k, v, bias, d_out)
+    names = ["out", "d_query", "d_key", "d_value", "d_bias"]
+    ref = list(expected[:4])
+    if use_bias:
+        ref.append(expected[4].sum(axis=0, keepdims=True))
+    for label, g, u, r in zip(names, got, unblocked, ref):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4, err_msg=label)
+        np.testing.assert_allclose(g, u, atol=1e-4, rtol=1e-4, err_msg=label)
+    if empty_row:
+        assert np.all(got[0][0, 5] == 0.0)
+        assert np.all(got[1][0, 5] == 0.0)
+
+
+def test_sliding_window_and_start_index(rng):
+    """Causal with a window and an offset first query (cached decoding)."""
+    b, tq, tk, h, d, start, window = 1, 12, 30, 2, 8, 18, 7
+    q = rng.normal(size=(b, tq, h, d)).astype("float32")
+    k = rng.normal(size=(b, tk, h, d)).astype("float32")
+    v = rng.normal(size=(b, tk, h, d)).astype("float32")
+    d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
+    q_pos = np.arange(tq)[:, None] + start
+    k_pos = np.arange(tk)[None, :]
+    mask = (q_pos >= k_pos) & (q_pos - k_pos < window)
+    mask4 = np.broadcast_to(mask, (b, h, tq, tk))
+
+    def fn(q, k, v, bias):
+        return dot_product_attention(
+            q, k, v, is_causal=True, start_index=start, sliding_window=window, chunk_size=4
+        )
+
+    expected = np_attention(q, k, v, mask4, None, 1.0 / np.sqrt(d), d_out)
+    for got, ref in zip(_grads(fn, q, k, v, None, d_out), expected[:4]):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_xla_and_dynamic_length(rng):
+    """tf.function with an unknown length, and jit_compile=True, match NumPy."""
+    q = rng.normal(size=(2, 37, 2, 8)).astype("float32")
+    mask4 = np.broadcast_to(np.tril(np.ones((37, 37), bool)), (2, 2, 37, 37))
+    ref = np_attention(q, q, q, mask4, None, 1 / np.sqrt(8), np.zeros_like(q))[0]
+    spec = tf.TensorSpec((None, None, 2, 8), tf.float32)
+
+    def fn(x):
+        return dot_product_attention(x, x, x, is_causal=True, chunk_size=16)
+
+    dynamic = tf.function(fn, input_signature=[spec])
+    np.testing.assert_allclose(dynamic(q).numpy(), ref, atol=1e-5)
+    xla = tf.function(fn, jit_compile=True)
+    np.testing.assert_allclose(xla(q).numpy(), ref, atol=1e-5)
+
+
+def test_saved_model_round_trip(rng):
+    q = rng.normal(size=(1, 20, 2, 8)).astype("float32")
+    mask4 = np.ones((1, 2, 20, 20), bool)
+    ref = np_attention(q, q, q, mask4, None, 1 / np.sqrt(8), np.zeros_like(q))[0]
+    module = tf.Module()
+    module.f = tf.function(
+        lambda x: dot_product_attention(x, x, x, chunk_size=8),
+        input_signature=[tf.TensorSpec((None, None, 2, 8), tf.float32)],
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "sm")
+        tf.saved_model.save(module, path)
+        loaded = tf.saved_model.load(path)
+        np.testing.assert_allclose(loaded.f(q).numpy(), ref, atol=1e-5)
+
+
+def test_low_precision_inputs_keep_dtype(rng):
+    q = rng.normal(size=(1, 16, 2, 8)).astype("float16")
+    out = dot_product_attention(q, q, q, chunk_size=8)
+    assert out.dtype == "float16"
+    q32 = q.astype("float32")
+    ref = np_attention(q32, q32, q32, np.ones((1, 2, 16, 16), bool), None, 1 / np.sqrt(8), q32)[0]
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=5e-3)
+
+
+def test_layers_accept_chunk_size_and_match_unblocked(rng):
+    x = rng.normal(size=(2, 23, 16)).astype("float32")
+    valid = np.ones((2, 23), bool)
+    valid[1, 15:] = False
+    dense = MultiHeadAttention(num_heads=4, key_dim=4, num_key_value_heads=2, chunk_size=0)
+    blocked = MultiHeadAttention(num_heads=4, key_dim=4, num_key_value_heads=2, chunk_size=(8, 4))
+    dense(x, x)
+    blocked(x, x)
+    blocked.set_weights(dense.get_weights())
+    for causal in (False, True):
+        a = dense(x, x, query_mask=valid, value_mask=valid, use_causal_mask=causal)
+        b = blocked(x, x, query_mask=valid, value_mask=valid, use_causal_mask=causal)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    config = blocked.get_config()
+    assert config["chunk_size"] == [8, 4]
+    clone = MultiHeadAttention.from_config(config)
+    assert clone.chunk_size == [8, 4]
+
+    layer = DotProductAttention(chunk_size=8)
+    q = rng.normal(size=(2, 11, 8)).astype("float32")
+    v = rng.normal(size=(2, 13, 8)).astype("float32")
+    expected = np_attention(
+        q[:, :, None], v[:, :, None], v[:, :, None], np.ones((2, 1, 11, 13), bool), None,
+        1 / np.sqrt(8), np.zeros_like(q[:, :, None]),
+    )[0][:, :, 0]
+    np.testing.assert_allclose(np.asarray(layer(q, v)), expected, atol=1e-5)
+    assert DotProductAttention.from_config(layer.get_config()).chunk_size == 8
+
+
+def test_invalid_chunk_size_and_unsupported_combinations(rng):
+    q = rng.normal(size=(1, 8, 2, 4)).astype("float32")
+    for bad in (-1, 2.5, (4,), (4, 0), True):
+        with pytest.raises(ValueError, match="chunk_size"):
+            dot_product_attention(q, q, q, chunk_size=bad)
+        with pytest.raises(ValueError, match="chunk_size"):
+            MultiHeadAttention(num_heads=2, key_dim=4, chunk_size=bad)
+    with pytest.raises(ValueError, match="return_attention_scores"):
+        dot_product_attention(q, q, q, chunk_size=4, return_attention_scores=True)
+    with pytest.raises(ValueError, match="dropout"):
+        dot_product_attention(q, q, q, chunk_size=4, dropout_rate=0.5, training=True)
+
+
+def test_automatic_dispatch_above_threshold(monkeypatch, rng):
+    """Above the threshold the blocked path runs by itself, never when scores are asked for."""
+    calls = []
+    original = chunked.chunked_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["chunk_size"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "chunked_dot_product_attention", spy)
+    monkeypatch.setattr(chunked, "AUTO_CHUNK_MIN_SCORES", 15 * 15)
+    q = rng.normal(size=(1, 16, 2, 4)).astype("float32")
+    attention_ops.dot_product_attention(q, q, q)
+    assert calls == [(chunked.DEFAULT_CHUNK_SIZE,) * 2]
+    attention_ops.dot_product_attention(q[:, :15], q[:, :15], q[:, :15])
+    attention_ops.dot_product_attention(q, q, q, return_attention_scores=True)
+    attention_ops.dot_product_attention(q, q, q, chunk_size=0)
+    assert len(calls) == 1
