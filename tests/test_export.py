@@ -1,0 +1,310 @@
+"""Export parity for every public layer: SavedModel, TFLite (float, dynamic), ONNX.
+
+One functional model holds every model of `tests/model_zoo.py` (one per public
+layer, plus the example architectures) as named outputs, so each format is
+converted once. Every artifact is then run here, independently of the
+exporters' own verification, at two batch sizes and two sequence lengths and
+compared output by output (i.e. layer by layer) with the Keras model.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_attn import export as kx
+from tests import model_zoo
+
+SHAPES = [(1, 5), (3, 9)]  # (batch, length): two batch sizes, two lengths
+FLOAT_ATOL = 1e-4
+
+
+def build_zoo_model():
+    inputs, outputs = {}, []
+    for name, build in model_zoo.ALL.items():
+        sub = build()
+        args = []
+        for inp in sub.inputs:
+            if inp.name not in inputs:
+                inputs[inp.name] = keras.Input(inp.shape[1:], dtype=inp.dtype, name=inp.name)
+            args.append(inputs[inp.name])
+        ys = keras.tree.flatten(sub(args if len(args) > 1 else args[0]))
+        for i, y in enumerate(ys):
+            key = f"out_{name}" if len(ys) == 1 else f"out_{name}_{i}"
+            outputs.append(keras.layers.Identity(name=key)(y))
+    return keras.Model(list(inputs.values()), outputs, name="zoo")
+
+
+def make_inputs(model, batch, length, seed=0):
+    """Key/value-side inputs are 2 longer than the query side (T_q != T_kv)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for inp in model.inputs:
+        t = length + 2 if inp.name in ("value", "memory", "encoder_tokens") else length
+        if "int" in str(inp.dtype):
+            x = rng.integers(1, model_zoo.VOCAB, size=(batch, t)).astype("int32")
+            x[0, t - 2 :] = 0  # padding
+            out[inp.name] = x
+        else:
+            out[inp.name] = rng.standard_normal((batch, t, inp.shape[-1])).astype("float32")
+    return out
+
+
+def keras_run(model, feed):
+    ys = model([feed[i.name] for i in model.inputs], training=False)
+    return {n: np.asarray(y) for n, y in zip(model.output_names, ys)}
+
+
+def assert_close(got, want, atol, where):
+    assert set(got) == set(want), where
+    for name in want:
+        assert got[name].shape == want[name].shape, (where, name)
+        err = np.max(np.abs(got[name] - want[name]))
+        assert err <= atol, f"{where}: output {name} differs by {err}"
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    keras.utils.set_random_seed(7)
+    model = build_zoo_model()
+    out = tmp_path_factory.mktemp("zoo_export")
+    reports = {
+        "saved_model": kx.export_saved_model(model, out / "serving", version=3),
+        "tflite": kx.export_tflite(model, out / "zoo.tflite"),
+        "onnx": kx.export_onnx(model, out / "zoo.onnx", opset=17),
+    }
+    for report in reports.values():
+        print(report)
+    return model, reports
+
+
+def test_reports_describe_the_artifacts(zoo):
+    model, reports = zoo
+    sm = reports["saved_model"]
+    assert sm.path.endswith(os.path.join("serving", "zoo", "3"))
+    assert os.path.isfile(os.path.join(sm.path, "saved_model.pb"))
+    for report in reports.values():
+        assert os.path.exists(report.path)
+        assert report.size_bytes > 0
+        assert report.max_abs_error <= report.atol
+        assert len(report.checks) == 2 and report.ops
+    assert reports["tflite"].max_abs_error <= FLOAT_ATOL
+    # Nothing but builtins: no Flex delegate, no custom ops.
+    assert not [op for op in reports["tflite"].ops if "FLEX" in op.upper() or op == "CUSTOM"]
+    assert sorted(sm.details["signature"]["inputs"]) == sorted(i.name for i in model.inputs)
+    assert sorted(sm.details["signature"]["outputs"]) == sorted(model.output_names)
+
+
+def test_saved_model_parity(zoo):
+    model, reports = zoo
+    fn = tf.saved_model.load(reports["saved_model"].path).signatures["serving_default"]
+    for name, spec in fn.structured_input_signature[1].items():
+        assert spec.shape[0] is None and spec.shape[1] is None, name  # dynamic batch, seq
+    for batch, length in SHAPES:
+        feed = make_inputs(model, batch, length)
+        got = {k: v.numpy() for k, v in fn(**{k: tf.constant(v) for k, v in feed.items()}).items()}
+        assert_close(got, keras_run(model, feed), FLOAT_ATOL, f"SavedModel {batch}x{length}")
+
+
+def run_tflite_resized(path, feed):
+    """Raw interpreter API: resize_tensor_input to the feed's shapes, invoke."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path)
+    runner_io = interpreter.get_signature_list()["serving_default"]
+    details = {d["name"]: d for d in interpreter.get_input_details()}
+    by_name = {}
+    for name in runner_io["inputs"]:
+        detail = details[f"serving_default_{name}:0"]
+        assert list(detail["shape_signature"][:2]) == [-1, -1]
+        by_name[name] = detail
+        interpreter.resize_tensor_input(detail["index"], feed[name].shape)
+    interpreter.allocate_tensors()
+    for name, detail in by_name.items():
+        interpreter.set_tensor(detail["index"], feed[name])
+    interpreter.invoke()
+    runner = interpreter.get_signature_runner("serving_default")
+    out_index = dict(runner._outputs)  # {output name: tensor index}
+    return {name: interpreter.get_tensor(idx) for name, idx in out_index.items()}
+
+
+def test_tflite_parity_after_resize(zoo):
+    model, reports = zoo
+    for batch, length in SHAPES:
+        feed = make_inputs(model, batch, length)
+        got = run_tflite_resized(reports["tflite"].path, feed)
+        assert_close(got, keras_run(model, feed), FLOAT_ATOL, f"tflite {batch}x{length}")
+
+
+def test_onnx_parity_names_and_dynamic_axes(zoo):
+    import onnx
+    import onnxruntime as ort
+
+    model, reports = zoo
+    proto = onnx.load(reports["onnx"].path)
+    assert [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")] == [17]
+    assert [i.name for i in proto.graph.input] == [i.name for i in model.inputs]
+    assert [o.name for o in proto.graph.output] == list(model.output_names)
+    for graph_input in proto.graph.input:
+        dims = graph_input.type.tensor_type.shape.dim
+        assert dims[0].dim_param == "batch" and dims[1].dim_param, graph_input.name
+    session = ort.InferenceSession(reports["onnx"].path, providers=["CPUExecutionProvider"])
+    for batch, length in SHAPES:
+        feed = make_inputs(model, batch, length)
+        got = dict(zip(model.output_names, session.run(list(model.output_names), feed)))
+        assert_close(got, keras_run(model, feed), FLOAT_ATOL, f"ONNX {batch}x{length}")
+
+
+def test_padding_mask_survives_export(zoo):
+    """mask_zero=True: extra trailing padding does not change the masked-pooled output."""
+    import onnxruntime as ort
+
+    model, reports = zoo
+    short = make_inputs(model, 2, 5, seed=3)
+    short["tokens"][:, 3:] = 0
+    padded = make_inputs(model, 2, 9, seed=4)
+    padded["tokens"][:] = 0
+    padded["tokens"][:, :5] = short["tokens"]
+    fn = tf.saved_model.load(reports["saved_model"].path).signatures["serving_default"]
+    session = ort.InferenceSession(reports["onnx"].path, providers=["CPUExecutionProvider"])
+    runners = {
+        "saved_model": lambda f: fn(**{k: tf.constant(v) for k, v in f.items()})[
+            "out_encoder_classifier"
+        ].numpy(),
+        "tflite": lambda f: run_tflite_resized(reports["tflite"].path, f)["out_encoder_classifier"],
+        "onnx": lambda f: session.run(["out_encoder_classifier"], f)[0],
+    }
+    want = keras_run(model, short)["out_encoder_classifier"]
+    for fmt, run in runners.items():
+        np.testing.assert_allclose(run(short), want, atol=FLOAT_ATOL, err_msg=fmt)
+        np.testing.assert_allclose(run(padded), want, atol=FLOAT_ATOL, err_msg=fmt)
+
+
+def test_check_exportable_passes_for_causal_mha():
+    # Causal MHA with dynamic length: keras.layers.MultiHeadAttention needs Flex here.
+    report = kx.check_exportable(model_zoo.multi_head_attention(), formats=("tflite",))
+    assert report.ok, str(report)
+    assert "Einsum" in report.tf_ops or "BatchMatMulV2" in report.tf_ops
+
+
+# ---------------------------------------------------------------------------
+# Quantisation (a model big enough for the weights to be quantised)
+
+
+def classifier(dim=64):
+    from keras_attn import layers as kal
+
+    ids = keras.Input((None,), dtype="int32", name="tokens")
+    h = kal.TokenAndPositionEmbedding(model_zoo.VOCAB, 32, dim, mask_zero=True)(ids)
+    h = kal.TransformerEncoderBlock(4, 2 * dim)(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(ids, keras.layers.Dense(3, activation="softmax", name="probs")(pooled))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    keras.utils.set_random_seed(3)
+    model = classifier()
+    out = tmp_path_factory.mktemp("quant")
+    reports = {q: kx.export_tflite(model, out / f"{q}.tflite", quantization=None if q == "float32" else q)
+               for q in ("float32", "float16", "dynamic", "int8")}
+    for r in reports.values():
+        print(r)
+    return model, reports
+
+
+def test_quantization_size_and_accuracy(quantized):
+    model, reports = quantized
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(1, model_zoo.VOCAB, size=(64, 12)).astype("int32")
+    tokens[::2, 8:] = 0
+    want = np.asarray(model(tokens))
+    sizes = {q: r.size_bytes for q, r in reports.items()}
+    errors = {}
+    for q, r in reports.items():
+        got = run_tflite_resized(r.path, {"tokens": tokens})["probs"]
+        errors[q] = float(np.max(np.abs(got - want)))
+        agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+        print(f"{q}: {sizes[q]} bytes, max |probs - keras| {errors[q]:.2g}, top-1 agreement {agree:.2f}")
+    assert errors["float32"] <= FLOAT_ATOL
+    assert errors["float16"] <= 1e-2 and sizes["float16"] < 0.65 * sizes["float32"]
+    assert errors["dynamic"] <= 5e-2 and sizes["dynamic"] < 0.45 * sizes["float32"]
+    assert errors["int8"] <= 0.15 and sizes["int8"] < 0.5 * sizes["float32"]
+    assert "QUANTIZE" in reports["int8"].ops
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs: clear errors, nothing left at the target path
+
+
+def small_model():
+    return model_zoo.dot_product_attention()
+
+
+def test_unbuilt_model(tmp_path):
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    target = tmp_path / "out" / "m.tflite"
+    with pytest.raises(ValueError, match="unbuilt model"):
+        kx.export_tflite(Sub(), target)
+    with pytest.raises(ValueError, match="unbuilt model"):
+        kx.export_saved_model(keras.Sequential([keras.layers.Dense(2)]), tmp_path / "sm")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "sm").exists()
+
+
+class Det(keras.layers.Layer):
+    """Uses a TF op (MatrixDeterminant) that TFLite only has as a Flex op."""
+
+    def call(self, x):
+        return tf.linalg.det(tf.reshape(x, (-1, 4, 4)))[:, None]
+
+
+def test_unsupported_layer_is_named(tmp_path):
+    x = keras.Input((16,), name="x")
+    model = keras.Model(x, Det(name="det_layer")(x))
+    report = kx.check_exportable(model, formats=("tflite",))
+    assert not report.ok and "MatrixDeterminant" in report.problems["tflite"]
+    target = tmp_path / "det.tflite"
+    with pytest.raises(kx.UnsupportedOpsError, match="det_layer.*MatrixDeterminant"):
+        kx.export_tflite(model, target)
+    assert os.listdir(tmp_path) == []
+
+
+def test_wrong_sample_inputs(tmp_path):
+    model = small_model()
+    target = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match=r"sample_inputs.*features.*\(None, None, 16\)"):
+        kx.export_onnx(model, target, sample_inputs=np.zeros((2, 5, 7), "float32"))
+    with pytest.raises(ValueError, match="keys must be the model's input names"):
+        kx.export_onnx(model, target, sample_inputs={"tokens": np.zeros((2, 5, 16))})
+    with pytest.raises(ValueError, match="quantization"):
+        kx.export_tflite(model, target, quantization="int4")
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_path(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="unwritable `path`"):
+        kx.export_tflite(small_model(), tmp_path / "a_file" / "m.tflite")
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_parity_failure_leaves_nothing(tmp_path):
+    target = tmp_path / "deep" / "m.tflite"
+    with pytest.raises(kx.ParityError, match="does not match"):
+        kx.export_tflite(small_model(), target, quantization="float16", atol=1e-9)
+    assert not (tmp_path / "deep").exists()
+
+
+def test_existing_artifact_kept_on_failure(tmp_path):
+    target = tmp_path / "m.tflite"
+    target.write_bytes(b"old")
+    with pytest.raises(kx.ParityError):
+        kx.export_tflite(small_model(), target, quantization="float16", atol=1e-9)
+    assert target.read_bytes() == b"old"
+    with pytest.raises(FileExistsError):
+        kx.export_tflite(small_model(), target, overwrite=False)
