@@ -67,12 +67,19 @@ def transformer_classifier(
     intermediate_dim=64,
     num_layers=1,
     dropout=0.1,
+    position="learned",
     name="transformer_classifier",
 ):
-    """`TokenAndPositionEmbedding` + encoder blocks + masked mean pooling -> logits."""
+    """`TokenAndPositionEmbedding` + encoder blocks + masked mean pooling -> logits.
+
+    Learned positions by default: they start at the scale of the token
+    embeddings, where unit-amplitude sinusoids would drown the small initial
+    token vectors and slow the start of training.
+    """
     ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
     x = TokenAndPositionEmbedding(
-        vocabulary_size, sequence_length, embedding_dim, mask_zero=True, name="embedding"
+        vocabulary_size, sequence_length, embedding_dim, position=position, mask_zero=True,
+        name="embedding",
     )(ids)
     for i in range(num_layers):
         x = TransformerEncoderBlock(

@@ -26,6 +26,14 @@ import time
 
 import keras
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+# `tf.summary.scalar` lives in the `tensorboard` package, which
+# tensorflow-cpu does not install; the core `tf.summary.write` with the
+# scalars plugin's metadata writes the same event that TensorBoard reads.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+)
 
 
 def strategy_from_env(num_local_devices=None):
@@ -291,7 +299,9 @@ class Trainer:
         if self.writer is not None:
             with self.writer.as_default(step=step):
                 for name, value in values.items():
-                    tf.summary.scalar(name, value)
+                    tf.summary.write(
+                        name, tf.constant(value, tf.float32), metadata=_SCALAR_METADATA
+                    )
         if self.is_chief:
             elapsed = time.perf_counter() - begin
             rate = (step - start) / elapsed if elapsed > 0 else 0.0
