@@ -18,7 +18,7 @@ def _output_projection_equation(num_output_dims):
     return f"abcd,cd{letters}->ab{letters}", letters
 
 
-def _check_cache(cache):
+def _check_cache(cache, static_length=True):
     if (
         not isinstance(cache, (tuple, list))
         or len(cache) != 2
@@ -29,7 +29,7 @@ def _check_cache(cache):
             "`(key_cache, value_cache)` of rank-4 tensors `(batch, max_length, "
             f"num_key_value_heads, head_dim)`. Received: cache={cache!r}"
         )
-    if cache[0].shape[1] is None:
+    if static_length and cache[0].shape[1] is None:
         raise ValueError(
             "The cache length (axis 1) must be static. Received: "
             f"key_cache.shape={tuple(cache[0].shape)}"
@@ -447,7 +447,7 @@ class MultiHeadAttention(keras.layers.Layer):
         `sliding_window` equals the cache length the cache is a ring buffer
         (slot = position mod length), bounding memory for long generation.
         """
-        key_cache, value_cache = _check_cache(cache)
+        key_cache, value_cache = _check_cache(cache, static_length=cache_index is not None)
         d_q = self._feature_dims[0]
         if len(query.shape) != 3 or (query.shape[-1] is not None and query.shape[-1] != d_q):
             raise ValueError(
