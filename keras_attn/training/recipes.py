@@ -24,9 +24,9 @@ def seq2seq_transformer(
 ):
     """A Transformer encoder-decoder: token ids in, next-token logits out.
 
-    Returns `(model, attention_model)`. Both take
-    `{"encoder_inputs": (B, input_length), "decoder_inputs": (B, target_length)}`
-    (id 0 = padding); `model` returns float32 logits `(B, target_length, V)`,
+    Returns `(model, attention_model)`. Both take the inputs
+    `[encoder_inputs (B, input_length), decoder_inputs (B, target_length)]`
+    (also as a dict with these names; id 0 = padding); `model` returns float32 logits `(B, target_length, V)`,
     `attention_model` (same weights) returns `(logits, cross_attention)` with
     the last decoder block's cross-attention `(B, heads, target_length, input_length)`.
     """
@@ -50,7 +50,9 @@ def seq2seq_transformer(
             num_heads, intermediate_dim, dropout=dropout, name=f"decoder_{i}"
         )(y, x, return_attention_scores=True)
     logits = keras.layers.Dense(target_vocabulary_size, dtype="float32", name="logits")(y)
-    inputs = {"encoder_inputs": enc_in, "decoder_inputs": dec_in}
+    # A list, not a dict: exporters and serving signatures keep this order,
+    # and Keras still accepts dict inputs keyed by these names.
+    inputs = [enc_in, dec_in]
     model = keras.Model(inputs, logits, name=name)
     attention_model = keras.Model(
         inputs, [logits, scores["cross_attention"]], name=f"{name}_with_attention"

@@ -1,0 +1,225 @@
+"""The quickstart: dates -> ISO with a small Transformer, end to end.
+
+`keras-attn demo` (or `python examples/quickstart.py`) runs `main`: builds
+the `human_dates` data set through tfds, trains a Transformer made of
+`TokenAndPositionEmbedding` + `TransformerEncoderBlock` /
+`TransformerDecoderBlock` with a progress bar, prints the exact-match test
+accuracy and a few translations, writes a cross-attention heatmap PNG and,
+when `keras_attn.export` is available, exports SavedModel, TFLite and ONNX
+and prints each one's largest difference from Keras.
+
+The helpers here (`load_dates_task`, `build_dates_model`, `evaluate_dates`,
+`save_attention_heatmap`) are shared with `examples/translate_dates.py`.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def add_dates_arguments(parser, epochs, num_train):
+    """Size flags shared by the dates scripts."""
+    parser.add_argument("--num-train", type=int, default=num_train, help="training pairs")
+    parser.add_argument("--num-test", type=int, default=2000, help="test pairs")
+    parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--embedding-dim", type=int, default=64)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--intermediate-dim", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=2,
+                        help="encoder blocks and decoder blocks (each)")
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", default=os.path.join("~", "tensorflow_datasets"),
+                        help="where tfds writes the generated data set")
+    parser.add_argument("--output-dir", default="keras_attn_outputs",
+                        help="PNG heatmap and exported models go here")
+    parser.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (1 = bar)")
+    return parser
+
+
+def load_dates_task(args):
+    """(train, validation, test) tf.data pipelines and the tokenizers, built through tfds."""
+    from keras_attn import data
+
+    train, validation, test = data.load_dates(
+        num_train=args.num_train, num_validation=max(1, args.num_test // 2),
+        num_test=args.num_test, seed=args.seed, data_dir=os.path.expanduser(args.data_dir),
+    )
+    pipelines = (
+        data.dates_pipeline(train, args.batch_size, training=True, seed=args.seed),
+        data.dates_pipeline(validation, 256),
+        data.dates_pipeline(test, 256),
+    )
+    return pipelines, test, data.dates_tokenizers()
+
+
+def build_dates_model(args, source, target):
+    import keras
+
+    from keras_attn.data import dates
+    from keras_attn.training import seq2seq_transformer
+
+    model, attention_model = seq2seq_transformer(
+        source.vocabulary_size, target.vocabulary_size, dates.MAX_INPUT_LENGTH,
+        dates.TARGET_LENGTH, embedding_dim=args.embedding_dim, num_heads=args.num_heads,
+        intermediate_dim=args.intermediate_dim, num_encoder_layers=args.num_layers,
+        num_decoder_layers=args.num_layers, name="dates_transformer",
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(args.learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="token_accuracy")],
+    )
+    return model, attention_model
+
+
+def test_arrays(test_pipeline):
+    import numpy as np
+
+    enc, texts_ids, targets = [], [], []
+    for x, y in test_pipeline:
+        enc.append(x["encoder_inputs"].numpy())
+        targets.append(y.numpy())
+    return np.concatenate(enc), np.concatenate(targets)
+
+
+def evaluate_dates(model, encoder_inputs, targets, target_tokenizer):
+    """Exact-match accuracy of greedy decoding, and the predicted ids."""
+    import numpy as np
+
+    from keras_attn.data.pipelines import START_TOKEN
+    from keras_attn.generation.greedy import greedy_decode
+
+    start_id = target_tokenizer.token_to_id[START_TOKEN]
+    predictions = greedy_decode(model, encoder_inputs, start_id, targets.shape[1])
+    return float(np.mean(np.all(predictions == targets, axis=1))), predictions
+
+
+def save_attention_heatmap(attention_model, source, target, text, path):
+    """Plots the last decoder block's cross-attention (mean over heads) for `text`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from keras_attn.data import dates
+    from keras_attn.data.pipelines import START_TOKEN, dates_arrays
+    from keras_attn.generation.greedy import greedy_decode
+
+    enc, _, _ = dates_arrays([(text, "0000-00-00")])
+    start_id = target.token_to_id[START_TOKEN]
+    predicted = greedy_decode(attention_model, enc, start_id, dates.TARGET_LENGTH)
+    dec = np.concatenate([[[start_id]], predicted[:, :-1]], axis=1).astype("int32")
+    _, scores = attention_model([enc, dec], training=False)
+    n = min(len(text), dates.MAX_INPUT_LENGTH)
+    weights = np.asarray(scores, dtype="float32")[0].mean(axis=0)[:, :n]  # (T_out, T_in)
+    output = target.decode(predicted[0])
+    fig, ax = plt.subplots(figsize=(max(6, 0.32 * n), 4))
+    ax.imshow(weights, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(n), list(text[:n]))
+    ax.set_yticks(range(len(output)), list(output))
+    ax.set_xlabel("input characters")
+    ax.set_ylabel("output characters")
+    ax.set_title(f"cross-attention: {text!r} -> {output}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return output, weights
+
+
+EXAMPLE_TEXTS = [
+    "3rd of March 1999",
+    "03/03/99",
+    "Wednesday, March 3, 1999",
+    "mercredi 17 juillet 2024",
+    "5 de mayo de 1962",
+    "Freitag, 9. November 1989",
+]
+
+
+def export_all(model, output_dir, sample_inputs):
+    """Exports through `keras_attn.export` if it is importable; prints each report."""
+    try:
+        from keras_attn import export
+    except ImportError as error:
+        print(f"export skipped: keras_attn.export is not available ({error})")
+        return {}
+    reports = {}
+    for name, fn, path in (
+        ("SavedModel", export.export_saved_model, os.path.join(output_dir, "saved_model")),
+        ("TFLite", export.export_tflite, os.path.join(output_dir, "dates.tflite")),
+        ("ONNX", export.export_onnx, os.path.join(output_dir, "dates.onnx")),
+    ):
+        try:
+            report = fn(model, path, sample_inputs=sample_inputs)
+        except Exception as error:  # report and go on with the other formats
+            print(f"{name}: export failed: {type(error).__name__}: {error}")
+            continue
+        reports[name] = report
+        print(f"{name}: {report.path} ({report.size_bytes / 1e6:.2f} MB), "
+              f"max |{name} - Keras| = {report.max_abs_error:.2e} (atol {report.atol:g})")
+    return reports
+
+
+def run(args, export=True):
+    import keras
+
+    keras.utils.set_random_seed(args.seed)
+    begin = time.perf_counter()
+    (train, validation, test), _, (source, target) = load_dates_task(args)
+    print(f"data: human_dates through tfds ({args.num_train} training pairs) "
+          f"in {time.perf_counter() - begin:.1f}s")
+    model, attention_model = build_dates_model(args, source, target)
+    model.fit(train, validation_data=validation, epochs=args.epochs, verbose=args.verbose,
+              shuffle=False)  # the pipeline shuffles (seeded)
+    trained = time.perf_counter()
+    print(f"trained in {trained - begin:.1f}s")
+    encoder_inputs, targets = test_arrays(test)
+    accuracy, predictions = evaluate_dates(model, encoder_inputs, targets, target)
+    print(f"test exact-match accuracy: {accuracy:.4f} ({len(targets)} dates)")
+    from keras_attn.data.pipelines import dates_arrays
+
+    enc, _, _ = dates_arrays([(t, "0000-00-00") for t in EXAMPLE_TEXTS])
+    from keras_attn.generation.greedy import greedy_decode
+
+    decoded = greedy_decode(model, enc, target.token_to_id["[START]"], targets.shape[1])
+    for text, ids in zip(EXAMPLE_TEXTS, decoded):
+        print(f"  {text!r:32} -> {target.decode(ids)}")
+    heatmap = os.path.join(args.output_dir, "dates_attention.png")
+    save_attention_heatmap(attention_model, source, target, EXAMPLE_TEXTS[2], heatmap)
+    print(f"attention heatmap: {heatmap}")
+    reports = {}
+    if export:
+        dec = predictions.copy()
+        dec[:, 1:] = predictions[:, :-1]
+        dec[:, 0] = target.token_to_id["[START]"]
+        samples = [
+            {"encoder_inputs": encoder_inputs[:8], "decoder_inputs": dec[:8]},
+            {"encoder_inputs": encoder_inputs[8:11], "decoder_inputs": dec[8:11]},
+        ]
+        reports = export_all(model, args.output_dir, samples)
+    print(f"total {time.perf_counter() - begin:.1f}s")
+    return {"accuracy": accuracy, "heatmap": heatmap, "reports": reports}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="keras-attn demo", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_dates_arguments(parser, epochs=3, num_train=20_000)
+    parser.add_argument("--no-export", action="store_true", help="skip the export step")
+    args = parser.parse_args(argv)
+    result = run(args, export=not args.no_export)
+    return 0 if result["accuracy"] >= 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
