@@ -77,11 +77,11 @@ def token_and_position_embedding(position="learned"):
     return keras.Model(ids, h, name=f"token_and_position_embedding_{position}")
 
 
-def encoder_classifier(normalize_first=False, num_classes=3):
+def encoder_classifier(normalize_first=False, num_classes=3, dim=DIM, intermediate_dim=32):
     """TokenAndPositionEmbedding(mask_zero) -> encoder block -> masked mean pool -> softmax."""
     ids = _ids()
-    h = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, mask_zero=True)(ids)
-    h = kal.TransformerEncoderBlock(2, 32, normalize_first=normalize_first)(h)
+    h = kal.TokenAndPositionEmbedding(VOCAB, 32, dim, mask_zero=True)(ids)
+    h = kal.TransformerEncoderBlock(2, intermediate_dim, normalize_first=normalize_first)(h)
     pooled = keras.layers.GlobalAveragePooling1D()(h)
     probs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(pooled)
     return keras.Model(ids, probs, name="encoder_classifier")
