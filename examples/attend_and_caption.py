@@ -59,18 +59,36 @@ def build_models(args, height, width):
     x = keras.layers.Conv2D(dim, 3, padding="same", activation="relu", name="conv3")(x)
     x = keras.layers.MaxPooling2D((1, 2), name="pool2")(x)  # (B, rows, cols, dim)
     rows, cols = x.shape[1], x.shape[2]
+    # Flatten column-major (position p = col * rows + row), so the 1-D
+    # sinusoidal encoding of p is mostly an encoding of x: reading order.
+    x = keras.layers.Permute((2, 1, 3), name="columns_first")(x)
     memory = keras.layers.Reshape((rows * cols, dim), name="to_sequence")(x)
-    positions = keras_attn.LearnedPositionEmbedding(rows * cols, name="grid_positions")(memory)
+    if args.positions == "sinusoidal":
+        positions = keras_attn.SinusoidalPositionEncoding(name="grid_positions")(memory)
+    else:
+        positions = keras_attn.LearnedPositionEmbedding(rows * cols, name="grid_positions")(memory)
     memory = keras.layers.Add(name="add_positions")([memory, positions])
-    memory = keras_attn.TransformerEncoderBlock(
-        num_heads=args.num_heads, intermediate_dim=2 * dim, dropout=args.dropout, name="encoder"
-    )(memory)
+    for i in range(args.encoder_blocks):
+        memory = keras_attn.TransformerEncoderBlock(
+            num_heads=args.num_heads, intermediate_dim=2 * dim, dropout=args.dropout,
+            normalize_first=args.pre_norm, name=f"encoder_{i}"
+        )(memory)
+    if args.pre_norm and args.encoder_blocks:  # pre-norm stacks end with a LayerNorm
+        memory = keras.layers.LayerNormalization(name="encoder_norm")(memory)
     embedded = keras_attn.TokenAndPositionEmbedding(
         digits_data.VOCABULARY_SIZE, MAX_TOKENS, dim, name="token_embedding"
     )(tokens)
-    decoded, scores = keras_attn.TransformerDecoderBlock(
-        num_heads=args.num_heads, intermediate_dim=2 * dim, dropout=args.dropout, name="decoder"
-    )(embedded, memory, return_attention_scores=True)
+    # With two blocks, the first block's cross-attention outputs at earlier
+    # steps (which carry the positions they looked at) reach the second
+    # block's self-attention: "where did I read the previous digit".
+    decoded = embedded
+    for i in range(args.decoder_blocks):
+        decoded, scores = keras_attn.TransformerDecoderBlock(
+            num_heads=args.num_heads, intermediate_dim=2 * dim, dropout=args.dropout,
+            normalize_first=args.pre_norm, name=f"decoder_{i}"
+        )(decoded, memory, return_attention_scores=True)
+    if args.pre_norm:
+        decoded = keras.layers.LayerNormalization(name="decoder_norm")(decoded)
     logits = keras.layers.Dense(digits_data.VOCABULARY_SIZE, name="logits")(decoded)
     # (B, H, T, rows*cols) -> mean over heads
     attention = keras.layers.Identity(name="attention")(
@@ -113,7 +131,7 @@ def centroids_x(attention, grid):
     rows, cols = grid
     # column c of the feature map covers pixels [c*POOL_X, (c+1)*POOL_X)
     x_of_column = np.arange(cols) * POOL_X + (POOL_X - 1) / 2.0
-    per_column = attention.reshape(attention.shape[:-1] + (rows, cols)).sum(axis=-2)
+    per_column = attention.reshape(attention.shape[:-1] + (cols, rows)).sum(axis=-1)
     return (per_column * x_of_column).sum(-1) / per_column.sum(-1)
 
 
@@ -166,7 +184,7 @@ def plot_strip(image, tokens, attention, grid, true_digits, path):
     fig, axes = plt.subplots(num_panels, 1, figsize=(6, 1.25 * num_panels))
     axes = np.atleast_1d(axes)
     for t, ax in enumerate(axes):
-        heat = attention[t].reshape(rows, cols)
+        heat = attention[t].reshape(cols, rows).T
         ax.imshow(image, cmap="gray_r", extent=(0, width, height, 0))
         ax.imshow(
             heat, cmap="magma", alpha=0.55, extent=(0, cols * POOL_X, rows * POOL_Y, 0)
@@ -215,11 +233,22 @@ def parse_args(argv):
     p.add_argument("--train-strips", type=int, default=6000)
     p.add_argument("--test-strips", type=int, default=1000)
     p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--encoder-blocks", type=int, default=1,
+                   help="TransformerEncoderBlocks over the feature map (0: CNN features only)")
+    p.add_argument("--decoder-blocks", type=int, default=2,
+                   help="TransformerDecoderBlocks; the last one's cross-attention is shown")
+    p.add_argument("--positions", choices=["learned", "sinusoidal"], default="learned",
+                   help="positions of the feature-map cells (flattened column by column)")
+    p.add_argument("--warmup", type=float, default=0.05, help="share of steps warming up")
+    p.add_argument(
+        "--pre-norm", action=argparse.BooleanOptionalAction, default=True,
+        help="pre-norm Transformer blocks (x + f(LN(x))); --no-pre-norm for post-norm",
+    )
     p.add_argument("--test-fraction", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="attend_and_caption_out")
@@ -240,7 +269,14 @@ def main(argv=None):
     train_model, step_model, grid = build_models(args, height, width)
     inputs, targets, weights = digits_data.encode_captions(train, MAX_DIGITS)
     steps = max(1, args.epochs * len(inputs) // args.batch_size)
-    schedule = keras.optimizers.schedules.CosineDecay(args.learning_rate, steps, alpha=0.05)
+    warmup = int(args.warmup * steps)
+    schedule = keras.optimizers.schedules.CosineDecay(
+        0.0 if warmup else args.learning_rate,
+        steps - warmup,
+        alpha=0.05,
+        warmup_target=args.learning_rate if warmup else None,
+        warmup_steps=warmup,
+    )
     train_model.compile(
         optimizer=keras.optimizers.Adam(schedule),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

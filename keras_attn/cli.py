@@ -11,6 +11,16 @@ def main(argv=None):
     from keras_attn.export import cli as export_cli
 
     export_cli.add_parser(sub)
+    sub.add_parser(
+        "demo", add_help=False,
+        help="the quickstart: train the dates Transformer, show attention, export "
+        "(`keras-attn demo --help` lists its flags)",
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:
+        from keras_attn.training import quickstart
+
+        return quickstart.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_cli.run(args)

@@ -37,6 +37,15 @@ WEEKDAYS = {
     "es": ["lunes", "martes", "miércoles", "jueves", "viernes", "sábado", "domingo"],
     "de": ["Montag", "Dienstag", "Mittwoch", "Donnerstag", "Freitag", "Samstag", "Sonntag"],
 }
+# Abbreviations as each language writes them (French needs four letters to
+# tell "juin" from "juil").
+MONTHS_SHORT = {
+    "en": [m[:3] for m in MONTHS["en"]],
+    "fr": ["janv", "févr", "mars", "avr", "mai", "juin", "juil", "août", "sept", "oct",
+           "nov", "déc"],
+    "es": [m[:3] for m in MONTHS["es"]],
+    "de": [m[:3] for m in MONTHS["de"]],
+}
 FIRST_DATE = datetime.date(1950, 1, 1)
 LAST_DATE = datetime.date(2049, 12, 31)
 TARGET_LENGTH = 10  # "YYYY-MM-DD"
@@ -53,8 +62,7 @@ def _formats():
     """Each format: a function (date, rng) -> text."""
 
     def month(lang, d, short=False):
-        name = MONTHS[lang][d.month - 1]
-        return name[:3] if short else name
+        return (MONTHS_SHORT if short else MONTHS)[lang][d.month - 1]
 
     def wd(lang, d):
         return WEEKDAYS[lang][d.weekday()]

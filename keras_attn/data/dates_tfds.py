@@ -31,8 +31,11 @@ class HumanDatesConfig(tfds.core.BuilderConfig):
 class HumanDates(tfds.core.GeneratorBasedBuilder):
     """Human-written dates in many formats and four languages -> ISO 8601."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "First release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "First release.",
+        "1.1.0": "French month abbreviations tell June (juin) from July (juil).",
+    }
     BUILDER_CONFIGS = [
         HumanDatesConfig(name="default", description="20k/1k/2k pairs, seed 0"),
         HumanDatesConfig(

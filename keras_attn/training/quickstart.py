@@ -70,8 +70,15 @@ def build_dates_model(args, source, target):
         intermediate_dim=args.intermediate_dim, num_encoder_layers=args.num_layers,
         num_decoder_layers=args.num_layers, name="dates_transformer",
     )
+    # Warm up, then decay to zero: the last epoch settles instead of bouncing.
+    total_steps = args.epochs * -(-args.num_train // args.batch_size)
+    warmup = min(200, max(1, total_steps // 10))
+    schedule = keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=max(1, total_steps - warmup), warmup_target=args.learning_rate,
+        warmup_steps=warmup,
+    )
     model.compile(
-        optimizer=keras.optimizers.Adam(args.learning_rate),
+        optimizer=keras.optimizers.Adam(schedule),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="token_accuracy")],
     )
@@ -101,7 +108,11 @@ def evaluate_dates(model, encoder_inputs, targets, target_tokenizer):
 
 
 def save_attention_heatmap(attention_model, source, target, text, path):
-    """Plots the last decoder block's cross-attention (mean over heads) for `text`."""
+    """Plots cross-attention for `text` as a PNG; returns (decoded text, weights).
+
+    `attention_model([enc, dec]) -> (logits, scores)` with scores
+    `(B, heads, T_out, T_in)` (averaged over heads) or `(B, T_out, T_in)`.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +129,10 @@ def save_attention_heatmap(attention_model, source, target, text, path):
     dec = np.concatenate([[[start_id]], predicted[:, :-1]], axis=1).astype("int32")
     _, scores = attention_model([enc, dec], training=False)
     n = min(len(text), dates.MAX_INPUT_LENGTH)
-    weights = np.asarray(scores, dtype="float32")[0].mean(axis=0)[:, :n]  # (T_out, T_in)
+    weights = np.asarray(scores, dtype="float32")[0]
+    if weights.ndim == 3:  # (heads, T_out, T_in): average the heads
+        weights = weights.mean(axis=0)
+    weights = weights[:, :n]  # (T_out, T_in)
     output = target.decode(predicted[0])
     fig, ax = plt.subplots(figsize=(max(6, 0.32 * n), 4))
     ax.imshow(weights, cmap="viridis", aspect="auto")
