@@ -215,6 +215,8 @@ def test_sampling_is_seeded(gqa_rotary_lm):
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
     np.testing.assert_array_equal(a[:, :2], PROMPTS[:, :2])  # prompts kept
+    xla = random_sampling(lm, PROMPTS, MAX_LEN, seed=3, top_k=8, jit_compile=True).numpy()
+    np.testing.assert_array_equal(xla, a)  # same draws under XLA
     top1 = random_sampling(lm, PROMPTS, MAX_LEN, seed=5, top_k=1).numpy()
     np.testing.assert_array_equal(top1, greedy_search(lm, PROMPTS, MAX_LEN).numpy())
 

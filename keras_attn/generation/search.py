@@ -62,6 +62,34 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     return logits
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x):
+    """A 32-bit integer mixer in int64 arithmetic (products stay below 2**63)."""
+    for _ in range(2):
+        x = tf.bitwise.bitwise_xor(tf.bitwise.right_shift(x, 16), x)
+        x = tf.bitwise.bitwise_and(x * 0x45D9F3B, _MASK32)
+    return tf.bitwise.bitwise_xor(tf.bitwise.right_shift(x, 16), x)
+
+
+def counter_uniform(shape, seed, step):
+    """Uniforms in (0, 1) of `shape` (B, V), a pure function of `(seed, step, b, v)`.
+
+    A counter-based hash in integer ops, so the draws are identical with and
+    without XLA (TensorFlow's stateless RNGs change algorithm under XLA).
+    """
+    h = _hash32(tf.constant(seed & _MASK32, tf.int64))
+    h = _hash32(tf.bitwise.bitwise_xor(h, tf.cast(step, tf.int64)))
+    rows = tf.range(tf.cast(shape[0], tf.int64))[:, None]
+    cols = tf.range(tf.cast(shape[1], tf.int64))[None, :]
+    h = _hash32(tf.bitwise.bitwise_xor(h, rows))
+    h = _hash32(tf.bitwise.bitwise_xor(h, cols))
+    # 24 random bits: exactly representable in float32, never 0 or 1.
+    bits = tf.cast(tf.bitwise.right_shift(h, 8), tf.float32)
+    return (bits + 0.5) / float(1 << 24)
+
+
 def _column(x, index):
     return tf.gather(x, index, axis=1)
 
@@ -172,8 +200,8 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
                     jit_compile=False):
     """Cached sampling with temperature, top-k and top-p, reproducible from `seed`.
 
-    Each step draws with `tf.random.stateless_categorical` seeded by
-    `(seed, position)`, so a given seed gives the same tokens every run, with
+    Each step draws by the Gumbel-max trick from `counter_uniform(seed,
+    position)`, so a given seed gives the same tokens every run, with
     or without XLA. Other arguments as `greedy_search`.
     """
     stops = _check(max_length, prompt_ids, stop_token_ids)
@@ -185,8 +213,10 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
 
     def select(logits, index):
         filtered = filter_logits(logits, temperature, top_k, top_p)
-        seeds = tf.stack([tf.constant(seed, tf.int32), tf.cast(index, tf.int32)])
-        return tf.random.stateless_categorical(filtered, 1, seed=seeds, dtype=tf.int32)[:, 0]
+        uniform = counter_uniform(tf.shape(filtered), seed, index)
+        # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits).
+        return tf.argmax(filtered - tf.math.log(-tf.math.log(uniform)), axis=-1,
+                         output_type=tf.int32)
 
     def loop(prompt_ids, encoder_ids):
         return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id, select)
