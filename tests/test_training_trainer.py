@@ -1,0 +1,103 @@
+"""keras_attn.training.Trainer in this process (default strategy): numbers vs NumPy."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_attn.training import Trainer
+
+
+def _linear_problem(n=64, d=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    y = (x @ np.array([[1.5], [-2.0], [0.5]], "float32") + 0.3).astype("float32")
+    return x, y
+
+
+def _input_fn(x, y, batch):
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+
+    return input_fn
+
+
+def test_sgd_steps_match_numpy_gradient_descent(tmp_path):
+    x, y = _linear_problem()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    w0, b0 = [v.copy() for v in model.get_weights()]
+    trainer = Trainer(model, keras.optimizers.SGD(0.1), keras.losses.MeanSquaredError(),
+                      global_batch_size=16, log_every=2, log_dir=str(tmp_path / "tb"))
+    trainer.fit(_input_fn(x, y, 16), steps=8, verbose=False)
+    # NumPy reference: full-precision gradient descent on the mean over the batch.
+    w, b = w0.astype(np.float64), b0.astype(np.float64)
+    losses = []
+    for step in range(8):
+        xb = x[(step % 4) * 16:(step % 4 + 1) * 16].astype(np.float64)
+        yb = y[(step % 4) * 16:(step % 4 + 1) * 16].astype(np.float64)
+        err = xb @ w + b - yb
+        losses.append(np.mean(err**2))
+        w -= 0.1 * 2 * xb.T @ err / 16
+        b -= 0.1 * 2 * err.mean(axis=0)
+    got_w, got_b = model.get_weights()
+    np.testing.assert_allclose(got_w, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, b, rtol=1e-5, atol=1e-6)
+    # Each log line is the mean loss of the steps since the previous one.
+    expected = [np.mean(losses[i:i + 2]) for i in range(0, 8, 2)]
+    np.testing.assert_allclose([v for _, v in trainer.history], expected, rtol=1e-5)
+    assert [s for s, _ in trainer.history] == [2, 4, 6, 8]
+    assert int(trainer.step.numpy()) == 8
+
+
+def test_mixed_precision_wraps_loss_scale_optimizer_and_learns():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _linear_problem(n=128)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1, dtype="float32")])
+    trainer = Trainer(model, keras.optimizers.Adam(0.05), "mse", global_batch_size=32,
+                      log_every=10)
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    trainer.fit(_input_fn(x, y, 32), steps=60, verbose=False)
+    losses = [v for _, v in trainer.history]
+    assert losses[-1] < 0.2 * losses[0], losses
+    assert model.layers[0].compute_dtype == "float16"
+    assert all(w.dtype == np.float32 for w in model.get_weights())
+
+
+def test_checkpoint_resume_in_process(tmp_path):
+    x, y = _linear_problem()
+
+    def make():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        return model, Trainer(model, keras.optimizers.Adam(0.01), "mse", global_batch_size=16,
+                              checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5,
+                              log_every=5)
+
+    keras.utils.set_random_seed(7)
+    full_model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    Trainer(full_model, keras.optimizers.Adam(0.01), "mse", global_batch_size=16,
+            log_every=5).fit(_input_fn(x, y, 16), steps=20, verbose=False)
+
+    model, trainer = make()
+    trainer.fit(_input_fn(x, y, 16), steps=10, verbose=False)
+    model, trainer = make()  # a fresh process would start like this
+    assert trainer.restore() == 10
+    trainer.fit(_input_fn(x, y, 16), steps=20, verbose=False)
+    assert [s for s, _ in trainer.history] == [15, 20]
+    for a, b in zip(model.get_weights(), full_model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"global_batch_size": 0}, "global_batch_size"),
+        ({"global_batch_size": 8, "log_every": 0}, "log_every"),
+        ({"global_batch_size": 8, "checkpoint_every": -1}, "checkpoint_every"),
+    ],
+)
+def test_trainer_rejects_bad_arguments(kwargs, match):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=match):
+        Trainer(model, keras.optimizers.SGD(0.1), "mse", **kwargs)
