@@ -122,16 +122,19 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
 
         def self_attend(x):
-            return self.self_attention(
+            # Scores only when asked: they force the full (T, T) probabilities
+            # and rule out the blocked attention path.
+            result = self.self_attention(
                 x,
                 x,
                 query_mask=decoder_padding_mask,
                 value_mask=decoder_padding_mask,
                 attention_mask=decoder_attention_mask,
                 use_causal_mask=use_causal_mask,
-                return_attention_scores=True,
+                return_attention_scores=return_attention_scores,
                 training=training,
             )
+            return result if return_attention_scores else (result, None)
 
         x, self_scores = self._residual(
             decoder_sequence,
@@ -144,15 +147,16 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         if encoder_sequence is not None:
 
             def cross_attend(x):
-                return self.cross_attention(
+                result = self.cross_attention(
                     x,
                     encoder_sequence,
                     query_mask=decoder_padding_mask,
                     value_mask=encoder_padding_mask,
                     attention_mask=encoder_attention_mask,
-                    return_attention_scores=True,
+                    return_attention_scores=return_attention_scores,
                     training=training,
                 )
+                return result if return_attention_scores else (result, None)
 
             x, scores["cross_attention"] = self._residual(
                 x,

@@ -77,7 +77,9 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             padding_mask = masking.keras_mask_of(inputs)
 
         def attend(x):
-            return self.self_attention(
+            # Scores only when asked: they force the full (T, T) probabilities
+            # and rule out the blocked attention path.
+            result = self.self_attention(
                 x,
                 x,
                 query_mask=padding_mask,
@@ -85,9 +87,10 @@ class TransformerEncoderBlock(_transformer.BlockBase):
                 attention_mask=attention_mask,
                 attention_bias=attention_bias,
                 use_causal_mask=use_causal_mask,
-                return_attention_scores=True,
+                return_attention_scores=return_attention_scores,
                 training=training,
             )
+            return result if return_attention_scores else (result, None)
 
         x, scores = self._residual(
             inputs, self.self_attention_layer_norm, self.self_attention_dropout, attend, training
