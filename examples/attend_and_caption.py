@@ -232,22 +232,22 @@ def parse_args(argv):
     )
     p.add_argument("--train-strips", type=int, default=6000)
     p.add_argument("--test-strips", type=int, default=1000)
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--encoder-blocks", type=int, default=1,
                    help="TransformerEncoderBlocks over the feature map (0: CNN features only)")
-    p.add_argument("--decoder-blocks", type=int, default=2,
+    p.add_argument("--decoder-blocks", type=int, default=1,
                    help="TransformerDecoderBlocks; the last one's cross-attention is shown")
     p.add_argument("--positions", choices=["learned", "sinusoidal"], default="learned",
                    help="positions of the feature-map cells (flattened column by column)")
-    p.add_argument("--warmup", type=float, default=0.05, help="share of steps warming up")
+    p.add_argument("--warmup", type=float, default=0.0, help="share of steps warming up")
     p.add_argument(
-        "--pre-norm", action=argparse.BooleanOptionalAction, default=True,
-        help="pre-norm Transformer blocks (x + f(LN(x))); --no-pre-norm for post-norm",
+        "--pre-norm", action=argparse.BooleanOptionalAction, default=False,
+        help="pre-norm Transformer blocks (x + f(LN(x))) instead of post-norm",
     )
     p.add_argument("--test-fraction", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
@@ -324,7 +324,10 @@ def main(argv=None):
         summary["export_paths"] = {k: r.path for k, r in reports.items()}
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    summary.update(step_model=step_model, split=split, train=train, test=test)
+    summary.update(
+        step_model=step_model, split=split, train=train, test=test, tokens=tokens,
+        attention_maps=attention, grid=grid,
+    )
     return summary
 
 
