@@ -1,0 +1,120 @@
+"""The examples and `keras-attn demo`, run end to end with tiny settings so they cannot rot.
+
+Each run is a subprocess with a hard timeout; independent runs go in
+parallel. Accuracy at these sizes is meaningless; what is checked is that
+every stage ran and wrote what it promises (the README's full-size numbers
+come from the default settings).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TIMEOUT = 300
+
+pytestmark = pytest.mark.slow
+
+DATES_TINY = ["--num-train", "256", "--num-test", "32", "--epochs", "1", "--batch-size", "32",
+              "--embedding-dim", "16", "--intermediate-dim", "32", "--num-heads", "2",
+              "--num-layers", "1", "--verbose", "0"]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["KERAS_BACKEND"] = "tensorflow"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _run_parallel(commands, cwd):
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env(), cwd=str(cwd), start_new_session=True)
+             for cmd in commands]
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"timed out: {proc.args}\n{out[-3000:]}")
+        assert proc.returncode == 0, f"{proc.args} failed:\n{out[-3000:]}"
+        outputs.append(out)
+    return outputs
+
+
+def test_every_example_has_help(tmp_path):
+    names = ["translate_dates", "bahdanau_seq2seq", "text_classification",
+             "distributed_training", "quickstart"]
+    outs = _run_parallel([[sys.executable, str(EXAMPLES / f"{n}.py"), "--help"] for n in names],
+                         tmp_path)
+    for name, out in zip(names, outs):
+        assert "usage:" in out, name
+        assert "--seed" in out or "--steps" in out, name
+
+
+@pytest.fixture(scope="module")
+def dates_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("examples")
+    data_dir = str(tmp / "tfds")
+    commands = {
+        "demo": [sys.executable, "-m", "keras_attn.cli", "demo", *DATES_TINY,
+                 "--data-dir", data_dir, "--output-dir", str(tmp / "demo")],
+        "translate": [sys.executable, str(EXAMPLES / "translate_dates.py"), *DATES_TINY,
+                      "--data-dir", str(tmp / "tfds2"), "--output-dir", str(tmp / "translate")],
+    }
+    outs = _run_parallel(list(commands.values()), tmp)
+    commands2 = {
+        "bahdanau": [sys.executable, str(EXAMPLES / "bahdanau_seq2seq.py"), *DATES_TINY,
+                     "--units", "16", "--data-dir", data_dir, "--output-dir", str(tmp / "bahdanau")],
+        "text": [sys.executable, str(EXAMPLES / "text_classification.py"), "--num-train", "300",
+                 "--num-test", "50", "--epochs", "1", "--embedding-dim", "16", "--verbose", "0"],
+    }
+    outs += _run_parallel(list(commands2.values()), tmp)
+    return tmp, dict(zip([*commands, *commands2], outs))
+
+
+def _is_png(path):
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_runs_quickstart_end_to_end_with_export(dates_runs):
+    tmp, outs = dates_runs
+    out = outs["demo"]
+    assert "human_dates through tfds" in out
+    assert (tmp / "tfds" / "human_dates").is_dir()
+    assert "test exact-match accuracy:" in out
+    assert "'3rd of March 1999'" in out
+    assert _is_png(tmp / "demo" / "dates_attention.png")
+    for name in ("SavedModel", "TFLite", "ONNX"):
+        line = next((l for l in out.splitlines() if l.startswith(f"{name}:")), "")
+        assert f"max |{name} - Keras|" in line, out[-3000:]
+        error = float(line.split("= ")[1].split()[0])
+        assert error < 1e-4
+    assert (tmp / "demo" / "dates.tflite").is_file()
+    assert (tmp / "demo" / "dates.onnx").is_file()
+
+
+def test_translate_dates_and_bahdanau_write_heatmaps(dates_runs):
+    tmp, outs = dates_runs
+    for name, png in (("translate", "translate/translate_dates_attention.png"),
+                      ("bahdanau", "bahdanau/bahdanau_attention.png")):
+        assert "test exact-match accuracy:" in outs[name]
+        assert "heatmap:" in outs[name]
+        assert _is_png(tmp / png), name
+
+
+def test_text_classification_offline_default(dates_runs):
+    _, outs = dates_runs
+    out = outs["text"]
+    assert "data: generated" in out
+    assert "test accuracy:" in out
+    assert "positive:" in out
