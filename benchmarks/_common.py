@@ -1,0 +1,88 @@
+"""Shared pieces of the benchmarks: environment, matmul ceiling, interleaved timing."""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+
+def matmul_ceiling_gflops(n=2048, repeats=7):
+    """Median GFLOP/s of an `n^3` float32 matmul in TensorFlow (graph mode): the ceiling."""
+    import tensorflow as tf
+
+    a = tf.constant(np.random.default_rng(0).normal(size=(n, n)).astype("float32"))
+    f = tf.function(lambda a: tf.matmul(a, a))
+    f(a).numpy()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).numpy()
+        times.append(time.perf_counter() - start)
+    return 2.0 * n**3 / float(np.median(times)) / 1e9
+
+
+def ceiling_fn(n=2048):
+    """A zero-argument function running one `n^3` matmul, and its FLOPs.
+
+    Put it into the `interleaved` dict so the ceiling is measured under the
+    same load as the code it is compared with.
+    """
+    import tensorflow as tf
+
+    a = tf.constant(np.random.default_rng(0).normal(size=(n, n)).astype("float32"))
+    f = tf.function(lambda a: tf.matmul(a, a))
+    return (lambda: f(a)), 2.0 * n**3
+
+
+def _block(result):
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(result):
+        if hasattr(t, "numpy"):
+            t.numpy()
+
+
+def interleaved(fns, repeats=5, calls=1, warmup=2):
+    """Median seconds per call of each function in `fns` (a dict), run interleaved.
+
+    Each function is warmed up (traced/compiled) first; then `repeats` rounds
+    run every function `calls` times in turn, so that load from other
+    processes hits all of them alike.
+    """
+    for f in fns.values():
+        for _ in range(warmup):
+            _block(f())
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = f()
+            _block(out)
+            samples[name].append((time.perf_counter() - start) / calls)
+    return {name: float(np.median(s)) for name, s in samples.items()}
+
+
+def conditions():
+    """One line describing the run: machine, load, versions."""
+    import keras
+    import tensorflow as tf
+
+    load = os.getloadavg()
+    return (
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at start, "
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, float32, "
+        f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default (on)')}"
+    )
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"
