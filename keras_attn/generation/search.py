@@ -79,7 +79,7 @@ def counter_uniform(shape, seed, step):
     A counter-based hash in integer ops, so the draws are identical with and
     without XLA (TensorFlow's stateless RNGs change algorithm under XLA).
     """
-    h = _hash32(tf.constant(seed & _MASK32, tf.int64))
+    h = _hash32(tf.bitwise.bitwise_and(tf.cast(seed, tf.int64), _MASK32))
     h = _hash32(tf.bitwise.bitwise_xor(h, tf.cast(step, tf.int64)))
     rows = tf.range(tf.cast(shape[0], tf.int64))[:, None]
     cols = tf.range(tf.cast(shape[1], tf.int64))[None, :]
@@ -159,12 +159,12 @@ def _compiled(model, key, build, jit_compile):
     return table[key]
 
 
-def _run(model, key, loop, prompt_ids, encoder_ids, jit_compile):
+def _run(model, key, loop, prompt_ids, encoder_ids, jit_compile, *extra):
     fn = _compiled(model, key + (encoder_ids is not None, jit_compile), loop, jit_compile)
     prompt_ids = tf.convert_to_tensor(prompt_ids, tf.int32)
-    if encoder_ids is None:
-        return fn(prompt_ids, None)
-    return fn(prompt_ids, tf.convert_to_tensor(encoder_ids, tf.int32))
+    if encoder_ids is not None:
+        encoder_ids = tf.convert_to_tensor(encoder_ids, tf.int32)
+    return fn(prompt_ids, encoder_ids, *extra)
 
 
 def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token_ids=(),
@@ -211,18 +211,21 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
     if top_k is not None:
         filter_logits(tf.zeros((1, top_k)), temperature, top_k, None)
 
-    def select(logits, index):
+    def select(logits, index, seed):
         filtered = filter_logits(logits, temperature, top_k, top_p)
         uniform = counter_uniform(tf.shape(filtered), seed, index)
         # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits).
         return tf.argmax(filtered - tf.math.log(-tf.math.log(uniform)), axis=-1,
                          output_type=tf.int32)
 
-    def loop(prompt_ids, encoder_ids):
-        return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id, select)
+    def loop(prompt_ids, encoder_ids, seed):
+        # The seed is an input, so a new seed does not retrace.
+        return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
+                            lambda logits, index: select(logits, index, seed))
 
-    key = ("sample", max_length, stops, pad_token_id, seed, temperature, top_k, top_p)
-    return _run(model, key, loop, prompt_ids, encoder_ids, jit_compile)
+    key = ("sample", max_length, stops, pad_token_id, temperature, top_k, top_p)
+    return _run(model, key, loop, prompt_ids, encoder_ids, jit_compile,
+                tf.constant(seed, tf.int64))
 
 
 def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
