@@ -36,6 +36,14 @@ def sinusoidal_lm():
 
 
 @pytest.fixture(scope="module")
+def learned_lm():
+    lm = DecoderOnlyLM(VOCAB, 16, 16, num_layers=1, num_heads=2, intermediate_dim=32,
+                       position="learned")
+    lm(PROMPTS)
+    return lm
+
+
+@pytest.fixture(scope="module")
 def seq2seq():
     model = Seq2SeqLM(VOCAB, 32, 16, num_layers=2, num_heads=4, intermediate_dim=32,
                       num_key_value_heads=2)
@@ -76,7 +84,7 @@ def _reference_greedy(next_logits, prompt, max_length, stops=(), pad=0):
     return seq
 
 
-@pytest.mark.parametrize("fixture", ["gqa_rotary_lm", "sinusoidal_lm"])
+@pytest.mark.parametrize("fixture", ["gqa_rotary_lm", "sinusoidal_lm", "learned_lm"])
 def test_cached_logits_equal_full_recomputation_every_step(request, fixture):
     lm = request.getfixturevalue(fixture)
     batch = len(PROMPTS)
