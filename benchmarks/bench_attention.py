@@ -145,6 +145,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
     rows = run(args.lengths, args.repeats, with_torch=not args.no_torch)
@@ -153,6 +154,9 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({'rows': rows}, f, indent=1)
     return 0
 
 

@@ -142,6 +142,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="(128, 256) only, graph mode")
+    parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
     grid = GRID[:1] if args.quick else GRID
@@ -152,6 +153,9 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({'ceiling': ceiling, 'rows': rows}, f, indent=1)
     return 0
 
 

@@ -112,12 +112,15 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--position", default="learned", choices=["learned", "sinusoidal", "rotary"],
+                        help="position encoding of our model (KerasHub's is learned)")
     parser.add_argument("--skip-tflite", action="store_true")
     parser.add_argument("--skip-keras-hub", action="store_true")
     args = parser.parse_args(argv)
     keras.utils.set_random_seed(0)
     max_len = max(args.lengths)
-    lm = DecoderOnlyLM(args.vocab, max_len, args.hidden, args.layers, args.heads, args.hidden * 4)
+    lm = DecoderOnlyLM(args.vocab, max_len, args.hidden, args.layers, args.heads, args.hidden * 4,
+                       position=args.position)
     lm(np.zeros((1, 2), "int32"))
     hub = None
     if not args.skip_keras_hub:
@@ -182,7 +185,7 @@ def main(argv=None):
         return f"{v:8.2f}" if isinstance(v, float) else f"{'-':>8}"
 
     print(f"\nbatch 1, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, "
-          f"vocab {args.vocab}; best-of-N ms per generated token (tokens/s = 1000 / ms)")
+          f"vocab {args.vocab}, {args.position} positions; best-of-N ms per generated token (tokens/s = 1000 / ms)")
     print("     n | keras cached | recompute | speed-up | KerasHub cached | ours vs hub |"
           " tflite cached | tflite recompute | speed-up")
     for r in rows:

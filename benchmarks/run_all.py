@@ -1,0 +1,153 @@
+"""Runs every benchmark and regenerates benchmarks/RESULTS.md.
+
+    python benchmarks/run_all.py            # the full grid (~30-60 min on 2 busy cores)
+    python benchmarks/run_all.py --quick    # a smoke run, written to RESULTS.quick.md
+
+Each benchmark runs in its own process; the tables, the run's conditions and a
+summary of the issue's targets (computed from the same rows) go into the file.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _common  # noqa: E402
+
+FULL = {
+    "attention": ["--repeats", "7"],
+    "blocks": ["--repeats", "5"],
+    "long": [],
+    "export": [],
+}
+QUICK = {
+    "attention": ["--repeats", "2", "--lengths", "128"],
+    "blocks": ["--repeats", "2", "--quick"],
+    "long": ["--lengths", "2048", "4096", "--repeats", "1"],
+    "export": ["--repeats", "3", "--calls", "5"],
+}
+TITLES = {
+    "attention": "MultiHeadAttention vs keras.layers.MultiHeadAttention (and torch)",
+    "blocks": "Transformer blocks vs KerasHub (tokens/s, fraction of the matmul ceiling)",
+    "long": "Long sequences: peak RSS and time (fresh subprocess per config)",
+    "export": "Exported encoder classifier: TFLite (XNNPACK) and onnxruntime, batch 1",
+}
+
+
+def _fmt(x):
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def targets(data):
+    """Lines checking the issue's targets against the measured rows."""
+    lines = []
+    blocks = data.get("blocks", {}).get("rows", [])
+    train = [r for r in blocks if r["step"] == "train"]
+    for t, d in ((128, 256), (512, 256)):
+        got = [r["ratio"] for r in train if (r["T"], r["d"]) == (t, d)]
+        if got:
+            lines.append(f"- train step vs KerasHub at ({t}, {d}), target >= 1.15x: "
+                         + ", ".join(f"{r['block']}/{r['mode']} {r['ratio']:.2f}x"
+                                     for r in train if (r["T"], r["d"]) == (t, d))
+                         + (" -> met" if min(got) >= 1.15 else " -> MISSED"))
+    if blocks:
+        worst = min(blocks, key=lambda r: r["ratio"])
+        lines.append(f"- never below 1.0x vs KerasHub: lowest {worst['ratio']:.2f}x "
+                     f"({worst['block']} {worst['step']} {worst['mode']} T={worst['T']} d={worst['d']})"
+                     + (" -> met" if worst["ratio"] >= 1.0 else " -> MISSED"))
+        d512 = [r for r in train if r["d"] == 512]
+        if d512:
+            best = max(r["ours_ceiling"] for r in d512)
+            lines.append(f"- train step at d=512, target >= 85% of the ceiling: ours "
+                         + ", ".join(f"{r['block']}/{r['mode']} T={r['T']} {100 * r['ours_ceiling']:.0f}%"
+                                     for r in d512)
+                         + (" -> met" if best >= 0.85 else " -> MISSED"))
+    att = [r for r in data.get("attention", {}).get("rows", [])
+           if r["T"] == 512 and r["case"] == "self" and r["step"] == "forward"]
+    for r in att:
+        lines.append(f"- forward self-attention at T=512 vs Keras MHA, target >= 1.2x: "
+                     f"{r['ratio_vs_keras']:.2f}x" + (" -> met" if r["ratio_vs_keras"] >= 1.2 else " -> MISSED"))
+    long_rows = data.get("long", {}).get("rows", [])
+    for t, mode in ((32768, "fwd"), (16384, "fwd+bwd")):
+        for r in long_rows:
+            if r["T"] == t and r["mode"] == mode and r["impl"] == "ours":
+                peak = r.get("peak_gib")
+                lines.append(f"- ours {mode} at T={t}, target < 2 GiB peak RSS: {_fmt(peak)} GiB"
+                             + (" -> met" if peak is not None and peak < 2 else " -> MISSED"))
+    check = data.get("long", {}).get("check") or {}
+    for key, value in check.items():
+        if key.startswith("max_abs_diff"):
+            worst = max(value.values())
+            lines.append(f"- blocked vs unblocked {key.replace('max_abs_diff_', '')}, target 1e-4: "
+                         f"max abs diff {worst:.2e}" + (" -> met" if worst <= 1e-4 else " -> MISSED"))
+    if "T4096_blocked_over_unblocked" in check:
+        ratio = check["T4096_blocked_over_unblocked"]
+        lines.append(f"- blocked / unblocked time at T=4096, target <= 1.3: {ratio:.2f}"
+                     + (" -> met" if ratio <= 1.3 else " -> MISSED"))
+    for r in data.get("export", {}).get("rows", []):
+        lines.append(f"- {r['format']} latency vs KerasHub-built, target ours <= KerasHub: "
+                     f"{r['ours_ms']:.3f} ms vs {r['hub_ms']:.3f} ms"
+                     + (" -> met" if r["ours_ms"] <= r["hub_ms"] else " -> MISSED"))
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="+", choices=list(FULL))
+    parser.add_argument("--output")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    names = args.only or list(plan)
+    output = args.output or os.path.join(HERE, "RESULTS.quick.md" if args.quick else "RESULTS.md")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    conditions = _common.conditions()
+    sections, data = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            md, js = os.path.join(tmp, name + ".md"), os.path.join(tmp, name + ".json")
+            cmd = [sys.executable, os.path.join(HERE, f"bench_{name}.py"), *plan[name],
+                   "--markdown", md, "--json", js]
+            print("running", " ".join(cmd[1:]), flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0 and os.path.exists(md):
+                sections[name] = open(md).read()
+                data[name] = json.load(open(js))
+            else:
+                tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+                sections[name] = f"FAILED (exit {proc.returncode}):\n\n```\n{tail}\n```\n"
+            print(sections[name], flush=True)
+    finished = datetime.datetime.now(datetime.timezone.utc)
+    command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "") + (
+        " --only " + " ".join(args.only) if args.only else "")
+    text = [
+        "# Benchmark results",
+        "",
+        f"Generated by `{command}` (from {started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC).",
+        "",
+        f"Conditions: {conditions}; load average at the end "
+        f"{os.getloadavg()[0]:.1f}. Timings are medians of interleaved rounds "
+        "(ours and the peer alternate, so outside load hits both); read the ratios, "
+        "not the absolute times. FLOP counting: see benchmarks/README.md.",
+        "",
+        "## Targets of issue 6",
+        "",
+        *targets(data),
+        "",
+    ]
+    for name in names:
+        text += [f"## {TITLES[name]}", "", sections[name]]
+    with open(output, "w") as f:
+        f.write("\n".join(text))
+    print("wrote", output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
