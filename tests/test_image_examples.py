@@ -171,7 +171,7 @@ def _check_artifacts(model, feeds, paths):
 
 def test_classifier_reports_both_accuracies(classifier_run):
     summary, out = classifier_run
-    for key in ("accuracy_with_attention", "accuracy_without_attention"):
+    for key in ("accuracy_with_attention", "accuracy_without_attention", "accuracy_flatten_head_cnn"):
         assert 0.0 <= summary[key] <= 1.0
     assert summary["runs"]["with_attention"] and summary["runs"]["without_attention"]
     assert not set(summary["train_index"]) & set(summary["test_index"])
