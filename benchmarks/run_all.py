@@ -21,10 +21,10 @@ sys.path.insert(0, HERE)
 import _common  # noqa: E402
 
 FULL = {
-    "attention": ["--repeats", "7"],
-    "blocks": ["--repeats", "5"],
     "long": [],
     "export": [],
+    "attention": ["--repeats", "5"],
+    "blocks": ["--repeats", "3"],
 }
 QUICK = {
     "attention": ["--repeats", "2", "--lengths", "128"],
