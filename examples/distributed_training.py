@@ -137,8 +137,16 @@ def main(argv=None):
         if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             sys.exit("--use-fit does not work under MultiWorkerMirroredStrategy "
                      "(keras-team/keras#20585); drop it to use the Trainer.")
+        jit_compile = args.jit_compile
+        if jit_compile and strategy.num_replicas_in_sync > 1:
+            # XLA cannot compile Keras's train step when the variables live on
+            # several devices (keras-team/keras#19005); the Trainer can.
+            print("model.fit cannot XLA-compile with more than one replica "
+                  "(keras-team/keras#19005): running fit without jit_compile; "
+                  "drop --use-fit to get XLA from keras_attn's Trainer.", flush=True)
+            jit_compile = False
         with strategy.scope():
-            model.compile(optimizer, loss, metrics=["accuracy"], jit_compile=args.jit_compile)
+            model.compile(optimizer, loss, metrics=["accuracy"], jit_compile=jit_compile)
         # One "epoch" per log line so that the history shows the loss falling.
         history = model.fit(make_dataset(args.global_batch_size),
                             epochs=max(1, args.steps // args.log_every),

@@ -92,7 +92,9 @@ class Trainer:
         max_to_keep: checkpoints kept.
         log_dir: TensorBoard directory for `loss`, metrics and `loss_scale`.
         log_every: steps between log lines and summaries.
-        jit_compile: XLA-compile the replica step.
+        jit_compile: XLA-compile the forward and backward pass of each
+            replica (the optimizer update runs outside XLA; see
+            `_make_jit_gradient_fn` for why).
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class Trainer:
             else:
                 self.writer = tf.summary.create_noop_writer()
         self._train_step = None
+        self._jit_gradients = None
         self.history = []
 
     # -- checkpoints -------------------------------------------------------
@@ -201,38 +204,94 @@ class Trainer:
         return path
 
     # -- the step ----------------------------------------------------------
+    def _average_loss(self, y, logits):
+        per_example = self.loss(y, logits)
+        # The mean over every axis but the batch, per example:
+        per_example = tf.reshape(tf.cast(per_example, tf.float32), [tf.shape(y)[0], -1])
+        per_example = tf.reduce_mean(per_example, axis=1)
+        # Divided by the *global* batch: the optimizer sums over replicas.
+        return tf.nn.compute_average_loss(per_example, global_batch_size=self.global_batch_size)
+
+    def _make_jit_gradient_fn(self):
+        """Forward and backward pass as one XLA function of tensors only.
+
+        XLA cannot compile a function that reads variables living on
+        another replica's device (keras-team/keras#19005), which is what
+        `tf.function(jit_compile=True)` around `strategy.run` or around a
+        replica step that captures the model's variables does under
+        `MirroredStrategy` with >1 replica. Here the variable values come in
+        as arguments (`model.stateless_call`), so each replica runs the
+        compiled function on its own device; the optimizer update and any
+        non-trainable state are applied outside XLA.
+        """
+        model = self.model
+
+        def gradients(trainable, non_trainable, x, y, loss_scale):
+            with tf.GradientTape() as tape:
+                tape.watch(trainable)
+                logits, non_trainable, losses = model.stateless_call(
+                    trainable, non_trainable, x, training=True, return_losses=True
+                )
+                loss = self._average_loss(y, logits)
+                if losses:
+                    loss += tf.nn.scale_regularization_loss(
+                        tf.add_n([tf.cast(v, tf.float32) for v in losses])
+                    )
+                scaled = loss * loss_scale
+            grads = tape.gradient(scaled, trainable)
+            return loss, grads, non_trainable, logits
+
+        return tf.function(gradients, jit_compile=True)
+
     def _replica_step(self, x, y):
-        with tf.GradientTape() as tape:
-            logits = self.model(x, training=True)
-            per_example = self.loss(y, logits)
-            # Sum over every axis but the batch, the mean per example:
-            per_example = tf.reshape(tf.cast(per_example, tf.float32), [tf.shape(y)[0], -1])
-            per_example = tf.reduce_mean(per_example, axis=1)
-            loss = tf.nn.compute_average_loss(
-                per_example, global_batch_size=self.global_batch_size
+        variables = self.model.trainable_variables
+        scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        if self.jit_compile:
+            if self._jit_gradients is None:
+                self._jit_gradients = self._make_jit_gradient_fn()
+            scale = (
+                tf.cast(tf.convert_to_tensor(self.optimizer.dynamic_scale), tf.float32)
+                if scaling
+                else tf.constant(1.0)
             )
-            if self.model.losses:
-                loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
-            scaled = (
-                self.optimizer.scale_loss(loss)
-                if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-                else loss
+            loss, grads, non_trainable, logits = self._jit_gradients(
+                [tf.convert_to_tensor(v.value) for v in variables],
+                [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables],
+                x, y, scale,
             )
-        grads = tape.gradient(scaled, self.model.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+            for variable, value in zip(self.model.non_trainable_variables, non_trainable):
+                variable.assign(value)
+        else:
+            with tf.GradientTape() as tape:
+                logits = self.model(x, training=True)
+                loss = self._average_loss(y, logits)
+                if self.model.losses:
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+                scaled = self.optimizer.scale_loss(loss) if scaling else loss
+            grads = tape.gradient(scaled, variables)
+        replicas = self.strategy.num_replicas_in_sync
+        if scaling and replicas > 1:
+            # keras.optimizers.LossScaleOptimizer checks each replica's *own*
+            # gradients for inf/NaN and assumes they agree; when only one
+            # replica overflows, the others apply the all-reduced (non-finite)
+            # update and every weight becomes NaN. All-reducing first makes
+            # the check see the same gradients everywhere; dividing by the
+            # replica count undoes the optimizer's own all-reduce (exact for
+            # power-of-two replica counts).
+            grads = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(g) for g in grads]
+            )
+            grads = [g / replicas for g in grads]
+        self.optimizer.apply_gradients(zip(grads, variables))
         for metric in self.metrics:
             metric.update_state(y, logits)
         return loss
 
     def _make_train_step(self):
-        replica_step = self._replica_step
-        if self.jit_compile:
-            replica_step = tf.function(replica_step, jit_compile=True)
-
         @tf.function
         def train_step(iterator):
             x, y = next(iterator)
-            per_replica_loss = self.strategy.run(replica_step, args=(x, y))
+            per_replica_loss = self.strategy.run(self._replica_step, args=(x, y))
             loss = self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
             self.loss_sum.update_state(loss)
             self.step.assign_add(1)
