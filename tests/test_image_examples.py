@@ -125,7 +125,8 @@ def test_help_and_flags(classifier_example, caption_example, capsys):
             module.parse_args(["--help"])
         assert info.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--epochs", "--seeds", "--width", "--train-strips", "--test-strips", "--no-export"):
+    flags = ("--epochs", "--seeds", "--width", "--train-strips", "--test-strips", "--no-export")
+    for flag in flags:
         assert flag in text
 
 
@@ -152,7 +153,8 @@ def _saved_model_outputs(path, feeds):
     import tensorflow as tf
 
     signature = tf.saved_model.load(path).signatures["serving_default"]
-    return {k: v.numpy() for k, v in signature(**{k: tf.constant(v) for k, v in feeds.items()}).items()}
+    outputs = signature(**{k: tf.constant(v) for k, v in feeds.items()})
+    return {k: v.numpy() for k, v in outputs.items()}
 
 
 def _check_artifacts(model, feeds, paths):
@@ -171,7 +173,8 @@ def _check_artifacts(model, feeds, paths):
 
 def test_classifier_reports_both_accuracies(classifier_run):
     summary, out = classifier_run
-    for key in ("accuracy_with_attention", "accuracy_without_attention", "accuracy_flatten_head_cnn"):
+    keys = ("accuracy_with_attention", "accuracy_without_attention", "accuracy_flatten_head_cnn")
+    for key in keys:
         assert 0.0 <= summary[key] <= 1.0
     assert summary["runs"]["with_attention"] and summary["runs"]["without_attention"]
     assert not set(summary["train_index"]) & set(summary["test_index"])
@@ -222,7 +225,7 @@ def test_caption_strips_use_only_their_split(caption_run):
     assert not any(split.x_test[k].tobytes() in train_rows for k in used)
 
 
-def test_caption_reports_and_png(caption_run, capsys):
+def test_caption_reports_and_png(caption_run):
     summary, out = caption_run
     assert 0.0 <= summary["exact_match"] <= 1.0
     png = out / "caption_attention.png"
