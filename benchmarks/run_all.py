@@ -40,6 +40,21 @@ TITLES = {
 }
 
 
+NOTES = [
+    "- The machine is 2 shared cores; other jobs (TensorFlow test suites) ran at the same "
+    "time, so the matmul ceiling measured in the same rounds varies from row to row (see "
+    "the ceiling column). Ratios of interleaved timings are the meaningful numbers; a "
+    "ratio within ~10-15% of 1.0 is within the run-to-run noise seen here.",
+    "- Long sequences: each configuration is its own subprocess, run one after the other, "
+    "so the time columns of that table are NOT interleaved (one warm run each); the peak "
+    "RSS includes ~0.6 GiB of an idle TensorFlow process. T=2048/4096 use the unblocked "
+    "path (automatic blocking starts above 4096 x 4096 scores), T>=8192 the blocked one.",
+    "- \"not run\": Keras configurations whose score tensors alone would need more than "
+    "9 GiB are not started (the issue reports `std::bad_alloc` for Keras training at "
+    "T=16384).",
+]
+
+
 def _fmt(x):
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -133,6 +148,7 @@ def main(argv=None):
         for name in names:
             if name in sections:
                 text += [f"## {TITLES[name]}", "", sections[name]]
+        text += ["## Notes on this run", "", *NOTES, ""]
         with open(output, "w") as f:
             f.write("\n".join(text))
 
