@@ -88,7 +88,7 @@ def build_dates_model(args, source, target):
 def test_arrays(test_pipeline):
     import numpy as np
 
-    enc, texts_ids, targets = [], [], []
+    enc, targets = [], []
     for x, y in test_pipeline:
         enc.append(x["encoder_inputs"].numpy())
         targets.append(y.numpy())

@@ -18,7 +18,6 @@ must take part in saving, because saving a distributed variable is a
 collective operation) and delete them.
 """
 
-import json
 import os
 import shutil
 import sys
@@ -34,27 +33,6 @@ from tensorflow.core.framework import summary_pb2
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 )
-
-
-def strategy_from_env(num_local_devices=None):
-    """`MultiWorkerMirroredStrategy` if `TF_CONFIG` names >1 worker, else `MirroredStrategy`.
-
-    `num_local_devices` (CPU only): split the CPU into that many logical
-    devices first; must be called before TensorFlow initialises its devices.
-    """
-    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
-    workers = config.get("cluster", {}).get("worker", [])
-    if num_local_devices:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * int(num_local_devices)
-        )
-    if len(workers) > 1:
-        return tf.distribute.MultiWorkerMirroredStrategy()
-    devices = None
-    if num_local_devices:
-        devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    return tf.distribute.MirroredStrategy(devices=devices)
 
 
 def _is_chief(strategy):
