@@ -60,7 +60,9 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     ids = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="token_ids")
     enc_ids = tf.TensorSpec((batch_size, encoder_length), tf.int32, name="encoder_ids")
     step = tf.TensorSpec((batch_size, 1), tf.int32, name="token_ids")
-    cache = _cache_spec(model, batch_size, max_length, "cache")
+    # A sliding-window model's cache is a ring buffer shorter than max_length.
+    cache_length = model.init_cache(1, max_length)[0]["self_attention"][0].shape[1]
+    cache = _cache_spec(model, batch_size, cache_length, "cache")
     cross = _cache_spec(model, batch_size, encoder_length, "cross_cache")
     enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
     index = tf.TensorSpec((), tf.int32, name="index")
@@ -272,8 +274,14 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     if encoder_ids is not None:
         state["cross_cache"] = out["cross_cache"]
         state["encoder_padding_mask"] = out["encoder_padding_mask"]
+    start = max(int(in_prompt.sum(1).min()), 1)
+    if out["cache"].shape[3] < max_length and start < width:
+        # A ring-buffer cache (sliding window) cannot step back over the
+        # prefilled prompt: start from an empty cache, feed prompts one by one.
+        state["cache"] = np.zeros_like(out["cache"])
+        start = 1
     done = np.zeros(batch, bool)
-    for i in range(max(int(in_prompt.sum(1).min()), 1), max_length):
+    for i in range(start, max_length):
         if done.all():
             break
         out = decode(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)

@@ -34,6 +34,7 @@ class _LMBase(keras.Model):
         num_key_value_heads=None,
         position="sinusoidal",
         pad_token_id=0,
+        sliding_window=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -46,6 +47,9 @@ class _LMBase(keras.Model):
         self.num_key_value_heads = num_key_value_heads or num_heads
         self.position = _common.check_choice("position", position, ("sinusoidal", "learned", "rotary"))
         self.pad_token_id = pad_token_id
+        self.sliding_window = _common.check_positive_int(
+            "sliding_window", sliding_window, allow_none=True
+        )
         if hidden_dim % num_heads:
             raise ValueError(
                 f"`hidden_dim` must be divisible by `num_heads`. Received: "
@@ -72,12 +76,22 @@ class _LMBase(keras.Model):
             TransformerDecoderBlock(
                 self.num_heads, self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads,
-                normalize_first=True, rotary_embedding=rotary, name=f"decoder_{i}",
+                normalize_first=True, rotary_embedding=rotary,
+                sliding_window=self.sliding_window, name=f"decoder_{i}",
             )
             for i in range(self.num_layers)
         ]
 
     def init_cache(self, batch_size, max_length, dtype="float32"):
+        """Zero caches for `max_length` positions.
+
+        With `sliding_window` set and `max_length > sliding_window`, the
+        self-attention caches hold only `sliding_window` positions: a ring
+        buffer (slot = position mod window), so memory stays bounded however
+        long the generation.
+        """
+        if self.sliding_window is not None:
+            max_length = min(max_length, self.sliding_window)
         return cache_lib.empty_cache(
             batch_size, max_length, self.num_layers, self.num_key_value_heads,
             self.head_dim, dtype,
@@ -91,7 +105,7 @@ class _LMBase(keras.Model):
                 hidden_dim=self.hidden_dim, num_layers=self.num_layers,
                 num_heads=self.num_heads, intermediate_dim=self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads, position=self.position,
-                pad_token_id=self.pad_token_id,
+                pad_token_id=self.pad_token_id, sliding_window=self.sliding_window,
             )
         )
         return config
@@ -102,7 +116,9 @@ class DecoderOnlyLM(_LMBase):
     """A pre-norm GPT-style language model of `TransformerDecoderBlock`s.
 
     `call(token_ids)` gives `(B, T, vocabulary_size)` logits with causal
-    attention; `call_with_cache` does the same incrementally.
+    attention; `call_with_cache` does the same incrementally. With
+    `sliding_window=W` each token attends to the last `W` tokens only
+    (itself included) and the cache is a ring buffer of `W` positions.
 
     Example:
 

@@ -99,18 +99,46 @@ def _write_column(buffer, index, values):
     return tf.where(hit[None, :], values[:, None], buffer)
 
 
-def _prefill(model, prompt_ids, max_length, encoder_ids):
+def _prefill(model, prompt_ids, max_length, encoder_ids, start):
+    """Fills the cache from the prompt; returns `(cache, kwargs, start)`.
+
+    The loop then feeds the token at `start - 1` again and goes on in order.
+    A ring-buffer cache (a sliding window shorter than `max_length`) keeps
+    only the last `window` positions written, so the loop may not step back
+    over a longer prefill: unless every row fills the prompt width, only the
+    first token is prefilled and the loop feeds the rest of the prompts one
+    by one (`start = 1`). Both branches have static shapes (XLA-compatible).
+    """
     batch = tf.shape(prompt_ids)[0]
     cache = model.init_cache(batch, max_length)
-    kwargs = {}
+    kwargs, call_kwargs = {}, {}
     if encoder_ids is not None:
         encoded, enc_mask = model.encode(encoder_ids)
-        _, cache = model.call_with_cache(prompt_ids, cache, 0, encoder_outputs=encoded,
-                                         encoder_padding_mask=enc_mask)
+        call_kwargs = {"encoder_outputs": encoded, "encoder_padding_mask": enc_mask}
         kwargs = {"encoder_padding_mask": enc_mask}
-    else:
-        _, cache = model.call_with_cache(prompt_ids, cache, 0)
-    return cache, kwargs
+
+    def prefill(ids):
+        return model.call_with_cache(ids, cache, 0, **call_kwargs)[1]
+
+    width = prompt_ids.shape[1]
+    lengths = [t.shape[1] for t in tf.nest.flatten(cache) if t is not None and len(t.shape) == 4]
+    ring = any(n is not None and n < max_length for n in lengths)
+    if not ring or width == 1:
+        return prefill(prompt_ids), kwargs, start
+    traced = []
+
+    def branch(ids):
+        # tf.cond returns tensors only: drop the None leaves, restore them below.
+        traced.append(prefill(ids))
+        return [t for t in tf.nest.flatten(traced[-1]) if t is not None]
+
+    full = tf.equal(start, width)
+    tensors = iter(tf.cond(full, lambda: branch(prompt_ids), lambda: branch(prompt_ids[:, :1])))
+    leaves = tf.nest.flatten(traced[0])
+    cache = tf.nest.pack_sequence_as(
+        traced[0], [None if t is None else next(tensors) for t in leaves]
+    )
+    return cache, kwargs, tf.where(full, start, 1)
 
 
 def _buffers(prompt_ids, max_length, pad_token_id):
@@ -129,7 +157,8 @@ def _buffers(prompt_ids, max_length, pad_token_id):
 
 def _decode_loop(model, prompt_ids, encoder_ids, max_length, stop_token_ids, pad_token_id, select):
     tokens, prompt_mask, start = _buffers(prompt_ids, max_length, pad_token_id)
-    cache, kwargs = _prefill(model, tf.cast(prompt_ids, tf.int32), max_length, encoder_ids)
+    cache, kwargs, start = _prefill(model, tf.cast(prompt_ids, tf.int32), max_length,
+                                    encoder_ids, start)
     batch = tf.shape(tokens)[0]
     stops = tf.constant(stop_token_ids or (-1,), tf.int32)
 
@@ -249,7 +278,7 @@ def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
         tiled = tf.repeat(tf.cast(prompt_ids, tf.int32), k, axis=0)
         enc = None if encoder_ids is None else tf.repeat(encoder_ids, k, axis=0)
         tokens, prompt_mask, start = _buffers(tiled, max_length, pad_token_id)
-        cache, kwargs = _prefill(model, tiled, max_length, enc)
+        cache, kwargs, start = _prefill(model, tiled, max_length, enc, start)
         stop_ids = tf.constant(stops or (-1,), tf.int32)
         first = tf.one_hot(tf.zeros((batch,), tf.int32), k, on_value=0.0, off_value=_NEG)
         scores = tf.reshape(first, (-1,))

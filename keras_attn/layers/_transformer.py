@@ -23,6 +23,7 @@ class BlockBase(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         rotary_embedding=None,
+        sliding_window=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -53,6 +54,12 @@ class BlockBase(keras.layers.Layer):
                 f"rotary_embedding={rotary_embedding!r}"
             )
         self.rotary_embedding = rotary_embedding
+        # Self-attention only: each query sees keys fewer than `sliding_window`
+        # positions away (causal in the decoder, so a ring-buffer cache of
+        # that length suffices for generation).
+        self.sliding_window = _common.check_positive_int(
+            "sliding_window", sliding_window, allow_none=True
+        )
         self.supports_masking = True
 
     def _head_size(self, hidden_dim, name):
@@ -82,13 +89,14 @@ class BlockBase(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
-    def _attention(self, name, hidden_dim, rotary):
+    def _attention(self, name, hidden_dim, rotary, sliding_window=None):
         return MultiHeadAttention(
             num_heads=self.num_heads,
             key_dim=self._head_size(hidden_dim, "inputs"),
             dropout=self.dropout,
             num_key_value_heads=self.num_key_value_heads,
             rotary_embedding=rotary,
+            sliding_window=sliding_window,
             name=name,
             **self._dense_kwargs(),
         )
@@ -163,6 +171,7 @@ class BlockBase(keras.layers.Layer):
                     if self.rotary_embedding is not None
                     else None
                 ),
+                "sliding_window": self.sliding_window,
             }
         )
         return config

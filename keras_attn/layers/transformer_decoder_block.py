@@ -55,7 +55,9 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         layout = "(batch, seq, features)"
         _common.check_shape_rank("decoder_sequence", decoder_sequence_shape, 3, layout)
         hidden = decoder_sequence_shape[-1]
-        self.self_attention = self._attention("self_attention", hidden, self.rotary_embedding)
+        self.self_attention = self._attention(
+            "self_attention", hidden, self.rotary_embedding, self.sliding_window
+        )
         self.self_attention.build(decoder_sequence_shape, decoder_sequence_shape)
         self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
         self.self_attention_layer_norm.build(decoder_sequence_shape)

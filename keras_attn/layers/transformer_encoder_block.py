@@ -29,6 +29,10 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         num_key_value_heads: grouped-query attention (see `MultiHeadAttention`).
         kernel_initializer, bias_initializer: of every dense sublayer.
         rotary_embedding: optional `RotaryEmbedding` used in self-attention.
+        sliding_window: optional int: self-attention sees only keys fewer
+            than this many positions away (with the causal mask, the last
+            `sliding_window` tokens; the decoder's cache can then be a ring
+            buffer of that length, see `keras_attn.generation`).
 
     Call arguments:
         inputs: `(B, T, D)`.
@@ -54,7 +58,7 @@ class TransformerEncoderBlock(_transformer.BlockBase):
     def build(self, inputs_shape):
         _common.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")
         self.self_attention = self._attention(
-            "self_attention", inputs_shape[-1], self.rotary_embedding
+            "self_attention", inputs_shape[-1], self.rotary_embedding, self.sliding_window
         )
         self.self_attention.build(inputs_shape, inputs_shape)
         self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
