@@ -23,8 +23,8 @@ import _common  # noqa: E402
 FULL = {
     "long": [],
     "export": [],
-    "attention": ["--repeats", "5"],
-    "blocks": ["--repeats", "3"],
+    "attention": ["--repeats", "7"],
+    "blocks": ["--repeats", "5"],
 }
 QUICK = {
     "attention": ["--repeats", "2", "--lengths", "128"],
@@ -78,11 +78,11 @@ def targets(data):
                      + (" -> met" if worst["ratio"] >= 1.0 else " -> MISSED"))
         d512 = [r for r in train if r["d"] == 512]
         if d512:
-            best = max(r["ours_ceiling"] for r in d512)
-            lines.append(f"- train step at d=512, target >= 85% of the ceiling: ours "
+            worst = min(r["ours_ceiling"] for r in d512)
+            lines.append(f"- train step at d=512, target >= 85% of the ceiling (every row): ours "
                          + ", ".join(f"{r['block']}/{r['mode']} T={r['T']} {100 * r['ours_ceiling']:.0f}%"
                                      for r in d512)
-                         + (" -> met" if best >= 0.85 else " -> MISSED"))
+                         + (" -> met" if worst >= 0.85 else " -> MISSED"))
     att = [r for r in data.get("attention", {}).get("rows", [])
            if r["T"] == 512 and r["case"] == "self" and r["step"] == "forward"]
     for r in att:
