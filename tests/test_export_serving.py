@@ -152,3 +152,33 @@ def test_cli_export(tmp_path, capsys):
     for name in ("clf.tflite", "clf_dynamic.tflite", "clf.onnx"):
         assert os.path.isfile(tmp_path / "out" / name)
     assert "safe_mode=True" in printed and printed.count("max |export - keras|") == 4
+
+
+def test_cli_refuses_unsafe_files_unless_opted_in(tmp_path, capsys):
+    from keras_attn import cli
+
+    inp = keras.Input((None, 4), name="x")
+    model = keras.Model(inp, keras.layers.Lambda(lambda t: t * 2.0)(inp))
+    path = tmp_path / "lambda.keras"
+    model.save(path)
+    out = tmp_path / "out"
+    assert cli.main(["export", str(path), "--format", "saved_model", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "--unsafe-deserialization" in captured.err
+    assert not out.exists()
+    code = cli.main(["export", str(path), "--format", "saved_model", "--out", str(out),
+                     "--unsafe-deserialization"])
+    assert code == 0, capsys.readouterr()
+    assert os.path.isfile(out / "saved_model" / "lambda" / "1" / "saved_model.pb")
+
+
+def test_cli_rejects_a_truncated_model_file(tmp_path, capsys):
+    from keras_attn import cli
+
+    model = model_zoo.multi_head_attention()
+    good = tmp_path / "good.keras"
+    model.save(good)
+    bad = tmp_path / "bad.keras"
+    bad.write_bytes(good.read_bytes()[:500])
+    assert cli.main(["export", str(bad), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
+    assert "not a valid .keras file" in capsys.readouterr().err

@@ -13,7 +13,7 @@ def add_parser(subparsers):
         help="export a .keras model to SavedModel / TFLite / ONNX and verify it",
         description=__doc__,
     )
-    parser.add_argument("model", help="path to a .keras file (loaded with safe_mode=True)")
+    parser.add_argument("model", help="path to a .keras file (loaded with safe_mode=True unless --unsafe-deserialization)")
     parser.add_argument("--format", default="all", choices=FORMATS + ("all",))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
@@ -27,20 +27,31 @@ def add_parser(subparsers):
     parser.add_argument("--version", type=int, default=1, help="TF Serving version")
     parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
     parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
+    parser.add_argument(
+        "--unsafe-deserialization",
+        action="store_true",
+        help="allow Lambda layers and other arbitrary code in the model file "
+        "(only for files you trust; off by default)",
+    )
     return parser
 
 
 def run(args):
-    import keras
-
-    import keras_attn  # noqa: F401  registers the layers for deserialisation
     from keras_attn import export
+    from keras_attn import saving
 
     if not os.path.isfile(args.model):
         print(f"error: no such model file: {args.model}", file=sys.stderr)
         return 2
-    print(f"loading {args.model} (safe_mode=True)", flush=True)
-    model = keras.saving.load_model(args.model, safe_mode=True)
+    safe_mode = not args.unsafe_deserialization
+    print(f"loading {args.model} (safe_mode={safe_mode})", flush=True)
+    try:
+        model = saving.load_model(args.model, safe_mode=safe_mode)
+    except ValueError as error:
+        print(f"error: cannot load {args.model}: {error}", file=sys.stderr)
+        if safe_mode and "unsafe" in str(error).lower():
+            print("  (only if you trust this file: --unsafe-deserialization)", file=sys.stderr)
+        return 2
     name = args.model_name or os.path.splitext(os.path.basename(args.model))[0]
     formats = FORMATS if args.format == "all" else (args.format,)
     kwargs = {} if args.atol is None else {"atol": args.atol}
