@@ -86,3 +86,16 @@ def markdown_table(header, rows):
     for row in rows:
         lines.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def emit(text, args, **raw):
+    """Prints a result table and writes it (`--markdown`) and the raw rows (`--json`)."""
+    import json
+
+    print(text)
+    if getattr(args, "markdown", None):
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)

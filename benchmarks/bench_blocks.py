@@ -149,13 +149,7 @@ def main(argv=None):
     modes = ("graph",) if args.quick else ("graph", "xla")
     ceiling, rows = run(grid, args.repeats, modes=modes)
     text = to_markdown(ceiling, rows)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({'ceiling': ceiling, 'rows': rows}, f, indent=1)
+    _common.emit(text, args, ceiling=ceiling, rows=rows)
     return 0
 
 

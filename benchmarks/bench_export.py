@@ -145,13 +145,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = run(args.repeats, args.calls)
     text = to_markdown(rows)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({'rows': rows}, f, indent=1)
+    _common.emit(text, args, rows=rows)
     return 0
 
 

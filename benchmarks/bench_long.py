@@ -229,13 +229,9 @@ def main(argv=None):
         print(json.dumps(check), flush=True)
     rows = run(args.lengths, args.repeats, args.keras_limit_gib, args.max_train_length)
     text = to_markdown(rows, check)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({'rows': rows, 'check': check}, f, indent=1)
+    import _common  # the parent only: workers keep their own environment
+
+    _common.emit(text, args, rows=rows, check=check)
     return 0
 
 
