@@ -7,6 +7,10 @@ from keras_attn.layers import _transformer
 from keras_attn.ops import masking
 
 
+# Self-attention takes its keys and values from its (normalised) query.
+_SAME_AS_QUERY = object()
+
+
 @_common.register
 class TransformerDecoderBlock(_transformer.BlockBase):
     """One Transformer decoder layer (Vaswani et al., 2017).
@@ -87,20 +91,83 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         cache=None,
         cache_index=None,
     ):
-        if cache is not None:
-            return self._call_with_cache(
-                decoder_sequence,
-                encoder_sequence,
-                cache=cache,
-                cache_index=cache_index,
-                decoder_padding_mask=decoder_padding_mask,
-                encoder_padding_mask=encoder_padding_mask,
-                decoder_attention_mask=decoder_attention_mask,
-                encoder_attention_mask=encoder_attention_mask,
-                use_causal_mask=use_causal_mask,
-                training=training,
-                return_attention_scores=return_attention_scores,
+        cached = cache is not None
+        if cached:
+            cross_cache = self._check_cache(cache, cache_index, encoder_sequence)
+        else:
+            self._check_encoder(encoder_sequence, cache_index)
+        if decoder_padding_mask is None and not cached:
+            decoder_padding_mask = masking.keras_mask_of(decoder_sequence)
+        if encoder_sequence is not None and encoder_padding_mask is None:
+            encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
+        new_cache = {}
+
+        def attend(name, value, layer_cache, **kwargs):
+            """One attention sublayer as a residual branch: `x -> (out, scores)`."""
+            layer = getattr(self, name)
+
+            def branch(x):
+                if cached:
+                    kwargs["cache"] = layer_cache
+                # Scores only when asked: they force the full (T, T)
+                # probabilities and rule out the blocked attention path.
+                result = layer(
+                    x,
+                    x if value is _SAME_AS_QUERY else value,
+                    return_attention_scores=return_attention_scores,
+                    training=training,
+                    **kwargs,
+                )
+                if cached:
+                    *result, new_cache[name] = result
+                    result = tuple(result) if return_attention_scores else result[0]
+                return result if return_attention_scores else (result, None)
+
+            return branch
+
+        # With a cache, `decoder_padding_mask` is a (B, max_length) mask over
+        # the cached positions (left-padded prompts), so it masks keys only.
+        self_branch = attend(
+            "self_attention",
+            _SAME_AS_QUERY,
+            cache["self_attention"] if cached else None,
+            query_mask=None if cached else decoder_padding_mask,
+            value_mask=decoder_padding_mask,
+            attention_mask=decoder_attention_mask,
+            use_causal_mask=use_causal_mask,
+            **({"cache_index": cache_index} if cached else {}),
+        )
+        x, self_scores = self._residual(
+            decoder_sequence,
+            self.self_attention_layer_norm,
+            self.self_attention_dropout,
+            self_branch,
+            training,
+        )
+        scores = {"self_attention": self_scores}
+        if self.cross_attention is not None:
+            cross_branch = attend(
+                "cross_attention",
+                None if cached else encoder_sequence,
+                cross_cache if cached else None,
+                query_mask=None if cached else decoder_padding_mask,
+                value_mask=encoder_padding_mask,
+                attention_mask=encoder_attention_mask,
             )
+            x, scores["cross_attention"] = self._residual(
+                x,
+                self.cross_attention_layer_norm,
+                self.cross_attention_dropout,
+                cross_branch,
+                training,
+            )
+        x = self._feedforward(x, training)
+        outputs = (x, scores) if return_attention_scores else (x,)
+        if cached:
+            outputs += (new_cache,)
+        return outputs if len(outputs) > 1 else x
+
+    def _check_encoder(self, encoder_sequence, cache_index):
         if cache_index is not None:
             raise ValueError(
                 "`cache_index` was given without a `cache`. Received: "
@@ -118,84 +185,15 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 "This TransformerDecoderBlock has cross-attention; it must be "
                 "called with `encoder_sequence`."
             )
-        if decoder_padding_mask is None:
-            decoder_padding_mask = masking.keras_mask_of(decoder_sequence)
-        if encoder_sequence is not None and encoder_padding_mask is None:
-            encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
 
-        def self_attend(x):
-            # Scores only when asked: they force the full (T, T) probabilities
-            # and rule out the blocked attention path.
-            result = self.self_attention(
-                x,
-                x,
-                query_mask=decoder_padding_mask,
-                value_mask=decoder_padding_mask,
-                attention_mask=decoder_attention_mask,
-                use_causal_mask=use_causal_mask,
-                return_attention_scores=return_attention_scores,
-                training=training,
-            )
-            return result if return_attention_scores else (result, None)
-
-        x, self_scores = self._residual(
-            decoder_sequence,
-            self.self_attention_layer_norm,
-            self.self_attention_dropout,
-            self_attend,
-            training,
-        )
-        scores = {"self_attention": self_scores}
-        if encoder_sequence is not None:
-
-            def cross_attend(x):
-                result = self.cross_attention(
-                    x,
-                    encoder_sequence,
-                    query_mask=decoder_padding_mask,
-                    value_mask=encoder_padding_mask,
-                    attention_mask=encoder_attention_mask,
-                    return_attention_scores=return_attention_scores,
-                    training=training,
-                )
-                return result if return_attention_scores else (result, None)
-
-            x, scores["cross_attention"] = self._residual(
-                x,
-                self.cross_attention_layer_norm,
-                self.cross_attention_dropout,
-                cross_attend,
-                training,
-            )
-        x = self._feedforward(x, training)
-        if return_attention_scores:
-            return x, scores
-        return x
-
-    def _call_with_cache(
-        self,
-        decoder_sequence,
-        encoder_sequence,
-        *,
-        cache,
-        cache_index,
-        decoder_padding_mask,
-        encoder_padding_mask,
-        decoder_attention_mask,
-        encoder_attention_mask,
-        use_causal_mask,
-        training,
-        return_attention_scores,
-    ):
-        """Incremental decoding: `cache` is a dict of `(key, value)` pairs.
+    def _check_cache(self, cache, cache_index, encoder_sequence):
+        """Validates a decoding cache; returns the cross-attention `(k, v)` (or None).
 
         `cache["self_attention"]` is `(B, max_length, H_kv, head_dim)` twice;
         the new tokens are written at `cache_index`. `cache["cross_attention"]`
         holds the projected encoder keys/values: when it is missing or None it
-        is computed from `encoder_sequence` (prefill) and returned, so later
-        steps reuse it and may pass `encoder_sequence=None`. In this mode
-        `decoder_padding_mask`, if given, is a `(B, max_length)` mask over
-        the cached positions (for left-padded prompts).
+        is computed from `encoder_sequence` (prefill) and returned in the new
+        cache, so later steps reuse it and may pass `encoder_sequence=None`.
         """
         if not isinstance(cache, dict) or "self_attention" not in cache:
             raise ValueError(
@@ -225,57 +223,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                     "`encoder_sequence` (prefill) or a `cross_attention` cache."
                 )
             cross_cache = self.cross_attention.project_key_value(encoder_sequence)
-        if encoder_sequence is not None and encoder_padding_mask is None:
-            encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
-        new_cache = {}
-
-        def self_attend(x):
-            out, scores, new_cache["self_attention"] = self.self_attention(
-                x,
-                x,
-                value_mask=decoder_padding_mask,
-                attention_mask=decoder_attention_mask,
-                use_causal_mask=use_causal_mask,
-                return_attention_scores=True,
-                training=training,
-                cache=cache["self_attention"],
-                cache_index=cache_index,
-            )
-            return out, scores
-
-        x, self_scores = self._residual(
-            decoder_sequence,
-            self.self_attention_layer_norm,
-            self.self_attention_dropout,
-            self_attend,
-            training,
-        )
-        scores = {"self_attention": self_scores}
-        if self.cross_attention is not None:
-
-            def cross_attend(x):
-                out, scores, new_cache["cross_attention"] = self.cross_attention(
-                    x,
-                    None,
-                    value_mask=encoder_padding_mask,
-                    attention_mask=encoder_attention_mask,
-                    return_attention_scores=True,
-                    training=training,
-                    cache=cross_cache,
-                )
-                return out, scores
-
-            x, scores["cross_attention"] = self._residual(
-                x,
-                self.cross_attention_layer_norm,
-                self.cross_attention_dropout,
-                cross_attend,
-                training,
-            )
-        x = self._feedforward(x, training)
-        if return_attention_scores:
-            return x, scores, new_cache
-        return x, new_cache
+        return cross_cache
 
     def compute_output_spec(
         self, decoder_sequence, encoder_sequence=None, return_attention_scores=False, **kwargs
