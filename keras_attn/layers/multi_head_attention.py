@@ -10,7 +10,6 @@ from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import chunked
 from keras_attn.ops import masking
-from keras_attn.ops import masking
 
 
 def _output_projection_equation(num_output_dims):
