@@ -84,7 +84,11 @@ def attend_from_logits(
         logits = ops.where(mask, logits, ops.cast(-3.0e38, "float32"))
         # (B|1, H|1, T_q|1, 1): does the row see at least one key?
         row_visible = ops.any(mask, axis=-1, keepdims=True)
-    probs = ops.softmax(logits, axis=-1)
+    if logits.shape[-1] == 1:
+        # One key: the softmax is exactly 1 (and Keras warns about it).
+        probs = ops.ones_like(logits)
+    else:
+        probs = ops.softmax(logits, axis=-1)
     if row_visible is not None and return_attention_scores:
         probs = probs * ops.cast(row_visible, probs.dtype)
     weights = probs
