@@ -1,0 +1,33 @@
+"""The benchmark scripts run (tiny sizes, no peers needed), so they cannot rot.
+
+They measure nothing here: speed is compared only by the scripts themselves,
+side by side in one run (see benchmarks/README.md), never by a timed test.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+CASES = {
+    "attention": ["bench_attention.py", "--lengths", "16", "--repeats", "1", "--no-torch"],
+    "long": ["bench_long.py", "--lengths", "256", "--repeats", "1", "--no-check"],
+    "decode": ["bench_decode.py", "--lengths", "8", "--repeats", "2", "--skip-keras-hub",
+               "--layers", "1", "--hidden", "32", "--vocab", "50"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_script_runs(name, tmp_path):
+    args = CASES[name]
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, *args], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "|" in result.stdout  # printed its table
