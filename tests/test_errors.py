@@ -76,6 +76,31 @@ CALLS = [
 ]
 
 
+def _export(fn_name, model=None, **kwargs):
+    import keras
+
+    from keras_attn import export
+
+    if model is None:
+        x = keras.Input((None, 16), name="x")
+        model = keras.Model(x, kal.DotProductAttention()(x, x))
+    return getattr(export, fn_name)(model, "/nonexistent-dir-for-errors/out", **kwargs)
+
+
+EXPORTS = [
+    (lambda: _export("export_tflite", quantization="int4"), ValueError, ["quantization", "int4", "dynamic"]),
+    (lambda: _export("export_onnx", opset=5), ValueError, ["opset", "17", "opset=5"]),
+    (lambda: _export("export_saved_model", version=0), ValueError, ["version", "version=0"]),
+    (lambda: _export("export_tflite", atol=-1), ValueError, ["atol", "atol=-1"]),
+    (
+        lambda: _export("export_tflite", model=__import__("keras").Sequential([__import__("keras").layers.Dense(2)])),
+        ValueError,
+        ["unbuilt model", "keras.Input"],
+    ),
+]
+CALLS += EXPORTS
+
+
 def _id(case):
     return " ".join(case[2])[:60]
 
