@@ -9,7 +9,18 @@ predict the next character. (Attention is applied after the decoder GRU, as
 in Luong et al. 2015, so the whole model is a plain functional graph.)
 
 It trains on the `human_dates` tfds data set, reports exact-match accuracy
-of greedy decoding on the test split and saves the attention heatmap.
+of greedy decoding on the test split and saves the attention heatmap, then
+exports the model to SavedModel, TFLite float32 and dynamic-range int8, and
+ONNX in `--output-dir`, each checked against Keras on test dates at two batch
+sizes (`--no-export` skips this).
+
+The GRUs are unrolled (`unroll=True`, fixed input and target lengths): the
+same arithmetic as the default while-loop, but TFLite cannot convert a Keras
+RNN loop with a dynamic batch size to builtin ops (its TensorList lowering
+needs a static element shape: "'tf.TensorListReserve' op requires
+element_shape to be static"; `keras_attn.export` reports it as an
+UnsupportedOpsError), while an unrolled RNN is plain builtin ops. Masking
+(padding) works the same either way.
 
     python examples/bahdanau_seq2seq.py                  # ~3-5 min on 2 CPU cores
     python examples/bahdanau_seq2seq.py --num-train 2000 --epochs 1
@@ -26,7 +37,12 @@ from keras_attn.training import quickstart  # noqa: E402
 
 
 def build_model(source_vocabulary, target_vocabulary, input_length, target_length,
-                embedding_dim, units):
+                embedding_dim, units, unroll=True):
+    """(model, attention_model) on `[encoder_inputs, decoder_inputs]`.
+
+    `unroll=False` gives the while-loop GRUs: same outputs, and it accepts
+    `None` lengths, but it does not convert to TFLite builtins.
+    """
     import keras
 
     from keras_attn.layers import AdditiveAttention
@@ -35,14 +51,15 @@ def build_model(source_vocabulary, target_vocabulary, input_length, target_lengt
     dec_in = keras.Input((target_length,), dtype="int32", name="decoder_inputs")
     x = keras.layers.Embedding(source_vocabulary, embedding_dim, mask_zero=True)(enc_in)
     encoder = keras.layers.Bidirectional(
-        keras.layers.GRU(units, return_sequences=True, return_state=True), name="encoder"
+        keras.layers.GRU(units, return_sequences=True, return_state=True, unroll=unroll),
+        name="encoder",
     )
     encoded, forward_state, backward_state = encoder(x)
     state = keras.layers.Dense(units, activation="tanh", name="bridge")(
         keras.layers.Concatenate()([forward_state, backward_state])
     )
     y = keras.layers.Embedding(target_vocabulary, embedding_dim, name="target_embedding")(dec_in)
-    decoded = keras.layers.GRU(units, return_sequences=True, name="decoder")(
+    decoded = keras.layers.GRU(units, return_sequences=True, unroll=unroll, name="decoder")(
         y, initial_state=state
     )
     value_mask = keras.ops.not_equal(enc_in, 0)
@@ -65,6 +82,7 @@ def main(argv=None):
     parser.add_argument("--heatmap-text", default="Wednesday, March 3, 1999")
     parser.add_argument("--min-accuracy", type=float, default=0.0,
                         help="exit with status 1 if test exact match is below this")
+    parser.add_argument("--no-export", action="store_true", help="skip the export step")
     args = parser.parse_args(argv)
 
     import keras
@@ -94,6 +112,14 @@ def main(argv=None):
         attention_model, source, target, args.heatmap_text, path
     )
     print(f"{args.heatmap_text!r} -> {output}; attention heatmap: {path}")
+    if not args.no_export:
+        from keras_attn import export
+
+        samples = quickstart.dates_export_samples(
+            encoder_inputs, predictions, target.token_to_id["[START]"], trim=False
+        )
+        export.export_all(model, args.output_dir, sample_inputs=samples,
+                          name="bahdanau_seq2seq", tflite_quantizations=(None, "dynamic"))
     return 0 if accuracy >= args.min_accuracy else 1
 
 

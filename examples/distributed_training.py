@@ -20,6 +20,12 @@ addresses; checkpoint_dir must be shared storage for resuming):
 Kill a worker and start both again: training resumes from the last
 checkpoint. (Keras 3's model.fit does not run under MultiWorkerMirroredStrategy,
 keras-team/keras#20585; the Trainer does.)
+
+At the end the chief exports the trained classifier (a float32 copy built
+outside the strategy, inputs of any length up to `--sequence-length`) to
+SavedModel, TFLite float32 and dynamic-range int8, and ONNX in `--output-dir`,
+each checked against Keras on test reviews at two batch sizes and two lengths
+(`--no-export` skips this).
 """
 
 import argparse
@@ -61,9 +67,39 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="TensorBoard directory")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--save-weights", default=None, help="write final weights to this .npz")
+    p.add_argument("--output-dir", default="distributed_training_out",
+                   help="exported models go here (chief only)")
+    p.add_argument("--no-export", action="store_true", help="skip the export step")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep after each step (seconds); for fault-injection tests")
     return p.parse_args(argv)
+
+
+def export_model(model, vocab_size, args):
+    """A float32 copy of `model` built outside any strategy, for export.
+
+    The trained model's variables are MirroredVariables (and its layers may
+    compute in float16 under --mixed-precision); the copy has plain float32
+    variables holding the same values and accepts any length up to
+    `--sequence-length`.
+    """
+    import keras
+    import numpy as np
+
+    from keras_attn.training import transformer_classifier
+
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        copy = transformer_classifier(
+            vocab_size, args.sequence_length, embedding_dim=args.embedding_dim,
+            num_heads=args.num_heads, intermediate_dim=args.intermediate_dim,
+            dropout=args.dropout, dynamic_length=True,
+        )
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    copy.set_weights([np.asarray(w, "float32") for w in model.get_weights()])
+    return copy
 
 
 def main(argv=None):
@@ -178,6 +214,19 @@ def main(argv=None):
         weights["losses"] = np.asarray(losses, np.float64)
         weights["accuracy"] = np.asarray(accuracy)
         np.savez(args.save_weights, **weights)
+    chief = strategy.cluster_resolver is None or strategy.cluster_resolver.task_id in (None, 0)
+    if not args.no_export and chief:
+        from keras_attn import export
+
+        exported = export_model(model, vocab_size, args)
+        gap = np.max(np.abs(exported.predict(x_test[:64], verbose=0) - logits[:64]))
+        print(f"float32 export copy: max |copy - trained model| = {gap:.2e} on 64 test "
+              "reviews", flush=True)
+        second = x_test[8:11]
+        width = int(np.flatnonzero((second != 0).any(axis=0)).max()) + 1
+        samples = [{"token_ids": x_test[:8]}, {"token_ids": second[:, :width]}]
+        export.export_all(exported, args.output_dir, sample_inputs=samples,
+                          name="distributed_classifier", tflite_quantizations=(None, "dynamic"))
     return 0
 
 

@@ -7,7 +7,10 @@ offline from a seed: "3rd of March 1999", "03/03/99", "mercredi 3 mars
 1999", ... -> "1999-03-03"). It reports exact-match accuracy of greedy
 decoding on the test split, decodes a few inputs and saves the
 cross-attention heatmap of one example: each output digit attends to the
-input characters it comes from.
+input characters it comes from. Then it exports the model (inputs of any
+length up to the training length) to SavedModel, TFLite float32 and
+dynamic-range int8, and ONNX in `--output-dir`, each checked against Keras on
+test dates at two batch sizes and two lengths (`--no-export` skips this).
 
     python examples/translate_dates.py                      # ~3-5 min on 2 CPU cores
     python examples/translate_dates.py --num-train 2000 --epochs 1   # smoke run
@@ -32,13 +35,16 @@ def main(argv=None):
                         help="input whose cross-attention is plotted")
     parser.add_argument("--min-accuracy", type=float, default=0.0,
                         help="exit with status 1 if test exact match is below this")
+    parser.add_argument("--no-export", action="store_true", help="skip the export step")
     args = parser.parse_args(argv)
 
     import keras
 
     keras.utils.set_random_seed(args.seed)
     (train, validation, test), _, (source, target) = quickstart.load_dates_task(args)
-    model, attention_model = quickstart.build_dates_model(args, source, target)
+    model, attention_model = quickstart.build_dates_model(
+        args, source, target, dynamic_length=True
+    )
     print(f"dates Transformer: {model.count_params():,} parameters")
     model.fit(train, validation_data=validation, epochs=args.epochs, verbose=args.verbose,
               shuffle=False)
@@ -54,6 +60,14 @@ def main(argv=None):
         attention_model, source, target, args.heatmap_text, path
     )
     print(f"{args.heatmap_text!r} -> {output}; cross-attention heatmap: {path}")
+    if not args.no_export:
+        from keras_attn import export
+
+        samples = quickstart.dates_export_samples(
+            encoder_inputs, predictions, target.token_to_id["[START]"]
+        )
+        export.export_all(model, args.output_dir, sample_inputs=samples,
+                          name="translate_dates", tflite_quantizations=(None, "dynamic"))
     return 0 if accuracy >= args.min_accuracy else 1
 
 

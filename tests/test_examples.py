@@ -74,9 +74,11 @@ def dates_runs(tmp_path_factory):
     outs = _run_parallel(list(commands.values()), tmp)
     commands2 = {
         "bahdanau": [sys.executable, str(EXAMPLES / "bahdanau_seq2seq.py"), *DATES_TINY,
-                     "--units", "16", "--data-dir", data_dir, "--output-dir", str(tmp / "bahdanau")],
+                     "--units", "16", "--data-dir", data_dir, "--output-dir", str(tmp / "bahdanau"),
+                     "--no-export"],  # its export: tests/test_export_examples.py
         "text": [sys.executable, str(EXAMPLES / "text_classification.py"), "--num-train", "300",
-                 "--num-test", "50", "--epochs", "1", "--embedding-dim", "16", "--verbose", "0"],
+                 "--num-test", "50", "--epochs", "1", "--embedding-dim", "16", "--verbose", "0",
+                 "--output-dir", str(tmp / "text")],
     }
     outs += _run_parallel(list(commands2.values()), tmp)
     return tmp, dict(zip([*commands, *commands2], outs))
@@ -118,3 +120,26 @@ def test_text_classification_offline_default(dates_runs):
     assert "data: generated" in out
     assert "test accuracy:" in out
     assert "positive:" in out
+
+
+def _export_errors(out):
+    """{label: max abs error} from export_all's lines."""
+    errors = {}
+    for line in out.splitlines():
+        if " - Keras| = " in line:
+            label = line.split(":")[0]
+            errors[label] = float(line.split("| = ")[1].split()[0])
+    return errors
+
+
+def test_translate_and_text_examples_export_every_format(dates_runs):
+    tmp, outs = dates_runs
+    for name, stem in (("translate", "translate_dates"), ("text", "text_classifier")):
+        errors = _export_errors(outs[name])
+        assert set(errors) == {"SavedModel", "TFLite", "TFLite (dynamic)", "ONNX"}, outs[name][-3000:]
+        assert all(errors[k] < 1e-4 for k in ("SavedModel", "TFLite", "ONNX")), errors
+        assert errors["TFLite (dynamic)"] < 0.25, errors
+        assert (tmp / name / f"{stem}.tflite").is_file()
+        assert (tmp / name / f"{stem}_dynamic.tflite").is_file()
+        assert (tmp / name / f"{stem}.onnx").is_file()
+        assert (tmp / name / "saved_model" / stem / "1" / "saved_model.pb").is_file()

@@ -29,6 +29,7 @@ TINY = [
     "--steps", "100", "--learning-rate", "3e-3", "--global-batch-size", "32", "--num-train", "2000", "--num-test", "200",
     "--embedding-dim", "16", "--intermediate-dim", "32", "--dropout", "0",
     "--log-every", "20", "--checkpoint-every", "20", "--seed", "3", "--deterministic",
+    "--no-export",  # export is covered by tests/test_export_examples.py
 ]
 
 pytestmark = pytest.mark.slow

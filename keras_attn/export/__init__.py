@@ -5,6 +5,7 @@ compares with the Keras model and only then moves it into place. This
 subpackage imports TensorFlow; `keras_attn.layers` do not.
 """
 
+from keras_attn.export.all_formats import export_all
 from keras_attn.export.check import ExportabilityReport, check_exportable
 from keras_attn.export.onnx import export_onnx
 from keras_attn.export.saved_model import export_saved_model
@@ -25,6 +26,7 @@ __all__ = [
     "ParityError",
     "UnsupportedOpsError",
     "check_exportable",
+    "export_all",
     "export_onnx",
     "export_saved_model",
     "export_tflite",

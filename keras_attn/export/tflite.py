@@ -40,6 +40,18 @@ def _flex_error(error):
     ops = sorted({o.strip() for line in ops for o in line.split(",") if o.strip()})
     where = sorted(set(re.findall(r'fused\["(\w+):", "([^"@]+)@', text)))
     layers = sorted({f"{path} ({op})" for op, path in where if op in ops or not ops})
+    if "Lowering tensor list ops is failed" in text:
+        lists = sorted(set(re.findall(r'fused\["TensorList\w+:", "([^"@]+)@', text)))
+        return verify.UnsupportedOpsError(
+            "The model cannot be converted to TFLite with builtin ops only "
+            "(TFLITE_BUILTINS): a TensorList (the while-loop of a Keras RNN such "
+            "as GRU/LSTM, or a tf.TensorArray) has a dynamic element shape, "
+            "usually the dynamic batch axis, and TFLite can lower TensorLists "
+            f"to builtins only with static element shapes. At: {lists[:20]}. "
+            "For Keras RNN layers use `unroll=True` with a fixed sequence length "
+            "(same arithmetic, plain builtin ops); otherwise the model needs "
+            "the Flex delegate (builtin_ops_only=False)."
+        )
     if not ops and "neither a custom op nor a flex op" not in text:
         return None
     return verify.UnsupportedOpsError(

@@ -58,7 +58,7 @@ def load_dates_task(args):
     return pipelines, test, data.dates_tokenizers()
 
 
-def build_dates_model(args, source, target):
+def build_dates_model(args, source, target, dynamic_length=False):
     import keras
 
     from keras_attn.data import dates
@@ -69,6 +69,7 @@ def build_dates_model(args, source, target):
         dates.TARGET_LENGTH, embedding_dim=args.embedding_dim, num_heads=args.num_heads,
         intermediate_dim=args.intermediate_dim, num_encoder_layers=args.num_layers,
         num_decoder_layers=args.num_layers, name="dates_transformer",
+        dynamic_length=dynamic_length,
     )
     # Warm up, then decay to zero: the last epoch settles instead of bouncing.
     total_steps = args.epochs * -(-args.num_train // args.batch_size)
@@ -158,28 +159,40 @@ EXAMPLE_TEXTS = [
 ]
 
 
+def dates_export_samples(encoder_inputs, predictions, start_id, trim=True):
+    """Two sample sets of real test dates for the exporters' parity checks.
+
+    Decoder inputs are the greedy predictions shifted right behind the start
+    token (what the model sees when decoding). The first set is 8 rows at the
+    full padded length; with `trim` (dynamic-length models) the second set is
+    3 rows cut to their longest input and 6 decoder steps, so parity is
+    checked at two batch sizes and two sequence lengths, padding included.
+    """
+    import numpy as np
+
+    start = np.full((len(predictions), 1), start_id, dtype="int32")
+    dec = np.concatenate([start, predictions[:, :-1]], axis=1).astype("int32")
+    enc = encoder_inputs.astype("int32")
+    second_enc, second_dec = enc[8:11], dec[8:11]
+    if trim:
+        width = int(np.flatnonzero((second_enc != 0).any(axis=0)).max()) + 1
+        second_enc, second_dec = second_enc[:, :width], second_dec[:, :6]
+    return [
+        {"encoder_inputs": enc[:8], "decoder_inputs": dec[:8]},
+        {"encoder_inputs": second_enc, "decoder_inputs": second_dec},
+    ]
+
+
 def export_all(model, output_dir, sample_inputs):
-    """Exports through `keras_attn.export` if it is importable; prints each report."""
+    """Exports through `keras_attn.export.export_all` if importable; prints each report."""
     try:
         from keras_attn import export
     except ImportError as error:
         print(f"export skipped: keras_attn.export is not available ({error})")
         return {}
-    reports = {}
-    for name, fn, path in (
-        ("SavedModel", export.export_saved_model, os.path.join(output_dir, "saved_model")),
-        ("TFLite", export.export_tflite, os.path.join(output_dir, "dates.tflite")),
-        ("ONNX", export.export_onnx, os.path.join(output_dir, "dates.onnx")),
-    ):
-        try:
-            report = fn(model, path, sample_inputs=sample_inputs)
-        except Exception as error:  # report and go on with the other formats
-            print(f"{name}: export failed: {type(error).__name__}: {error}")
-            continue
-        reports[name] = report
-        print(f"{name}: {report.path} ({report.size_bytes / 1e6:.2f} MB), "
-              f"max |{name} - Keras| = {report.max_abs_error:.2e} (atol {report.atol:g})")
-    return reports
+    return export.export_all(
+        model, output_dir, sample_inputs=sample_inputs, name="dates", on_error="continue"
+    )
 
 
 def run(args, export=True):

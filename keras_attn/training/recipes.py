@@ -21,6 +21,7 @@ def seq2seq_transformer(
     num_decoder_layers=2,
     dropout=0.0,
     name="seq2seq_transformer",
+    dynamic_length=False,
 ):
     """A Transformer encoder-decoder: token ids in, next-token logits out.
 
@@ -29,9 +30,13 @@ def seq2seq_transformer(
     (also as a dict with these names; id 0 = padding); `model` returns float32 logits `(B, target_length, V)`,
     `attention_model` (same weights) returns `(logits, cross_attention)` with
     the last decoder block's cross-attention `(B, heads, target_length, input_length)`.
+    With `dynamic_length=True` both inputs have shape `(B, None)`: any length
+    up to `input_length` / `target_length` (the position tables' sizes), so an
+    exported model serves shorter sequences without padding them to the max.
     """
-    enc_in = keras.Input((input_length,), dtype="int32", name="encoder_inputs")
-    dec_in = keras.Input((target_length,), dtype="int32", name="decoder_inputs")
+    enc_len, dec_len = (None, None) if dynamic_length else (input_length, target_length)
+    enc_in = keras.Input((enc_len,), dtype="int32", name="encoder_inputs")
+    dec_in = keras.Input((dec_len,), dtype="int32", name="decoder_inputs")
     x = TokenAndPositionEmbedding(
         input_vocabulary_size, input_length, embedding_dim, mask_zero=True,
         name="encoder_embedding",
@@ -71,14 +76,18 @@ def transformer_classifier(
     dropout=0.1,
     position="learned",
     name="transformer_classifier",
+    dynamic_length=False,
 ):
     """`TokenAndPositionEmbedding` + encoder blocks + masked mean pooling -> logits.
 
     Learned positions by default: they start at the scale of the token
     embeddings, where unit-amplitude sinusoids would drown the small initial
-    token vectors and slow the start of training.
+    token vectors and slow the start of training. With `dynamic_length=True`
+    the input is `(B, None)`: any length up to `sequence_length`.
     """
-    ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
+    ids = keras.Input(
+        (None if dynamic_length else sequence_length,), dtype="int32", name="token_ids"
+    )
     x = TokenAndPositionEmbedding(
         vocabulary_size, sequence_length, embedding_dim, position=position, mask_zero=True,
         name="embedding",

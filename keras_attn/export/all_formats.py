@@ -1,0 +1,155 @@
+"""`export_all`: one call that writes and verifies every format for a model."""
+
+import os
+
+from keras_attn.export import onnx as onnx_lib
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import tflite as tflite_lib
+from keras_attn.export import verify
+
+FORMATS = ("saved_model", "tflite", "onnx")
+LABELS = {"saved_model": "SavedModel", "tflite": "TFLite", "onnx": "ONNX"}
+
+
+def _key(fmt, quantization):
+    return fmt if quantization is None else f"{fmt}_{quantization}"
+
+
+def _label(fmt, quantization):
+    return LABELS[fmt] + ("" if quantization is None else f" ({quantization})")
+
+
+def export_all(
+    model,
+    output_dir,
+    *,
+    sample_inputs=None,
+    name=None,
+    formats=FORMATS,
+    tflite_quantizations=(None,),
+    atol=None,
+    version=1,
+    opset=17,
+    on_error="raise",
+    verbose=True,
+):
+    """Exports `model` to SavedModel, TFLite and ONNX, each verified against Keras.
+
+    Writes, under `output_dir`:
+    `saved_model/<name>/<version>/` (TF Serving layout), `<name>.tflite`
+    (float32) and `<name>_<quantization>.tflite` for each quantized variant,
+    and `<name>.onnx`. Each exporter runs its artifact on the same sample
+    inputs and compares with the Keras model (see `export_saved_model`,
+    `export_tflite`, `export_onnx`).
+
+    Args:
+        model: a built functional or Sequential Keras model.
+        output_dir: directory for every artifact (created if needed).
+        sample_inputs: inputs to verify with (array, list, dict by input name,
+            or a list of dicts, e.g. two batch sizes); None generates two sets
+            from the model's input specs.
+        name: file stem and TF Serving model name; defaults to `model.name`.
+        formats: a non-empty subset of ("saved_model", "tflite", "onnx").
+        tflite_quantizations: TFLite variants, each None (float32),
+            "float16", "dynamic" or "int8".
+        atol: None (each exporter's default: 1e-4 for float32, looser for
+            quantized TFLite), a number for every export, or a dict keyed by
+            report key ("saved_model", "tflite", "tflite_dynamic", "onnx", ...)
+            whose missing keys use the defaults.
+        version: TF Serving version directory.
+        opset: ONNX opset (17 or 18).
+        on_error: "raise" stops at the first failing export; "continue"
+            prints the error and goes on with the other formats (the failed
+            key is then missing from the result).
+        verbose: print one line per export (path, size, max abs error).
+
+    Returns:
+        `{key: ExportReport}` in export order, keys as for `atol`.
+
+    Raises:
+        ValueError: bad arguments (checked before anything is written).
+        ExportError: an export failed (UnsupportedOpsError, ParityError) and
+            `on_error="raise"`.
+    """
+    verify.input_specs(model)
+    if isinstance(formats, str) or not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(
+            f"Received an invalid value for argument `formats`, expected a "
+            f"non-empty subset of {list(FORMATS)}. Received: formats={formats!r}"
+        )
+    if isinstance(tflite_quantizations, str) or not tflite_quantizations or any(
+        q not in tflite_lib.QUANTIZATIONS for q in tflite_quantizations
+    ):
+        raise ValueError(
+            "Received an invalid value for argument `tflite_quantizations`, "
+            f"expected a non-empty sequence of {list(tflite_lib.QUANTIZATIONS)}. "
+            f"Received: tflite_quantizations={tflite_quantizations!r}"
+        )
+    if on_error not in ("raise", "continue"):
+        raise ValueError(
+            "Received an invalid value for argument `on_error`, expected "
+            f"'raise' or 'continue'. Received: on_error={on_error!r}"
+        )
+    name = model.name if name is None else name
+    if not isinstance(name, str) or not name or os.sep in name:
+        raise ValueError(
+            "Received an invalid value for argument `name`, expected a "
+            f"non-empty file name without '{os.sep}'. Received: name={name!r}"
+        )
+    jobs = []
+    for fmt in FORMATS:
+        if fmt not in formats:
+            continue
+        for quantization in tflite_quantizations if fmt == "tflite" else (None,):
+            jobs.append((fmt, quantization))
+    keys = [_key(f, q) for f, q in jobs]
+    if isinstance(atol, dict):
+        unknown = sorted(set(atol) - set(keys))
+        if unknown:
+            raise ValueError(
+                f"Received an invalid `atol`: unknown keys {unknown}; expected "
+                f"some of {keys}. Received: atol={atol!r}"
+            )
+        atols = {k: atol.get(k) for k in keys}
+    else:
+        atols = {k: verify.resolve_atol(atol, 0.0) if atol is not None else None for k in keys}
+    samples = verify.normalize_samples(model, sample_inputs)
+    output_dir = os.fspath(output_dir)
+
+    reports = {}
+    for (fmt, quantization), key in zip(jobs, keys):
+        label = _label(fmt, quantization)
+        kwargs = {"sample_inputs": samples}
+        if atols[key] is not None:
+            kwargs["atol"] = atols[key]
+        try:
+            if fmt == "saved_model":
+                report = saved_model_lib.export_saved_model(
+                    model, os.path.join(output_dir, "saved_model"), model_name=name,
+                    version=version, **kwargs,
+                )
+            elif fmt == "tflite":
+                suffix = "" if quantization is None else f"_{quantization}"
+                report = tflite_lib.export_tflite(
+                    model, os.path.join(output_dir, f"{name}{suffix}.tflite"),
+                    quantization=quantization, **kwargs,
+                )
+            else:
+                report = onnx_lib.export_onnx(
+                    model, os.path.join(output_dir, f"{name}.onnx"), opset=opset, **kwargs
+                )
+        except Exception as error:  # noqa: BLE001  re-raised unless on_error="continue"
+            if on_error == "raise":
+                raise
+            if verbose:
+                print(f"{label}: export failed: {type(error).__name__}: {error}", flush=True)
+            continue
+        reports[key] = report
+        if verbose:
+            print(
+                f"{label}: {report.path} ({report.size_bytes / 1e6:.2f} MB), "
+                f"max |{label} - Keras| = {report.max_abs_error:.2e} (atol {report.atol:g})",
+                flush=True,
+            )
+    return reports
+
