@@ -54,38 +54,23 @@ def run(args):
         return 2
     name = args.model_name or os.path.splitext(os.path.basename(args.model))[0]
     formats = FORMATS if args.format == "all" else (args.format,)
-    kwargs = {} if args.atol is None else {"atol": args.atol}
+    quantizations = [None if q == "none" else q for q in args.quantize]
     failed = 0
     for fmt in formats:
-        jobs = [(fmt, None)]
-        if fmt == "tflite":
-            jobs = [(fmt, None if q == "none" else q) for q in args.quantize]
-        for fmt_, quant in jobs:
-            label = fmt_ + (f" ({quant})" if quant else "")
-            print(f"exporting {label} ...", flush=True)
+        for quant in quantizations if fmt == "tflite" else (None,):
+            print(f"exporting {fmt}{f' ({quant})' if quant else ''} ...", flush=True)
+            if quant == "int8":
+                print("  int8: calibrating on random inputs from the input specs; "
+                      "use export_tflite(representative_dataset=...) with real data")
             try:
-                if fmt_ == "saved_model":
-                    report = export.export_saved_model(
-                        model, os.path.join(args.out, "saved_model"), model_name=name,
-                        version=args.version, **kwargs,
-                    )
-                elif fmt_ == "tflite":
-                    suffix = f"_{quant}" if quant else ""
-                    if quant == "int8":
-                        print("  int8: calibrating on random inputs from the input specs; "
-                              "use export_tflite(representative_dataset=...) with real data")
-                    report = export.export_tflite(
-                        model, os.path.join(args.out, f"{name}{suffix}.tflite"),
-                        quantization=quant, **kwargs,
-                    )
-                else:
-                    report = export.export_onnx(
-                        model, os.path.join(args.out, f"{name}.onnx"), opset=args.opset,
-                        **kwargs,
-                    )
+                reports = export.export_all(
+                    model, args.out, name=name, formats=(fmt,), tflite_quantizations=(quant,),
+                    atol=args.atol, version=args.version, opset=args.opset, verbose=False,
+                )
             except (export.ExportError, ValueError, OSError) as error:
                 failed += 1
                 print(f"  FAILED: {type(error).__name__}: {error}", file=sys.stderr)
                 continue
-            print(report, flush=True)
+            for report in reports.values():
+                print(report, flush=True)
     return 1 if failed else 0
