@@ -115,13 +115,10 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
         content = model_proto.SerializeToString()
         with open(tmp, "wb") as f:
             f.write(content)
-        checks = []
-        for sample in samples:
-            got = run_onnx(content, sample, names)
-            ref = verify.keras_outputs(model, sample)
-            err = verify.compare(ref, got, names, "ONNX")
-            checks.append({"shapes": verify.shapes_of(sample), "max_abs_error": err})
-        worst = verify.check_parity("ONNX", checks, atol, os.path.abspath(path))
+        checks, worst = verify.verify_artifact(
+            "ONNX", model, samples, lambda sample: run_onnx(content, sample, names),
+            atol, os.path.abspath(path),
+        )
         ops = sorted({node.op_type for node in model_proto.graph.node})
     return verify.ExportReport(
         format="onnx",

@@ -115,14 +115,12 @@ def export_saved_model(
         write_saved_model(model, tmp)
         loaded = tf.saved_model.load(tmp)
         signature = loaded.signatures[SIGNATURE_KEY]
-        checks = []
-        for sample in samples:
+
+        def run(sample):
             got = signature(**{k: tf.constant(v) for k, v in sample.items()})
-            got = [np.asarray(got[n]) for n in names]
-            ref = verify.keras_outputs(model, sample)
-            err = verify.compare(ref, got, names, "SavedModel")
-            checks.append({"shapes": verify.shapes_of(sample), "max_abs_error": err})
-        worst = verify.check_parity("SavedModel", checks, atol, path)
+            return [np.asarray(got[n]) for n in names]
+
+        checks, worst = verify.verify_artifact("SavedModel", model, samples, run, atol, path)
         ops = graph_op_types(signature)
         description = signature_description(signature)
         size = verify.size_of(tmp)

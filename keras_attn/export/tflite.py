@@ -215,13 +215,12 @@ def export_tflite(
         )
         with open(tmp, "wb") as f:
             f.write(content)
-        checks = []
-        for sample in samples:
-            got = run_signature(content, sample, [s.name for s in specs], names)
-            ref = verify.keras_outputs(model, sample)
-            err = verify.compare(ref, got, names, "TFLite")
-            checks.append({"shapes": verify.shapes_of(sample), "max_abs_error": err})
-        worst = verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
+        input_names = [s.name for s in specs]
+        checks, worst = verify.verify_artifact(
+            "TFLite", model, samples,
+            lambda sample: run_signature(content, sample, input_names, names),
+            atol, os.path.abspath(path),
+        )
         ops = tflite_op_names(content)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
     return verify.ExportReport(

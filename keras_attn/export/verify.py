@@ -276,6 +276,20 @@ def compare(reference, got, names, where):
     return worst
 
 
+def verify_artifact(fmt, model, samples, run, atol, path):
+    """Runs the artifact (`run(sample) -> [outputs]`) on every sample set against Keras.
+
+    Returns `(checks, worst)`: one `{"shapes", "max_abs_error"}` entry per
+    sample set and the largest error. Raises ParityError beyond `atol`.
+    """
+    names = output_names(model)
+    checks = []
+    for sample in samples:
+        err = compare(keras_outputs(model, sample), run(sample), names, fmt)
+        checks.append({"shapes": shapes_of(sample), "max_abs_error": err})
+    return checks, check_parity(fmt, checks, atol, path)
+
+
 def check_parity(fmt, checks, atol, path):
     worst = max(c["max_abs_error"] for c in checks)
     if not worst <= atol:
