@@ -56,6 +56,7 @@ def attend_from_logits(
     training=False,
     seed=None,
     return_attention_scores=False,
+    every_row_sees_a_key=False,
 ):
     """Masked softmax over keys and the weighted sum of values.
 
@@ -66,6 +67,9 @@ def attend_from_logits(
             (grouped-query attention without repeating `value`).
         mask: boolean, broadcastable to `(B, H, T_q, T_k)`; True = attend.
         bias: additive, broadcastable to `(B, H, T_q, T_k)`.
+        every_row_sees_a_key: the caller guarantees that no query row is
+            fully masked (e.g. a plain causal mask: key 0 is always visible),
+            so the pass that zeroes such rows is skipped.
 
     Returns:
         `(B, T_q, H, D_v)` in `value`'s dtype, and the `(B, H, T_q, T_k)`
@@ -82,8 +86,9 @@ def attend_from_logits(
         # Masked logits are replaced, not offset, so very large logits and
         # biases can never leak through the mask.
         logits = ops.where(mask, logits, ops.cast(-3.0e38, "float32"))
-        # (B|1, H|1, T_q|1, 1): does the row see at least one key?
-        row_visible = ops.any(mask, axis=-1, keepdims=True)
+        if not every_row_sees_a_key:
+            # (B|1, H|1, T_q|1, 1): does the row see at least one key?
+            row_visible = ops.any(mask, axis=-1, keepdims=True)
     if logits.shape[-1] == 1:
         # One key: the softmax is exactly 1 (and Keras warns about it).
         probs = ops.ones_like(logits)
@@ -281,6 +286,8 @@ def dot_product_attention(
         training=training,
         seed=seed,
         return_attention_scores=return_attention_scores,
+        # A causal mask alone always leaves key 0 visible (start_index >= 0).
+        every_row_sees_a_key=is_causal and attention_mask is None and sliding_window is None,
     )
 
 
