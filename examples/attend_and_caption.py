@@ -209,17 +209,9 @@ def export_all(step_model, test, out_dir):
         {"image": images[:2], "tokens": inputs[:2, :1]},
         {"image": images[2:5], "tokens": inputs[2:5, :4]},
     ]
-    reports = {
-        "saved_model": export.export_saved_model(
-            step_model, os.path.join(out_dir, "saved_model"), sample_inputs=samples
-        ),
-        "tflite": export.export_tflite(
-            step_model, os.path.join(out_dir, "caption_step.tflite"), sample_inputs=samples
-        ),
-        "onnx": export.export_onnx(
-            step_model, os.path.join(out_dir, "caption_step.onnx"), sample_inputs=samples
-        ),
-    }
+    reports = export.export_all(
+        step_model, out_dir, sample_inputs=samples, name="caption_step", verbose=False
+    )
     for report in reports.values():
         print(report)
     return reports

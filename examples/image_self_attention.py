@@ -185,17 +185,9 @@ def export_all(inference, split, out_dir):
     from keras_attn import export
 
     samples = [{"image": split.x_test[:2, ..., None]}, {"image": split.x_test[2:7, ..., None]}]
-    reports = {
-        "saved_model": export.export_saved_model(
-            inference, os.path.join(out_dir, "saved_model"), sample_inputs=samples
-        ),
-        "tflite": export.export_tflite(
-            inference, os.path.join(out_dir, "cnn_self_attention.tflite"), sample_inputs=samples
-        ),
-        "onnx": export.export_onnx(
-            inference, os.path.join(out_dir, "cnn_self_attention.onnx"), sample_inputs=samples
-        ),
-    }
+    reports = export.export_all(
+        inference, out_dir, sample_inputs=samples, name="cnn_self_attention", verbose=False
+    )
     for report in reports.values():
         print(report)
     return {k: r.max_abs_error for k, r in reports.items()}

@@ -202,7 +202,7 @@ def test_classifier_export_parity(classifier_run):
     paths = {
         "onnx": str(out / "cnn_self_attention.onnx"),
         "tflite": str(out / "cnn_self_attention.tflite"),
-        "saved_model": str(out / "saved_model" / "cnn_self_attention_scores" / "1"),
+        "saved_model": str(out / "saved_model" / "cnn_self_attention" / "1"),
     }
     _check_artifacts(summary["model"], feeds, paths)
 
