@@ -87,6 +87,17 @@ def _check_padding(padding):
         )
 
 
+def cache_shuffle_repeat(ds, cache, training, shuffle_buffer, seed, repeat):
+    """The per-example stage every pipeline shares: cache, seeded reshuffling, repeat."""
+    if cache:
+        ds = ds.cache()
+    if training:
+        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    if repeat:
+        ds = ds.repeat()
+    return ds
+
+
 def _check_batch_size(batch_size):
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(
@@ -171,13 +182,9 @@ def dates_pipeline(
     targets (B, 10))`, int32, padding id 0. Shuffling is seeded and
     reshuffles each epoch, so the order is reproducible.
     """
-    ds = encode_dates(dataset, max_input_length)
-    if cache:
-        ds = ds.cache()
-    if training:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if repeat:
-        ds = ds.repeat()
+    ds = cache_shuffle_repeat(
+        encode_dates(dataset, max_input_length), cache, training, shuffle_buffer, seed, repeat
+    )
     lengths = ({"encoder_inputs": [max_input_length],
                 "decoder_inputs": [dates.TARGET_LENGTH]}, [dates.TARGET_LENGTH])
     ds = batch_and_pad(

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_attn.data.pipelines import AUTOTUNE, _check_batch_size
+from keras_attn.data.pipelines import AUTOTUNE, _check_batch_size, cache_shuffle_repeat
 
 POSITIVE = ["good", "great", "wonderful", "moving", "brilliant", "funny", "superb", "charming"]
 NEGATIVE = ["bad", "boring", "awful", "dull", "terrible", "weak", "clumsy", "tedious"]
@@ -120,13 +120,7 @@ def text_classification_pipeline(
     `TextVectorization` call per batch is much faster than one per example).
     """
     _check_batch_size(batch_size)
-    ds = dataset
-    if cache:
-        ds = ds.cache()
-    if training:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if repeat:
-        ds = ds.repeat()
+    ds = cache_shuffle_repeat(dataset, cache, training, shuffle_buffer, seed, repeat)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     ds = ds.map(lambda x, y: (vectorizer(x), y), num_parallel_calls=AUTOTUNE,
                 deterministic=True)
