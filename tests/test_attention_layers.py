@@ -139,8 +139,11 @@ def test_from_keras_parity(rng, case, scores):
     np.testing.assert_allclose(np.asarray(a)[valid_q], np.asarray(b)[valid_q], atol=1e-5)
 
 
-def test_from_keras_gqa_and_errors(rng):
-    theirs = keras.layers.GroupQueryAttention(head_dim=4, num_query_heads=4, num_key_value_heads=2)
+@pytest.mark.parametrize("use_gate", [False, True])
+def test_from_keras_gqa_and_errors(rng, use_gate):
+    theirs = keras.layers.GroupQueryAttention(
+        head_dim=4, num_query_heads=4, num_key_value_heads=2, use_gate=use_gate
+    )
     x = rng.standard_normal((2, 5, 8)).astype("float32")
     theirs(x, x)
     _randomize(theirs, rng)

@@ -26,15 +26,6 @@ def check_positive_int(name, value, allow_none=False):
     return value
 
 
-def check_non_negative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected a "
-            f"non-negative integer. Received: {name}={value!r}"
-        )
-    return value
-
-
 def check_positive_float(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(

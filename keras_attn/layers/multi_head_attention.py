@@ -573,9 +573,9 @@ class MultiHeadAttention(keras.layers.Layer):
         Accepts a built `keras.layers.MultiHeadAttention` or
         `keras.layers.GroupQueryAttention` over `(batch, seq, features)` inputs.
         """
-        if isinstance(layer, keras.layers.GroupQueryAttention):
-            return cls._from_keras_gqa(layer)
-        if not isinstance(layer, keras.layers.MultiHeadAttention):
+        if not isinstance(
+            layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
+        ):
             raise TypeError(
                 "`from_keras` expects a keras.layers.MultiHeadAttention or "
                 f"GroupQueryAttention. Received: {type(layer).__name__}"
@@ -586,67 +586,44 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"so its weights exist. Received an unbuilt layer: {layer.name}"
             )
         config = layer.get_config()
-        query_kernel = layer._query_dense.kernel
-        if len(query_kernel.shape) != 3:
-            raise ValueError(
-                "`from_keras` supports layers over (batch, seq, features) inputs "
-                f"with one attention axis. Received: query kernel shape "
-                f"{tuple(query_kernel.shape)}, attention_axes={config.get('attention_axes')}"
-            )
-        kwargs = {
-            k: config[k]
-            for k in (
-                "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_shape",
-                "kernel_initializer", "bias_initializer", "kernel_regularizer",
-                "bias_regularizer", "activity_regularizer", "kernel_constraint",
-                "bias_constraint", "seed", "use_gate", "sliding_window", "dtype",
-            )
-            if k in config
-        }
+        if isinstance(layer, keras.layers.GroupQueryAttention):
+            kwargs = {
+                "num_heads": config["num_query_heads"],
+                "key_dim": config["head_dim"],
+                "num_key_value_heads": config["num_key_value_heads"],
+                "dropout": config["dropout"],
+                "use_bias": config["use_bias"],
+                "use_gate": config.get("use_gate", False),
+                "dtype": config.get("dtype"),
+            }
+        else:
+            query_kernel = layer._query_dense.kernel
+            if len(query_kernel.shape) != 3:
+                raise ValueError(
+                    "`from_keras` supports layers over (batch, seq, features) inputs "
+                    f"with one attention axis. Received: query kernel shape "
+                    f"{tuple(query_kernel.shape)}, attention_axes={config.get('attention_axes')}"
+                )
+            kwargs = {
+                k: config[k]
+                for k in (
+                    "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_shape",
+                    "kernel_initializer", "bias_initializer", "kernel_regularizer",
+                    "bias_regularizer", "activity_regularizer", "kernel_constraint",
+                    "bias_constraint", "seed", "use_gate", "sliding_window", "dtype",
+                )
+                if k in config
+            }
         new = cls(**kwargs)
         query_shape = (None, None, layer._query_dense.kernel.shape[0])
         key_shape = (None, None, layer._key_dense.kernel.shape[0])
         value_shape = (None, None, layer._value_dense.kernel.shape[0])
         new.build(query_shape, value_shape, key_shape)
-        pairs = [
-            (new._query_dense, layer._query_dense),
-            (new._key_dense, layer._key_dense),
-            (new._value_dense, layer._value_dense),
-            (new._output_dense, layer._output_dense),
-        ]
+        names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
         if new.use_gate:
-            pairs.append((new._gate_dense, layer._gate_dense))
-        for ours, theirs in pairs:
-            ours.set_weights(theirs.get_weights())
-        return new
-
-    @classmethod
-    def _from_keras_gqa(cls, layer):
-        if not layer.built:
-            raise ValueError(
-                "`from_keras` needs a built layer (call it once, or `build` it). "
-                f"Received an unbuilt layer: {layer.name}"
-            )
-        config = layer.get_config()
-        new = cls(
-            num_heads=config["num_query_heads"],
-            key_dim=config["head_dim"],
-            num_key_value_heads=config["num_key_value_heads"],
-            dropout=config["dropout"],
-            use_bias=config["use_bias"],
-            dtype=config.get("dtype"),
-        )
-        query_shape = (None, None, layer._query_dense.kernel.shape[0])
-        key_shape = (None, None, layer._key_dense.kernel.shape[0])
-        value_shape = (None, None, layer._value_dense.kernel.shape[0])
-        new.build(query_shape, value_shape, key_shape)
-        for ours, theirs in (
-            (new._query_dense, layer._query_dense),
-            (new._key_dense, layer._key_dense),
-            (new._value_dense, layer._value_dense),
-            (new._output_dense, layer._output_dense),
-        ):
-            ours.set_weights(theirs.get_weights())
+            names.append("_gate_dense")
+        for name in names:
+            getattr(new, name).set_weights(getattr(layer, name).get_weights())
         return new
 
     def get_config(self):
