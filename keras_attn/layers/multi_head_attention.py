@@ -356,6 +356,14 @@ class MultiHeadAttention(keras.layers.Layer):
             key_or_value,
             feature_checks=(("query", query, d_q), ("value", value, d_v), ("key", key_or_value, d_k)),
         )
+        # A query padding mask only zeroes whole output rows: applied to the
+        # `(B, T_q, H, D)` output, it leaves a key-only mask that the
+        # attention core adds to the logits for free (see
+        # `keras_attn.ops.dot_product_attention`). Scores keep the merged mask.
+        rows = None
+        if query_mask is not None and not return_attention_scores:
+            _common.check_padding_mask("query_mask", query_mask, query, "query")
+            rows, query_mask = masking._as_bool(query_mask), None
         mask = _common.merge_attention_masks(
             query,
             value,
@@ -396,6 +404,8 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         output, scores = result if return_attention_scores else (result, None)
         # output = [B, T_q, H, value_dim]
+        if rows is not None:
+            output = output * ops.cast(rows[:, :, None, None], output.dtype)
         if gate is not None:
             output = output * gate
         output = self._output_dense(output)

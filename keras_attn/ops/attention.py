@@ -76,48 +76,58 @@ def attend_from_logits(
         probabilities when `return_attention_scores`. Query rows with no
         visible key give zeros (outputs, scores and gradients).
     """
-    out_dtype = value.dtype
     logits = ops.cast(logits, "float32")
     if bias is not None:
         logits = logits + ops.cast(bias, "float32")
     row_visible = None
     if mask is not None:
         mask = masking._as_bool(mask)
-        # Masked logits are replaced, not offset, so very large logits and
-        # biases can never leak through the mask.
-        logits = ops.where(mask, logits, ops.cast(-3.0e38, "float32"))
         if not every_row_sees_a_key:
-            # (B|1, H|1, T_q|1, 1): does the row see at least one key?
-            row_visible = ops.any(mask, axis=-1, keepdims=True)
-    if logits.shape[-1] == 1:
-        # One key: the softmax is exactly 1 (and Keras warns about it).
-        probs = ops.ones_like(logits)
-    else:
-        probs = ops.softmax(logits, axis=-1)
-    if row_visible is not None and return_attention_scores:
-        probs = probs * ops.cast(row_visible, probs.dtype)
-    weights = probs
-    if training and dropout_rate > 0.0:
-        weights = keras.random.dropout(weights, dropout_rate, seed=seed)
-    weights = ops.cast(weights, out_dtype)
+            row_visible = _rows_with_a_key(mask)
+    return _attend(
+        logits,
+        value,
+        mask=mask,
+        row_visible=row_visible,
+        dropout_rate=dropout_rate,
+        training=training,
+        seed=seed,
+        return_attention_scores=return_attention_scores,
+    )
 
-    num_heads = logits.shape[1]
-    num_kv_heads = value.shape[2]
-    if num_heads is None or num_kv_heads is None:
-        raise ValueError(
-            "The number of heads must be static. Received logits.shape="
-            f"{tuple(logits.shape)}, value.shape={tuple(value.shape)}"
-        )
-    if num_heads == num_kv_heads:
-        output = ops.einsum("bhqk,bkhd->bqhd", weights, value)
+
+def _rows_with_a_key(mask):
+    """`(B|1, H|1, T_q|1, 1)`: does the query row see at least one key?"""
+    return ops.any(mask, axis=-1, keepdims=True)
+
+
+def _attend(
+    logits,
+    value,
+    *,
+    mask,
+    row_visible,
+    dropout_rate,
+    training,
+    seed,
+    return_attention_scores,
+):
+    """`attend_from_logits` after the bias: float32 `logits`, boolean `mask`
+    (applied here with a `where`, or None when already folded into the
+    logits) and `row_visible` (None when every row sees a key)."""
+    out_dtype = value.dtype
+    _check_static_heads(logits, value)
+    dropout_active = training and dropout_rate > 0.0
+    if not return_attention_scores and not dropout_active and _HAS_CUSTOM_GRADIENT:
+        output = _softmax_weighted_sum(logits, value, mask)
     else:
-        groups = num_heads // num_kv_heads
-        batch, t_q, t_k = _dyn_dim(weights, 0), _dyn_dim(weights, 2), _dyn_dim(weights, 3)
-        w5 = ops.reshape(weights, (batch, num_kv_heads, groups, t_q, t_k))
-        output = ops.einsum("bngqk,bknd->bqngd", w5, value)
-        output = ops.reshape(
-            output, (batch, t_q, num_heads, value.shape[-1])
-        )
+        probs = _masked_softmax(logits, mask)
+        if row_visible is not None and return_attention_scores:
+            probs = probs * ops.cast(row_visible, probs.dtype)
+        weights = probs
+        if dropout_active:
+            weights = keras.random.dropout(weights, dropout_rate, seed=seed)
+        output = _weighted_sum(ops.cast(weights, out_dtype), value)
     if row_visible is not None:
         # (B|1, T_q|1, H|1, 1): zero the rows that see no key. O(T) work,
         # instead of another pass over the (T_q, T_k) probabilities.
@@ -126,6 +136,98 @@ def attend_from_logits(
     if return_attention_scores:
         return output, ops.cast(probs, out_dtype)
     return output
+
+
+# The hand-written gradient is used (and tested) on TensorFlow; other backends
+# differentiate the plain path.
+_HAS_CUSTOM_GRADIENT = keras.backend.backend() == "tensorflow"
+
+
+def _check_static_heads(logits, value):
+    if logits.shape[1] is None or value.shape[2] is None:
+        raise ValueError(
+            "The number of heads must be static. Received logits.shape="
+            f"{tuple(logits.shape)}, value.shape={tuple(value.shape)}"
+        )
+
+
+def _masked_softmax(logits, mask):
+    """float32 softmax over the last axis; masked logits never leak through."""
+    if mask is not None:
+        # Masked logits are replaced, not offset, so very large logits and
+        # biases can never leak through the mask.
+        logits = ops.where(mask, logits, ops.cast(masking.MASKED_LOGIT, "float32"))
+    if logits.shape[-1] == 1:
+        # One key: the softmax is exactly 1 (and Keras warns about it).
+        return ops.ones_like(logits)
+    return ops.softmax(logits, axis=-1)
+
+
+def _grouped(x, num_kv_heads, head_axis):
+    """Splits the head axis `H` of `x` into `(H_kv, H // H_kv)`."""
+    shape = [_dyn_dim(x, a) for a in range(len(x.shape))]
+    heads = shape[head_axis]
+    shape[head_axis : head_axis + 1] = [num_kv_heads, heads // num_kv_heads]
+    return ops.reshape(x, shape)
+
+
+def _merge_groups(x, head_axis):
+    """Inverse of `_grouped`: merges axes `head_axis` and `head_axis + 1`."""
+    shape = [_dyn_dim(x, a) for a in range(len(x.shape))]
+    shape[head_axis : head_axis + 2] = [shape[head_axis] * shape[head_axis + 1]]
+    return ops.reshape(x, shape)
+
+
+def _weighted_sum(weights, value):
+    """`(B, H, T_q, T_k) x (B, T_k, H_kv, D) -> (B, T_q, H, D)`, H_kv | H."""
+    num_kv_heads = value.shape[2]
+    if weights.shape[1] == num_kv_heads:
+        return ops.einsum("bhqk,bkhd->bqhd", weights, value)
+    w5 = _grouped(weights, num_kv_heads, 1)
+    return _merge_groups(ops.einsum("bngqk,bknd->bqngd", w5, value), 2)
+
+
+def _softmax_weighted_sum(logits, value, mask):
+    """`softmax(where(mask, logits)) @ value` with a hand-written gradient.
+
+    The same numbers as `_masked_softmax` + `_weighted_sum`, but the backward
+    pass makes fewer passes over `(B, H, T_q, T_k)` tensors than automatic
+    differentiation: `d_logits = P * (dP - rowsum(dO * O))` (the
+    FlashAttention identity: the row sum is taken over the `(T_q, D)` output,
+    not over the `(T_q, T_k)` probabilities), and the mask costs nothing in
+    the backward pass (masked probabilities are 0, so are their gradients).
+    """
+    out_dtype = value.dtype
+    num_kv_heads = value.shape[2]
+    grouped = logits.shape[1] != num_kv_heads
+
+    def run(logits, value):
+        probs = _masked_softmax(logits, mask)
+        output = _weighted_sum(ops.cast(probs, out_dtype), value)
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            d_out = ops.cast(upstream, "float32")
+            v = ops.cast(value, "float32")
+            # (B, T_q, H, 1) -> (B, H, T_q, 1): rowsum(dO * O), O(T D) work.
+            row = ops.sum(d_out * ops.cast(output, "float32"), axis=-1, keepdims=True)
+            row = ops.transpose(row, (0, 2, 1, 3))
+            if not grouped:
+                d_probs = ops.einsum("bqhd,bkhd->bhqk", d_out, v)
+                d_value = ops.einsum("bhqk,bqhd->bkhd", probs, d_out)
+            else:
+                d_out5 = _grouped(d_out, num_kv_heads, 2)
+                d_probs = _merge_groups(ops.einsum("bqngd,bknd->bngqk", d_out5, v), 1)
+                d_value = ops.einsum(
+                    "bngqk,bqngd->bknd", _grouped(probs, num_kv_heads, 1), d_out5
+                )
+            d_logits = probs * (d_probs - row)
+            return d_logits, ops.cast(d_value, value.dtype)
+
+        return output, grad
+
+    return ops.custom_gradient(run)(logits, value)
 
 
 def _select_chunk_size(chunk_size, query, key, return_attention_scores, dropout_active):
@@ -257,17 +359,7 @@ def dot_product_attention(
         scale = 1.0 / math.sqrt(head_dim)
     q = ops.cast(query, "float32") if query.dtype in _LOW_PRECISION else query
     k = ops.cast(key, "float32") if key.dtype in _LOW_PRECISION else key
-    if scale != 1.0:
-        q = q * ops.cast(scale, q.dtype)
-
     batch, t_q, t_k = _dyn_dim(q, 0), _dyn_dim(q, 1), _dyn_dim(k, 1)
-    if q_heads == k_heads:
-        logits = ops.einsum("bqhd,bkhd->bhqk", q, k)
-    else:
-        groups = q_heads // k_heads
-        q5 = ops.reshape(q, (batch, t_q, k_heads, groups, head_dim))
-        logits = ops.einsum("bqngd,bknd->bngqk", q5, k)
-        logits = ops.reshape(logits, (batch, q_heads, t_q, t_k))
 
     mask = masking.normalize_attention_mask(
         attention_mask, batch_size=query.shape[0], query_length=query.shape[1]
@@ -277,17 +369,49 @@ def dot_product_attention(
             t_q, t_k, start_index=start_index, sliding_window=sliding_window
         )
         mask = masking.combine_masks(mask, masking._expand_bool(causal, (0, 1)))
-    return attend_from_logits(
-        logits,
-        value,
-        mask=mask,
-        bias=bias,
+    # A causal mask alone always leaves key 0 visible (start_index >= 0).
+    every_row_sees_a_key = is_causal and attention_mask is None and sliding_window is None
+    common = dict(
         dropout_rate=dropout_rate,
         training=training,
         seed=seed,
         return_attention_scores=return_attention_scores,
-        # A causal mask alone always leaves key 0 visible (start_index >= 0).
-        every_row_sees_a_key=is_causal and attention_mask is None and sliding_window is None,
+    )
+
+    if (
+        mask is not None
+        and bias is None
+        and q_heads == k_heads
+        and mask.shape[1] == 1
+        and mask.shape[2] == 1
+        and q.dtype == "float32"
+    ):
+        # A key-only mask `(B|1, 1, 1, T_k)` (padding), as an additive bias:
+        # `(q * 2 scale) k^T * 0.5 + bias`. oneDNN (TensorFlow's default CPU
+        # kernels) fuses the batch matmul, the scalar multiply and the add
+        # into one kernel, so masking costs no pass over the `(B, H, T_q, T_k)`
+        # logits (a `where` costs one). Only key-only masks: with a
+        # `(1, 1, T_q, T_k)` addend (a causal mask) the fused kernel was 100x
+        # slower than `where` (benchmarks/README.md). Scaling by powers of two is exact, so the
+        # logits are bit-identical to `(q * scale) k^T`, and the matmul output
+        # only needs twice the final logit's range (scaling after the matmul
+        # would need `1 / scale` times it).
+        row_visible = None if every_row_sees_a_key else _rows_with_a_key(mask)
+        logits = ops.einsum("bqhd,bkhd->bhqk", q * ops.cast(2.0 * scale, q.dtype), k) * 0.5
+        logits = logits + masking.mask_to_bias(mask, row_visible)
+        return _attend(logits, value, mask=None, row_visible=row_visible, **common)
+
+    if scale != 1.0:
+        q = q * ops.cast(scale, q.dtype)
+    if q_heads == k_heads:
+        logits = ops.einsum("bqhd,bkhd->bhqk", q, k)
+    else:
+        groups = q_heads // k_heads
+        q5 = ops.reshape(q, (batch, t_q, k_heads, groups, head_dim))
+        logits = ops.einsum("bqngd,bknd->bngqk", q5, k)
+        logits = ops.reshape(logits, (batch, q_heads, t_q, t_k))
+    return attend_from_logits(
+        logits, value, mask=mask, bias=bias, every_row_sees_a_key=every_row_sees_a_key, **common
     )
 
 

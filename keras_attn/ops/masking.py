@@ -139,6 +139,22 @@ def combine_masks(*masks):
 _MASK_DTYPE_PREFIXES = ("bool", "int", "uint", "float", "bfloat")
 
 
+MASKED_LOGIT = -3.0e38
+"""What masked logits become: far below any real logit, still finite in float32."""
+
+
+def mask_to_bias(mask, row_visible=None):
+    """Boolean mask -> float32 additive bias: 0 where attending, `MASKED_LOGIT` elsewhere.
+
+    Rows of `row_visible` (`(..., T_q, 1)`, False = the row sees no key) get
+    a zero bias, so their softmax stays finite; the caller zeroes their output.
+    """
+    bias = ops.where(mask, ops.cast(0.0, "float32"), ops.cast(MASKED_LOGIT, "float32"))
+    if row_visible is not None:
+        bias = ops.where(row_visible, bias, ops.cast(0.0, "float32"))
+    return bias
+
+
 def _check_mask_dtype(name, mask):
     dtype = str(getattr(mask, "dtype", "bool"))
     dtype = dtype.replace("<dtype: '", "").replace("'>", "")
