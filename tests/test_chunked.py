@@ -17,38 +17,7 @@ from keras_attn.layers import MultiHeadAttention
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import chunked
 from keras_attn.ops import dot_product_attention
-
-
-def np_attention(q, k, v, mask, bias, scale, d_out):
-    """Forward and gradients of softmax attention in float64 NumPy.
-
-    q `(B, Tq, H, D)`, k/v `(B, Tk, Hkv, D)`, mask bool `(B, H, Tq, Tk)`,
-    bias `(B, H, Tq, Tk)` or None. Rows without visible keys give zeros.
-    """
-    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
-    groups = q.shape[2] // k.shape[2]
-    kr, vr = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    if bias is not None:
-        s = s + bias
-    s = np.where(mask, s, -np.inf)
-    row_max = np.max(s, axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.where(mask, np.exp(s - row_max), 0.0)
-    denom = e.sum(-1, keepdims=True)
-    p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
-    out = np.einsum("bhqk,bkhd->bqhd", p, vr)
-    d_v = np.einsum("bhqk,bqhd->bkhd", p, d_out)
-    d_p = np.einsum("bqhd,bkhd->bhqk", d_out, vr)
-    d_s = p * (d_p - np.sum(d_p * p, axis=-1, keepdims=True))
-    d_q = np.einsum("bhqk,bkhd->bqhd", d_s, kr) * scale
-    d_k = np.einsum("bhqk,bqhd->bkhd", d_s, q) * scale
-
-    def fold(x):  # sum the query heads sharing one key/value head
-        b, t, h, d = x.shape
-        return x.reshape(b, t, h // groups, groups, d).sum(axis=3)
-
-    return out, d_q, fold(d_k), fold(d_v), d_s
+from tests.reference import attention_with_grads as np_attention
 
 
 def _grads(fn, q, k, v, bias, d_out):

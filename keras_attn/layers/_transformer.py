@@ -3,6 +3,7 @@
 import keras
 
 from keras_attn.layers import _common
+from keras_attn.layers._layer_norm import LastAxisLayerNorm
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 
@@ -102,7 +103,7 @@ class BlockBase(keras.layers.Layer):
         )
 
     def _norm(self, name):
-        return keras.layers.LayerNormalization(
+        return LastAxisLayerNorm(
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
 

@@ -1,0 +1,177 @@
+"""The speed-motivated paths compute the same numbers as independent references.
+
+- `dot_product_attention`'s hand-written softmax/weighted-sum gradient and its
+  additive (oneDNN-fused) key-padding mask: outputs and gradients against the
+  float64 NumPy forward/backward of `tests.reference.attention_with_grads`
+  (which differentiates the softmax the textbook way, `P * (dP - sum(dP * P))`).
+- `MultiHeadAttention` applies a query padding mask to whole output rows:
+  against `keras.layers.MultiHeadAttention` with the same weights.
+- The blocks' LayerNorm with its written-out backward: against
+  `keras.layers.LayerNormalization` differentiated by TensorFlow, and NumPy.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_attn.layers import MultiHeadAttention
+from keras_attn.layers._layer_norm import LastAxisLayerNorm
+from keras_attn.ops import dot_product_attention
+from tests import reference as ref
+
+# name: (B, Tq, Tk, H, Hkv, causal, mask kind, bias, value dtype)
+CASES = {
+    "no_mask": (2, 9, 9, 4, 4, False, None, False, "float32"),
+    "key_padding_fused": (3, 7, 11, 4, 4, False, "keys", False, "float32"),
+    "key_padding_some_rows_empty": (2, 6, 5, 2, 2, False, "keys_empty", False, "float32"),
+    "key_padding_gqa": (2, 8, 8, 4, 2, False, "keys", False, "float32"),
+    "causal_and_keys": (2, 10, 10, 2, 2, True, "keys", False, "float32"),
+    "full_mask_with_bias": (2, 5, 7, 2, 2, False, "full", True, "float32"),
+    "key_padding_float16": (2, 6, 6, 2, 2, False, "keys", False, "float16"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dense_attention_values_and_gradients_match_numpy(name, rng):
+    b, tq, tk, h, hkv, causal, kind, use_bias, dtype = CASES[name]
+    d = 8
+    q = rng.normal(size=(b, tq, h, d)).astype("float32")
+    k = rng.normal(size=(b, tk, hkv, d)).astype("float32")
+    v = rng.normal(size=(b, tk, hkv, d)).astype("float32")
+    d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
+    bias = rng.normal(size=(1, h, tq, tk)).astype("float32") if use_bias else None
+    mask4 = np.ones((b, h, tq, tk), bool)
+    attention_mask = None
+    if kind in ("keys", "keys_empty"):
+        valid = rng.random((b, tk)) > 0.3
+        valid[:, 0] = kind == "keys"  # "keys_empty": example rows with no key
+        if kind == "keys_empty":
+            valid[1] = True
+        attention_mask = valid
+        mask4 &= valid[:, None, None, :]
+    elif kind == "full":
+        attention_mask = rng.random((b, tq, tk)) > 0.4
+        attention_mask[0, 2] = False  # one query row sees nothing
+        mask4 &= attention_mask[:, None]
+    if causal:
+        mask4 &= np.tril(np.ones((tq, tk), bool))[None, None]
+
+    cast = lambda a: tf.cast(tf.constant(a), dtype)  # noqa: E731
+    qt, kt, vt = cast(q), cast(k), cast(v)
+    bt = None if bias is None else tf.constant(bias)
+    watched = [qt, kt, vt] + ([bt] if bt is not None else [])
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        out = dot_product_attention(
+            qt, kt, vt, attention_mask=attention_mask, bias=bt, is_causal=causal, chunk_size=0
+        )
+        loss = tf.reduce_sum(tf.cast(out, "float32") * d_out)
+    grads = tape.gradient(loss, watched)
+
+    # The NumPy reference sees the same (rounded) inputs.
+    q64, k64, v64 = (np.asarray(tf.cast(x, "float32")) for x in (qt, kt, vt))
+    expected = ref.attention_with_grads(q64, k64, v64, mask4, bias, 1 / np.sqrt(d), d_out)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    got = [out] + list(grads)
+    names = ["out", "d_query", "d_key", "d_value"]
+    want = list(expected[:4])
+    if use_bias:
+        names.append("d_bias")
+        want.append(expected[4].sum(axis=0, keepdims=True))
+    for label, g, w in zip(names, got, want):
+        g = np.asarray(tf.cast(g, "float32"))
+        assert np.all(np.isfinite(g)), label
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=label)
+
+
+def test_dropout_and_scores_paths_agree_with_the_fast_path(rng):
+    """Scores requested (autodiff path) and not requested (hand-written
+    gradient, fused mask) give the same outputs and gradients."""
+    q, k, v = (tf.constant(rng.normal(size=(2, 6, 2, 4)).astype("float32")) for _ in range(3))
+    valid = np.array([[1, 1, 1, 0, 0, 1], [1, 0, 1, 1, 1, 1]], bool)
+
+    def run(scores):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = dot_product_attention(q, k, v, attention_mask=valid, return_attention_scores=scores)
+            out = out[0] if scores else out
+            loss = tf.reduce_sum(out * out)
+        return [out] + tape.gradient(loss, [q, k, v])
+
+    for a, b in zip(run(False), run(True)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_query_padding_mask_matches_keras_mha(cross, rng):
+    """Padded query rows: ours are zero before the output projection (so equal
+    its bias); valid rows equal Keras MHA, values and gradients."""
+    b, tq, tk, dim = 2, 7, 9 if cross else 7, 16
+    query = tf.constant(rng.normal(size=(b, tq, dim)).astype("float32"))
+    value = tf.constant(rng.normal(size=(b, tk, dim)).astype("float32")) if cross else query
+    q_valid = np.ones((b, tq), bool)
+    q_valid[0, 5:] = False
+    v_valid = np.ones((b, tk), bool)
+    v_valid[1, 3:] = False
+    keras_mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+    keras_mha(query, value)
+    ours = MultiHeadAttention.from_keras(keras_mha)
+
+    def run(layer):
+        with tf.GradientTape() as tape:
+            tape.watch([query, value])
+            out = layer(query, value, query_mask=q_valid, value_mask=v_valid)
+            loss = tf.reduce_sum(out * out * q_valid[..., None])
+        return out, tape.gradient(loss, [query, value] if cross else [query])
+
+    ours_out, ours_grads = run(ours)
+    keras_out, keras_grads = run(keras_mha)
+    rows = q_valid
+    np.testing.assert_allclose(np.asarray(ours_out)[rows], np.asarray(keras_out)[rows], atol=1e-5)
+    bias = np.asarray(ours._output_dense.bias)
+    np.testing.assert_allclose(np.asarray(ours_out)[~rows], np.broadcast_to(bias, (int((~rows).sum()), dim)), atol=1e-6)
+    for g_ours, g_keras in zip(ours_grads, keras_grads):
+        # Keras lets padded queries attend; their rows carry no loss here, so
+        # every gradient (as query, key and value) must agree.
+        np.testing.assert_allclose(np.asarray(g_ours), np.asarray(g_keras), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 7), (1, 1, 4)])
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_layer_norm_matches_keras_values_and_gradients(shape, policy, rng):
+    x = rng.normal(loc=0.5, scale=2.0, size=shape).astype("float32")
+    d_y = rng.normal(size=shape).astype("float32")
+    gamma = rng.normal(size=shape[-1:]).astype("float32")
+    beta = rng.normal(size=shape[-1:]).astype("float32")
+    layers = {
+        "ours": LastAxisLayerNorm(epsilon=1e-5, dtype=policy),
+        "keras": keras.layers.LayerNormalization(epsilon=1e-5, dtype=policy),
+    }
+    results = {}
+    for name, layer in layers.items():
+        layer.build(shape)
+        layer.gamma.assign(gamma)
+        layer.beta.assign(beta)
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            y = layer(xt)
+            loss = tf.reduce_sum(tf.cast(y, "float32") * d_y)
+        grads = tape.gradient(loss, [xt, layer.gamma, layer.beta])
+        assert y.dtype == layer.compute_dtype
+        results[name] = [np.asarray(tf.cast(t, "float32")) for t in [y] + grads]
+    tol = 1e-5 if policy == "float32" else 2e-3
+    for label, a, b in zip(["y", "d_x", "d_gamma", "d_beta"], results["ours"], results["keras"]):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol, err_msg=label)
+    np.testing.assert_allclose(
+        results["ours"][0], ref.layer_norm(x, gamma, beta, 1e-5), atol=max(tol, 1e-5), rtol=tol
+    )
+
+
+def test_layer_norm_keeps_keras_behaviour_for_other_axes(rng):
+    """Not the last axis: the layer is plain Keras LayerNormalization."""
+    x = rng.normal(size=(2, 3, 4)).astype("float32")
+    ours = LastAxisLayerNorm(axis=1)
+    theirs = keras.layers.LayerNormalization(axis=1)
+    np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(theirs(x)), atol=1e-6)
