@@ -37,7 +37,13 @@ def write_saved_model(model, path):
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(SIGNATURE_KEY, serve, input_signature=input_signature)
-    archive.write_out(path, verbose=False)
+    # Serving needs no gradients; custom gradients inside loops (e.g. the
+    # blocked attention path) cannot always be serialised.
+    archive.write_out(
+        path,
+        verbose=False,
+        options=tf.saved_model.SaveOptions(experimental_custom_gradients=False),
+    )
 
 
 def graph_op_types(concrete_function):

@@ -32,6 +32,12 @@ import tensorflow as tf
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import search
 
+# Serving needs no gradients. The attention and LayerNorm custom gradients
+# inside the decoding loop capture loop-body tensors, which
+# `tf.saved_model.save` cannot serialise ("Found invalid capture ... when
+# saving custom gradients"), so the gradients are not saved.
+SERVING_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+
 
 def _is_seq2seq(model):
     return hasattr(model, "encode")
@@ -133,7 +139,7 @@ def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_
         fns.pop("generate")
     module = _module(model, fns)
     signatures = {name: fn.get_concrete_function() for name, fn in fns.items()}
-    tf.saved_model.save(module, path, signatures=signatures)
+    tf.saved_model.save(module, path, signatures=signatures, options=SERVING_SAVE_OPTIONS)
     return path
 
 
@@ -172,7 +178,7 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
                                           input_signature=fn.input_signature))
     with tempfile.TemporaryDirectory(prefix="keras_attn_gen_tflite_") as tmp:
         signatures = {name: getattr(module, name).get_concrete_function() for name in fns}
-        tf.saved_model.save(module, tmp, signatures=signatures)
+        tf.saved_model.save(module, tmp, signatures=signatures, options=SERVING_SAVE_OPTIONS)
         converter = tf.lite.TFLiteConverter.from_saved_model(
             tmp, signature_keys=["prefill", "decode"]
         )

@@ -405,7 +405,8 @@ class MultiHeadAttention(keras.layers.Layer):
         output, scores = result if return_attention_scores else (result, None)
         # output = [B, T_q, H, value_dim]
         if rows is not None:
-            output = output * ops.cast(rows[:, :, None, None], output.dtype)
+            # expand_dims, not None-indexing (TFLite runs the latter only with Flex).
+            output = output * ops.cast(masking._expand_bool(rows, (2, 3)), output.dtype)
         if gate is not None:
             output = output * gate
         output = self._output_dense(output)
