@@ -6,6 +6,9 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# PyTorch's OpenMP threads otherwise keep spinning after each torch call and
+# take CPU from whatever runs next in the interleaved rounds.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
@@ -52,14 +55,19 @@ def interleaved(fns, repeats=5, calls=1, warmup=2):
 
     Each function is warmed up (traced/compiled) first; then `repeats` rounds
     run every function `calls` times in turn, so that load from other
-    processes hits all of them alike.
+    processes hits all of them alike. The order rotates from round to round,
+    so no function always runs right after the same one (e.g. after the
+    ceiling matmul, which leaves the caches cold).
     """
     for f in fns.values():
         for _ in range(warmup):
             _block(f())
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
+    names = list(fns)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            f = fns[name]
             start = time.perf_counter()
             for _ in range(calls):
                 out = f()
