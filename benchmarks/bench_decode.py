@@ -21,12 +21,9 @@ dependencies would pull in a second TensorFlow distribution).
 """
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
+import _common  # noqa: F401  (sets the environment first)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -116,6 +113,8 @@ def main(argv=None):
                         help="position encoding of our model (KerasHub's is learned)")
     parser.add_argument("--skip-tflite", action="store_true")
     parser.add_argument("--skip-keras-hub", action="store_true")
+    parser.add_argument("--json", help="write the raw rows to this file")
+    parser.add_argument("--markdown", help="write the table to this file")
     args = parser.parse_args(argv)
     keras.utils.set_random_seed(0)
     max_len = max(args.lengths)
@@ -188,27 +187,32 @@ def main(argv=None):
         rows.append(row)
         print(row, flush=True)
 
-    def fmt(v):
-        return f"{v:8.2f}" if isinstance(v, float) else f"{'-':>8}"
-
-    print(f"\nbatch 1, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, "
-          f"vocab {args.vocab}, {args.position} positions; best-of-N ms per generated token (tokens/s = 1000 / ms)")
-    print("     n | keras cached | recompute | speed-up | KerasHub cached | ours vs hub |"
-          " tflite cached | tflite recompute | speed-up")
-    for r in rows:
-        hub_c = r.get("hub_cached")
-        lite_c, lite_r = r.get("tflite_cached"), r.get("tflite_recompute")
-        print(
-            f"{r['n']:6d} | {fmt(r['keras_cached'])}     | {fmt(r['keras_recompute'])}  |"
-            f" {r['keras_recompute'] / r['keras_cached']:7.1f}x | {fmt(hub_c)}        |"
-            f" {(hub_c / r['keras_cached']) if hub_c else float('nan'):10.2f}x |"
-            f" {fmt(lite_c)}      | {fmt(lite_r)}         |"
-            f" {(lite_r / lite_c) if lite_c else float('nan'):7.1f}x"
-        )
-    for r in rows:
-        if "hub_tflite_cached" in r:
-            print(f"KerasHub cached step in TFLite at n={r['n']}: {r['hub_tflite_cached']}")
+    _common.emit(to_markdown(args, rows), args, rows=rows)
     return rows
+
+
+def to_markdown(args, rows):
+    def ms(v):
+        return f"{v:.2f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
+
+    header = ["n", "ours cached (XLA)", "ours recompute", "cached speed-up", "KerasHub cached (XLA)",
+              "KerasHub / ours", "ours TFLite cached", "ours TFLite recompute", "TFLite speed-up",
+              "KerasHub step in TFLite"]
+    body = [
+        [r["n"], ms(r["keras_cached"]), ms(r["keras_recompute"]),
+         ratio(r["keras_recompute"], r["keras_cached"]), ms(r.get("hub_cached")),
+         ratio(r.get("hub_cached"), r["keras_cached"]), ms(r.get("tflite_cached")),
+         ms(r.get("tflite_recompute")), ratio(r.get("tflite_recompute"), r.get("tflite_cached")),
+         ms(r.get("hub_tflite_cached"))]
+        for r in rows
+    ]
+    return (f"Batch 1, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
+            f"{args.vocab}, {args.position} positions (KerasHub's are learned); best-of-{args.repeats} "
+            "ms per generated token. Both cached steps take and return one stacked cache tensor. "
+            "Ratios > 1 mean ours is faster.\n\n" + _common.markdown_table(header, body))
 
 
 if __name__ == "__main__":
