@@ -175,3 +175,43 @@ def test_layer_norm_keeps_keras_behaviour_for_other_axes(rng):
     ours = LastAxisLayerNorm(axis=1)
     theirs = keras.layers.LayerNormalization(axis=1)
     np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(theirs(x)), atol=1e-6)
+
+
+def _second_order(fn, x):
+    """Gradient of |d sum(fn(x)^2) / dx|^2 with respect to x (a gradient penalty)."""
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            loss = tf.reduce_sum(fn(x) ** 2)
+        penalty = tf.reduce_sum(inner.gradient(loss, x) ** 2)
+    return outer.gradient(penalty, x)
+
+
+def test_hand_written_gradients_support_second_order(rng):
+    """Gradient penalties through the fast paths equal plain autodiff: the
+    attention core against its scores path (autodiff), the blocks' LayerNorm
+    against keras.layers.LayerNormalization."""
+    q = tf.constant(rng.normal(size=(2, 5, 2, 4)).astype("float32"))
+    k, v = (tf.constant(rng.normal(size=(2, 5, 2, 4)).astype("float32")) for _ in range(2))
+    valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+
+    def attention(scores):
+        def fn(x):
+            out = dot_product_attention(x, k, v, attention_mask=valid, return_attention_scores=scores)
+            return out[0] if scores else out
+        return fn
+
+    fast, plain = _second_order(attention(False), q), _second_order(attention(True), q)
+    assert float(tf.reduce_max(tf.abs(plain))) > 0.1
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), atol=1e-4, rtol=1e-4)
+
+    x = tf.constant(rng.normal(size=(3, 6)).astype("float32"))
+    ours, theirs = LastAxisLayerNorm(), keras.layers.LayerNormalization()
+    for layer in (ours, theirs):
+        layer.build((3, 6))
+        layer.gamma.assign(rng.normal(size=6).astype("float32"))
+    theirs.gamma.assign(ours.gamma)
+    fast, plain = _second_order(ours, x), _second_order(theirs, x)
+    assert float(tf.reduce_max(tf.abs(plain))) > 0.1
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), atol=1e-4, rtol=1e-4)
