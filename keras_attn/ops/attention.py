@@ -359,7 +359,7 @@ def dot_product_attention(
         scale = 1.0 / math.sqrt(head_dim)
     q = ops.cast(query, "float32") if query.dtype in _LOW_PRECISION else query
     k = ops.cast(key, "float32") if key.dtype in _LOW_PRECISION else key
-    batch, t_q, t_k = _dyn_dim(q, 0), _dyn_dim(q, 1), _dyn_dim(k, 1)
+    t_q, t_k = _dyn_dim(q, 1), _dyn_dim(k, 1)
 
     mask = masking.normalize_attention_mask(
         attention_mask, batch_size=query.shape[0], query_length=query.shape[1]
@@ -406,10 +406,7 @@ def dot_product_attention(
     if q_heads == k_heads:
         logits = ops.einsum("bqhd,bkhd->bhqk", q, k)
     else:
-        groups = q_heads // k_heads
-        q5 = ops.reshape(q, (batch, t_q, k_heads, groups, head_dim))
-        logits = ops.einsum("bqngd,bknd->bngqk", q5, k)
-        logits = ops.reshape(logits, (batch, q_heads, t_q, t_k))
+        logits = _merge_groups(ops.einsum("bqngd,bknd->bngqk", _grouped(q, k_heads, 2), k), 1)
     return attend_from_logits(
         logits, value, mask=mask, bias=bias, every_row_sees_a_key=every_row_sees_a_key, **common
     )
