@@ -7,7 +7,7 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
 from keras_attn.export import verify
 
-FORMATS = ("saved_model", "tflite", "onnx")
+FORMATS = verify.FORMATS
 LABELS = {"saved_model": "SavedModel", "tflite": "TFLite", "onnx": "ONNX"}
 
 
@@ -72,11 +72,7 @@ def export_all(
             `on_error="raise"`.
     """
     verify.input_specs(model)
-    if isinstance(formats, str) or not formats or any(f not in FORMATS for f in formats):
-        raise ValueError(
-            f"Received an invalid value for argument `formats`, expected a "
-            f"non-empty subset of {list(FORMATS)}. Received: formats={formats!r}"
-        )
+    verify.check_formats(formats)
     if isinstance(tflite_quantizations, str) or not tflite_quantizations or any(
         q not in tflite_lib.QUANTIZATIONS for q in tflite_quantizations
     ):
@@ -90,12 +86,7 @@ def export_all(
             "Received an invalid value for argument `on_error`, expected "
             f"'raise' or 'continue'. Received: on_error={on_error!r}"
         )
-    name = model.name if name is None else name
-    if not isinstance(name, str) or not name or os.sep in name:
-        raise ValueError(
-            "Received an invalid value for argument `name`, expected a "
-            f"non-empty file name without '{os.sep}'. Received: name={name!r}"
-        )
+    name = verify.check_name("name", model.name if name is None else name, "file name")
     jobs = []
     for fmt in FORMATS:
         if fmt not in formats:

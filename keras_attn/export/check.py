@@ -9,7 +9,7 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
 from keras_attn.export import verify
 
-FORMATS = ("saved_model", "tflite", "onnx")
+FORMATS = verify.FORMATS
 
 
 @dataclasses.dataclass
@@ -54,12 +54,7 @@ def check_exportable(model, formats=FORMATS):
     >>> check_exportable(m, formats=("tflite",)).ok
     True
     """
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown or not formats:
-        raise ValueError(
-            f"Received an invalid value for argument `formats`, expected a "
-            f"non-empty subset of {list(FORMATS)}. Received: formats={formats!r}"
-        )
+    verify.check_formats(formats)
     verify.input_specs(model)
     problems = {}
     warnings = []

@@ -10,6 +10,12 @@ from keras_attn.export import verify
 
 SIGNATURE_KEY = "serving_default"
 
+# Serving needs no gradients. Custom gradients that capture loop-body tensors
+# (the blocked attention path, the attention and LayerNorm gradients inside a
+# decoding loop) cannot be serialised by `tf.saved_model.save` ("Found invalid
+# capture ... when saving custom gradients"), so gradients are not saved.
+SERVING_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+
 
 def serving_function(model):
     """A `serve(inputs: dict) -> dict` function and its input signature.
@@ -37,13 +43,7 @@ def write_saved_model(model, path):
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(SIGNATURE_KEY, serve, input_signature=input_signature)
-    # Serving needs no gradients; custom gradients inside loops (e.g. the
-    # blocked attention path) cannot always be serialised.
-    archive.write_out(
-        path,
-        verbose=False,
-        options=tf.saved_model.SaveOptions(experimental_custom_gradients=False),
-    )
+    archive.write_out(path, verbose=False, options=SERVING_SAVE_OPTIONS)
 
 
 def graph_op_types(concrete_function):
@@ -106,12 +106,9 @@ def export_saved_model(
             "Received an invalid value for argument `version`, expected a "
             f"positive integer. Received: version={version!r}"
         )
-    model_name = model.name if model_name is None else model_name
-    if not isinstance(model_name, str) or not model_name or os.sep in model_name:
-        raise ValueError(
-            "Received an invalid value for argument `model_name`, expected a "
-            f"non-empty name without '{os.sep}'. Received: model_name={model_name!r}"
-        )
+    model_name = verify.check_name(
+        "model_name", model.name if model_name is None else model_name, "name"
+    )
     atol = verify.resolve_atol(atol, 1e-4)
     samples = verify.normalize_samples(model, sample_inputs)
     path = os.path.join(os.fspath(export_dir), model_name, str(version))

@@ -16,6 +16,10 @@ import keras
 import numpy as np
 
 
+FORMATS = ("saved_model", "tflite", "onnx")
+"""The export formats, in the order they are written and checked."""
+
+
 class ExportError(RuntimeError):
     """An export could not be produced or verified."""
 
@@ -400,3 +404,22 @@ def resolve_atol(atol, default):
             f"non-negative number or None. Received: atol={atol!r}"
         )
     return float(atol)
+
+
+def check_formats(formats):
+    """`formats` must be a non-empty collection of `FORMATS` (not a string)."""
+    if isinstance(formats, str) or not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(
+            f"Received an invalid value for argument `formats`, expected a "
+            f"non-empty subset of {list(FORMATS)}. Received: formats={formats!r}"
+        )
+
+
+def check_name(arg_name, value, what):
+    """`value` must be a non-empty string usable as one path component."""
+    if not isinstance(value, str) or not value or os.sep in value:
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`, expected a "
+            f"non-empty {what} without '{os.sep}'. Received: {arg_name}={value!r}"
+        )
+    return value

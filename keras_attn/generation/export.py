@@ -29,14 +29,9 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import search
-
-# Serving needs no gradients. The attention and LayerNorm custom gradients
-# inside the decoding loop capture loop-body tensors, which
-# `tf.saved_model.save` cannot serialise ("Found invalid capture ... when
-# saving custom gradients"), so the gradients are not saved.
-SERVING_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
 
 
 def _is_seq2seq(model):
