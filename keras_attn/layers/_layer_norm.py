@@ -16,7 +16,7 @@ def layer_norm(x, gamma, beta, epsilon):
     x = ops.cast(x, "float32")
     gamma = ops.cast(gamma, "float32")
     beta = ops.cast(beta, "float32")
-    feature_axes = tuple(range(len(x.shape) - 1))
+    batch_axes = tuple(range(len(x.shape) - 1))  # all but the normalised axis
 
     def run(x, gamma, beta):
         mean = ops.mean(x, axis=-1, keepdims=True)
@@ -34,8 +34,8 @@ def layer_norm(x, gamma, beta, epsilon):
                 - ops.mean(g, axis=-1, keepdims=True)
                 - x_hat * ops.mean(g * x_hat, axis=-1, keepdims=True)
             )
-            d_gamma = ops.sum(d_y * x_hat, axis=feature_axes)
-            d_beta = ops.sum(d_y, axis=feature_axes)
+            d_gamma = ops.sum(d_y * x_hat, axis=batch_axes)
+            d_beta = ops.sum(d_y, axis=batch_axes)
             return d_x, d_gamma, d_beta
 
         return x_hat * gamma + beta, grad
