@@ -42,8 +42,21 @@ CASES = {
 }
 
 
+# The backward pass has its own blocks (at most BACKWARD_MAX_CHUNK per axis):
+# "own_blocks" makes them smaller than, and not divisors of, the forward's.
+BACKWARD_BLOCKS = {"same_blocks": None, "own_blocks": 5}
+
+
+@pytest.fixture(params=list(BACKWARD_BLOCKS))
+def backward_max_chunk(request, monkeypatch):
+    value = BACKWARD_BLOCKS[request.param]
+    if value is not None:
+        monkeypatch.setattr(chunked, "BACKWARD_MAX_CHUNK", value)
+    return value
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_chunked_matches_numpy_and_unblocked(name, rng):
+def test_chunked_matches_numpy_and_unblocked(name, rng, backward_max_chunk):
     b, tq, tk, h, hkv, causal, padding, use_bias, empty_row, chunk = CASES[name]
     d = 8
     q = rng.normal(size=(b, tq, h, d)).astype("float32")
@@ -88,7 +101,13 @@ def test_chunked_matches_numpy_and_unblocked(name, rng):
         assert np.all(got[1][0, 5] == 0.0)
 
 
-def test_sliding_window_and_start_index(rng):
+def test_backward_blocks_differ_from_forward_blocks(monkeypatch):
+    monkeypatch.setattr(chunked, "BACKWARD_MAX_CHUNK", 5)
+    assert chunked.backward_chunks((8, 16)) == (5, 5)
+    assert chunked.backward_chunks((4, 8)) == (4, 5)
+
+
+def test_sliding_window_and_start_index(rng, backward_max_chunk):
     """Causal with a window and an offset first query (cached decoding)."""
     b, tq, tk, h, d, start, window = 1, 12, 30, 2, 8, 18, 7
     q = rng.normal(size=(b, tq, h, d)).astype("float32")
@@ -102,7 +121,7 @@ def test_sliding_window_and_start_index(rng):
 
     def fn(q, k, v, bias):
         return dot_product_attention(
-            q, k, v, is_causal=True, start_index=start, sliding_window=window, chunk_size=4
+            q, k, v, is_causal=True, start_index=start, sliding_window=window, chunk_size=(6, 8)
         )
 
     expected = np_attention(q, k, v, mask4, None, 1.0 / np.sqrt(d), d_out)

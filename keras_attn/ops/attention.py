@@ -299,11 +299,14 @@ def dot_product_attention(
             positions are hidden too.
         chunk_size: compute exact attention in `O(T)` memory, blocked over
             queries and keys (`keras_attn.ops.chunked`): an int, or a pair
-            `(q_chunk, k_chunk)`. None picks the blocked path by itself when
-            the static `T_q * T_k` exceeds `chunked.AUTO_CHUNK_MIN_SCORES`
-            (4096 x 4096) and neither dropout (in training) nor
-            `return_attention_scores` asks for the full score matrix; `0`
-            forces the unblocked path.
+            `(q_chunk, k_chunk)`, the forward pass's block sizes (they bound
+            the memory; the backward pass uses blocks of at most
+            `chunked.BACKWARD_MAX_CHUNK` = 512, its fastest). None picks the
+            blocked path by itself, with `chunked.DEFAULT_CHUNK_SIZE` (1024)
+            blocks, when the static `T_q * T_k` exceeds
+            `chunked.AUTO_CHUNK_MIN_SCORES` (4096 x 4096) and neither dropout
+            (in training) nor `return_attention_scores` asks for the full
+            score matrix; `0` forces the unblocked path.
 
     Returns:
         `(B, T_q, H, D_v)`, and the scores when `return_attention_scores`.

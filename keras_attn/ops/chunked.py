@@ -31,8 +31,18 @@ from keras import ops
 
 from keras_attn.ops import masking
 
-DEFAULT_CHUNK_SIZE = 512
-"""Default query and key block size of the blocked path."""
+DEFAULT_CHUNK_SIZE = 1024
+"""Default query and key block size of the blocked path's forward pass.
+
+Larger blocks make the forward faster (fewer loop steps and running-max
+updates): at T=4096/8192, batch 1, 8 heads of 32, 1024-blocks took 0.83-0.88x
+the time of 512-blocks (`benchmarks/README.md`)."""
+
+BACKWARD_MAX_CHUNK = 512
+"""Largest block the backward pass uses on either axis. Its blocks are
+independent of the forward's (it recomputes them from q, k, v, the output and
+the row log-sum-exp); with 1024-blocks the causal forward+backward at T=8192
+was 9-13% slower than with 512-blocks, and smaller ones were slower still."""
 
 AUTO_CHUNK_MIN_SCORES = 4096 * 4096
 """`dot_product_attention` takes the blocked path by itself when the static
@@ -97,17 +107,6 @@ def _ceil_div(a, b):
     if isinstance(a, int):
         return -(-a // b)
     return (a + (b - 1)) // b
-
-
-def _pad_axis(x, axis, target):
-    """Zero-pads `x` along `axis` to length `target` (static or dynamic)."""
-    length = _dim(x, axis)
-    if isinstance(length, int) and isinstance(target, int) and length == target:
-        return x
-    shape = [_dim(x, a) for a in range(len(x.shape))]
-    shape[axis] = target - length
-    pad = ops.zeros(shape, dtype=x.dtype)
-    return ops.concatenate([x, pad], axis=axis)
 
 
 def _chunk_axis(x, axis, chunk, num_chunks):
@@ -175,6 +174,244 @@ def _pad_axis_fill(x, axis, target, fill):
     return ops.concatenate([x, pad], axis=axis)
 
 
+class _Tiling:
+    """The block geometry of one pass: block sizes, splitting and visibility.
+
+    The forward and backward passes each have one (see `BACKWARD_MAX_CHUNK`);
+    they share nothing but the unblocked tensors `q`, `k`, `v`, the output
+    and the row log-sum-exp, so their block sizes may differ.
+    """
+
+    def __init__(self, chunks, *, batch, t_q, t_k, num_heads, num_kv_heads,
+                 is_causal, window, start, mask5):
+        q_chunk, k_chunk = chunks
+        # Small inputs: never use blocks bigger than the (rounded-up) sequence.
+        if isinstance(t_q, int):
+            q_chunk = min(q_chunk, max(t_q, 1))
+        if isinstance(t_k, int):
+            k_chunk = min(k_chunk, max(t_k, 1))
+        self.chunks = (q_chunk, k_chunk)
+        self.q_chunk, self.k_chunk = q_chunk, k_chunk
+        self.batch, self.t_q, self.t_k = batch, t_q, t_k
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        self.is_causal, self.window, self.start = is_causal, window, start
+        self.nq, self.nk = _ceil_div(t_q, q_chunk), _ceil_div(t_k, k_chunk)
+        self.t_q_pad, self.t_k_pad = self.nq * q_chunk, self.nk * k_chunk
+        self.needs_key_bound = not (isinstance(t_k, int) and t_k == self.t_k_pad)
+        self.q_offsets = ops.arange(q_chunk, dtype="int32")
+        self.k_offsets = ops.arange(k_chunk, dtype="int32")
+        self.mask_blocks = None
+        if mask5 is not None:
+            self.mask_blocks = _Blocked(mask5, self.nq, self.nk, q_chunk, k_chunk, False)
+
+    def blocked_bias(self, bias5):
+        if bias5 is None:
+            return None
+        return _Blocked(bias5, self.nq, self.nk, self.q_chunk, self.k_chunk, 0.0)
+
+    def split_q(self, x, fill=0.0):
+        """`(B, T_q, H, X)` -> `(nq, B, H_kv, G, q_chunk, X)`, padded with `fill`."""
+        x = _pad_axis_fill(x, 1, self.t_q_pad, fill)
+        x = ops.reshape(
+            x, (self.batch, self.nq, self.q_chunk, self.num_kv_heads, self.groups, x.shape[-1])
+        )
+        return ops.transpose(x, (1, 0, 3, 4, 2, 5))
+
+    def merge_q(self, x):
+        """`(nq, B, H_kv, G, q_chunk, X)` -> `(B, T_q, H, X)`."""
+        x = ops.transpose(x, (1, 0, 4, 2, 3, 5))
+        x = ops.reshape(x, (self.batch, self.t_q_pad, self.num_heads, x.shape[-1]))
+        return x[:, : self.t_q]
+
+    def split_k(self, x):
+        """`(B, T_k, H_kv, X)` -> `(nk, B, H_kv, k_chunk, X)`, zero-padded."""
+        x = _pad_axis_fill(x, 1, self.t_k_pad, 0.0)
+        x = ops.reshape(x, (self.batch, self.nk, self.k_chunk, self.num_kv_heads, x.shape[-1]))
+        return ops.transpose(x, (1, 0, 3, 2, 4))
+
+    def merge_k(self, x):
+        """`(nk, B, H_kv, k_chunk, X)` -> `(B, T_k, H_kv, X)`."""
+        x = ops.transpose(x, (1, 0, 3, 2, 4))
+        x = ops.reshape(x, (self.batch, self.t_k_pad, self.num_kv_heads, x.shape[-1]))
+        return x[:, : self.t_k]
+
+    def key_range(self, i):
+        """Key blocks `[lo, hi)` that query block `i` can see."""
+        lo = ops.convert_to_tensor(0, "int32")
+        hi = ops.convert_to_tensor(self.nk, "int32")
+        if self.is_causal:
+            last_q = i * self.q_chunk + (self.q_chunk - 1) + self.start
+            hi = ops.clip(last_q // self.k_chunk + 1, 0, self.nk)
+        if self.window is not None:
+            first_q = i * self.q_chunk + self.start
+            lo = ops.clip((first_q - self.window + 1) // self.k_chunk, 0, self.nk)
+        return lo, ops.maximum(lo, hi)
+
+    def query_range(self, j):
+        """Query blocks `[lo, hi)` that can see key block `j`."""
+        lo = ops.convert_to_tensor(0, "int32")
+        hi = ops.convert_to_tensor(self.nq, "int32")
+        if self.is_causal:
+            lo = ops.clip((j * self.k_chunk - self.start) // self.q_chunk, 0, self.nq)
+        if self.window is not None:
+            last_k = j * self.k_chunk + self.k_chunk - 1
+            hi = ops.clip((last_k + self.window - 1 - self.start) // self.q_chunk + 1, 0, self.nq)
+        return lo, ops.maximum(lo, hi)
+
+    def visible(self, i, j):
+        """Boolean `(B|1, H_kv|1, G|1, q_chunk, k_chunk)` block mask, or None."""
+        result = None
+        if self.is_causal or self.needs_key_bound:
+            k_pos = j * self.k_chunk + self.k_offsets
+            if self.needs_key_bound:
+                result = ops.less(k_pos, self.t_k)[None, :]
+            if self.is_causal:
+                q_pos = i * self.q_chunk + self.q_offsets + self.start
+                diff = q_pos[:, None] - k_pos[None, :]
+                causal = ops.greater_equal(diff, 0)
+                if self.window is not None:
+                    causal = ops.logical_and(causal, ops.less(diff, self.window))
+                result = causal if result is None else ops.logical_and(result, causal)
+            result = result[None, None, None]
+        if self.mask_blocks is not None:
+            blk = self.mask_blocks.block(i, j)
+            result = blk if result is None else ops.logical_and(result, blk)
+        return result
+
+    def logits(self, q_i, k_j, i, j, bias_blocks):
+        """Masked logits block `(B, H_kv, G, q_chunk, k_chunk)`; q is already scaled."""
+        s = ops.einsum("bngqd,bnkd->bngqk", q_i, k_j)
+        if bias_blocks is not None:
+            s = s + bias_blocks.block(i, j)
+        vis = self.visible(i, j)
+        if vis is not None:
+            s = ops.where(vis, s, _NEG_INF)
+        return s
+
+
+def _forward(tiling, q_s, k, v, bias5):
+    """Blocked forward: `(B, T_q, H, D_v)` output and `(B, T_q, H, 1)` row log-sum-exp."""
+    q_c, k_c, v_c = tiling.split_q(q_s), tiling.split_k(k), tiling.split_k(v)
+    bias_blocks = tiling.blocked_bias(bias5)
+    row_shape = (tiling.batch, tiling.num_kv_heads, tiling.groups, tiling.q_chunk)
+    d_v = v.shape[-1]
+
+    def one_query_block(i):
+        q_i = ops.take(q_c, i, axis=0)
+        m0 = ops.full(row_shape, _NEG_INF, dtype="float32")
+        l0 = ops.zeros(row_shape, dtype="float32")
+        acc0 = ops.zeros(row_shape + (d_v,), dtype="float32")
+
+        def body(j, carry):
+            m, l, acc = carry
+            s = tiling.logits(q_i, ops.take(k_c, j, axis=0), i, j, bias_blocks)
+            m_new = ops.maximum(m, ops.max(s, axis=-1))
+            # Rows with nothing visible yet keep m = -inf: shift by 0.
+            m_safe = ops.where(ops.isfinite(m_new), m_new, 0.0)
+            p = ops.exp(s - m_safe[..., None])
+            alpha = ops.exp(m - m_safe)
+            l = l * alpha + ops.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + ops.einsum(
+                "bngqk,bnkd->bngqd", p, ops.take(v_c, j, axis=0)
+            )
+            return m_new, l, acc
+
+        lo, hi = tiling.key_range(i)
+        m, l, acc = _loop(lo, hi, body, (m0, l0, acc0))
+        seen = ops.greater(l, 0.0)
+        out = acc / ops.where(seen, l, 1.0)[..., None]
+        lse = ops.where(seen, m + ops.log(ops.where(seen, l, 1.0)), _POS_INF)
+        return out, lse
+
+    out_c, lse_c = _map(one_query_block, tiling.nq)
+    return tiling.merge_q(out_c), tiling.merge_q(lse_c[..., None])
+
+
+def _backward(tiling, q_s, k, v, out, lse, d_out, bias5):
+    """Blocked FlashAttention backward from the unblocked `q_s, k, v, out, lse, d_out`.
+
+    Returns `dq` (w.r.t. the scaled queries), `dk`, `dv` unblocked and the
+    bias gradient as a padded rank-5 tensor (or None).
+    """
+    q_c, k_c, v_c = tiling.split_q(q_s), tiling.split_k(k), tiling.split_k(v)
+    bias_blocks = tiling.blocked_bias(bias5)
+    do_c = tiling.split_q(d_out)
+    # Padded query rows get lse = +inf, i.e. zero probabilities.
+    lse_c = tiling.split_q(lse, fill=_POS_INF)[..., 0]
+    # D_i = rowsum(dO * O): (nq, B, H_kv, G, q_chunk)
+    delta_c = tiling.split_q(ops.sum(d_out * out, axis=-1, keepdims=True))[..., 0]
+
+    def probs_and_dlogits(i, j, q_i, k_j, v_j, do_i):
+        s = tiling.logits(q_i, k_j, i, j, bias_blocks)
+        p = ops.exp(s - ops.take(lse_c, i, axis=0)[..., None])
+        dp = ops.einsum("bngqd,bnkd->bngqk", do_i, v_j)
+        ds = p * (dp - ops.take(delta_c, i, axis=0)[..., None])
+        return p, ds
+
+    def dq_block(i):
+        q_i, do_i = ops.take(q_c, i, axis=0), ops.take(do_c, i, axis=0)
+
+        def body(j, dq):
+            k_j = ops.take(k_c, j, axis=0)
+            _, ds = probs_and_dlogits(i, j, q_i, k_j, ops.take(v_c, j, axis=0), do_i)
+            return dq + ops.einsum("bngqk,bnkd->bngqd", ds, k_j)
+
+        lo, hi = tiling.key_range(i)
+        return _loop(lo, hi, body, ops.zeros_like(q_i))
+
+    dq = tiling.merge_q(_map(dq_block, tiling.nq))
+
+    bias_grad_shape = None
+    if bias_blocks is not None:
+        # Per key block: (nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1).
+        b = bias_blocks.blocks
+        bias_grad_shape = [_dim(b, a) for a in range(len(b.shape))]
+        bias_grad_shape = [bias_grad_shape[0]] + bias_grad_shape[2:]
+
+    def dkv_block(j):
+        k_j, v_j = ops.take(k_c, j, axis=0), ops.take(v_c, j, axis=0)
+
+        def body(i, carry):
+            dk, dv = carry[0], carry[1]
+            q_i, do_i = ops.take(q_c, i, axis=0), ops.take(do_c, i, axis=0)
+            p, ds = probs_and_dlogits(i, j, q_i, k_j, v_j, do_i)
+            dv = dv + ops.einsum("bngqk,bngqd->bnkd", p, do_i)
+            dk = dk + ops.einsum("bngqk,bngqd->bnkd", ds, q_i)
+            if bias_blocks is None:
+                return dk, dv
+            db = carry[2]
+            red = _reduce_to(ds, bias_blocks.blocks.shape[2:])
+            if bias_blocks.q_full:
+                start_idx = [i] + [0] * (len(bias_grad_shape) - 1)
+                db = ops.slice_update(db, start_idx, red[None])
+            else:
+                db = db + red[None]
+            return dk, dv, db
+
+        init = (ops.zeros_like(k_j), ops.zeros_like(v_j))
+        if bias_blocks is not None:
+            init = init + (ops.zeros(bias_grad_shape, "float32"),)
+        lo, hi = tiling.query_range(j)
+        return _loop(lo, hi, body, init)
+
+    results = _map(dkv_block, tiling.nk)
+    dk, dv = tiling.merge_k(results[0]), tiling.merge_k(results[1])
+    d_bias = None
+    if bias_blocks is not None:
+        d_bias = results[2]
+        # (nk, nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1)
+        if not bias_blocks.k_full:
+            d_bias = ops.sum(d_bias, axis=0, keepdims=True)
+        d_bias = _unblock(d_bias, bias_blocks)
+    return dq, dk, dv, d_bias
+
+
+def backward_chunks(chunks):
+    """The backward pass's `(q_chunk, k_chunk)` for forward blocks `chunks`."""
+    return tuple(min(c, BACKWARD_MAX_CHUNK) for c in chunks)
+
+
 def chunked_dot_product_attention(
     query,
     key,
@@ -201,242 +438,67 @@ def chunked_dot_product_attention(
     need the full score matrix).
 
     Args:
-        chunk_size: `q_chunk` for both axes, or a pair `(q_chunk, k_chunk)`.
-            Lengths that are not multiples are padded internally.
+        chunk_size: `q_chunk` for both axes, or a pair `(q_chunk, k_chunk)`:
+            the forward pass's blocks, which bound the memory. The backward
+            pass uses blocks of at most `BACKWARD_MAX_CHUNK` per axis (never
+            larger than the forward's). Lengths that are not multiples are
+            padded internally.
 
     Returns:
         `(B, T_q, H, D_v)` in `value`'s dtype.
     """
-    q_chunk, k_chunk = check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
+    chunks = check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
     out_dtype = value.dtype
     q = ops.cast(query, "float32")
     k = ops.cast(key, "float32")
     v = ops.cast(value, "float32")
     num_heads, num_kv_heads, head_dim = query.shape[2], key.shape[2], query.shape[3]
-    groups = num_heads // num_kv_heads
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     scale = float(scale)
 
-    batch = _dim(q, 0)
-    t_q, t_k = _dim(q, 1), _dim(k, 1)
-    # Small inputs: never use blocks bigger than the (rounded-up) sequence.
-    if isinstance(t_q, int):
-        q_chunk = min(q_chunk, max(t_q, 1))
-    if isinstance(t_k, int):
-        k_chunk = min(k_chunk, max(t_k, 1))
-    nq, nk = _ceil_div(t_q, q_chunk), _ceil_div(t_k, k_chunk)
-    t_q_pad, t_k_pad = nq * q_chunk, nk * k_chunk
-    needs_key_bound = not (isinstance(t_k, int) and t_k == t_k_pad)
-
-    mask_blocks = None
+    mask5 = None
     if attention_mask is not None:
         mask5 = _to_5d(masking._as_bool(attention_mask), num_heads, num_kv_heads)
-        mask_blocks = _Blocked(mask5, nq, nk, q_chunk, k_chunk, False)
     bias5 = None
     if bias is not None:
         bias = ops.cast(bias, "float32")
         while len(bias.shape) < 4:
             bias = bias[None]
         bias5 = _to_5d(bias, num_heads, num_kv_heads)
-    start = ops.cast(start_index, "int32")
-    window = sliding_window if (is_causal and sliding_window is not None) else None
-    q_offsets = ops.arange(q_chunk, dtype="int32")
-    k_offsets = ops.arange(k_chunk, dtype="int32")
 
-    def split_q(x):
-        # (B, T_q, H, X) -> (nq, B, H_kv, G, q_chunk, X)
-        x = _pad_axis(x, 1, t_q_pad)
-        x = ops.reshape(x, (batch, nq, q_chunk, num_kv_heads, groups, x.shape[-1]))
-        return ops.transpose(x, (1, 0, 3, 4, 2, 5))
+    def tiling(block_sizes):
+        return _Tiling(
+            block_sizes,
+            batch=_dim(q, 0),
+            t_q=_dim(q, 1),
+            t_k=_dim(k, 1),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            is_causal=is_causal,
+            window=sliding_window if (is_causal and sliding_window is not None) else None,
+            start=ops.cast(start_index, "int32"),
+            mask5=mask5,
+        )
 
-    def merge_q(x):
-        # (nq, B, H_kv, G, q_chunk, X) -> (B, T_q, H, X)
-        x = ops.transpose(x, (1, 0, 4, 2, 3, 5))
-        x = ops.reshape(x, (batch, t_q_pad, num_heads, x.shape[-1]))
-        return x[:, :t_q]
-
-    def split_k(x):
-        # (B, T_k, H_kv, X) -> (nk, B, H_kv, k_chunk, X)
-        x = _pad_axis(x, 1, t_k_pad)
-        x = ops.reshape(x, (batch, nk, k_chunk, num_kv_heads, x.shape[-1]))
-        return ops.transpose(x, (1, 0, 3, 2, 4))
-
-    def merge_k(x):
-        x = ops.transpose(x, (1, 0, 3, 2, 4))
-        x = ops.reshape(x, (batch, t_k_pad, num_kv_heads, x.shape[-1]))
-        return x[:, :t_k]
-
-    def key_range(i):
-        """Key blocks `[lo, hi)` that query block `i` can see."""
-        lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(nk, "int32")
-        if is_causal:
-            last_q = i * q_chunk + (q_chunk - 1) + start
-            hi = ops.clip(last_q // k_chunk + 1, 0, nk)
-        if window is not None:
-            first_q = i * q_chunk + start
-            lo = ops.clip((first_q - window + 1) // k_chunk, 0, nk)
-        return lo, ops.maximum(lo, hi)
-
-    def query_range(j):
-        """Query blocks `[lo, hi)` that can see key block `j`."""
-        lo, hi = ops.convert_to_tensor(0, "int32"), ops.convert_to_tensor(nq, "int32")
-        if is_causal:
-            lo = ops.clip((j * k_chunk - start) // q_chunk, 0, nq)
-        if window is not None:
-            hi = ops.clip((j * k_chunk + k_chunk + window - 2 - start) // q_chunk + 1, 0, nq)
-        return lo, ops.maximum(lo, hi)
-
-    def visible(i, j):
-        """Boolean `(B|1, H_kv|1, G|1, q_chunk, k_chunk)` block mask, or None."""
-        result = None
-        if is_causal or needs_key_bound:
-            k_pos = j * k_chunk + k_offsets
-            if needs_key_bound:
-                result = ops.less(k_pos, t_k)[None, :]
-            if is_causal:
-                q_pos = i * q_chunk + q_offsets + start
-                diff = q_pos[:, None] - k_pos[None, :]
-                causal = ops.greater_equal(diff, 0)
-                if window is not None:
-                    causal = ops.logical_and(causal, ops.less(diff, window))
-                result = causal if result is None else ops.logical_and(result, causal)
-            result = result[None, None, None]
-        if mask_blocks is not None:
-            blk = mask_blocks.block(i, j)
-            result = blk if result is None else ops.logical_and(result, blk)
-        return result
-
-    def logits_block(q_i, k_j, i, j, bias_blocks):
-        # (B, H_kv, G, q_chunk, k_chunk); q is already scaled.
-        s = ops.einsum("bngqd,bnkd->bngqk", q_i, k_j)
-        if bias_blocks is not None:
-            s = s + bias_blocks.block(i, j)
-        vis = visible(i, j)
-        if vis is not None:
-            s = ops.where(vis, s, _NEG_INF)
-        return s
-
-    def forward(q_s, k, v, bias_blocks):
-        q_c, k_c, v_c = split_q(q_s), split_k(k), split_k(v)
-        d_v = v.shape[-1]
-
-        def one_query_block(i):
-            q_i = ops.take(q_c, i, axis=0)
-            row_shape = (batch, num_kv_heads, groups, q_chunk)
-            m0 = ops.full(row_shape, _NEG_INF, dtype="float32")
-            l0 = ops.zeros(row_shape, dtype="float32")
-            acc0 = ops.zeros(row_shape + (d_v,), dtype="float32")
-
-            def body(j, carry):
-                m, l, acc = carry
-                s = logits_block(q_i, ops.take(k_c, j, axis=0), i, j, bias_blocks)
-                m_new = ops.maximum(m, ops.max(s, axis=-1))
-                # Rows with nothing visible yet keep m = -inf: shift by 0.
-                m_safe = ops.where(ops.isfinite(m_new), m_new, 0.0)
-                p = ops.exp(s - m_safe[..., None])
-                alpha = ops.exp(m - m_safe)
-                l = l * alpha + ops.sum(p, axis=-1)
-                acc = acc * alpha[..., None] + ops.einsum(
-                    "bngqk,bnkd->bngqd", p, ops.take(v_c, j, axis=0)
-                )
-                return m_new, l, acc
-
-            lo, hi = key_range(i)
-            m, l, acc = _loop(lo, hi, body, (m0, l0, acc0))
-            seen = ops.greater(l, 0.0)
-            out = acc / ops.where(seen, l, 1.0)[..., None]
-            lse = ops.where(seen, m + ops.log(ops.where(seen, l, 1.0)), _POS_INF)
-            return out, lse
-
-        out_c, lse_c = _map(one_query_block, nq)
-        return out_c, lse_c
-
-    def backward(q_s, k, v, out_c, lse_c, d_out, bias_blocks):
-        q_c, k_c, v_c = split_q(q_s), split_k(k), split_k(v)
-        do_c = split_q(ops.cast(d_out, "float32"))
-        # D_i = rowsum(dO * O): (nq, B, H_kv, G, q_chunk)
-        delta_c = ops.sum(do_c * out_c, axis=-1)
-
-        def probs_and_dlogits(i, j, q_i, k_j, v_j, do_i):
-            s = logits_block(q_i, k_j, i, j, bias_blocks)
-            p = ops.exp(s - ops.take(lse_c, i, axis=0)[..., None])
-            dp = ops.einsum("bngqd,bnkd->bngqk", do_i, v_j)
-            ds = p * (dp - ops.take(delta_c, i, axis=0)[..., None])
-            return p, ds
-
-        def dq_block(i):
-            q_i, do_i = ops.take(q_c, i, axis=0), ops.take(do_c, i, axis=0)
-
-            def body(j, dq):
-                k_j = ops.take(k_c, j, axis=0)
-                _, ds = probs_and_dlogits(i, j, q_i, k_j, ops.take(v_c, j, axis=0), do_i)
-                return dq + ops.einsum("bngqk,bnkd->bngqd", ds, k_j)
-
-            lo, hi = key_range(i)
-            return _loop(lo, hi, body, ops.zeros_like(q_i))
-
-        dq_c = _map(dq_block, nq)
-
-        bias_grad_shape = None
-        if bias_blocks is not None:
-            # Per key block: (nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1).
-            b = bias_blocks.blocks
-            bias_grad_shape = [_dim(b, a) for a in range(len(b.shape))]
-            bias_grad_shape = [bias_grad_shape[0]] + bias_grad_shape[2:]
-
-        def dkv_block(j):
-            k_j, v_j = ops.take(k_c, j, axis=0), ops.take(v_c, j, axis=0)
-
-            def body(i, carry):
-                dk, dv = carry[0], carry[1]
-                q_i, do_i = ops.take(q_c, i, axis=0), ops.take(do_c, i, axis=0)
-                p, ds = probs_and_dlogits(i, j, q_i, k_j, v_j, do_i)
-                dv = dv + ops.einsum("bngqk,bngqd->bnkd", p, do_i)
-                dk = dk + ops.einsum("bngqk,bngqd->bnkd", ds, q_i)
-                if bias_blocks is None:
-                    return dk, dv
-                db = carry[2]
-                red = _reduce_to(ds, bias_blocks.blocks.shape[2:])
-                if bias_blocks.q_full:
-                    start_idx = [i] + [0] * (len(bias_grad_shape) - 1)
-                    db = ops.slice_update(db, start_idx, red[None])
-                else:
-                    db = db + red[None]
-                return dk, dv, db
-
-            init = (ops.zeros_like(k_j), ops.zeros_like(v_j))
-            if bias_blocks is not None:
-                init = init + (ops.zeros(bias_grad_shape, "float32"),)
-            lo, hi = query_range(j)
-            return _loop(lo, hi, body, init)
-
-        results = _map(dkv_block, nk)
-        dk_c, dv_c = results[0], results[1]
-        d_bias = None
-        if bias_blocks is not None:
-            d_bias = results[2]
-            # (nk, nq|1, B|1, H_kv|1, G|1, q_chunk|1, k_chunk|1)
-            if not bias_blocks.k_full:
-                d_bias = ops.sum(d_bias, axis=0, keepdims=True)
-            d_bias = _unblock(d_bias, bias_blocks)
-        return dq_c, dk_c, dv_c, d_bias
+    forward_tiling = tiling(chunks)
+    backward_sizes = backward_chunks(forward_tiling.chunks)
+    backward_tiling = (
+        forward_tiling if backward_sizes == forward_tiling.chunks else tiling(backward_sizes)
+    )
 
     def run(q_in, k_in, v_in, bias_in=None):
         q_s = q_in * scale
-        bias_blocks = None
-        if bias_in is not None:
-            bias_blocks = _Blocked(bias_in, nq, nk, q_chunk, k_chunk, 0.0)
-        out_c, lse_c = forward(q_s, k_in, v_in, bias_blocks)
-        out = merge_q(out_c)
+        out, lse = _forward(forward_tiling, q_s, k_in, v_in, bias_in)
 
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            dq_c, dk_c, dv_c, d_bias = backward(
-                q_s, k_in, v_in, out_c, lse_c, upstream, bias_blocks
+            dq, dk, dv, d_bias = _backward(
+                backward_tiling, q_s, k_in, v_in, out, lse,
+                ops.cast(upstream, "float32"), bias_in,
             )
-            grads = [merge_q(dq_c) * scale, merge_k(dk_c), merge_k(dv_c)]
+            grads = [dq * scale, dk, dv]
             if bias_in is not None:
                 d_bias = d_bias[..., : _dim(bias_in, 3), : _dim(bias_in, 4)]
                 grads.append(ops.reshape(d_bias, ops.shape(bias_in)))
