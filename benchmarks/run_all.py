@@ -26,6 +26,7 @@ FULL = {
     "attention": ["--repeats", "7"],
     "blocks": ["--repeats", "5"],
     "decode": ["--repeats", "30"],
+    "input": [],
 }
 QUICK = {
     "attention": ["--repeats", "2", "--lengths", "128"],
@@ -33,6 +34,7 @@ QUICK = {
     "long": ["--lengths", "2048", "4096", "--repeats", "1"],
     "export": ["--repeats", "3", "--calls", "5"],
     "decode": ["--repeats", "3", "--lengths", "32", "--skip-tflite"],
+    "input": ["--examples", "256", "--rounds", "1", "--modes", "graph"],
 }
 TITLES = {
     "attention": "MultiHeadAttention vs keras.layers.MultiHeadAttention (and torch)",
@@ -40,6 +42,7 @@ TITLES = {
     "long": "Long sequences: peak RSS and time (fresh subprocess per config)",
     "export": "Exported encoder classifier: TFLite (XNNPACK) and onnxruntime, batch 1",
     "decode": "Incremental decoding (issue 7): per-token latency, KV cache vs recompute vs KerasHub",
+    "input": "Variable-length training input: fixed padding vs pad-to-batch vs length buckets",
 }
 
 

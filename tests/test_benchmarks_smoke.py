@@ -18,6 +18,8 @@ CASES = {
     "long": ["bench_long.py", "--lengths", "256", "--repeats", "1", "--no-check"],
     "decode": ["bench_decode.py", "--lengths", "8", "--repeats", "2", "--skip-keras-hub",
                "--layers", "1", "--hidden", "32", "--vocab", "50"],
+    "input": ["bench_input.py", "--examples", "48", "--batch-size", "8", "--rounds", "1",
+              "--modes", "graph"],
 }
 
 

@@ -234,3 +234,53 @@ def test_text_classification_falls_back_with_message(capsys):
     )
     assert source == "generated" and len(list(train)) == 10
     assert "falling back to the offline generated reviews" in capsys.readouterr().out
+
+
+def _ragged_ids(lengths):
+    rows = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]
+    labels = np.arange(len(lengths), dtype=np.int32)
+    ds = tf.data.Dataset.from_generator(
+        lambda: zip(rows, labels),
+        output_signature=(tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int32)),
+    )
+    return ds
+
+
+def test_buckets_padded_to_their_boundary():
+    """pad_to_bucket_boundary: every batch is exactly one boundary wide, rows kept whole."""
+    lengths = np.random.default_rng(0).integers(1, 41, size=150)
+    boundaries = (8, 16, 40)
+    ds = data.batch_and_pad(
+        _ragged_ids(lengths), 16, padding="buckets", bucket_boundaries=boundaries,
+        length_fn=lambda x, y: tf.shape(x)[0], pad_to_bucket_boundary=True,
+    )
+    seen = {}
+    for x, y in ds:
+        x, y = x.numpy(), y.numpy()
+        width = x.shape[1]
+        assert width in boundaries
+        lower = ([0] + list(boundaries))[boundaries.index(width)]
+        for row, label in zip(x, y):
+            n = lengths[label]
+            assert lower < n <= width
+            np.testing.assert_array_equal(row, np.r_[np.arange(1, n + 1), np.zeros(width - n)])
+            seen[int(label)] = True
+    assert len(seen) == len(lengths)
+
+
+def test_buckets_longer_than_last_boundary_fail_loudly():
+    ds = data.batch_and_pad(
+        _ragged_ids([3, 30]), 4, padding="buckets", bucket_boundaries=(8, 16),
+        length_fn=lambda x, y: tf.shape(x)[0], pad_to_bucket_boundary=True,
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError, match="last bucket boundary"):
+        list(ds)
+
+
+@pytest.mark.parametrize("boundaries", [(), (16, 8), (8, 8), (0, 4), (4.5,)])
+def test_bucket_boundaries_validated(boundaries):
+    with pytest.raises(ValueError, match="bucket_boundaries"):
+        data.batch_and_pad(
+            _ragged_ids([3]), 4, padding="buckets", bucket_boundaries=boundaries,
+            length_fn=lambda x, y: tf.shape(x)[0],
+        )

@@ -132,6 +132,7 @@ def batch_and_pad(
     bucket_boundaries=(16, 24, 32),
     drop_remainder=False,
     length_fn=None,
+    pad_to_bucket_boundary=False,
 ):
     """Pads variable-length features into batches.
 
@@ -143,6 +144,16 @@ def batch_and_pad(
         lengths: for `"fixed"`, the padded shapes, a structure matching the
             dataset elements (e.g. `({"encoder_inputs": [40], ...}, [10])`).
         length_fn: for `"buckets"`, element -> length to bucket on.
+        pad_to_bucket_boundary: for `"buckets"`: False pads each batch to
+            its longest element; True pads it to its bucket's boundary, so
+            examples of length <= `bucket_boundaries[i]` (and longer than the
+            boundary before) are padded to exactly `bucket_boundaries[i]`, and
+            the batches take at most `len(bucket_boundaries)` sequence lengths
+            (plus smaller last batches unless `drop_remainder`): few shapes to
+            trace, and few XLA compilations under `jit_compile=True`
+            (`benchmarks/README.md`). Every feature of unknown length is
+            padded to the boundary, and an example longer than the last
+            boundary raises `InvalidArgumentError` when it is read.
     """
     _check_padding(padding)
     _check_batch_size(batch_size)
@@ -155,13 +166,42 @@ def batch_and_pad(
         return dataset.padded_batch(batch_size, drop_remainder=drop_remainder)
     if length_fn is None:
         raise ValueError("`padding='buckets'` needs `length_fn` (element -> length).")
-    boundaries = list(bucket_boundaries)
+    boundaries = _check_boundaries(bucket_boundaries)
+    if pad_to_bucket_boundary:
+        longest = boundaries[-1]
+
+        def check_length(*element):
+            tf.debugging.assert_less_equal(
+                tf.cast(length_fn(*element), tf.int64),
+                tf.constant(longest, tf.int64),
+                message=f"an example is longer than the last bucket boundary ({longest}) "
+                "and pad_to_bucket_boundary=True cannot pad it",
+            )
+            return element[0] if len(element) == 1 else element
+
+        dataset = dataset.map(check_length)
+        # TensorFlow's buckets are [b_(i-1), b_i) padded to b_i - 1.
+        boundaries = [b + 1 for b in boundaries]
     return dataset.bucket_by_sequence_length(
         element_length_func=length_fn,
         bucket_boundaries=boundaries,
         bucket_batch_sizes=[batch_size] * (len(boundaries) + 1),
+        pad_to_bucket_boundary=pad_to_bucket_boundary,
         drop_remainder=drop_remainder,
     )
+
+
+def _check_boundaries(bucket_boundaries):
+    boundaries = list(bucket_boundaries)
+    if not boundaries or any(
+        not isinstance(b, (int, np.integer)) or b < 1 for b in boundaries
+    ) or boundaries != sorted(set(boundaries)):
+        raise ValueError(
+            "Received an invalid value for argument `bucket_boundaries`, expected "
+            "strictly increasing positive integers. "
+            f"Received: bucket_boundaries={bucket_boundaries!r}"
+        )
+    return [int(b) for b in boundaries]
 
 
 def dates_pipeline(
