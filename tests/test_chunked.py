@@ -230,3 +230,36 @@ def test_automatic_dispatch_above_threshold(monkeypatch, rng):
     attention_ops.dot_product_attention(q, q, q, return_attention_scores=True)
     attention_ops.dot_product_attention(q, q, q, chunk_size=0)
     assert len(calls) == 1
+
+
+@pytest.mark.slow
+def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng):
+    """The blocked path (while loops) exports with a dynamic batch, TFLite builtins only."""
+    import keras
+
+    from keras_attn.export import export_all
+
+    length, dim = 40, 16
+    x_in = keras.Input((length, dim), name="x")
+    keys_in = keras.Input((length,), dtype="bool", name="keys")
+
+    def build(chunk_size):
+        mha = MultiHeadAttention(num_heads=4, key_dim=4, chunk_size=chunk_size, name="mha")
+        out = mha(x_in, x_in, attention_mask=keys_in[:, None, :], use_causal_mask=True)
+        return keras.Model([x_in, keys_in], out)
+
+    blocked, unblocked = build((16, 8)), build(0)
+    unblocked.set_weights(blocked.get_weights())
+    samples = []
+    for batch in (1, 3):
+        keys = np.ones((batch, length), bool)
+        keys[-1, 29:] = False  # padded keys in the last example
+        samples.append({"x": rng.normal(size=(batch, length, dim)).astype("float32"), "keys": keys})
+    for sample in samples:  # the blocked model itself agrees with the unblocked path
+        np.testing.assert_allclose(
+            blocked.predict(sample, verbose=0), unblocked.predict(sample, verbose=0), atol=1e-5
+        )
+    reports = export_all(blocked, str(tmp_path), sample_inputs=samples, verbose=False)
+    assert set(reports) == {"saved_model", "tflite", "onnx"}
+    for report in reports.values():
+        assert report.max_abs_error <= 1e-4

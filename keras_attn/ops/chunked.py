@@ -13,7 +13,8 @@ Everything here is `keras.ops` (`custom_gradient`, `map`, `fori_loop`,
 `take`, `slice_update`), so it runs on the TensorFlow and JAX backends; the
 PyTorch backend has no `keras.ops.custom_gradient` and is not supported.
 One exception, in `_loop`/`_map`: on TensorFlow the loops are
-`tf.while_loop`/`tf.map_fn` with `parallel_iterations=1`. `keras.ops`
+`tf.while_loop`s with `parallel_iterations=1` (and `_map` writes its
+results into a buffer, see there). `keras.ops`
 builds them with TensorFlow's default of 10 iterations in flight, and as the
 blocks do not depend on each other, TensorFlow then keeps up to 10 x 10
 score blocks alive at once (measured: 3.1 GiB instead of 1 GiB peak for
@@ -68,15 +69,47 @@ def _loop(lower, upper, body, init):
     )[1]
 
 
-def _map(fn, n):
-    """`ops.map(fn, arange(n))`, one iteration at a time on TensorFlow."""
+def _map(fn, n, batch):
+    """`ops.map(fn, arange(n))`, one iteration at a time on TensorFlow.
+
+    On TensorFlow the results go into a preallocated `(n, ...)` buffer,
+    written row by row (`where(arange(n) == i, result, buffer)`) in a
+    `tf.while_loop`, rather than through `tf.map_fn`: `map_fn` collects them
+    in TensorLists, which TFLite lowers to builtin ops only when their element
+    shape is static, and a serving signature's batch axis is not (the blocked
+    path would then need the Flex delegate). The row writes cost O(n) passes
+    over `(T, d)`-sized results, next to the `O(T^2 d)` work of the blocks.
+    `batch` is the (possibly dynamic) batch size, the one axis of `fn`'s
+    results that may be unknown when tracing.
+    """
     indices = ops.arange(n, dtype="int32")
     if keras.backend.backend() != "tensorflow":
         return ops.map(fn, indices)
     import tensorflow as tf
 
-    spec = tf.nest.map_structure(tf.TensorSpec.from_tensor, fn(indices[0]))
-    return tf.map_fn(fn, indices, fn_output_signature=spec, parallel_iterations=1)
+    # Traced once outside the loop for the result shapes only (never run).
+    specs = tf.nest.map_structure(tf.TensorSpec.from_tensor, fn(indices[0]))
+    flat_specs = tf.nest.flatten(specs)
+
+    def buffer(spec):
+        shape = [n] + [batch if d is None else d for d in spec.shape]
+        return tf.zeros(tf.stack([tf.cast(d, tf.int32) for d in shape]), spec.dtype)
+
+    def body(i, stacked):
+        row = tf.equal(indices, i)
+        written = []
+        for old, new in zip(stacked, tf.nest.flatten(fn(i))):
+            hit = tf.reshape(row, [-1] + [1] * len(new.shape))
+            written.append(tf.where(hit, new[None], old))
+        return i + 1, written
+
+    _, stacked = tf.while_loop(
+        lambda i, _: i < n,
+        body,
+        (tf.constant(0, tf.int32), [buffer(spec) for spec in flat_specs]),
+        parallel_iterations=1,
+    )
+    return tf.nest.pack_sequence_as(specs, stacked)
 
 
 def check_chunk_size(chunk_size, name="chunk_size"):
@@ -308,7 +341,8 @@ def _forward(tiling, q_s, k, v, bias5):
             s = tiling.logits(q_i, ops.take(k_c, j, axis=0), i, j, bias_blocks)
             m_new = ops.maximum(m, ops.max(s, axis=-1))
             # Rows with nothing visible yet keep m = -inf: shift by 0.
-            m_safe = ops.where(ops.isfinite(m_new), m_new, 0.0)
+            # (`greater` rather than `isfinite`, which TFLite has no builtin for.)
+            m_safe = ops.where(ops.greater(m_new, _NEG_INF), m_new, 0.0)
             p = ops.exp(s - m_safe[..., None])
             alpha = ops.exp(m - m_safe)
             l = l * alpha + ops.sum(p, axis=-1)
@@ -324,7 +358,7 @@ def _forward(tiling, q_s, k, v, bias5):
         lse = ops.where(seen, m + ops.log(ops.where(seen, l, 1.0)), _POS_INF)
         return out, lse
 
-    out_c, lse_c = _map(one_query_block, tiling.nq)
+    out_c, lse_c = _map(one_query_block, tiling.nq, tiling.batch)
     return tiling.merge_q(out_c), tiling.merge_q(lse_c[..., None])
 
 
@@ -360,7 +394,7 @@ def _backward(tiling, q_s, k, v, out, lse, d_out, bias5):
         lo, hi = tiling.key_range(i)
         return _loop(lo, hi, body, ops.zeros_like(q_i))
 
-    dq = tiling.merge_q(_map(dq_block, tiling.nq))
+    dq = tiling.merge_q(_map(dq_block, tiling.nq, tiling.batch))
 
     bias_grad_shape = None
     if bias_blocks is not None:
@@ -395,7 +429,7 @@ def _backward(tiling, q_s, k, v, out, lse, d_out, bias5):
         lo, hi = tiling.query_range(j)
         return _loop(lo, hi, body, init)
 
-    results = _map(dkv_block, tiling.nk)
+    results = _map(dkv_block, tiling.nk, tiling.batch)
     dk, dv = tiling.merge_k(results[0]), tiling.merge_k(results[1])
     d_bias = None
     if bias_blocks is not None:
