@@ -263,3 +263,21 @@ def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng):
     assert set(reports) == {"saved_model", "tflite", "onnx"}
     for report in reports.values():
         assert report.max_abs_error <= 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_batch_and_empty_sequence(causal):
+    """Batch 0 (eager, with gradients) and length 0 (dynamic shapes) give empty results."""
+    q = tf.zeros((0, 37, 4, 8))
+    with tf.GradientTape() as tape:
+        tape.watch(q)
+        out = dot_product_attention(q, q, q, is_causal=causal, chunk_size=16)
+        loss = tf.reduce_sum(out)
+    assert out.shape == (0, 37, 4, 8)
+    assert tape.gradient(loss, q).shape == (0, 37, 4, 8)
+    fn = tf.function(
+        lambda x: dot_product_attention(x, x, x, is_causal=causal, chunk_size=16),
+        input_signature=[tf.TensorSpec((None, None, 4, 8), tf.float32)],
+    )
+    assert fn(tf.zeros((2, 0, 4, 8))).shape == (2, 0, 4, 8)
+    assert fn(tf.zeros((0, 5, 4, 8))).shape == (0, 5, 4, 8)

@@ -339,7 +339,8 @@ def _forward(tiling, q_s, k, v, bias5):
         def body(j, carry):
             m, l, acc = carry
             s = tiling.logits(q_i, ops.take(k_c, j, axis=0), i, j, bias_blocks)
-            m_new = ops.maximum(m, ops.max(s, axis=-1))
+            # (`initial`: Keras' eager `max` refuses empty tensors, e.g. batch 0.)
+            m_new = ops.maximum(m, ops.max(s, axis=-1, initial=_NEG_INF))
             # Rows with nothing visible yet keep m = -inf: shift by 0.
             # (`greater` rather than `isfinite`, which TFLite has no builtin for.)
             m_safe = ops.where(ops.greater(m_new, _NEG_INF), m_new, 0.0)
