@@ -281,3 +281,10 @@ def test_empty_batch_and_empty_sequence(causal):
     )
     assert fn(tf.zeros((2, 0, 4, 8))).shape == (2, 0, 4, 8)
     assert fn(tf.zeros((0, 5, 4, 8))).shape == (0, 5, 4, 8)
+    empty = tf.zeros((2, 0, 4, 8))
+    assert dot_product_attention(empty, empty, empty, is_causal=causal, chunk_size=16).shape == (
+        2, 0, 4, 8
+    )
+    # Queries without any key: zeros, as for fully masked rows.
+    out = dot_product_attention(tf.ones((2, 5, 4, 8)), empty, empty, chunk_size=16)
+    np.testing.assert_array_equal(out.numpy(), np.zeros((2, 5, 4, 8), "float32"))

@@ -87,8 +87,10 @@ def _map(fn, n, batch):
         return ops.map(fn, indices)
     import tensorflow as tf
 
-    # Traced once outside the loop for the result shapes only (never run).
-    specs = tf.nest.map_structure(tf.TensorSpec.from_tensor, fn(indices[0]))
+    # The result shapes, from a trace of `fn` that never runs (also in eager
+    # mode, and when n == 0).
+    traced = tf.function(fn).get_concrete_function(tf.TensorSpec((), tf.int32))
+    specs = tf.nest.map_structure(tf.TensorSpec.from_tensor, traced.structured_outputs)
     flat_specs = tf.nest.flatten(specs)
 
     def buffer(spec):
