@@ -129,6 +129,28 @@ def test_sliding_window_and_start_index(rng, backward_max_chunk):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("start", [0, 5, 23])
+def test_causal_offset_ragged_blocks(rng, backward_max_chunk, start):
+    """Causal with an offset first query (no window), lengths not multiples
+    of the blocks, query and key blocks of different sizes."""
+    b, tq, tk, h, d = 2, 19, 43, 2, 8
+    q = rng.normal(size=(b, tq, h, d)).astype("float32")
+    k = rng.normal(size=(b, tk, h, d)).astype("float32")
+    v = rng.normal(size=(b, tk, h, d)).astype("float32")
+    d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
+    mask = (np.arange(tq)[:, None] + start) >= np.arange(tk)[None, :]
+    mask4 = np.broadcast_to(mask, (b, h, tq, tk))
+
+    def fn(q, k, v, bias):
+        return dot_product_attention(
+            q, k, v, is_causal=True, start_index=start, chunk_size=(6, 8)
+        )
+
+    expected = np_attention(q, k, v, mask4, None, 1.0 / np.sqrt(d), d_out)
+    for label, got, ref in zip(("out", "dq", "dk", "dv"), _grads(fn, q, k, v, None, d_out), expected):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4, err_msg=label)
+
+
 def test_graph_xla_and_dynamic_length(rng):
     """tf.function with an unknown length, and jit_compile=True, match NumPy."""
     q = rng.normal(size=(2, 37, 2, 8)).astype("float32")
