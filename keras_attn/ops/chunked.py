@@ -52,7 +52,6 @@ unblocked score tensors of a batch-1, 8-head layer already take 512 MiB each."""
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
-_LOW_PRECISION = ("float16", "bfloat16")
 
 
 def _loop(lower, upper, body, init):
