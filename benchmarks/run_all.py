@@ -57,7 +57,7 @@ NOTES = [
     "path (automatic blocking starts above 4096 x 4096 scores), T>=8192 the blocked one.",
     "- XLA rows (`jit_compile=True`): XLA compiles ours and KerasHub into nearly the same fused "
     "kernels (it fuses the softmax and LayerNorm passes our hand-written gradients save in "
-    "graph mode), so those ratios sit at parity within the noise (0.91x-1.13x across runs; "
+    "graph mode), so those ratios sit at parity within the noise (0.87x-1.13x across runs; "
     "isolated re-runs of the lowest rows read 0.98x-1.05x).",
     "- \"matmuls only\" times the step's matmuls one after the other; TensorFlow overlaps "
     "independent ops in a real step, so a step can read a higher fraction than this reference.",
