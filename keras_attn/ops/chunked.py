@@ -224,7 +224,6 @@ class _Tiling:
             q_chunk = min(q_chunk, max(t_q, 1))
         if isinstance(t_k, int):
             k_chunk = min(k_chunk, max(t_k, 1))
-        self.chunks = (q_chunk, k_chunk)
         self.q_chunk, self.k_chunk = q_chunk, k_chunk
         self.batch, self.t_q, self.t_k = batch, t_q, t_k
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -238,6 +237,11 @@ class _Tiling:
         self.mask_blocks = None
         if mask5 is not None:
             self.mask_blocks = _Blocked(mask5, self.nq, self.nk, q_chunk, k_chunk, False)
+
+    @property
+    def chunks(self):
+        """`(q_chunk, k_chunk)` after clamping to the sequence lengths."""
+        return (self.q_chunk, self.k_chunk)
 
     def blocked_bias(self, bias5):
         if bias5 is None:
@@ -518,10 +522,6 @@ def chunked_dot_product_attention(
         )
 
     forward_tiling = tiling(chunks)
-    backward_sizes = backward_chunks(forward_tiling.chunks)
-    backward_tiling = (
-        forward_tiling if backward_sizes == forward_tiling.chunks else tiling(backward_sizes)
-    )
 
     def run(q_in, k_in, v_in, bias_in=None):
         q_s = q_in * scale
@@ -530,6 +530,13 @@ def chunked_dot_product_attention(
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
+            # Built here, not with the forward: inference never needs it.
+            backward_sizes = backward_chunks(forward_tiling.chunks)
+            backward_tiling = (
+                forward_tiling
+                if backward_sizes == forward_tiling.chunks
+                else tiling(backward_sizes)
+            )
             dq, dk, dv, d_bias = _backward(
                 backward_tiling, q_s, k_in, v_in, out, lse,
                 ops.cast(upstream, "float32"), bias_in,
