@@ -107,43 +107,36 @@ def test_backward_blocks_differ_from_forward_blocks(monkeypatch):
     assert chunked.backward_chunks((4, 8)) == (4, 5)
 
 
-def test_sliding_window_and_start_index(rng, backward_max_chunk):
-    """Causal with a window and an offset first query (cached decoding)."""
-    b, tq, tk, h, d, start, window = 1, 12, 30, 2, 8, 18, 7
+OFFSET_CASES = {
+    # name: (B, Tq, Tk, start_index, sliding_window)
+    "window_cached_decoding": (1, 12, 30, 18, 7),
+    "causal_start_0": (2, 19, 43, 0, None),
+    "causal_start_5": (2, 19, 43, 5, None),
+    "causal_start_23": (2, 19, 43, 23, None),
+}
+
+
+@pytest.mark.parametrize("name", list(OFFSET_CASES))
+def test_causal_offset_window_ragged_blocks(rng, backward_max_chunk, name):
+    """Causal with an offset first query (cached decoding), with and without
+    a sliding window, lengths not multiples of the blocks, query and key
+    blocks of different sizes."""
+    b, tq, tk, start, window = OFFSET_CASES[name]
+    h, d = 2, 8
     q = rng.normal(size=(b, tq, h, d)).astype("float32")
     k = rng.normal(size=(b, tk, h, d)).astype("float32")
     v = rng.normal(size=(b, tk, h, d)).astype("float32")
     d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
     q_pos = np.arange(tq)[:, None] + start
     k_pos = np.arange(tk)[None, :]
-    mask = (q_pos >= k_pos) & (q_pos - k_pos < window)
+    mask = q_pos >= k_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
     mask4 = np.broadcast_to(mask, (b, h, tq, tk))
 
     def fn(q, k, v, bias):
         return dot_product_attention(
             q, k, v, is_causal=True, start_index=start, sliding_window=window, chunk_size=(6, 8)
-        )
-
-    expected = np_attention(q, k, v, mask4, None, 1.0 / np.sqrt(d), d_out)
-    for got, ref in zip(_grads(fn, q, k, v, None, d_out), expected[:4]):
-        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("start", [0, 5, 23])
-def test_causal_offset_ragged_blocks(rng, backward_max_chunk, start):
-    """Causal with an offset first query (no window), lengths not multiples
-    of the blocks, query and key blocks of different sizes."""
-    b, tq, tk, h, d = 2, 19, 43, 2, 8
-    q = rng.normal(size=(b, tq, h, d)).astype("float32")
-    k = rng.normal(size=(b, tk, h, d)).astype("float32")
-    v = rng.normal(size=(b, tk, h, d)).astype("float32")
-    d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
-    mask = (np.arange(tq)[:, None] + start) >= np.arange(tk)[None, :]
-    mask4 = np.broadcast_to(mask, (b, h, tq, tk))
-
-    def fn(q, k, v, bias):
-        return dot_product_attention(
-            q, k, v, is_causal=True, start_index=start, chunk_size=(6, 8)
         )
 
     expected = np_attention(q, k, v, mask4, None, 1.0 / np.sqrt(d), d_out)
