@@ -214,6 +214,60 @@ def test_layers_accept_chunk_size_and_match_unblocked(rng):
     assert DotProductAttention.from_config(layer.get_config()).chunk_size == 8
 
 
+def test_blocks_accept_chunk_size_and_match_unblocked(monkeypatch, rng):
+    """Encoder and decoder blocks pass `chunk_size` to every attention sublayer:
+    same outputs and weight gradients as the unblocked blocks with the same weights."""
+    from keras_attn.layers import TransformerDecoderBlock
+    from keras_attn.layers import TransformerEncoderBlock
+
+    blocked_calls = []
+    original = chunked.chunked_dot_product_attention
+
+    def spy(*args, **kwargs):
+        blocked_calls.append(kwargs["chunk_size"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "chunked_dot_product_attention", spy)
+
+    x = rng.normal(size=(2, 21, 16)).astype("float32")
+    enc = rng.normal(size=(2, 13, 12)).astype("float32")
+    x_valid = np.ones((2, 21), bool)
+    x_valid[1, 14:] = False
+    enc_valid = np.ones((2, 13), bool)
+    enc_valid[0, 9:] = False
+    cases = [
+        (TransformerEncoderBlock, dict(normalize_first=False),
+         lambda b: b(x, padding_mask=x_valid)),
+        (TransformerEncoderBlock, dict(normalize_first=True, num_key_value_heads=2),
+         lambda b: b(x, padding_mask=x_valid, use_causal_mask=True)),
+        (TransformerDecoderBlock, dict(),
+         lambda b: b(x, enc, decoder_padding_mask=x_valid, encoder_padding_mask=enc_valid)),
+    ]
+    for cls, kwargs, call in cases:
+        dense = cls(num_heads=4, intermediate_dim=32, chunk_size=0, **kwargs)
+        blocked = cls(num_heads=4, intermediate_dim=32, chunk_size=(8, 4), **kwargs)
+        call(dense)
+        call(blocked)
+        blocked.set_weights(dense.get_weights())
+        results = []
+        for block in (dense, blocked):
+            del blocked_calls[:]
+            with tf.GradientTape() as tape:
+                out = call(block)
+                loss = tf.reduce_sum(out * out)
+            grads = tape.gradient(loss, block.trainable_weights)
+            results.append([out.numpy()] + [g.numpy() for g in grads])
+        # One blocked call per attention sublayer, none in the dense block.
+        expected_calls = 2 if cls is TransformerDecoderBlock else 1
+        assert blocked_calls == ([(8, 4)] * expected_calls if block is blocked else [])
+        for a, b in zip(*results):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+        assert blocked.get_config()["chunk_size"] == [8, 4]
+        assert cls.from_config(blocked.get_config()).chunk_size == [8, 4]
+    with pytest.raises(ValueError, match="chunk_size"):
+        TransformerEncoderBlock(num_heads=2, intermediate_dim=8, chunk_size=(4, -1))
+
+
 def test_invalid_chunk_size_and_unsupported_combinations(rng):
     q = rng.normal(size=(1, 8, 2, 4)).astype("float32")
     for bad in (-1, 2.5, (4,), (4, 0), True):

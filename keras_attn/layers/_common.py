@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_attn.ops import chunked
 from keras_attn.ops import masking
 from keras_attn.ops.attention import check_dropout  # noqa: F401  (re-export)
 
@@ -33,6 +34,17 @@ def check_positive_float(name, value):
             f"positive number. Received: {name}={value!r}"
         )
     return float(value)
+
+
+def check_chunk_size(chunk_size):
+    """Validates a layer's `chunk_size` (0, None, an int or a pair).
+
+    Returns it with a pair as a list, so that `get_config` survives a JSON
+    round trip unchanged.
+    """
+    if chunk_size != 0:
+        chunked.check_chunk_size(chunk_size)
+    return list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
 
 
 def check_choice(name, value, choices):

@@ -25,9 +25,11 @@ class BlockBase(keras.layers.Layer):
         bias_initializer="zeros",
         rotary_embedding=None,
         sliding_window=None,
+        chunk_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.chunk_size = _common.check_chunk_size(chunk_size)
         self.num_heads = _common.check_positive_int("num_heads", num_heads)
         self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)
         self.key_dim = _common.check_positive_int("key_dim", key_dim, allow_none=True)
@@ -98,6 +100,7 @@ class BlockBase(keras.layers.Layer):
             num_key_value_heads=self.num_key_value_heads,
             rotary_embedding=rotary,
             sliding_window=sliding_window,
+            chunk_size=self.chunk_size,
             name=name,
             **self._dense_kwargs(),
         )
@@ -173,6 +176,7 @@ class BlockBase(keras.layers.Layer):
                     else None
                 ),
                 "sliding_window": self.sliding_window,
+                "chunk_size": self.chunk_size,
             }
         )
         return config

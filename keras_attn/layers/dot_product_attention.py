@@ -4,7 +4,6 @@ import keras
 
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
-from keras_attn.ops import chunked
 
 
 @_common.register
@@ -54,9 +53,7 @@ class DotProductAttention(keras.layers.Layer):
 
     def __init__(self, scale="sqrt", dropout=0.0, seed=None, chunk_size=None, **kwargs):
         super().__init__(**kwargs)
-        if chunk_size != 0:
-            chunked.check_chunk_size(chunk_size)
-        self.chunk_size = list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
+        self.chunk_size = _common.check_chunk_size(chunk_size)
         if scale != "sqrt" and scale is not None:
             _common.check_positive_float("scale", scale)
         self.scale = scale

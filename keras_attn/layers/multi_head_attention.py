@@ -8,7 +8,6 @@ from keras import ops
 from keras_attn.layers import _common
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
-from keras_attn.ops import chunked
 from keras_attn.ops import masking
 
 
@@ -180,9 +179,7 @@ class MultiHeadAttention(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        if chunk_size != 0:
-            chunked.check_chunk_size(chunk_size)
-        self.chunk_size = list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
+        self.chunk_size = _common.check_chunk_size(chunk_size)
         self.num_heads = _common.check_positive_int("num_heads", num_heads)
         self.key_dim = _common.check_positive_int("key_dim", key_dim)
         self.value_dim = _common.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim

@@ -33,6 +33,10 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             than this many positions away (with the causal mask, the last
             `sliding_window` tokens; the decoder's cache can then be a ring
             buffer of that length, see `keras_attn.generation`).
+        chunk_size: None, an int or `(q_chunk, k_chunk)`: memory-efficient
+            exact attention in every attention sublayer (see
+            `MultiHeadAttention`); None uses it only for long sequences, 0
+            never.
 
     Call arguments:
         inputs: `(B, T, D)`.
