@@ -9,10 +9,17 @@ X = np.zeros((2, 5, 16), "float32")
 IDS = np.array([[1, 2, 3]])
 
 
-def _built_mha():
-    layer = kal.MultiHeadAttention(2, 8)
+def _built_mha(**kwargs):
+    layer = kal.MultiHeadAttention(2, 8, **kwargs)
     layer(X, X)
     return layer
+
+
+def _ops_attention(**kwargs):
+    from keras_attn.ops import dot_product_attention
+
+    q = np.zeros((2, 5, 2, 4), "float32")
+    return dot_product_attention(q, q, q, **kwargs)
 
 
 CONSTRUCTORS = [
@@ -50,6 +57,10 @@ CONSTRUCTORS = [
     (lambda: kal.TransformerEncoderBlock(4, 8, num_key_value_heads=3), ValueError, ["num_key_value_heads", "3"]),
     (lambda: kal.TransformerDecoderBlock(2, 8, layer_norm_epsilon=0), ValueError, ["layer_norm_epsilon", "0"]),
     (lambda: kal.TransformerDecoderBlock(2, 8, dropout=2), ValueError, ["dropout", "2"]),
+    (lambda: kal.DotProductAttention(scale=float("inf")), ValueError, ["scale", "finite", "inf"]),
+    (lambda: kal.MultiHeadAttention(2, 8, dropout=0.1, chunk_size=4), ValueError, ["chunk_size=4", "dropout=0.1"]),
+    (lambda: kal.DotProductAttention(dropout=0.2, chunk_size=(4, 8)), ValueError, ["chunk_size=(4, 8)", "dropout=0.2"]),
+    (lambda: kal.TransformerEncoderBlock(2, 8, dropout=0.1, chunk_size=16), ValueError, ["chunk_size=16", "dropout=0.1"]),
 ]
 
 CALLS = [
@@ -62,6 +73,12 @@ CALLS = [
     (lambda: _built_mha()(X, X, attention_mask=np.array([["x"] * 5] * 2)), TypeError, ["attention_mask", "dtype"]),
     (lambda: _built_mha()(X, X, value_mask=np.ones((2, 4), bool)), ValueError, ["value_mask", "(2, 4)"]),
     (lambda: _built_mha()(X, X, query_mask=np.ones((2, 5, 1), bool)), ValueError, ["query_mask"]),
+    (lambda: _built_mha()(X, X, attention_bias=np.zeros((1, 3, 5, 5), "float32")), ValueError, ["attention_bias", "(1, 3, 5, 5)", "heads=2"]),
+    (lambda: _built_mha(chunk_size=2)(X, X, attention_bias=np.zeros((1, 1, 5, 4), "float32")), ValueError, ["attention_bias", "(1, 1, 5, 4)", "T_k=5"]),
+    (lambda: _built_mha(chunk_size=2)(X, X, attention_bias=np.zeros((1, 1, 1, 5, 5), "float32")), ValueError, ["attention_bias", "rank 4"]),
+    (lambda: _ops_attention(bias=np.zeros((1, 1, 4, 5), "float32"), chunk_size=2), ValueError, ["`bias`", "(1, 1, 4, 5)", "T_q=5"]),
+    (lambda: _ops_attention(attention_mask=np.ones((2, 5, 4), bool), chunk_size=2), ValueError, ["attention_mask", "(2, 5, 4)", "T_k=5"]),
+    (lambda: _ops_attention(is_causal=True, start_index=-2), ValueError, ["start_index", "-2"]),
     (lambda: kal.DotProductAttention()(X, np.zeros((2, 5, 8), "float32"), X[..., :8]), ValueError, ["query", "key", "features"]),
     (lambda: kal.AdditiveAttention(4)(X[0], X), ValueError, ["query", "rank 3"]),
     (lambda: kal.LearnedPositionEmbedding(4)(X), ValueError, ["covers 4 positions", "[0, 5)"]),
@@ -114,3 +131,20 @@ def test_bad_input_raises_clear_error(make, error, words):
         assert word in message, f"{word!r} not in {message!r}"
     # Raised by our checks, not deep inside TensorFlow.
     assert "tensorflow/python" not in message and "Traceback" not in message
+
+
+def test_masks_as_python_lists_match_keras(rng):
+    """Masks may be nested lists, as keras.layers.MultiHeadAttention accepts them."""
+    import keras
+
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    peer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    mask = [[[1, 1, 0], [1, 0, 0], [1, 1, 1]], [[1, 0, 0], [1, 1, 0], [0, 1, 1]]]
+    expected = peer(x, x, attention_mask=np.array(mask, bool))
+    ours = kal.MultiHeadAttention.from_keras(peer)
+    np.testing.assert_allclose(ours(x, x, attention_mask=mask), expected, atol=1e-6)
+    np.testing.assert_allclose(
+        ours(x, x, value_mask=[[1, 1, 0], [1, 0, 1]]),
+        peer(x, x, attention_mask=np.array([[1, 1, 0], [1, 0, 1]], bool)[:, None, :]),
+        atol=1e-6,
+    )

@@ -28,23 +28,45 @@ def check_positive_int(name, value, allow_none=False):
 
 
 def check_positive_float(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
         raise ValueError(
             f"Received an invalid value for argument `{name}`, expected a "
-            f"positive number. Received: {name}={value!r}"
+            f"positive finite number. Received: {name}={value!r}"
         )
     return float(value)
 
 
-def check_chunk_size(chunk_size):
-    """Validates a layer's `chunk_size` (0, None, an int or a pair).
+def check_chunk_size(chunk_size, dropout):
+    """Validates a layer's `chunk_size` (0, None, an int or a pair) against
+    its (validated) `dropout`: the blocked path never builds the attention
+    probabilities, so an explicit block size and dropout on them exclude each
+    other (None picks the blocked path only when dropout is inactive).
 
     Returns it with a pair as a list, so that `get_config` survives a JSON
     round trip unchanged.
     """
     if chunk_size != 0:
         chunked.check_chunk_size(chunk_size)
+    if chunk_size not in (0, None) and dropout > 0.0:
+        raise ValueError(
+            "An explicit `chunk_size` (the blocked attention path) cannot be "
+            "combined with attention dropout: the blocked path never builds "
+            "the probabilities that dropout would drop. Use chunk_size=None "
+            "(blocked only when dropout is inactive, e.g. at inference) or "
+            f"dropout=0. Received: chunk_size={chunk_size!r}, dropout={dropout!r}"
+        )
     return list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
+
+
+def mask_tensors(*masks):
+    """Masks given as Python lists or tuples, as tensors (as Keras accepts them)."""
+    return tuple(
+        keras.ops.convert_to_tensor(m) if isinstance(m, (list, tuple)) else m for m in masks
+    )
 
 
 def check_choice(name, value, choices):

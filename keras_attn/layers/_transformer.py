@@ -29,11 +29,11 @@ class BlockBase(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.chunk_size = _common.check_chunk_size(chunk_size)
         self.num_heads = _common.check_positive_int("num_heads", num_heads)
         self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)
         self.key_dim = _common.check_positive_int("key_dim", key_dim, allow_none=True)
         self.dropout = _common.check_dropout("dropout", dropout)
+        self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
         self.activation = _common.check_activation("activation", activation)
         self.normalize_first = _common.check_bool("normalize_first", normalize_first)
         self.layer_norm_epsilon = _common.check_positive_float("layer_norm_epsilon", layer_norm_epsilon)

@@ -103,6 +103,9 @@ class AdditiveAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
     ):
+        query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
+            query_mask, value_mask, key_mask, attention_mask
+        )
         key_or_value = value if key is None else key
         d_q, d_v, d_k = self._feature_dims
         _common.check_attention_inputs(

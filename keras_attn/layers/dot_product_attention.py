@@ -53,11 +53,11 @@ class DotProductAttention(keras.layers.Layer):
 
     def __init__(self, scale="sqrt", dropout=0.0, seed=None, chunk_size=None, **kwargs):
         super().__init__(**kwargs)
-        self.chunk_size = _common.check_chunk_size(chunk_size)
         if scale != "sqrt" and scale is not None:
             _common.check_positive_float("scale", scale)
         self.scale = scale
         self.dropout = _common.check_dropout("dropout", dropout)
+        self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
         self.supports_masking = True
@@ -85,6 +85,9 @@ class DotProductAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
     ):
+        query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
+            query_mask, value_mask, key_mask, attention_mask
+        )
         key_or_value = value if key is None else key
         _common.check_attention_inputs(query, value, key_or_value)
         if query.shape[-1] is not None and key_or_value.shape[-1] is not None and (

@@ -16,6 +16,48 @@ def _output_projection_equation(num_output_dims):
     return f"abcd,cd{letters}->ab{letters}", letters
 
 
+
+def _key_padding_over_cache(name, mask, length, t_q, cache_index, ring, key_cache):
+    """A `(B, T)` key padding mask of a cached call, as a mask over the keys
+    attended to: the cache axis `(B, length)`, plus the new block for a ring
+    buffer. `T` may be the cache length (a mask over the cache axis) or, when
+    new tokens are written (`cache_index` given), `T_q` (their own mask, e.g.
+    the Keras mask of the new tokens; earlier positions stay visible)."""
+    masking._check_mask_dtype(name, mask)
+    if len(mask.shape) != 2:
+        raise ValueError(
+            f"Expected `{name}` of shape (batch, length) in a cached call. "
+            f"Received: {name}.shape={tuple(mask.shape)}"
+        )
+    mask = masking._as_bool(mask)
+    n = mask.shape[1]
+    static_t_q = t_q if isinstance(t_q, int) else None
+    covers_cache = n == length and not ring
+    covers_new = cache_index is not None and (n is None or n == static_t_q or static_t_q is None)
+    if covers_cache or (n == length and cache_index is None):
+        return mask
+    if not covers_new:
+        expected = f"(batch, {length})" + (
+            "" if cache_index is None else f" or the new tokens' (batch, {static_t_q})"
+        )
+        if ring:
+            expected = f"the new tokens' (batch, {static_t_q}) (a ring-buffer cache)"
+        raise ValueError(
+            f"Received an invalid `{name}` shape for a cached call: "
+            f"{tuple(mask.shape)}. Expected {expected}."
+        )
+    earlier = ops.cast(ops.ones_like(key_cache[:, :, 0, 0]), "bool")
+    if ring:
+        # Keys are the cache as it was, then the new block.
+        return ops.concatenate([earlier, mask], axis=1)
+    # Non-ring: the new tokens sit at slots [cache_index, cache_index + T_q).
+    relative = ops.arange(length, dtype="int32") - ops.cast(cache_index, "int32")
+    is_new = ops.logical_and(ops.greater_equal(relative, 0), ops.less(relative, t_q))
+    index = ops.clip(relative, 0, ops.maximum(t_q - 1, 0))
+    # Gathered as int32: TFLite gathers booleans only with Flex.
+    placed = ops.take(ops.cast(mask, "int32"), index, axis=1) > 0
+    return ops.where(ops.expand_dims(is_new, 0), placed, earlier)
+
 def _check_cache(cache, static_length=True):
     if (
         not isinstance(cache, (tuple, list))
@@ -135,7 +177,9 @@ class MultiHeadAttention(keras.layers.Layer):
             `[cache_index, cache_index + T_q)` (rotary positions start there)
             and keys after them are hidden; with `cache_index=None` the cache
             is a precomputed cross-attention cache (`project_key_value`).
-            Key masks then cover the cache axis.
+            Key masks then cover the cache axis `(B, max_length)`, or, as
+            `(B, T_q)` (e.g. the Keras mask of the new tokens), only the new
+            tokens' positions.
         cache_index: scalar int position of the first new token.
 
     Returns:
@@ -179,7 +223,6 @@ class MultiHeadAttention(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        self.chunk_size = _common.check_chunk_size(chunk_size)
         self.num_heads = _common.check_positive_int("num_heads", num_heads)
         self.key_dim = _common.check_positive_int("key_dim", key_dim)
         self.value_dim = _common.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim
@@ -194,6 +237,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"num_key_value_heads={num_key_value_heads}"
             )
         self.dropout = _common.check_dropout("dropout", dropout)
+        self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
         self.use_bias = _common.check_bool("use_bias", use_bias)
         self.use_gate = _common.check_bool("use_gate", use_gate)
         if output_shape is not None:
@@ -324,6 +368,9 @@ class MultiHeadAttention(keras.layers.Layer):
         cache=None,
         cache_index=None,
     ):
+        query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
+            query_mask, value_mask, key_mask, attention_mask
+        )
         if cache is not None:
             return self._call_with_cache(
                 query,
@@ -333,6 +380,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 cache_index=cache_index,
                 query_mask=query_mask,
                 value_mask=value_mask,
+                key_mask=key_mask,
                 attention_mask=attention_mask,
                 attention_bias=attention_bias,
                 use_causal_mask=use_causal_mask,
@@ -385,6 +433,9 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.rotary_embedding is not None:
             q = self.rotary_embedding(q, start_index=start_index)
             k = self.rotary_embedding(k, start_index=start_index)
+        attention_bias = attention_ops.check_bias(
+            attention_bias, (q.shape[0], self.num_heads, q.shape[1], k.shape[1]), "attention_bias"
+        )
         result = attention_ops.dot_product_attention(
             q,
             k,
@@ -420,8 +471,9 @@ class MultiHeadAttention(keras.layers.Layer):
         (if any) start at 0.
         """
         key_or_value = value if key is None else key
-        k = self._key_dense(key_or_value)
-        v = self._value_dense(value)
+        with masking.hidden_keras_masks(value, key_or_value):
+            k = self._key_dense(key_or_value)
+            v = self._value_dense(value)
         if self.rotary_embedding is not None:
             k = self.rotary_embedding(k)
         return k, v
@@ -436,6 +488,7 @@ class MultiHeadAttention(keras.layers.Layer):
         cache_index,
         query_mask,
         value_mask,
+        key_mask,
         attention_mask,
         attention_bias,
         use_causal_mask,
@@ -450,9 +503,12 @@ class MultiHeadAttention(keras.layers.Layer):
         None. Otherwise the keys/values of `value` (the new tokens, positions
         `[cache_index, cache_index + T_q)`) are written into the cache first,
         and keys at positions `>= cache_index + T_q` are hidden. Masks over
-        keys (`value_mask`, `attention_mask`) cover the cache axis. When
-        `sliding_window` equals the cache length the cache is a ring buffer
-        (slot = position mod length), bounding memory for long generation.
+        keys (`value_mask`, `key_mask`, `attention_mask`) cover the cache
+        axis; a `(B, T_q)` key padding mask (e.g. the Keras mask of the new
+        tokens) covers the new tokens only, earlier positions stay visible.
+        When `sliding_window` equals the cache length the cache is a ring
+        buffer (slot = position mod length), bounding memory for long
+        generation.
         """
         key_cache, value_cache = _check_cache(cache, static_length=cache_index is not None)
         d_q = self._feature_dims[0]
@@ -464,7 +520,9 @@ class MultiHeadAttention(keras.layers.Layer):
         length = key_cache.shape[1]
         t_q = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
         # query = [B, T_q, H, key_dim]
-        q = self._query_dense(query)
+        with masking.hidden_keras_masks(query):
+            q = self._query_dense(query)
+            gate = self._gate_dense(query) if self.use_gate else None
         ring = False
         mask_parts = []
         if cache_index is None:
@@ -474,8 +532,9 @@ class MultiHeadAttention(keras.layers.Layer):
             new_cache = (key_cache, value_cache)
         else:
             key_or_value = value if key is None else key
-            k_new = self._key_dense(key_or_value)
-            v_new = self._value_dense(value)
+            with masking.hidden_keras_masks(value, key_or_value):
+                k_new = self._key_dense(key_or_value)
+                v_new = self._value_dense(value)
             if self.rotary_embedding is not None:
                 q = self.rotary_embedding(q, start_index=cache_index)
                 k_new = self.rotary_embedding(k_new, start_index=cache_index)
@@ -515,14 +574,19 @@ class MultiHeadAttention(keras.layers.Layer):
                 )
             else:
                 new_cache = (k, v)
-        if ring and (value_mask is not None or attention_mask is not None):
+        if ring and attention_mask is not None:
             raise ValueError(
-                "Key masks are not supported with a ring-buffer cache. Received: "
-                f"value_mask={value_mask is not None}, attention_mask={attention_mask is not None}"
+                "`attention_mask` is not supported with a ring-buffer cache (its "
+                "slots hold changing positions); a `(B, T_q)` padding mask of "
+                "the new tokens is. Received: attention_mask.shape="
+                f"{tuple(attention_mask.shape)}"
             )
-        if value_mask is not None:
-            masking._check_mask_dtype("value_mask", value_mask)
-            mask_parts.append(masking.padding_mask_to_attention_mask(value_mask=value_mask))
+        for name, key_padding in (("value_mask", value_mask), ("key_mask", key_mask)):
+            if key_padding is not None:
+                key_padding = _key_padding_over_cache(
+                    name, key_padding, length, t_q, cache_index, ring, key_cache
+                )
+                mask_parts.append(masking.padding_mask_to_attention_mask(value_mask=key_padding))
         if query_mask is not None:
             mask_parts.append(masking.padding_mask_to_attention_mask(query_mask=query_mask))
         mask_parts.append(
@@ -535,6 +599,9 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         )
         mask = masking.combine_masks(*mask_parts)
+        attention_bias = attention_ops.check_bias(
+            attention_bias, (q.shape[0], self.num_heads, q.shape[1], k.shape[1]), "attention_bias"
+        )
         result = attention_ops.dot_product_attention(
             q,
             k,
@@ -549,8 +616,8 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         output, scores = result if return_attention_scores else (result, None)
         # output = [B, T_q, H, value_dim]
-        if self.use_gate:
-            output = output * self._gate_dense(query)
+        if gate is not None:
+            output = output * gate
         output = self._output_dense(output)
         if return_attention_scores:
             return output, scores, new_cache

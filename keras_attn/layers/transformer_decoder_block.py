@@ -125,8 +125,9 @@ class TransformerDecoderBlock(_transformer.BlockBase):
 
             return branch
 
-        # With a cache, `decoder_padding_mask` is a (B, max_length) mask over
-        # the cached positions (left-padded prompts), so it masks keys only.
+        # With a cache, `decoder_padding_mask` masks keys only: `(B,
+        # max_length)` over the cached positions (left-padded prompts), or
+        # `(B, T_dec)` over the new tokens (e.g. their Keras mask).
         self_branch = attend(
             "self_attention",
             _SAME_AS_QUERY,

@@ -257,6 +257,36 @@ def _select_chunk_size(chunk_size, query, key, return_attention_scores, dropout_
     return None
 
 
+def check_bias(bias, scores_shape, name="bias"):
+    """A bias must broadcast to `(B, H, T_q, T_k)`: checked on its static shape,
+    so that no path (the blocked one pads its inputs) silently misreads it.
+    Returns it as a tensor (or None)."""
+    if bias is None:
+        return None
+    if not hasattr(bias, "shape"):
+        bias = ops.convert_to_tensor(bias)
+    shape = tuple(bias.shape)
+    if len(shape) > 4 or any(
+        got is not None and want is not None and got not in (1, want)
+        for got, want in zip(reversed(shape), reversed(scores_shape))
+    ):
+        batch, heads, t_q, t_k = scores_shape
+        raise ValueError(
+            f"Received an invalid `{name}` shape: {shape} does not broadcast to "
+            f"(batch={batch}, heads={heads}, T_q={t_q}, T_k={t_k}). Expected at "
+            "most rank 4, each axis 1 or equal to the attention's."
+        )
+    return bias
+
+
+def _check_start_index(start_index):
+    if isinstance(start_index, bool) or (isinstance(start_index, int) and start_index < 0):
+        raise ValueError(
+            "Received an invalid value for argument `start_index`, expected a "
+            f"non-negative integer. Received: start_index={start_index!r}"
+        )
+
+
 def dot_product_attention(
     query,
     key,
@@ -344,13 +374,20 @@ def dot_product_attention(
             f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
         )
 
+    _check_start_index(start_index)
+    scores_shape = (query.shape[0], q_heads, query.shape[1], key.shape[1])
+    bias = check_bias(bias, scores_shape)
+    mask = masking.normalize_attention_mask(
+        attention_mask,
+        batch_size=scores_shape[0],
+        num_heads=q_heads,
+        query_length=scores_shape[2],
+        key_length=scores_shape[3],
+    )
     chunks = _select_chunk_size(
         chunk_size, query, key, return_attention_scores, training and dropout_rate > 0.0
     )
     if chunks is not None:
-        mask = masking.normalize_attention_mask(
-            attention_mask, batch_size=query.shape[0], query_length=query.shape[1]
-        )
         return chunked.chunked_dot_product_attention(
             query, key, value, attention_mask=mask, bias=bias, is_causal=is_causal,
             scale=scale, start_index=start_index, sliding_window=sliding_window,
@@ -364,9 +401,6 @@ def dot_product_attention(
     k = ops.cast(key, "float32") if key.dtype in _LOW_PRECISION else key
     t_q, t_k = _dyn_dim(q, 1), _dyn_dim(k, 1)
 
-    mask = masking.normalize_attention_mask(
-        attention_mask, batch_size=query.shape[0], query_length=query.shape[1]
-    )
     if is_causal:
         causal = masking.causal_mask(
             t_q, t_k, start_index=start_index, sliding_window=sliding_window

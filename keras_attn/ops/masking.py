@@ -187,6 +187,8 @@ def normalize_attention_mask(
     """
     if mask is None:
         return None
+    if isinstance(mask, (list, tuple)):
+        mask = ops.convert_to_tensor(mask)
     _check_mask_dtype(name, mask)
     shape = tuple(mask.shape)
     rank = len(shape)
