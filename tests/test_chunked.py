@@ -303,7 +303,13 @@ def test_automatic_dispatch_above_threshold(monkeypatch, rng):
 
 @pytest.mark.slow
 def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng):
-    """The blocked path (while loops) exports with a dynamic batch, TFLite builtins only."""
+    """The blocked path (while loops) exports with a dynamic batch, TFLite builtins only.
+
+    `DotProductAttention` with query and key padding masks has fully masked
+    rows (padded queries, and the block padding of 40 queries to 48): they
+    must stay zeros in every format (tf2onnx turns float `where`s into
+    multiply-adds, where an infinite branch would give NaN).
+    """
     import keras
 
     from keras_attn.export import export_all
@@ -315,6 +321,8 @@ def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng):
     def build(chunk_size):
         mha = MultiHeadAttention(num_heads=4, key_dim=4, chunk_size=chunk_size, name="mha")
         out = mha(x_in, x_in, attention_mask=keys_in[:, None, :], use_causal_mask=True)
+        dpa = DotProductAttention(chunk_size=chunk_size, name="dpa")
+        out = out + dpa(x_in, x_in, query_mask=keys_in, value_mask=keys_in)
         return keras.Model([x_in, keys_in], out)
 
     blocked, unblocked = build((16, 8)), build(0)

@@ -52,6 +52,7 @@ unblocked score tensors of a batch-1, 8-head layer already take 512 MiB each."""
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
+_LOWEST = -3.4028234663852886e38  # the lowest finite float32
 
 
 def _loop(lower, upper, body, init):
@@ -347,8 +348,12 @@ def _forward(tiling, q_s, k, v, bias5):
             # (`initial`: Keras' eager `max` refuses empty tensors, e.g. batch 0.)
             m_new = ops.maximum(m, ops.max(s, axis=-1, initial=_NEG_INF))
             # Rows with nothing visible yet keep m = -inf: shift by 0.
-            # (`greater` rather than `isfinite`, which TFLite has no builtin for.)
-            m_safe = ops.where(ops.greater(m_new, _NEG_INF), m_new, 0.0)
+            # (`greater` rather than `isfinite`, which TFLite has no builtin
+            # for.) Both branches are finite: tf2onnx turns a float `where`
+            # into `c * a + (1 - c) * b`, and 0 * -inf would be NaN. (A
+            # plain `maximum(m_new, lowest float)` is not the same in TFLite:
+            # its fully masked rows then came out as uniform weights.)
+            m_safe = ops.where(ops.greater(m_new, _NEG_INF), ops.maximum(m_new, _LOWEST), 0.0)
             p = ops.exp(s - m_safe[..., None])
             alpha = ops.exp(m - m_safe)
             l = l * alpha + ops.sum(p, axis=-1)
