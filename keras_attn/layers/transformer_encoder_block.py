@@ -14,8 +14,10 @@ class TransformerEncoderBlock(_transformer.BlockBase):
     Multi-head self-attention and a two-layer feed-forward network, each with
     a residual connection, dropout and LayerNorm: post-norm
     (`x = LN(x + f(x))`, the original) by default, pre-norm
-    (`x = x + f(LN(x))`) with `normalize_first=True`. Sublayers have the
-    same names and weight shapes as KerasHub's `TransformerEncoder`.
+    (`x = x + f(LN(x))`) with `normalize_first=True`. Weights have the same
+    shapes and order as KerasHub's `TransformerEncoder`, and the sublayers
+    its names except the attention: `self_attention` here,
+    `self_attention_layer` there (the decoder's name in both).
 
     Args:
         num_heads: attention heads.
