@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_attn.generation.cache import check_cache_write
 from keras_attn.layers import MultiHeadAttention, RotaryEmbedding, TransformerDecoderBlock
 from keras_attn.layers.multi_head_attention import write_cache
 from tests import reference as ref
@@ -166,3 +167,27 @@ def test_cache_update_has_no_xla_or_scatter_ops():
     ops = {op.type for op in update.get_concrete_function().graph.get_operations()}
     bad = {o for o in ops if "Xla" in o or "Scatter" in o or "DynamicUpdateSlice" in o}
     assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    "length, t, index",
+    [(4, 6, 0), (4, 1, 4), (4, 3, 2), (8, 9, tf.constant(0))],
+)
+def test_check_cache_write_rejects_static_overflow(rng, length, t, index):
+    # The premise: `write_cache` silently loses the last new position.
+    cache = rng.normal(size=(1, length, 1, 2)).astype("float32")
+    new = rng.normal(size=(1, t, 1, 2)).astype("float32")
+    written = np.asarray(write_cache(cache, new, index))
+    assert not any(np.array_equal(written[:, s], new[:, -1]) for s in range(length))
+    with pytest.raises(ValueError, match=f"cache holds {length} positions"):
+        check_cache_write(length, t, index)
+
+
+def test_check_cache_write_accepts_in_range_ring_and_dynamic():
+    check_cache_write(4, 4, 0)
+    check_cache_write(4, 1, np.int64(3))
+    check_cache_write(4, 6, 5, ring=True)  # a ring buffer wraps by design
+    check_cache_write(4, 1, tf.Variable(9))  # unknown until run time
+    check_cache_write(None, 6, 0)
+    with pytest.raises(ValueError, match="cache_index"):
+        check_cache_write(4, 1, -1)

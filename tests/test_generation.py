@@ -262,3 +262,83 @@ def test_search_argument_errors(sinusoidal_lm):
         random_sampling(sinusoidal_lm, PROMPTS, 8, seed=1, top_p=1.5)
     with pytest.raises(ValueError, match="num_beams"):
         beam_search(sinusoidal_lm, PROMPTS, 8, num_beams=0)
+
+
+def test_call_with_cache_rejects_writes_past_the_cache(sinusoidal_lm):
+    lm = sinusoidal_lm
+    ids = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
+    with pytest.raises(ValueError, match=r"holds 4 positions.*\[0, 6\)"):
+        lm.call_with_cache(ids, lm.init_cache(1, 4), 0)  # oversized prefill
+    _, cache = lm.call_with_cache(ids[:, :4], lm.init_cache(1, 4), 0)
+    with pytest.raises(ValueError, match=r"holds 4 positions.*\[4, 5\)"):
+        lm.call_with_cache(ids[:, 4:5], cache, 4)  # a step past the end
+    with pytest.raises(ValueError, match=r"holds 4 positions.*\[4, 5\)"):
+        lm.call_with_cache(ids[:, 4:5], cache, tf.constant(4))  # eager: known too
+    # The last slot is still writable and exact.
+    _, cache = lm.call_with_cache(ids[:, :3], lm.init_cache(1, 4), 0)
+    logits, _ = lm.call_with_cache(ids[:, 3:4], cache, 3)
+    full = np.asarray(lm(ids[:, :4]))[0, 3]
+    np.testing.assert_allclose(np.asarray(logits)[0, 0], full, atol=1e-5)
+
+
+def test_ring_buffer_cache_may_be_written_past_its_length():
+    lm = DecoderOnlyLM(VOCAB, 16, 16, num_layers=1, num_heads=2, intermediate_dim=32,
+                       sliding_window=3)
+    ids = np.array([[5, 6, 7, 8, 9, 1, 2]], np.int32)
+    full = np.asarray(lm(ids))[0]  # windowed full pass
+    cache = lm.init_cache(1, 7)
+    assert cache[0]["self_attention"][0].shape[1] == 3
+    for index in range(7):
+        logits, cache = lm.call_with_cache(ids[:, index:index + 1], cache, index)
+        np.testing.assert_allclose(np.asarray(logits)[0, 0], full[index], atol=1e-5)
+
+
+def test_learned_positions_bound_max_length_up_front(learned_lm):
+    # learned_lm has 16 learned positions. Under XLA a position past the
+    # table is clamped to its last row (wrong tokens, no error), so every
+    # search checks max_length before tracing, with and without XLA.
+    assert learned_lm.max_positions == 16
+    for jit in (False, True):
+        for search in (
+            lambda: greedy_search(learned_lm, PROMPTS, 17, jit_compile=jit),
+            lambda: random_sampling(learned_lm, PROMPTS, 17, seed=0, jit_compile=jit),
+            lambda: beam_search(learned_lm, PROMPTS, 17, num_beams=2, jit_compile=jit),
+        ):
+            with pytest.raises(ValueError, match=r"max_positions=16.*max_length=17"):
+                search()
+    # The whole table is usable: 16 positions decode as the full recomputation.
+    expected = [_reference_greedy(lambda s: _full_last_logits(learned_lm, s), p, 16)
+                for p in PROMPTS]
+    np.testing.assert_array_equal(greedy_search(learned_lm, PROMPTS, 16).numpy(), expected)
+    assert DecoderOnlyLM(VOCAB, 4, 16, num_layers=1, num_heads=2,
+                         intermediate_dim=8).max_positions is None  # sinusoidal
+    s2s = Seq2SeqLM(VOCAB, 6, 16, num_layers=1, num_heads=2, intermediate_dim=8,
+                    position="learned")
+    with pytest.raises(ValueError, match=r"encoder_ids.*max_positions=6.*length=7"):
+        greedy_search(s2s, [[1]], 6, encoder_ids=np.ones((1, 7), np.int32))
+
+
+def test_prompt_lists_and_integer_dtypes_are_converted(sinusoidal_lm):
+    expected = greedy_search(sinusoidal_lm, PROMPTS, 8).numpy()
+    for prompt in (PROMPTS.tolist(), PROMPTS.astype(np.int64), tf.constant(PROMPTS, tf.int64)):
+        np.testing.assert_array_equal(greedy_search(sinusoidal_lm, prompt, 8).numpy(), expected)
+
+
+def test_prompt_and_top_k_errors_name_the_argument(sinusoidal_lm):
+    lm = sinusoidal_lm
+    with pytest.raises(ValueError, match=r"prompt_ids.*2-D.*shape=\(3,\)"):
+        greedy_search(lm, np.array([5, 6, 7]), 8)
+    with pytest.raises(ValueError, match=r"prompt_ids.*rectangular"):
+        greedy_search(lm, [[5, 6], [7]], 8)
+    with pytest.raises(ValueError, match=r"prompt_ids.*integer.*float"):
+        beam_search(lm, PROMPTS.astype("float32"), 8)
+    with pytest.raises(ValueError, match=r"encoder_ids.*2-D"):
+        greedy_search(lm, PROMPTS, 8, encoder_ids=np.array([1, 2]))
+    # top_k is not clamped (KerasHub's TopKSampler fails too): a clear error.
+    with pytest.raises(ValueError, match=rf"top_k.*vocabulary size \({VOCAB}\).*top_k=50"):
+        random_sampling(lm, PROMPTS, 8, seed=0, top_k=50)
+    with pytest.raises(ValueError, match=r"top_k.*vocabulary size \(11\)"):
+        filter_logits(np.zeros((2, 11), "float32"), top_k=12)
+    # A model without `vocabulary_size` is checked from its logits while tracing.
+    with pytest.raises(ValueError, match=r"top_k.*vocabulary size \(7\)"):
+        random_sampling(_FixedLogits(np.zeros(7)), np.ones((2, 1), np.int32), 3, seed=0, top_k=8)

@@ -142,3 +142,47 @@ def test_onnx_prefill_decode(tmp_path, decoder_only, encoder_decoder):
         got = _artifact_greedy(_ort_runner(sessions["prefill"]), _ort_runner(sessions["decode"]),
                                prompt, max_len, enc)
         np.testing.assert_array_equal(got, expected)
+
+
+def test_greedy_loop_checks_the_exported_cache_length(decoder_only):
+    lm, expected = decoder_only
+    fns = gen_export.signature_functions(lm, max_length=MAX_LEN)
+    prefill, decode = _tf_runner(fns["prefill"]), _tf_runner(fns["decode"])
+    got = gen_export.greedy_loop(prefill, decode, PROMPTS.tolist(), MAX_LEN)
+    np.testing.assert_array_equal(got, expected)
+    # Steps past the cache would be dropped (wrong tokens): rejected up front.
+    with pytest.raises(ValueError, match=rf"holds {MAX_LEN} positions.*max_length={MAX_LEN + 2}"):
+        gen_export.greedy_loop(prefill, decode, PROMPTS, MAX_LEN + 2)
+    with pytest.raises(ValueError, match=r"prompt_ids.*2-D.*shape=\(4,\)"):
+        gen_export.greedy_loop(prefill, decode, PROMPTS[0], MAX_LEN)
+    with pytest.raises(ValueError, match="max_length"):
+        gen_export.greedy_loop(prefill, decode, PROMPTS, 0)
+
+
+def test_greedy_loop_ring_buffer_runs_past_its_cache():
+    lm = DecoderOnlyLM(23, 8, 16, num_layers=1, num_heads=2, intermediate_dim=32,
+                       position="rotary", sliding_window=3)
+    lm(PROMPTS)
+    fns = gen_export.signature_functions(lm, max_length=8)
+    prefill, decode = _tf_runner(fns["prefill"]), _tf_runner(fns["decode"])
+    got = gen_export.greedy_loop(prefill, decode, PROMPTS, 10, sliding_window=3)
+    for row, prompt in zip(got, PROMPTS):
+        seq = [int(t) for t in prompt if t]  # recomputed with the windowed full pass
+        while len(seq) < 10:
+            seq.append(int(np.argmax(np.asarray(lm(np.array([seq])))[0, -1])))
+        np.testing.assert_array_equal(row, seq)
+    # Without the window a 3-slot cache cannot be told from a too-short one.
+    for window in (None, 5):
+        with pytest.raises(ValueError, match=r"holds 3 positions.*sliding_window=3"):
+            gen_export.greedy_loop(prefill, decode, PROMPTS, 10, sliding_window=window)
+
+
+def test_signature_functions_check_learned_positions():
+    lm = DecoderOnlyLM(23, 8, 16, num_layers=1, num_heads=2, intermediate_dim=32,
+                       position="learned")
+    with pytest.raises(ValueError, match=r"max_positions=8.*max_length=9"):
+        gen_export.signature_functions(lm, max_length=9)
+    s2s = Seq2SeqLM(23, 8, 16, num_layers=1, num_heads=2, intermediate_dim=32,
+                    position="learned")
+    with pytest.raises(ValueError, match=r"encoder_ids.*max_positions=8.*length=10"):
+        gen_export.signature_functions(s2s, max_length=8, encoder_length=10)

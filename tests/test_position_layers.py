@@ -105,3 +105,27 @@ def test_positions_are_float32_under_mixed_precision():
     out = layer(np.zeros((1, 3, 4), "float16"), start_index=30000)
     assert keras.backend.standardize_dtype(out.dtype) == "float16"
     np.testing.assert_allclose(np.asarray(out, "float32")[0], ref.sinusoidal(3, 4, start=30000), atol=2e-3)
+
+
+def test_learned_positions_past_the_table_raise_when_static():
+    import tensorflow as tf
+
+    layer = kal.LearnedPositionEmbedding(sequence_length=10)
+    x = np.zeros((1, 4, 3), "float32")
+    layer(x)  # builds the table
+    table = layer.position_embeddings.numpy()
+    # NumPy integers are static too (they used to reach the slice unchecked).
+    np.testing.assert_array_equal(np.asarray(layer(x, start_index=np.int64(6)))[0], table[6:10])
+    with pytest.raises(ValueError, match=r"positions \[7, 11\)"):
+        layer(x, start_index=np.int64(7))
+    with pytest.raises(ValueError, match="start_index"):
+        layer(x, start_index=np.array(-1))
+    # A tensor start_index under XLA: in range is exact, a static length longer
+    # than the table is rejected while tracing (XLA would clamp the slice).
+    run = tf.function(lambda x, start: layer(x, start_index=start), jit_compile=True)
+    np.testing.assert_array_equal(np.asarray(run(x, tf.constant(3)))[0], table[3:7])
+    with pytest.raises(ValueError, match="covers 10 positions"):
+        run(np.zeros((1, 11, 3), "float32"), tf.constant(0))
+    tape = kal.TokenAndPositionEmbedding(20, 4, 6, position="learned")
+    with pytest.raises(ValueError, match=r"positions \[2, 5\)"):
+        tape(np.array([[3, 4, 5]]), start_index=np.int32(2))

@@ -126,7 +126,7 @@ def test_ring_tflite_greedy_loop_matches_keras(ring_lm):
     assert tuple(decode.get_input_details()["cache"]["shape"]) == (
         2, 2, 3, WINDOW, KV_HEADS, HIDDEN // HEADS)
     got = gen_export.greedy_loop(interpreter.get_signature_runner("prefill"), decode,
-                                 PROMPTS, MAX_LEN)
+                                 PROMPTS, MAX_LEN, sliding_window=WINDOW)
     expected = [_np_greedy(ring_lm, row, MAX_LEN, WINDOW) for row in PROMPTS]
     np.testing.assert_array_equal(got, np.array(expected))
 

@@ -15,6 +15,7 @@ For export the cache travels as one tensor per model,
 
 from keras import ops
 
+from keras_attn.layers.multi_head_attention import check_cache_write  # noqa: F401
 from keras_attn.layers.multi_head_attention import write_cache  # noqa: F401
 
 

@@ -20,7 +20,9 @@ Signatures (decoder-only; encoder-decoder models add the marked parts):
 A greedy loop over these reproduces `greedy_search` token for token: feed the
 token at position `i - 1` with `index = i - 1` and take the argmax for `i`,
 starting at the shortest prompt length and keeping prompt tokens while a
-row's (right-padded) prompt lasts.
+row's (right-padded) prompt lasts. `index` must stay below the cache length
+(the export's `max_length`), except for a sliding-window model, whose cache
+is a ring buffer that wraps; `greedy_loop` checks this.
 """
 
 import os
@@ -51,12 +53,17 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
 
     Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
     (SavedModel, ONNX); give them for TFLite, whose inputs are static.
+    `max_length` (and `encoder_length`) may not exceed `model.max_positions`
+    when the model has one (a learned position table): a ValueError here,
+    because an exported loop compiled with XLA would clamp the positions.
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected an "
             f"integer >= 2. Received: max_length={max_length!r}"
         )
+    # Under XLA a position past a learned table would be clamped silently.
+    search.check_max_positions(model, max_length, encoder_length)
     seq2seq = _is_seq2seq(model)
     ids = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="token_ids")
     enc_ids = tf.TensorSpec((batch_size, encoder_length), tf.int32, name="encoder_ids")
@@ -255,28 +262,60 @@ def export_onnx(model, directory, *, max_length, opset=17):
 
 
 def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
-                stop_token_ids=(), pad_token_id=0):
+                stop_token_ids=(), pad_token_id=0, sliding_window=None):
     """Greedy decoding with two callables over NumPy dicts (any exported runtime).
 
     `prefill(**inputs)` and `decode(**inputs)` take and return dicts named as
     the signatures. NumPy only: this is the loop to copy into an app.
+
+    The exported cache holds the `max_length` it was exported with, and
+    `max_length` here may not exceed it (a ValueError): positions past a
+    cache's end are dropped, which would give wrong tokens. A model exported
+    with `sliding_window=W` has a ring-buffer cache of `W` slots that wraps,
+    so any `max_length` works: pass `sliding_window=W` to say so.
     """
-    prompt_ids = np.asarray(prompt_ids, np.int32)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(
+            "Received an invalid value for argument `max_length`, expected a "
+            f"positive integer. Received: max_length={max_length!r}"
+        )
+    prompt_ids = np.asarray(search.as_token_ids("prompt_ids", prompt_ids), np.int32)
     batch, width = prompt_ids.shape
+    if not 1 <= width <= max_length:
+        raise ValueError(
+            "`prompt_ids` must be `(batch, prompt_width)` with 1 <= prompt_width "
+            f"<= max_length={max_length}. Received: prompt_ids.shape={prompt_ids.shape}"
+        )
     tokens = np.full((batch, max_length), pad_token_id, np.int32)
     tokens[:, :width] = prompt_ids
     in_prompt = np.zeros((batch, max_length), bool)
     in_prompt[:, :width] = prompt_ids != pad_token_id
     inputs = {"token_ids": prompt_ids}
     if encoder_ids is not None:
-        inputs["encoder_ids"] = np.asarray(encoder_ids, np.int32)
+        inputs["encoder_ids"] = np.asarray(search.as_token_ids("encoder_ids", encoder_ids),
+                                           np.int32)
     out = prefill(**inputs)
     state = {"cache": out["cache"]}
     if encoder_ids is not None:
         state["cross_cache"] = out["cross_cache"]
         state["encoder_padding_mask"] = out["encoder_padding_mask"]
+    # cache: (num_layers, 2, batch, cache_length, kv_heads, head_dim)
+    cache_length = out["cache"].shape[3]
+    ring = sliding_window is not None and sliding_window == cache_length
+    if cache_length < max_length and not ring:
+        hint = ("" if sliding_window is None else
+                f" (sliding_window={sliding_window} is not the cache length, so the "
+                "cache is not a ring buffer)")
+        raise ValueError(
+            f"The exported cache holds {cache_length} positions, fewer than "
+            f"max_length={max_length}{hint}: positions past its end would be "
+            f"dropped. Export with `max_length` >= {max_length}, or pass "
+            f"`sliding_window={cache_length}` if the model was exported with that "
+            "sliding window (its cache is then a ring buffer that wraps). Received: "
+            f"max_length={max_length}, cache shape={tuple(out['cache'].shape)}"
+        )
     start = max(int(in_prompt.sum(1).min()), 1)
-    if out["cache"].shape[3] < max_length and start < width:
+    if cache_length < max_length and start < width:
         # A ring-buffer cache (sliding window) cannot step back over the
         # prefilled prompt: start from an empty cache, feed prompts one by one.
         state["cache"] = np.zeros_like(out["cache"])

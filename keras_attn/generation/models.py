@@ -9,6 +9,10 @@ the protocol the search functions and exporters use:
 
 The plain `call` recomputes everything (the reference for cached decoding).
 Any model offering the same three methods works with `keras_attn.generation`.
+A model whose positions are bounded (a learned table) also exposes
+`max_positions` (an int, else None); the search functions and exporters
+check `max_length` against it up front, because under XLA an out-of-range
+position is clamped silently instead of raising.
 """
 
 import keras
@@ -82,6 +86,24 @@ class _LMBase(keras.Model):
             for i in range(self.num_layers)
         ]
 
+    @property
+    def max_positions(self):
+        """Number of positions the model can embed, or None if unbounded.
+
+        `sequence_length` with learned positions (a table cannot extrapolate);
+        None with sinusoidal or rotary positions.
+        """
+        return self.sequence_length if self.position == "learned" else None
+
+    def _check_cache_write(self, token_ids, cache, cache_index):
+        # Writes past a plain cache's end are dropped by `write_cache`: reject
+        # them when the sizes are static (a ring buffer wraps by design).
+        if not cache:
+            return
+        length = cache[0]["self_attention"][0].shape[1]
+        ring = self.sliding_window is not None and self.sliding_window == length
+        cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
+
     def init_cache(self, batch_size, max_length, dtype="float32"):
         """Zero caches for `max_length` positions.
 
@@ -145,7 +167,10 @@ class DecoderOnlyLM(_LMBase):
         """Logits of `token_ids` at positions `[cache_index, ...)` and the new cache.
 
         `padding_mask` (optional) is `(B, max_length)` over the cache.
+        Positions past the cache raise a ValueError when statically known.
         """
+        token_ids = ops.convert_to_tensor(token_ids)
+        self._check_cache_write(token_ids, cache, cache_index)
         x = self._embed(self.embedding, token_ids, start_index=cache_index)
         new_cache = []
         for block, layer_cache in zip(self.blocks, cache):
@@ -202,6 +227,8 @@ class Seq2SeqLM(_LMBase):
         """As `DecoderOnlyLM.call_with_cache`; the first call (prefill) needs
         `encoder_outputs` and fills the cross-attention caches, later calls
         need only `encoder_padding_mask`."""
+        token_ids = ops.convert_to_tensor(token_ids)
+        self._check_cache_write(token_ids, cache, cache_index)
         x = self._embed(self.decoder_embedding, token_ids, start_index=cache_index)
         new_cache = []
         for block, layer_cache in zip(self.blocks, cache):

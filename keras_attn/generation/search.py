@@ -14,25 +14,96 @@ encoder-decoder models, `encode` (see `keras_attn.generation.models`).
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 _NEG = -1.0e9
 _FUNCTIONS = weakref.WeakKeyDictionary()
 
 
-def _check(max_length, prompt_ids, stop_token_ids):
+def as_token_ids(name, ids):
+    """`ids` as a `(batch, length)` integer tensor or array, validated early.
+
+    Python lists and NumPy arrays are accepted (and converted); tensors are
+    kept. Raises a ValueError naming `name` for another rank, a non-integer
+    dtype or ragged rows.
+    """
+    if not tf.is_tensor(ids):
+        try:
+            ids = np.asarray(ids)
+        except ValueError as error:
+            raise ValueError(
+                f"`{name}` must be a rectangular `(batch, length)` array of token ids "
+                f"(right-pad shorter rows with the pad id). Received: {name}={ids!r}"
+            ) from error
+    if len(ids.shape) != 2:
+        raise ValueError(
+            f"`{name}` must be a 2-D `(batch, length)` array of token ids (a single "
+            f"sequence is `[ids]`). Received: {name}.shape={tuple(ids.shape)}"
+        )
+    if tf.is_tensor(ids):
+        integer, empty = ids.dtype.is_integer, ids.shape.num_elements() == 0
+    else:
+        integer, empty = np.issubdtype(ids.dtype, np.integer), ids.size == 0
+    if not (integer or empty):  # an empty prompt is reported by its shape
+        raise ValueError(
+            f"`{name}` must hold integer token ids. Received: {name} with dtype={ids.dtype}"
+        )
+    return ids
+
+
+def check_max_positions(model, max_length, encoder_length=None):
+    """Checks lengths against `model.max_positions` (a learned table), if any.
+
+    Under XLA a position past a learned table is clamped to its last row
+    instead of raising, so this is checked before tracing.
+    """
+    capacity = getattr(model, "max_positions", None)
+    if capacity is None:
+        return
+    if max_length > capacity:
+        raise ValueError(
+            f"`max_length` must be at most the number of positions the model can "
+            f"embed, model.max_positions={capacity} (its learned position table, "
+            f"`sequence_length`). Received: max_length={max_length}. Use a model "
+            "with a longer table or sinusoidal/rotary positions, which extrapolate."
+        )
+    if encoder_length is not None and encoder_length > capacity:
+        raise ValueError(
+            f"`encoder_ids` may be at most model.max_positions={capacity} tokens long "
+            f"(its learned position table). Received: encoder length={encoder_length}"
+        )
+
+
+def _check(model, max_length, prompt_ids, encoder_ids, stop_token_ids):
+    """Validates the common arguments; returns `(prompt_ids, encoder_ids, stops)`."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected a "
             f"positive integer. Received: max_length={max_length!r}"
         )
+    prompt_ids = as_token_ids("prompt_ids", prompt_ids)
     width = prompt_ids.shape[1]
     if width is None or width < 1 or width > max_length:
         raise ValueError(
             "`prompt_ids` must be `(batch, prompt_width)` with 1 <= prompt_width "
             f"<= max_length={max_length}. Received: prompt_ids.shape={tuple(prompt_ids.shape)}"
         )
-    return tuple(int(t) for t in stop_token_ids)
+    if encoder_ids is not None:
+        encoder_ids = as_token_ids("encoder_ids", encoder_ids)
+    check_max_positions(model, max_length,
+                        None if encoder_ids is None else encoder_ids.shape[1])
+    return prompt_ids, encoder_ids, tuple(int(t) for t in stop_token_ids)
+
+
+def _check_top_k(top_k, vocabulary_size):
+    # Not clamped: like KerasHub's `TopKSampler` (whose `top_k` call fails),
+    # a `top_k` larger than the vocabulary is an error, reported clearly.
+    if vocabulary_size is not None and top_k > vocabulary_size:
+        raise ValueError(
+            f"`top_k` must be at most the vocabulary size ({vocabulary_size}). "
+            f"Received: top_k={top_k}"
+        )
 
 
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
@@ -40,6 +111,8 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
 
     Filtered-out entries are set to -1e9. Top-p keeps the smallest set of
     most likely tokens whose probability reaches `top_p` (at least one).
+    `top_k` larger than the vocabulary `V` raises a ValueError (it is not
+    clamped), as with KerasHub's `TopKSampler`.
     """
     if not temperature > 0:
         raise ValueError(f"`temperature` must be > 0. Received: temperature={temperature!r}")
@@ -47,6 +120,7 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"`top_k` must be a positive int. Received: top_k={top_k!r}")
+        _check_top_k(top_k, logits.shape[-1])
         kth = tf.math.top_k(logits, k=top_k).values[:, -1:]
         logits = tf.where(logits < kth, _NEG, logits)
     if top_p is not None:
@@ -190,9 +264,9 @@ def _compiled(model, key, build, jit_compile):
 
 def _run(model, key, loop, prompt_ids, encoder_ids, jit_compile, *extra):
     fn = _compiled(model, key + (encoder_ids is not None, jit_compile), loop, jit_compile)
-    prompt_ids = tf.convert_to_tensor(prompt_ids, tf.int32)
+    prompt_ids = tf.cast(prompt_ids, tf.int32)  # any integer dtype (checked in `_check`)
     if encoder_ids is not None:
-        encoder_ids = tf.convert_to_tensor(encoder_ids, tf.int32)
+        encoder_ids = tf.cast(encoder_ids, tf.int32)
     return fn(prompt_ids, encoder_ids, *extra)
 
 
@@ -203,9 +277,12 @@ def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token
     Args:
         model: a model with `init_cache`, `call_with_cache` (and `encode`).
         prompt_ids: `(B, P)` right-padded int prompt (pad = `pad_token_id`);
-            each row needs at least one token (the start token).
+            each row needs at least one token (the start token). A nested
+            list, NumPy array or tensor of any integer dtype.
         max_length: length of the returned sequences (prompt included), and
-            of the cache.
+            of the cache. At most `model.max_positions` when the model has
+            one (a learned position table): checked up front, since XLA
+            would clamp positions past the table silently.
         encoder_ids: `(B, T_enc)` encoder input for encoder-decoder models.
         stop_token_ids: generation stops in a row after one of these.
         pad_token_id: padding id of the prompt and of finished rows.
@@ -214,7 +291,8 @@ def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token
     Returns:
         `(B, max_length)` int32 tokens (a tf.Tensor).
     """
-    stops = _check(max_length, prompt_ids, stop_token_ids)
+    prompt_ids, encoder_ids, stops = _check(model, max_length, prompt_ids, encoder_ids,
+                                            stop_token_ids)
 
     def loop(prompt_ids, encoder_ids):
         return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
@@ -231,14 +309,18 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
 
     Each step draws by the Gumbel-max trick from `counter_uniform(seed,
     position)`, so a given seed gives the same tokens every run, with
-    or without XLA. Other arguments as `greedy_search`.
+    or without XLA. `top_k` may not exceed the vocabulary size (a
+    ValueError; it is not clamped, as with KerasHub's `TopKSampler`). Other
+    arguments as `greedy_search`.
     """
-    stops = _check(max_length, prompt_ids, stop_token_ids)
+    prompt_ids, encoder_ids, stops = _check(model, max_length, prompt_ids, encoder_ids,
+                                            stop_token_ids)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"`seed` must be an int. Received: seed={seed!r}")
     filter_logits(tf.zeros((1, 2)), temperature, None, top_p)  # argument checks
     if top_k is not None:
         filter_logits(tf.zeros((1, top_k)), temperature, top_k, None)
+        _check_top_k(top_k, getattr(model, "vocabulary_size", None))
 
     def select(logits, index, seed):
         filtered = filter_logits(logits, temperature, top_k, top_p)
@@ -266,7 +348,8 @@ def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
     A finished hypothesis is extended only by `pad_token_id` at no cost.
     Returns the best `(B, max_length)` sequences (and their scores).
     """
-    stops = _check(max_length, prompt_ids, stop_token_ids)
+    prompt_ids, encoder_ids, stops = _check(model, max_length, prompt_ids, encoder_ids,
+                                            stop_token_ids)
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"`num_beams` must be a positive int. Received: num_beams={num_beams!r}")
     k = num_beams

@@ -13,9 +13,14 @@ class LearnedPositionEmbedding(keras.layers.Layer):
 
     Returns the embeddings of positions `[start_index, start_index + T)`
     broadcast to the shape of `inputs` (add them to token embeddings). A
-    request beyond the table raises a ValueError when the length is known
-    statically; a learned table cannot extrapolate, so use
-    `SinusoidalPositionEncoding` or `RotaryEmbedding` for unbounded lengths.
+    request beyond the table raises a ValueError when it is known statically
+    (an integer `start_index` and a static length, or a static length longer
+    than the table). With a tensor `start_index`, TensorFlow's slice raises
+    at run time, but XLA clamps the slice to the last rows without an error:
+    bound the positions before the call (the `keras_attn.generation` search
+    functions check `max_length` against the table). A learned table cannot
+    extrapolate, so use `SinusoidalPositionEncoding` or `RotaryEmbedding` for
+    unbounded lengths.
 
     Args:
         sequence_length: number of positions in the table.
@@ -23,7 +28,8 @@ class LearnedPositionEmbedding(keras.layers.Layer):
 
     Call arguments:
         inputs: `(B, T, D)` tensor whose shape is matched.
-        start_index: position of the first element (for cached decoding).
+        start_index: position of the first element (for cached decoding), a
+            non-negative integer or a scalar integer tensor.
 
     Example:
 

@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_attn.layers import _common
+from keras_attn.layers import _positions
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import masking
@@ -103,6 +104,44 @@ def write_cache(cache, new, index, ring=False):
     inside = ops.logical_and(ops.greater_equal(offset, 0), ops.less(offset, t))
     placed = ops.take(new, ops.clip(offset, 0, t - 1), axis=1)
     return ops.where(ops.reshape(inside, (1, length, 1, 1)), placed, cache)
+
+
+def check_cache_write(cache_length, num_new, cache_index, ring=False):
+    """Raises a ValueError when writing positions past the end of a cache is statically known.
+
+    `write_cache` keeps the cache's static shape and drops positions
+    `>= cache_length`, so an oversized write would silently give attention
+    over missing keys. Writing `num_new` positions at `cache_index` must stay
+    within `[0, cache_length)`. Checked when `cache_index` is a Python/NumPy
+    integer and the lengths are static ints; also when `num_new` alone
+    exceeds the cache (whatever the index). A ring buffer (`ring=True`, a
+    sliding window equal to the cache length) wraps and is never checked.
+    Tensor values are left to the caller (e.g. bound `max_length`).
+
+    Args:
+        cache_length: slots of the cache (`cache.shape[1]`), int or None.
+        num_new: number of new positions (`new.shape[1]`), int or None.
+        cache_index: position of the first new token (int or tensor).
+        ring: whether the cache is a ring buffer.
+    """
+    if ring or cache_length is None or num_new is None:
+        return
+    index = _positions.static_int(cache_index)
+    if index is not None and index < 0:
+        raise ValueError(
+            "Received an invalid value for argument `cache_index`, expected a "
+            f"non-negative integer. Received: cache_index={index}"
+        )
+    end = num_new if index is None else index + num_new
+    if end > cache_length:
+        where = (f"{num_new} new positions" if index is None
+                 else f"positions [{index}, {end}) (cache_index={index}, {num_new} new token(s))")
+        raise ValueError(
+            f"The key/value cache holds {cache_length} positions, but {where} were "
+            f"to be written into it; positions past its end would be dropped. "
+            f"Create the cache with `max_length` >= {end}. Received: cache "
+            f"length={cache_length}, cache_index={cache_index!r}, new tokens={num_new}"
+        )
 
 
 def ring_positions(length, index):
@@ -539,6 +578,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 q = self.rotary_embedding(q, start_index=cache_index)
                 k_new = self.rotary_embedding(k_new, start_index=cache_index)
             ring = self.sliding_window is not None and self.sliding_window == length
+            check_cache_write(length, k_new.shape[1], cache_index, ring=ring)
             q_pos = ops.arange(t_q, dtype="int32") + ops.cast(cache_index, "int32")
             new_pos = ops.arange(t_q, dtype="int32") + ops.cast(cache_index, "int32")
             if ring:

@@ -20,8 +20,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     Args:
         vocabulary_size: number of token ids.
         sequence_length: the longest sequence expected. A learned table has
-            exactly this many positions (longer inputs raise a ValueError);
-            sinusoidal positions extrapolate beyond it.
+            exactly this many positions (positions past it raise a ValueError
+            when known statically; see `LearnedPositionEmbedding` for a tensor
+            `start_index` under XLA); sinusoidal positions extrapolate beyond it.
         embedding_dim: size of the embeddings.
         position: `"sinusoidal"` or `"learned"`.
         mask_zero: treat id 0 as padding and emit a mask.
