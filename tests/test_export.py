@@ -308,3 +308,122 @@ def test_existing_artifact_kept_on_failure(tmp_path):
     assert target.read_bytes() == b"old"
     with pytest.raises(FileExistsError):
         kx.export_tflite(small_model(), target, overwrite=False)
+
+
+# ---------------------------------------------------------------------------
+# Artifacts run independently of the exporters: SavedModel, TFLite, ONNX
+
+
+def run_artifacts(reports, feed):
+    """`{format: {output name: array}}` from each artifact in `reports`."""
+    import onnxruntime as ort
+
+    fn = tf.saved_model.load(reports["saved_model"].path).signatures["serving_default"]
+    session = ort.InferenceSession(reports["onnx"].path, providers=["CPUExecutionProvider"])
+    onnx_names = [o.name for o in session.get_outputs()]
+    return {
+        "saved_model": {k: v.numpy() for k, v in fn(**{k: tf.constant(v) for k, v in feed.items()}).items()},
+        "tflite": run_tflite_resized(reports["tflite"].path, feed),
+        "onnx": dict(zip(onnx_names, session.run(onnx_names, feed))),
+    }
+
+
+def test_outputs_of_one_layer_get_unique_names(tmp_path):
+    # [output, attention scores] of one layer: both carry the layer's name.
+    from keras_attn import layers as kal
+
+    x = keras.Input((None, 16), name="x")
+    y, scores = kal.MultiHeadAttention(2, 8, name="mha")(x, x, return_attention_scores=True)
+    model = keras.Model(x, [y, scores])
+    assert model.output_names == ["mha", "mha"]
+    assert kx.check_exportable(model).ok
+    reports = kx.export_all(model, tmp_path, verbose=False)
+    for report in reports.values():
+        assert report.details["outputs"] == ["mha", "mha_1"]
+    feed = {"x": np.random.default_rng(2).standard_normal((3, 6, 16)).astype("float32")}
+    want_y, want_scores = (np.asarray(t) for t in model(feed["x"]))
+    assert want_scores.shape == (3, 2, 6, 6)
+    for fmt, got in run_artifacts(reports, feed).items():
+        assert sorted(got) == ["mha", "mha_1"], fmt
+        np.testing.assert_allclose(got["mha"], want_y, atol=FLOAT_ATOL, err_msg=fmt)
+        np.testing.assert_allclose(got["mha_1"], want_scores, atol=FLOAT_ATOL, err_msg=fmt)
+
+
+def test_repeated_output_names_skip_taken_names():
+    from keras_attn.export import verify
+
+    x = keras.Input((4,), name="x")
+    y = keras.layers.Dense(2, name="d")(x)
+    model = keras.Model(x, [y, y, keras.layers.Identity(name="d_1")(y)])
+    assert verify.output_names(model) == ["d", "d_2", "d_1"]
+
+
+# ---------------------------------------------------------------------------
+# Mixed precision: exported as a float32 copy
+
+
+def mixed_classifier(policy):
+    """Layers computing in `policy` (a nested Sequential too); float32 logits."""
+    from keras_attn import layers as kal
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        ids = keras.Input((None,), dtype="int32", name="tokens")
+        h = kal.TokenAndPositionEmbedding(model_zoo.VOCAB, 16, 16, mask_zero=True)(ids)
+        h = kal.TransformerEncoderBlock(2, 32, dropout=0.1)(h)
+        h = keras.Sequential([keras.layers.Dense(16), keras.layers.LayerNormalization()],
+                             name="head")(h)
+        logits = keras.layers.Dense(3, dtype="float32", name="logits")(h)
+        return keras.Model(ids, logits, name="mixed")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.filterwarnings("ignore:.*does not support masking")
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_model_exports_a_float32_copy(policy, tmp_path):
+    keras.utils.set_random_seed(4)
+    model = mixed_classifier(policy)
+    assert model.get_layer("head").layers[0].compute_dtype == policy[6:]
+    # Independent reference: the same architecture built in float32, same weights.
+    reference = mixed_classifier("float32")
+    reference.set_weights(model.get_weights())
+    feed = {"tokens": np.random.default_rng(5).integers(1, model_zoo.VOCAB, (3, 9)).astype("int32")}
+    feed["tokens"][1, 5:] = 0
+    want = np.asarray(reference(feed["tokens"]))
+    gap = float(np.max(np.abs(np.asarray(model(feed["tokens"]), "float64") - want)))
+    assert gap > 10 * FLOAT_ATOL  # 16-bit compute: no float32 artifact matches it at 1e-4
+
+    report = kx.check_exportable(model)
+    assert report.ok, str(report)
+    assert any("float32 copy" in w and policy in w for w in report.warnings), report.warnings
+    with pytest.warns(UserWarning, match=f"computing in .*{policy}.*float32 copy") as record:
+        reports = kx.export_all(model, tmp_path, sample_inputs=feed, verbose=False)
+    assert len([w for w in record if "float32 copy" in str(w.message)]) == 1  # once, not per format
+    for key, r in reports.items():
+        note = r.details["float32_copy"]
+        assert policy in note["replaced_policies"], key
+        np.testing.assert_allclose(note["max_abs_diff_vs_model"], gap, rtol=1e-3)
+        assert r.max_abs_error <= FLOAT_ATOL
+    for fmt, got in run_artifacts(reports, feed).items():
+        assert got["logits"].dtype == np.float32, fmt
+        np.testing.assert_allclose(got["logits"], want, atol=FLOAT_ATOL, err_msg=fmt)
+    # The model itself is untouched.
+    assert model.get_layer("head").layers[0].compute_dtype == policy[6:]
+
+
+class _UnregisteredScale(keras.layers.Layer):
+    def call(self, x):
+        return x * 2.0
+
+
+def test_mixed_precision_model_that_cannot_be_rebuilt(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x = keras.Input((None, 4), name="x")
+    model = keras.Model(x, keras.layers.Dense(2, dtype="float32")(_UnregisteredScale()(x)))
+    keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(kx.ExportError, match="float32 copy yourself"):
+        kx.export_onnx(model, tmp_path / "m.onnx")
+    report = kx.check_exportable(model, formats=("tflite",))
+    assert not report.ok and "float32 copy yourself" in report.problems["tflite"]
+    assert os.listdir(tmp_path) == []

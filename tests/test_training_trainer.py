@@ -101,3 +101,66 @@ def test_trainer_rejects_bad_arguments(kwargs, match):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match=match):
         Trainer(model, keras.optimizers.SGD(0.1), "mse", **kwargs)
+
+
+def _dropout_model():
+    from keras_attn import layers as kal
+
+    keras.utils.set_random_seed(11)
+    x = keras.Input((4, 8))
+    h = kal.TransformerEncoderBlock(2, 16, dropout=0.3)(x)
+    h = keras.layers.Dropout(0.4)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(x, keras.layers.Dense(1)(h))
+
+
+def _sequence_problem(n=64):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(n, 4, 8)).astype("float32")
+    return x, x.sum(axis=(1, 2))[:, None].astype("float32") / 10
+
+
+def test_checkpoint_resume_with_dropout_equals_uninterrupted(tmp_path):
+    # The dropout RNGs (SeedGenerator states of keras_attn's block and of
+    # keras.layers.Dropout) are part of the checkpoint: the resumed run draws
+    # the masks the uninterrupted run draws, instead of replaying the first ones.
+    x, y = _sequence_problem()
+
+    def make(checkpoint_dir=None):
+        model = _dropout_model()
+        return model, Trainer(model, keras.optimizers.Adam(0.01), "mse", global_batch_size=16,
+                              checkpoint_dir=checkpoint_dir, checkpoint_every=5, log_every=5)
+
+    full_model, full = make()
+    full.fit(_input_fn(x, y, 16), steps=10, verbose=False)
+
+    first_model, first = make(str(tmp_path / "ckpt"))
+    first.fit(_input_fn(x, y, 16), steps=5, verbose=False)
+    seeds_at_5 = [np.asarray(v) for v in first._random_state]
+    assert len(seeds_at_5) == 4 and all(s[1] > 0 for s in seeds_at_5)
+    model, trainer = make(str(tmp_path / "ckpt"))  # a fresh process would start like this
+    assert trainer.restore() == 5
+    for restored, saved in zip(trainer._random_state, seeds_at_5):
+        np.testing.assert_array_equal(np.asarray(restored), saved)
+    trainer.fit(_input_fn(x, y, 16), steps=10, verbose=False)
+    for a, b in zip(model.get_weights(), full_model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+def test_restores_checkpoint_without_random_state(tmp_path):
+    # A checkpoint written before the random state was saved (model, optimizer,
+    # step only) still restores the weights and the step, with a warning.
+    x, y = _sequence_problem()
+    model = _dropout_model()
+    old = Trainer(model, keras.optimizers.Adam(0.01), "mse", global_batch_size=16)
+    old.fit(_input_fn(x, y, 16), steps=3, verbose=False)
+    legacy = tf.train.Checkpoint(model=model, optimizer=old.optimizer, step=old.step)
+    tf.train.CheckpointManager(legacy, str(tmp_path), max_to_keep=1).save(checkpoint_number=3)
+
+    fresh = _dropout_model()
+    trainer = Trainer(fresh, keras.optimizers.Adam(0.01), "mse", global_batch_size=16,
+                      checkpoint_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="no random state"):
+        assert trainer.restore() == 3
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.asarray(v)[1] == 0 for v in trainer._random_state)

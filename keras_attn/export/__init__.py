@@ -3,6 +3,11 @@
 Every exporter writes to a temporary path, runs the artifact on sample inputs,
 compares with the Keras model and only then moves it into place. This
 subpackage imports TensorFlow; `keras_attn.layers` do not.
+
+A model whose layers compute in float16/bfloat16 (mixed precision) is exported
+as a float32 copy, with a warning (see `keras_attn.export.precision`). Outputs
+that share a name (several outputs of one layer) get unique signature names:
+repeats take the suffix `_1`, `_2`, ... (see `verify.output_names`).
 """
 
 from keras_attn.export.all_formats import export_all

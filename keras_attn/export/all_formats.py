@@ -3,6 +3,7 @@
 import os
 
 from keras_attn.export import onnx as onnx_lib
+from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
 from keras_attn.export import verify
@@ -41,6 +42,11 @@ def export_all(
     and `<name>.onnx`. Each exporter runs its artifact on the same sample
     inputs and compares with the Keras model (see `export_saved_model`,
     `export_tflite`, `export_onnx`).
+
+    A model whose layers compute in float16/bfloat16 is exported as a float32
+    copy (one warning; each report's `details["float32_copy"]` says how far
+    the copy is from the model; see `keras_attn.export.precision`). Outputs
+    sharing a name get unique names (`name`, `name_1`, ...).
 
     Args:
         model: a built functional or Sequential Keras model.
@@ -105,6 +111,15 @@ def export_all(
     else:
         atols = {k: verify.resolve_atol(atol, 0.0) if atol is not None else None for k in keys}
     samples = verify.normalize_samples(model, sample_inputs)
+    # Once for every format (one warning); the exporters then get a float32 model.
+    try:
+        model, float32_note = precision.model_for_export(model, samples)
+    except verify.ExportError as error:
+        if on_error == "raise":
+            raise
+        if verbose:
+            print(f"every format: export failed: {type(error).__name__}: {error}", flush=True)
+        return {}
     output_dir = os.fspath(output_dir)
 
     reports = {}
@@ -135,6 +150,8 @@ def export_all(
             if verbose:
                 print(f"{label}: export failed: {type(error).__name__}: {error}", flush=True)
             continue
+        if float32_note is not None:
+            report.details["float32_copy"] = float32_note
         reports[key] = report
         if verbose:
             print(

@@ -5,6 +5,7 @@ import dataclasses
 import keras
 
 from keras_attn.export import onnx as onnx_lib
+from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
 from keras_attn.export import verify
@@ -45,6 +46,8 @@ def check_exportable(model, formats=FORMATS):
     (`SELECT_TF_OPS`) is reported with the layer it comes from; ONNX is
     converted with tf2onnx and any TF op it cannot map is reported. Nothing is
     written and nothing is verified numerically (the exporters do that).
+    A model with float16/bfloat16 layers (mixed precision) is checked as the
+    float32 copy the exporters would export, and a warning says so.
 
     Example:
 
@@ -64,6 +67,19 @@ def check_exportable(model, formats=FORMATS):
                 f"Lambda layer '{layer.name}': keras.saving.load_model(safe_mode=True) "
                 "(used by `keras-attn export`) refuses it; write a registered layer."
             )
+    low = precision.low_precision_layers(model)
+    if low:
+        policies = "/".join(sorted(set(low.values())))
+        try:
+            model = precision.float32_copy(model)
+        except verify.ExportError as error:
+            message = str(error).splitlines()[0][:2000]
+            return ExportabilityReport({fmt: message for fmt in formats}, [], warnings)
+        warnings.append(
+            f"{len(low)} layers and sublayers compute in {policies}: the exporters export a float32 "
+            "copy (same architecture and weights, float32 dtype policies) and verify "
+            "against it; this report is about that copy."
+        )
     import tensorflow as tf
 
     serve, signature = saved_model_lib.serving_function(model)

@@ -5,6 +5,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import verify
 
@@ -110,6 +111,7 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
     names = verify.output_names(model)
     atol = verify.resolve_atol(atol, 1e-4)
     samples = verify.normalize_samples(model, sample_inputs)
+    model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
         model_proto = convert(model, opset=opset)
         content = model_proto.SerializeToString()
@@ -120,6 +122,13 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
             atol, os.path.abspath(path),
         )
         ops = sorted({node.op_type for node in model_proto.graph.node})
+    details = {
+        "opset": opset,
+        "inputs": [i.name for i in model_proto.graph.input],
+        "outputs": [o.name for o in model_proto.graph.output],
+    }
+    if float32_note is not None:
+        details["float32_copy"] = float32_note
     return verify.ExportReport(
         format="onnx",
         path=os.path.abspath(path),
@@ -128,9 +137,5 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
         atol=atol,
         ops=ops,
         checks=checks,
-        details={
-            "opset": opset,
-            "inputs": [i.name for i in model_proto.graph.input],
-            "outputs": [o.name for o in model_proto.graph.output],
-        },
+        details=details,
     )

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import precision
 from keras_attn.export import verify
 
 SIGNATURE_KEY = "serving_default"
@@ -111,6 +112,7 @@ def export_saved_model(
     )
     atol = verify.resolve_atol(atol, 1e-4)
     samples = verify.normalize_samples(model, sample_inputs)
+    model, float32_note = precision.model_for_export(model, samples)
     path = os.path.join(os.fspath(export_dir), model_name, str(version))
     names = verify.output_names(model)
 
@@ -127,6 +129,15 @@ def export_saved_model(
         ops = graph_op_types(signature)
         description = signature_description(signature)
         size = verify.size_of(tmp)
+    details = {
+        "model_name": model_name,
+        "version": version,
+        "signature": description,
+        "inputs": [s.name for s in specs],
+        "outputs": names,
+    }
+    if float32_note is not None:
+        details["float32_copy"] = float32_note
     return verify.ExportReport(
         format="saved_model",
         path=os.path.abspath(path),
@@ -135,11 +146,5 @@ def export_saved_model(
         atol=atol,
         ops=ops,
         checks=checks,
-        details={
-            "model_name": model_name,
-            "version": version,
-            "signature": description,
-            "inputs": [s.name for s in specs],
-            "outputs": names,
-        },
+        details=details,
     )

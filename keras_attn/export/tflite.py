@@ -7,6 +7,7 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import verify
 
@@ -206,6 +207,7 @@ def export_tflite(
         )
     atol = verify.resolve_atol(atol, DEFAULT_ATOL[quantization])
     samples = verify.normalize_samples(model, sample_inputs)
+    model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
         content, details = convert(
             model,
@@ -223,6 +225,8 @@ def export_tflite(
         )
         ops = tflite_op_names(content)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
+    if float32_note is not None:
+        details["float32_copy"] = float32_note
     return verify.ExportReport(
         format="tflite",
         path=os.path.abspath(path),

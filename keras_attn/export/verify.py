@@ -117,11 +117,27 @@ def input_specs(model):
 
 
 def output_names(model):
-    """Names of the model's outputs, in the order of `model.outputs`."""
-    names = list(model.output_names)
-    if len(set(names)) != len(names):
-        raise ValueError(f"The model's outputs must have unique names. Received: {names}")
-    return names
+    """Signature names of the model's outputs, in the order of `model.outputs`.
+
+    These are `model.output_names`, made unique: several outputs of one layer
+    (e.g. `MultiHeadAttention(..., return_attention_scores=True)` giving the
+    output and the scores) share the layer's name, so every repeat after the
+    first gets the suffix `_1`, `_2`, ... (skipping names already taken):
+    `["mha", "mha"]` -> `["mha", "mha_1"]`.
+    """
+    names = [str(n) for n in model.output_names]
+    taken = set(names)
+    unique, seen = [], set()
+    for name in names:
+        if name in seen:
+            k = 1
+            while f"{name}_{k}" in taken:
+                k += 1
+            name = f"{name}_{k}"
+            taken.add(name)
+        seen.add(name)
+        unique.append(name)
+    return unique
 
 
 def keras_outputs(model, sample):

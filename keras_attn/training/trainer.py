@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 
 import keras
 import tensorflow as tf
@@ -33,6 +34,27 @@ from tensorflow.core.framework import summary_pb2
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 )
+
+
+def _random_state_variables(model):
+    """The model's variables that are not weights: its layers' SeedGenerator states.
+
+    `keras.Layer.variables` is "all layer state, including random seeds";
+    `keras.Layer.weights` leaves the seeds out. Listed in `model.variables`
+    order, which is the same for every build of the same architecture.
+    """
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def _has_random_state(checkpoint_path):
+    """Whether the checkpoint's root object has the `random_state` child."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    reader = tf.train.load_checkpoint(checkpoint_path)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    return any(child.local_name == "random_state" for child in graph.nodes[0].children)
 
 
 def _is_chief(strategy):
@@ -65,7 +87,10 @@ class Trainer:
             when None.
         metrics: Keras metrics updated with `(y, logits)` each step.
         checkpoint_dir: where `tf.train.CheckpointManager` keeps
-            checkpoints; training resumes from the latest one.
+            checkpoints; training resumes from the latest one. A checkpoint
+            holds the model's variables (including the layers'
+            `keras.random.SeedGenerator` states, so dropout continues with the
+            masks an uninterrupted run would draw), the optimizer and the step.
         checkpoint_every: steps between checkpoints (and one at the end).
         max_to_keep: checkpoints kept.
         log_dir: TensorBoard directory for `loss`, metrics and `loss_scale`.
@@ -133,9 +158,23 @@ class Trainer:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
             self.loss_sum = keras.metrics.Mean(name="loss")
-        self.checkpoint = tf.train.Checkpoint(
+        # The model's state that is not a weight: the `keras.random.SeedGenerator`
+        # states of its layers (dropout masks; `layer.variables` includes them,
+        # `layer.weights` does not). They live in plain Python objects that
+        # `tf.train.Checkpoint` does not traverse, so without this list a resumed
+        # run would restart every dropout RNG from its seed and replay the masks
+        # of the first steps.
+        self._random_state = _random_state_variables(model)
+        self._legacy_checkpoint = tf.train.Checkpoint(
             model=model, optimizer=self.optimizer, step=self.step
         )
+        if self._random_state:
+            self.checkpoint = tf.train.Checkpoint(
+                model=model, optimizer=self.optimizer, step=self.step,
+                random_state=self._random_state,
+            )
+        else:
+            self.checkpoint = self._legacy_checkpoint
         self.checkpoint_dir = checkpoint_dir
         self._scratch_dir = None
         self.manager = None
@@ -169,7 +208,20 @@ class Trainer:
         if self.checkpoint_dir is None:
             return int(self.step.numpy())
         latest = tf.train.latest_checkpoint(self.checkpoint_dir)
-        if latest:
+        if not latest:
+            return int(self.step.numpy())
+        if self._random_state and not _has_random_state(latest):
+            # Written before the trainer saved the random state: restore the
+            # rest; the dropout RNGs start again from their seeds.
+            self._legacy_checkpoint.restore(latest).assert_existing_objects_matched()
+            warnings.warn(
+                f"The checkpoint {latest} has no random state (it predates "
+                "random-state checkpointing): the model's weights, optimizer and "
+                "step are restored, but the layers' dropout RNGs restart from "
+                "their seeds, so the resumed run differs from an uninterrupted one.",
+                stacklevel=2,
+            )
+        else:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
         return int(self.step.numpy())
 
