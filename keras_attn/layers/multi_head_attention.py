@@ -17,6 +17,75 @@ def _output_projection_equation(num_output_dims):
     return f"abcd,cd{letters}->ab{letters}", letters
 
 
+def _plain(dense):
+    """Can `dense` (an EinsumDense) be computed from its `kernel`/`bias` as a
+    2-D matmul? Not when quantized (its call dequantizes)."""
+    return dense.built and dense.quantization_mode is None
+
+
+def _seq_dims(x):
+    return [x.shape[a] if x.shape[a] is not None else ops.shape(x)[a] for a in (0, 1)]
+
+
+def project(x, denses):
+    """`[dense(x) for dense in denses]` for `"abc,cde->abde"` EinsumDense
+    projections of one `(B, T, features)` input, as ONE 2-D matmul.
+
+    The kernels `(features, heads, size)` are concatenated as
+    `(features, sum(heads * size))` at call time (a copy of the weights, not
+    of activations) and the `(B * T, ...)` product is split: for
+    self-attention the query, key and value projections become one larger
+    matmul (and one in each direction of the backward pass), which oneDNN
+    runs faster than three small ones (benchmarks/README.md). The variables
+    stay those of the separate projections, so weights, checkpoints and
+    `from_keras` are unchanged. Quantized projections are called as layers.
+    """
+    if not all(_plain(d) for d in denses):
+        return [d(x) for d in denses]
+    features = x.shape[-1]
+    batch, length = _seq_dims(x)
+    widths = [d.kernel.shape[1] * d.kernel.shape[2] for d in denses]
+    kernels = [ops.reshape(d.kernel, (features, w)) for d, w in zip(denses, widths)]
+    kernel = kernels[0] if len(kernels) == 1 else ops.concatenate(kernels, axis=1)
+    y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, features)), kernel)
+    if all(d.bias is not None for d in denses):
+        biases = [ops.reshape(d.bias, (w,)) for d, w in zip(denses, widths)]
+        y = y + (biases[0] if len(biases) == 1 else ops.concatenate(biases, axis=0))
+    elif any(d.bias is not None for d in denses):
+        return [d(x) for d in denses]
+    pieces = [y] if len(denses) == 1 else ops.split(y, list(_cumsum(widths[:-1])), axis=-1)
+    outputs = []
+    for d, piece in zip(denses, pieces):
+        piece = ops.reshape(piece, (batch, length) + tuple(d.kernel.shape[1:]))
+        outputs.append(d.activation(piece) if d.activation is not None else piece)
+    return outputs
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def project_output(x, dense):
+    """`dense(x)` for the `"abcd,cd...->ab..."` output projection of
+    `(B, T, heads, size)`, as a 2-D matmul over `(B * T, heads * size)`."""
+    if not _plain(dense):
+        return dense(x)
+    batch, length = _seq_dims(x)
+    kernel = dense.kernel
+    inner = kernel.shape[0] * kernel.shape[1]
+    out_dims = tuple(kernel.shape[2:])
+    width = 1
+    for dim in out_dims:
+        width *= dim
+    y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, inner)), ops.reshape(kernel, (inner, width)))
+    if dense.bias is not None:
+        y = y + ops.reshape(dense.bias, (width,))
+    return ops.reshape(y, (batch, length) + out_dims)
+
+
 
 def _key_padding_over_cache(name, mask, length, t_q, cache_index, ring, key_cache):
     """A `(B, T)` key padding mask of a cached call, as a mask over the keys
@@ -464,11 +533,7 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
         with masking.hidden_keras_masks(query, value, key_or_value):
-            q = self._query_dense(query)
-            k = self._key_dense(key_or_value)
-            # value = [B, T_k, H_kv, value_dim]
-            v = self._value_dense(value)
-            gate = self._gate_dense(query) if self.use_gate else None
+            q, k, v, gate = self._project_inputs(query, key_or_value, value)
         if self.rotary_embedding is not None:
             q = self.rotary_embedding(q, start_index=start_index)
             k = self.rotary_embedding(k, start_index=start_index)
@@ -496,10 +561,26 @@ class MultiHeadAttention(keras.layers.Layer):
             output = output * ops.cast(masking._expand_bool(rows, (2, 3)), output.dtype)
         if gate is not None:
             output = output * gate
-        output = self._output_dense(output)
+        output = project_output(output, self._output_dense)
         if return_attention_scores:
             return output, scores
         return output
+
+    def _project_inputs(self, query, key, value):
+        """`(q, k, v, gate)`: the projections of each input tensor computed
+        together (`project`): one matmul for self-attention, query and gate
+        in one and key and value in another for cross-attention."""
+        wanted = [(query, self._query_dense), (key, self._key_dense), (value, self._value_dense)]
+        if self.use_gate:
+            wanted.append((query, self._gate_dense))
+        groups = {}
+        for x, dense in wanted:
+            groups.setdefault(id(x), (x, []))[1].append(dense)
+        results = {}
+        for x, denses in groups.values():
+            results.update(zip(map(id, denses), project(x, denses)))
+        outputs = [results[id(dense)] for _, dense in wanted]
+        return tuple(outputs) if self.use_gate else (*outputs, None)
 
     def project_key_value(self, value, key=None):
         """Projected `(key, value)` of `value` (and `key`), for a cross-attention cache.

@@ -394,20 +394,111 @@ def dot_product_attention(
             chunk_size=chunks,
         )
 
+    if is_causal:
+        causal = masking.causal_mask(
+            _dyn_dim(query, 1), _dyn_dim(key, 1), start_index=start_index,
+            sliding_window=sliding_window,
+        )
+        mask = masking.combine_masks(mask, masking._expand_bool(causal, (0, 1)))
+    common = dict(
+        # A causal mask alone always leaves key 0 visible (start_index >= 0).
+        every_row_sees_a_key=is_causal and attention_mask is None and sliding_window is None,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        training=training,
+        seed=seed,
+        return_attention_scores=return_attention_scores,
+    )
+    groups = head_groups(
+        scores_shape, k_heads, dropout_active=training and dropout_rate > 0.0
+    )
+    if groups == 1:
+        return _dense_attention(query, key, value, mask, bias, **common)
+    # Independent head groups (benchmarks/README.md): each group's score
+    # tensors are a fraction of the whole, and the groups are independent
+    # ops that TensorFlow runs side by side. Contiguous groups of query heads
+    # keep their key/value heads (grouped-query attention).
+    parts = zip(
+        ops.split(query, groups, axis=2),
+        ops.split(key, groups, axis=2),
+        ops.split(value, groups, axis=2),
+        _split_heads(mask, groups),
+        _split_heads(bias, groups),
+    )
+    results = [_dense_attention(q, k, v, m, b, **common) for q, k, v, m, b in parts]
+    if return_attention_scores:
+        return (
+            ops.concatenate([r[0] for r in results], axis=2),
+            ops.concatenate([r[1] for r in results], axis=1),
+        )
+    return ops.concatenate(results, axis=2)
+
+
+# Head groups: attention runs in groups of heads when the `(B, H, T_q, T_k)`
+# float32 scores are at least `GROUP_MIN_SCORE_BYTES`, with groups of about
+# `GROUP_SCORE_BYTES` each (unknown batch counts as 1, unknown lengths as
+# `GROUP_UNKNOWN_LENGTH`). Measured in benchmarks/README.md.
+GROUP_MIN_SCORE_BYTES = 2**20
+GROUP_SCORE_BYTES = 2**21
+GROUP_UNKNOWN_LENGTH = 512
+
+
+def head_groups(scores_shape, num_kv_heads, dropout_active=False):
+    """How many head groups the unblocked path computes separately (1 = none).
+
+    A divisor of the key/value heads (so each group keeps its own key/value
+    heads), at least 2 once the score tensors reach `GROUP_MIN_SCORE_BYTES`,
+    more for large ones. Not with dropout in training (the groups would draw
+    other masks than one call).
+    """
+    if dropout_active or num_kv_heads is None or num_kv_heads < 2:
+        return 1
+    batch, heads, t_q, t_k = scores_shape
+    size = 4 * (batch or 1) * heads
+    for length in (t_q, t_k):
+        size *= GROUP_UNKNOWN_LENGTH if length is None else length
+    if size < GROUP_MIN_SCORE_BYTES:
+        return 1
+    wanted = max(2, -(-size // GROUP_SCORE_BYTES))
+    divisors = [n for n in range(2, num_kv_heads + 1) if num_kv_heads % n == 0]
+    return next((n for n in divisors if n >= wanted), divisors[-1])
+
+
+def _split_heads(x, groups):
+    """`x` (rank 4, heads on axis 1, or None) split into `groups` along the
+    heads; a tensor broadcast over heads is shared by every group."""
+    if x is None:
+        return [x] * groups
+    while len(x.shape) < 4:
+        x = ops.expand_dims(x, 0)
+    if x.shape[1] == 1:
+        return [x] * groups
+    return ops.split(x, groups, axis=1)
+
+
+def _dense_attention(
+    query,
+    key,
+    value,
+    mask,
+    bias,
+    *,
+    every_row_sees_a_key,
+    scale,
+    dropout_rate,
+    training,
+    seed,
+    return_attention_scores,
+):
+    """The unblocked path of `dot_product_attention` for validated inputs:
+    `mask` rank 4 (causal part included) or None, `bias` checked."""
+    q_heads, k_heads = query.shape[2], key.shape[2]
+
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     q = ops.cast(query, "float32") if query.dtype in _LOW_PRECISION else query
     k = ops.cast(key, "float32") if key.dtype in _LOW_PRECISION else key
-    t_q, t_k = _dyn_dim(q, 1), _dyn_dim(k, 1)
-
-    if is_causal:
-        causal = masking.causal_mask(
-            t_q, t_k, start_index=start_index, sliding_window=sliding_window
-        )
-        mask = masking.combine_masks(mask, masking._expand_bool(causal, (0, 1)))
-    # A causal mask alone always leaves key 0 visible (start_index >= 0).
-    every_row_sees_a_key = is_causal and attention_mask is None and sliding_window is None
     common = dict(
         dropout_rate=dropout_rate,
         training=training,
