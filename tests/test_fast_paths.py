@@ -8,6 +8,12 @@
   against `keras.layers.MultiHeadAttention` with the same weights.
 - The blocks' LayerNorm with its written-out backward: against
   `keras.layers.LayerNormalization` differentiated by TensorFlow, and NumPy.
+- Attention in independent head groups (`attention.head_groups`): every
+  NumPy case above again with the groups forced, plus per-head biases and
+  returned scores.
+- `MultiHeadAttention`'s fused input projections (one matmul per input
+  tensor) and 2-D output projection: against Keras MHA and against the
+  EinsumDense sublayers themselves (LoRA, quantized, mixed precision).
 """
 
 import keras
@@ -17,8 +23,19 @@ import tensorflow as tf
 
 from keras_attn.layers import MultiHeadAttention
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
+from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import dot_product_attention
 from tests import reference as ref
+
+
+@pytest.fixture(params=["default", "head_groups"])
+def grouping(request, monkeypatch):
+    """Runs a test twice: as configured, and with attention split into as
+    many head groups as the key/value heads allow, whatever the size."""
+    if request.param == "head_groups":
+        monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
+        monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1)
+    return request.param
 
 # name: (B, Tq, Tk, H, Hkv, causal, mask kind, bias, value dtype)
 CASES = {
@@ -29,18 +46,20 @@ CASES = {
     "causal_and_keys": (2, 10, 10, 2, 2, True, "keys", False, "float32"),
     "full_mask_with_bias": (2, 5, 7, 2, 2, False, "full", True, "float32"),
     "key_padding_float16": (2, 6, 6, 2, 2, False, "keys", False, "float16"),
+    "gqa_causal_bias": (2, 9, 9, 8, 4, True, None, True, "float32"),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_dense_attention_values_and_gradients_match_numpy(name, rng):
+def test_dense_attention_values_and_gradients_match_numpy(name, rng, grouping):
     b, tq, tk, h, hkv, causal, kind, use_bias, dtype = CASES[name]
     d = 8
     q = rng.normal(size=(b, tq, h, d)).astype("float32")
     k = rng.normal(size=(b, tk, hkv, d)).astype("float32")
     v = rng.normal(size=(b, tk, hkv, d)).astype("float32")
     d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
-    bias = rng.normal(size=(1, h, tq, tk)).astype("float32") if use_bias else None
+    # A per-head bias as (H, T_q, T_k): split with the heads in groups.
+    bias = rng.normal(size=(h, tq, tk)).astype("float32") if use_bias else None
     mask4 = np.ones((b, h, tq, tk), bool)
     attention_mask = None
     if kind in ("keys", "keys_empty"):
@@ -78,11 +97,52 @@ def test_dense_attention_values_and_gradients_match_numpy(name, rng):
     want = list(expected[:4])
     if use_bias:
         names.append("d_bias")
-        want.append(expected[4].sum(axis=0, keepdims=True))
+        want.append(expected[4].sum(axis=0))
     for label, g, w in zip(names, got, want):
         g = np.asarray(tf.cast(g, "float32"))
         assert np.all(np.isfinite(g)), label
         np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=label)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_head_groups_return_the_scores_of_every_head(kv_heads, rng, monkeypatch):
+    """Grouped heads, scores requested: outputs and scores against NumPy."""
+    monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
+    b, t, h, d = 2, 6, 4, 8
+    q = rng.normal(size=(b, t, h, d)).astype("float32")
+    k, v = (rng.normal(size=(b, t, kv_heads, d)).astype("float32") for _ in range(2))
+    valid = rng.random((b, t, t)) > 0.3
+    out, scores = dot_product_attention(q, k, v, attention_mask=valid, return_attention_scores=True)
+    mask4 = np.broadcast_to(valid[:, None], (b, h, t, t))
+    want = ref.attention_with_grads(q, k, v, mask4, None, 1 / np.sqrt(d), np.zeros((b, t, h, d)))
+    np.testing.assert_allclose(np.asarray(out), want[0], atol=1e-5)
+    group = h // kv_heads
+    s = np.einsum("bqhd,bkhd->bhqk", q, np.repeat(k, group, axis=2)) / np.sqrt(d)
+    s = np.where(mask4, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = np.nan_to_num(p / p.sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(scores), p, atol=1e-5)
+
+
+def test_head_groups_are_used_for_large_scores_only(monkeypatch):
+    """The split really happens where the scores are large, and not for small
+    ones, unknown batch sizes or dropout."""
+    calls = []
+    inner = attention_ops._dense_attention
+    monkeypatch.setattr(
+        attention_ops, "_dense_attention", lambda *a, **k: calls.append(1) or inner(*a, **k)
+    )
+    big = np.zeros((8, 128, 8, 32), "float32")
+    dot_product_attention(big, big, big)
+    assert len(calls) == 2  # (8, 8, 128, 128) float32 scores: 4 MiB in 2 groups
+    calls.clear()
+    dot_product_attention(big[:1, :64], big[:1, :64], big[:1, :64])
+    assert len(calls) == 1
+    assert attention_ops.head_groups((None, 8, 512, 512), 8) == 4
+    assert attention_ops.head_groups((8, 8, 512, 512), 8) == 8
+    assert attention_ops.head_groups((8, 8, 512, 512), 8, dropout_active=True) == 1
+    assert attention_ops.head_groups((8, 8, 512, 512), 1) == 1  # multi-query: one kv head
+    assert attention_ops.head_groups((8, 6, 512, 512), 6) == 6
 
 
 def test_dropout_and_scores_paths_agree_with_the_fast_path(rng):
@@ -215,3 +275,76 @@ def test_hand_written_gradients_support_second_order(rng):
     fast, plain = _second_order(ours, x), _second_order(theirs, x)
     assert float(tf.reduce_max(tf.abs(plain))) > 0.1
     np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), atol=1e-4, rtol=1e-4)
+
+
+def _mha_pair(rng, cross, use_gate=False, kv_heads=None):
+    b, tq, tk, dim = 2, 5, 7 if cross else 5, 12
+    query = tf.constant(rng.normal(size=(b, tq, dim)).astype("float32"))
+    value = tf.constant(rng.normal(size=(b, tk, dim)).astype("float32")) if cross else query
+    if kv_heads:
+        keras_layer = keras.layers.GroupQueryAttention(
+            head_dim=4, num_query_heads=4, num_key_value_heads=kv_heads
+        )
+        keras_layer(query, value)
+    else:
+        keras_layer = keras.layers.MultiHeadAttention(num_heads=3, key_dim=4, use_gate=use_gate)
+        keras_layer(query, value)
+    return query, value, keras_layer, MultiHeadAttention.from_keras(keras_layer)
+
+
+@pytest.mark.parametrize(
+    "cross,use_gate,kv_heads", [(False, False, None), (True, True, None), (False, False, 2), (True, False, 1)]
+)
+def test_fused_projections_match_keras_values_and_gradients(cross, use_gate, kv_heads, rng):
+    """Self-attention (query, key, value [, gate] in one matmul) and
+    cross-attention (query [+ gate] and key + value), MHA and GQA."""
+    query, value, keras_layer, ours = _mha_pair(rng, cross, use_gate, kv_heads)
+    d_out = tf.constant(rng.normal(size=query.shape).astype("float32"))
+
+    def run(layer):
+        # Weights by sublayer/name: Keras builds the gate before the value.
+        weights = sorted(layer.trainable_weights, key=lambda w: w.path.split("/", 1)[1])
+        with tf.GradientTape() as tape:
+            tape.watch([query, value])
+            out = layer(query, value)
+            loss = tf.reduce_sum(out * d_out)
+        return [out] + tape.gradient(loss, [query, value] + weights)
+
+    got_all, want_all = run(ours), run(keras_layer)
+    assert len(got_all) == len(want_all)
+    for got, want in zip(got_all, want_all):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_fused_projections_with_lora_quantized_and_mixed_precision(rng):
+    """LoRA (the kernel includes the low-rank update), int8 quantization
+    (projections called as layers) and mixed_float16 (float16 compute)
+    give what the EinsumDense sublayers give when called one by one."""
+    query, _, _, ours = _mha_pair(rng, cross=False)
+
+    def by_sublayers(layer, x):
+        q, k, v = (d(x) for d in (layer._query_dense, layer._key_dense, layer._value_dense))
+        out = dot_product_attention(q, k, v)
+        return layer._output_dense(out)
+
+    ours._query_dense.enable_lora(2, b_initializer="ones")
+    np.testing.assert_allclose(
+        np.asarray(ours(query, query)), np.asarray(by_sublayers(ours, query)), atol=1e-5
+    )
+    for dense in (ours._key_dense, ours._value_dense, ours._output_dense):
+        dense.quantize("int8")
+    np.testing.assert_allclose(
+        np.asarray(ours(query, query)), np.asarray(by_sublayers(ours, query)), atol=1e-5
+    )
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    mixed = MultiHeadAttention(num_heads=3, key_dim=4)
+    keras_mixed = keras.layers.MultiHeadAttention(num_heads=3, key_dim=4)
+    keras_mixed(query, query)
+    mixed(query, query)
+    mixed.set_weights(keras_mixed.get_weights())
+    out = mixed(query, query)
+    assert out.dtype == "float16"
+    np.testing.assert_allclose(
+        np.asarray(out, "float32"), np.asarray(keras_mixed(query, query), "float32"), atol=2e-2
+    )

@@ -1,5 +1,7 @@
 """Multi-head attention: a drop-in for `keras.layers.MultiHeadAttention`, with GQA."""
 
+import itertools
+import math
 import string
 
 import keras
@@ -40,32 +42,24 @@ def project(x, denses):
     stay those of the separate projections, so weights, checkpoints and
     `from_keras` are unchanged. Quantized projections are called as layers.
     """
-    if not all(_plain(d) for d in denses):
+    if not all(_plain(d) for d in denses) or len({d.bias is None for d in denses}) > 1:
         return [d(x) for d in denses]
     features = x.shape[-1]
     batch, length = _seq_dims(x)
-    widths = [d.kernel.shape[1] * d.kernel.shape[2] for d in denses]
-    kernels = [ops.reshape(d.kernel, (features, w)) for d, w in zip(denses, widths)]
-    kernel = kernels[0] if len(kernels) == 1 else ops.concatenate(kernels, axis=1)
+    kernels = [d.kernel for d in denses]  # read once: with LoRA, a computed tensor
+    widths = [k.shape[1] * k.shape[2] for k in kernels]
+    kernel = ops.concatenate(
+        [ops.reshape(k, (features, w)) for k, w in zip(kernels, widths)], axis=1
+    )
     y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, features)), kernel)
-    if all(d.bias is not None for d in denses):
-        biases = [ops.reshape(d.bias, (w,)) for d, w in zip(denses, widths)]
-        y = y + (biases[0] if len(biases) == 1 else ops.concatenate(biases, axis=0))
-    elif any(d.bias is not None for d in denses):
-        return [d(x) for d in denses]
-    pieces = [y] if len(denses) == 1 else ops.split(y, list(_cumsum(widths[:-1])), axis=-1)
+    if denses[0].bias is not None:
+        y = y + ops.concatenate([ops.reshape(d.bias, (w,)) for d, w in zip(denses, widths)])
+    pieces = ops.split(y, list(itertools.accumulate(widths[:-1])), axis=-1) if len(denses) > 1 else [y]
     outputs = []
-    for d, piece in zip(denses, pieces):
-        piece = ops.reshape(piece, (batch, length) + tuple(d.kernel.shape[1:]))
+    for d, k, piece in zip(denses, kernels, pieces):
+        piece = ops.reshape(piece, (batch, length) + tuple(k.shape[1:]))
         outputs.append(d.activation(piece) if d.activation is not None else piece)
     return outputs
-
-
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
 
 
 def project_output(x, dense):
@@ -77,14 +71,11 @@ def project_output(x, dense):
     kernel = dense.kernel
     inner = kernel.shape[0] * kernel.shape[1]
     out_dims = tuple(kernel.shape[2:])
-    width = 1
-    for dim in out_dims:
-        width *= dim
+    width = math.prod(out_dims)
     y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, inner)), ops.reshape(kernel, (inner, width)))
     if dense.bias is not None:
         y = y + ops.reshape(dense.bias, (width,))
     return ops.reshape(y, (batch, length) + out_dims)
-
 
 
 def _key_padding_over_cache(name, mask, length, t_q, cache_index, ring, key_cache):
@@ -569,18 +560,22 @@ class MultiHeadAttention(keras.layers.Layer):
     def _project_inputs(self, query, key, value):
         """`(q, k, v, gate)`: the projections of each input tensor computed
         together (`project`): one matmul for self-attention, query and gate
-        in one and key and value in another for cross-attention."""
-        wanted = [(query, self._query_dense), (key, self._key_dense), (value, self._value_dense)]
-        if self.use_gate:
-            wanted.append((query, self._gate_dense))
+        in one and key and value in another for cross-attention. An input
+        given as None (and the gate without `use_gate`) gives None."""
+        denses = (
+            self._query_dense,
+            self._key_dense,
+            self._value_dense,
+            self._gate_dense if self.use_gate else None,
+        )
         groups = {}
-        for x, dense in wanted:
-            groups.setdefault(id(x), (x, []))[1].append(dense)
+        for x, dense in zip((query, key, value, query), denses):
+            if x is not None and dense is not None:
+                groups.setdefault(id(x), (x, []))[1].append(dense)
         results = {}
-        for x, denses in groups.values():
-            results.update(zip(map(id, denses), project(x, denses)))
-        outputs = [results[id(dense)] for _, dense in wanted]
-        return tuple(outputs) if self.use_gate else (*outputs, None)
+        for x, group in groups.values():
+            results.update(zip(map(id, group), project(x, group)))
+        return tuple(results.get(id(dense)) for dense in denses)
 
     def project_key_value(self, value, key=None):
         """Projected `(key, value)` of `value` (and `key`), for a cross-attention cache.
@@ -592,8 +587,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         key_or_value = value if key is None else key
         with masking.hidden_keras_masks(value, key_or_value):
-            k = self._key_dense(key_or_value)
-            v = self._value_dense(value)
+            _, k, v, _ = self._project_inputs(None, key_or_value, value)
         if self.rotary_embedding is not None:
             k = self.rotary_embedding(k)
         return k, v
@@ -639,22 +633,20 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         length = key_cache.shape[1]
         t_q = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
-        # query = [B, T_q, H, key_dim]
-        with masking.hidden_keras_masks(query):
-            q = self._query_dense(query)
-            gate = self._gate_dense(query) if self.use_gate else None
         ring = False
         mask_parts = []
         if cache_index is None:
+            # query = [B, T_q, H, key_dim]
+            with masking.hidden_keras_masks(query):
+                q, _, _, gate = self._project_inputs(query, None, None)
             if self.rotary_embedding is not None:
                 q = self.rotary_embedding(q, start_index=start_index)
             k, v = key_cache, value_cache
             new_cache = (key_cache, value_cache)
         else:
             key_or_value = value if key is None else key
-            with masking.hidden_keras_masks(value, key_or_value):
-                k_new = self._key_dense(key_or_value)
-                v_new = self._value_dense(value)
+            with masking.hidden_keras_masks(query, value, key_or_value):
+                q, k_new, v_new, gate = self._project_inputs(query, key_or_value, value)
             if self.rotary_embedding is not None:
                 q = self.rotary_embedding(q, start_index=cache_index)
                 k_new = self.rotary_embedding(k_new, start_index=cache_index)
@@ -739,7 +731,7 @@ class MultiHeadAttention(keras.layers.Layer):
         # output = [B, T_q, H, value_dim]
         if gate is not None:
             output = output * gate
-        output = self._output_dense(output)
+        output = project_output(output, self._output_dense)
         if return_attention_scores:
             return output, scores, new_cache
         return output, new_cache
