@@ -24,12 +24,14 @@ FULL = {
     "long": [],
     "export": [],
     "attention": ["--repeats", "7"],
+    "head_groups": ["--repeats", "7"],
     "blocks": ["--repeats", "5"],
     "decode": ["--repeats", "30"],
     "input": [],
 }
 QUICK = {
     "attention": ["--repeats", "2", "--lengths", "128"],
+    "head_groups": ["--repeats", "2", "--lengths", "512"],
     "blocks": ["--repeats", "2", "--quick"],
     "long": ["--lengths", "2048", "4096", "--repeats", "1"],
     "export": ["--repeats", "3", "--calls", "5"],
@@ -38,6 +40,7 @@ QUICK = {
 }
 TITLES = {
     "attention": "MultiHeadAttention vs keras.layers.MultiHeadAttention (and torch)",
+    "head_groups": "Attention in independent head groups (the unblocked core split n ways)",
     "blocks": "Transformer blocks vs KerasHub (tokens/s, fraction of the matmul ceiling)",
     "long": "Long sequences: peak RSS and time (fresh subprocess per config)",
     "export": "Exported encoder classifier: TFLite (XNNPACK) and onnxruntime, batch 1",

@@ -15,6 +15,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 CASES = {
     "attention": ["bench_attention.py", "--lengths", "16", "--repeats", "1", "--no-torch"],
+    "head_groups": ["bench_head_groups.py", "--lengths", "16", "--repeats", "1"],
     "long": ["bench_long.py", "--lengths", "256", "--repeats", "1", "--no-check"],
     "decode": ["bench_decode.py", "--lengths", "8", "--repeats", "2", "--skip-keras-hub",
                "--layers", "1", "--hidden", "32", "--vocab", "50"],

@@ -138,7 +138,8 @@ def test_head_groups_are_used_for_large_scores_only(monkeypatch):
     calls.clear()
     dot_product_attention(big[:1, :64], big[:1, :64], big[:1, :64])
     assert len(calls) == 1
-    assert attention_ops.head_groups((None, 8, 512, 512), 8) == 4
+    assert attention_ops.head_groups((None, 8, 512, 512), 8) == 4  # batch counts as 1
+    assert attention_ops.head_groups((8, 8, None, 512), 8) == 1  # unknown length
     assert attention_ops.head_groups((8, 8, 512, 512), 8) == 8
     assert attention_ops.head_groups((8, 8, 512, 512), 8, dropout_active=True) == 1
     assert attention_ops.head_groups((8, 8, 512, 512), 1) == 1  # multi-query: one kv head

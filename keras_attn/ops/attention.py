@@ -436,11 +436,10 @@ def dot_product_attention(
 
 # Head groups: attention runs in groups of heads when the `(B, H, T_q, T_k)`
 # float32 scores are at least `GROUP_MIN_SCORE_BYTES`, with groups of about
-# `GROUP_SCORE_BYTES` each (unknown batch counts as 1, unknown lengths as
-# `GROUP_UNKNOWN_LENGTH`). Measured in benchmarks/README.md.
+# `GROUP_SCORE_BYTES` each (an unknown batch size counts as 1). Measured in
+# benchmarks/README.md.
 GROUP_MIN_SCORE_BYTES = 2**20
 GROUP_SCORE_BYTES = 2**21
-GROUP_UNKNOWN_LENGTH = 512
 
 
 def head_groups(scores_shape, num_kv_heads, dropout_active=False):
@@ -448,15 +447,16 @@ def head_groups(scores_shape, num_kv_heads, dropout_active=False):
 
     A divisor of the key/value heads (so each group keeps its own key/value
     heads), at least 2 once the score tensors reach `GROUP_MIN_SCORE_BYTES`,
-    more for large ones. Not with dropout in training (the groups would draw
-    other masks than one call).
+    more for large ones. Only for static lengths: graphs traced with unknown
+    lengths (such as serving signatures) keep one group, since LiteRT's
+    reference int8 kernels abort on the grouped graph of a fully quantized
+    model (XNNPACK runs it; tests/test_quantized_accuracy.py). Not with
+    dropout in training (the groups would draw other masks than one call).
     """
-    if dropout_active or num_kv_heads is None or num_kv_heads < 2:
-        return 1
     batch, heads, t_q, t_k = scores_shape
-    size = 4 * (batch or 1) * heads
-    for length in (t_q, t_k):
-        size *= GROUP_UNKNOWN_LENGTH if length is None else length
+    if dropout_active or num_kv_heads is None or num_kv_heads < 2 or None in (t_q, t_k):
+        return 1
+    size = 4 * (batch or 1) * heads * t_q * t_k
     if size < GROUP_MIN_SCORE_BYTES:
         return 1
     wanted = max(2, -(-size // GROUP_SCORE_BYTES))
