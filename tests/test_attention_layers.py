@@ -282,3 +282,35 @@ def test_compute_output_shape_and_spec_with_tq_ne_tk():
         q3 = keras.Input((4, 6))
         o, s = layer(q3, v, return_attention_scores=True)
         assert tuple(o.shape) == (None, 4, 6) and tuple(s.shape) == scores_shape
+
+
+@pytest.mark.parametrize(
+    "make, inputs",
+    [
+        (lambda: kal.MultiHeadAttention(4, 8, use_gate=True), lambda x: (x, x)),
+        (lambda: kal.MultiHeadAttention(4, 8, num_key_value_heads=4), lambda x: (x, x)),
+        (lambda: kal.AdditiveAttention(units=16), lambda x: (x, x)),
+        (lambda: kal.TransformerEncoderBlock(num_heads=4, intermediate_dim=32), lambda x: (x,)),
+        (lambda: kal.TransformerDecoderBlock(num_heads=4, intermediate_dim=32), lambda x: (x, x)),
+    ],
+    ids=["mha_gate", "mha", "additive", "encoder", "decoder"],
+)
+def test_sublayers_start_from_different_random_weights(make, inputs):
+    # One unseeded Keras initializer instance repeats its values at every
+    # call; sharing it made the query, key and value kernels identical.
+    keras.utils.set_random_seed(3)
+    layer = make()
+    layer(*inputs(np.zeros((1, 5, 16), "float32")))
+    kernels = [(w.path, w.numpy()) for w in layer.weights if w.numpy().std() > 0]
+    assert len(kernels) >= 3
+    for i, (path_a, a) in enumerate(kernels):
+        for path_b, b in kernels[:i]:
+            if a.size == b.size:
+                assert not np.allclose(a.ravel(), b.ravel()), (path_a, path_b)
+    # As Keras: a seeded initializer stays deterministic.
+    twins = [kal.MultiHeadAttention(2, 4, kernel_initializer=keras.initializers.GlorotUniform(seed=7))
+             for _ in range(2)]
+    for twin in twins:
+        twin(np.zeros((1, 3, 8), "float32"), np.zeros((1, 3, 8), "float32"))
+    for a, b in zip(twins[0].weights, twins[1].weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -14,6 +14,17 @@ def register(cls):
     return keras.saving.register_keras_serializable(package=PACKAGE)(cls)
 
 
+def clone_initializer(initializer):
+    """A fresh copy of `initializer` for one more weight.
+
+    Keras initializers are stateless: one unseeded instance gives the same
+    values at every call, so sublayers sharing it (query, key and value
+    projections) would start identical. As Keras and KerasHub, each sublayer
+    gets its own copy; an explicitly seeded initializer stays deterministic.
+    """
+    return initializer.__class__.from_config(initializer.get_config())
+
+
 def check_positive_int(name, value, allow_none=False):
     if value is None and allow_none:
         return None

@@ -84,12 +84,8 @@ class BlockBase(keras.layers.Layer):
 
     def _dense_kwargs(self):
         return dict(
-            kernel_initializer=keras.initializers.get(
-                keras.initializers.serialize(self.kernel_initializer)
-            ),
-            bias_initializer=keras.initializers.get(
-                keras.initializers.serialize(self.bias_initializer)
-            ),
+            kernel_initializer=_common.clone_initializer(self.kernel_initializer),
+            bias_initializer=_common.clone_initializer(self.bias_initializer),
             dtype=self.dtype_policy,
         )
 

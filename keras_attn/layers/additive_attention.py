@@ -70,21 +70,24 @@ class AdditiveAttention(keras.layers.Layer):
         key_shape = value_shape if key_shape is None else key_shape
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
             _common.check_shape_rank(name, shape, 3, "(batch, seq, features)")
-        dense = dict(
-            dtype=self.dtype_policy,
-            kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer,
-        )
-        self.query_dense = keras.layers.Dense(
-            self.units, use_bias=self.use_bias, name="query", **dense
-        )
+        def dense(name, use_bias):
+            return keras.layers.Dense(
+                self.units,
+                use_bias=use_bias,
+                name=name,
+                dtype=self.dtype_policy,
+                kernel_initializer=_common.clone_initializer(self.kernel_initializer),
+                bias_initializer=_common.clone_initializer(self.bias_initializer),
+            )
+
+        self.query_dense = dense("query", self.use_bias)
         self.query_dense.build(query_shape)
-        self.key_dense = keras.layers.Dense(self.units, use_bias=False, name="key", **dense)
+        self.key_dense = dense("key", False)
         self.key_dense.build(key_shape)
         self.score_weight = self.add_weight(
             name="score_weight",
             shape=(self.units,),
-            initializer=self.kernel_initializer,
+            initializer=_common.clone_initializer(self.kernel_initializer),
         )
         self._feature_dims = (query_shape[-1], value_shape[-1], key_shape[-1])
         self.built = True

@@ -392,8 +392,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _dense_kwargs(self):
         return dict(
-            kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer,
+            kernel_initializer=_common.clone_initializer(self.kernel_initializer),
+            bias_initializer=_common.clone_initializer(self.bias_initializer),
             kernel_regularizer=self.kernel_regularizer,
             bias_regularizer=self.bias_regularizer,
             kernel_constraint=self.kernel_constraint,
