@@ -44,7 +44,9 @@ CASES = {
 
 # The backward pass has its own blocks (at most BACKWARD_MAX_CHUNK per axis):
 # "own_blocks" makes them smaller than, and not divisors of, the forward's.
-BACKWARD_BLOCKS = {"same_blocks": None, "own_blocks": 5}
+# "head_groups" splits the attention into as many head groups as the
+# key/value heads allow, whatever the size (large blocks use them).
+BACKWARD_BLOCKS = {"same_blocks": None, "own_blocks": 5, "head_groups": None}
 
 
 @pytest.fixture(params=list(BACKWARD_BLOCKS))
@@ -52,6 +54,9 @@ def backward_max_chunk(request, monkeypatch):
     value = BACKWARD_BLOCKS[request.param]
     if value is not None:
         monkeypatch.setattr(chunked, "BACKWARD_MAX_CHUNK", value)
+    if request.param == "head_groups":
+        monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
+        monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1)
     return value
 
 
@@ -279,6 +284,36 @@ def test_invalid_chunk_size_and_unsupported_combinations(rng):
         dot_product_attention(q, q, q, chunk_size=4, return_attention_scores=True)
     with pytest.raises(ValueError, match="dropout"):
         dot_product_attention(q, q, q, chunk_size=4, dropout_rate=0.5, training=True)
+
+
+def test_large_blocks_run_in_head_groups(monkeypatch, rng):
+    """(1, 8, 1024, 1024) float32 blocks (32 MiB) run as one group per head;
+    small blocks or unknown lengths as one group. Values: NumPy reference."""
+    heads = []
+    original = chunked.chunked_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        heads.append(query.shape[2])
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(chunked, "chunked_dot_product_attention", spy)
+    q, k, v = (rng.normal(size=(1, 1100, 8, 4)).astype("float32") for _ in range(3))
+    out = dot_product_attention(q, k, v, chunk_size=1024)
+    assert heads == [1] * 8
+    mask4 = np.ones((1, 8, 1100, 1100), bool)
+    np.testing.assert_allclose(
+        out, np_attention(q, k, v, mask4, None, 0.5, np.zeros_like(q))[0], atol=1e-5, rtol=1e-4
+    )
+    heads.clear()
+    dot_product_attention(q[:, :300], k[:, :300], v[:, :300], chunk_size=64)
+    assert heads == [8]
+    heads.clear()
+    fn = tf.function(
+        lambda q: dot_product_attention(q, q, q, chunk_size=1024),
+        input_signature=[tf.TensorSpec((1, None, 8, 4))],
+    )
+    fn(q)
+    assert heads == [8]
 
 
 def test_automatic_dispatch_above_threshold(monkeypatch, rng):

@@ -388,10 +388,19 @@ def dot_product_attention(
         chunk_size, query, key, return_attention_scores, training and dropout_rate > 0.0
     )
     if chunks is not None:
-        return chunked.chunked_dot_product_attention(
-            query, key, value, attention_mask=mask, bias=bias, is_causal=is_causal,
-            scale=scale, start_index=start_index, sliding_window=sliding_window,
-            chunk_size=chunks,
+        # Head groups pay off even more here: one (B, H, 1024, 1024) block of
+        # scores per step is 32 MiB at B=1, H=8 (benchmarks/README.md).
+        blocks_shape = (
+            scores_shape[0], q_heads,
+            None if scores_shape[2] is None else min(chunks[0], scores_shape[2]),
+            None if scores_shape[3] is None else min(chunks[1], scores_shape[3]),
+        )
+        return _in_head_groups(
+            lambda q, k, v, m, b: chunked.chunked_dot_product_attention(
+                q, k, v, attention_mask=m, bias=b, is_causal=is_causal, scale=scale,
+                start_index=start_index, sliding_window=sliding_window, chunk_size=chunks,
+            ),
+            head_groups(blocks_shape, k_heads), query, key, value, mask, bias,
         )
 
     if is_causal:
@@ -409,15 +418,22 @@ def dot_product_attention(
         seed=seed,
         return_attention_scores=return_attention_scores,
     )
-    groups = head_groups(
-        scores_shape, k_heads, dropout_active=training and dropout_rate > 0.0
+    return _in_head_groups(
+        lambda q, k, v, m, b: _dense_attention(q, k, v, m, b, **common),
+        head_groups(scores_shape, k_heads, dropout_active=training and dropout_rate > 0.0),
+        query, key, value, mask, bias,
+        return_attention_scores=return_attention_scores,
     )
+
+
+def _in_head_groups(attend, groups, query, key, value, mask, bias, return_attention_scores=False):
+    """`attend(query, key, value, mask, bias)` computed in `groups`
+    independent groups of heads (benchmarks/README.md): each group's score
+    tensors are a fraction of the whole, and the groups are independent ops
+    that TensorFlow runs side by side. Contiguous groups of query heads keep
+    their key/value heads (grouped-query attention)."""
     if groups == 1:
-        return _dense_attention(query, key, value, mask, bias, **common)
-    # Independent head groups (benchmarks/README.md): each group's score
-    # tensors are a fraction of the whole, and the groups are independent
-    # ops that TensorFlow runs side by side. Contiguous groups of query heads
-    # keep their key/value heads (grouped-query attention).
+        return attend(query, key, value, mask, bias)
     parts = zip(
         ops.split(query, groups, axis=2),
         ops.split(key, groups, axis=2),
@@ -425,7 +441,7 @@ def dot_product_attention(
         _split_heads(mask, groups),
         _split_heads(bias, groups),
     )
-    results = [_dense_attention(q, k, v, m, b, **common) for q, k, v, m, b in parts]
+    results = [attend(*part) for part in parts]
     if return_attention_scores:
         return (
             ops.concatenate([r[0] for r in results], axis=2),
@@ -443,7 +459,11 @@ GROUP_SCORE_BYTES = 2**21
 
 
 def head_groups(scores_shape, num_kv_heads, dropout_active=False):
-    """How many head groups the unblocked path computes separately (1 = none).
+    """How many head groups attention is computed in separately (1 = none).
+
+    `scores_shape` is `(batch, heads, query length, key length)` of one score
+    tensor: the whole one on the unblocked path, one block on the blocked
+    path (where each group then runs its own blocked loop).
 
     A divisor of the key/value heads (so each group keeps its own key/value
     heads), at least 2 once the score tensors reach `GROUP_MIN_SCORE_BYTES`,
