@@ -337,8 +337,12 @@ def test_automatic_dispatch_above_threshold(monkeypatch, rng):
 
 
 @pytest.mark.slow
-def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng):
+def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng, monkeypatch):
     """The blocked path (while loops) exports with a dynamic batch, TFLite builtins only.
+
+    Head groups are forced on (static length): the 4-head `MultiHeadAttention`
+    runs one blocked loop per head, the one-head `DotProductAttention` a
+    single loop, so both shapes of the graph are exported.
 
     `DotProductAttention` with query and key padding masks has fully masked
     rows (padded queries, and the block padding of 40 queries to 48): they
@@ -349,6 +353,9 @@ def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng):
 
     from keras_attn.export import export_all
 
+    monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
+    monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1)
+    assert attention_ops.head_groups((None, 4, 16, 8), 4) == 4
     length, dim = 40, 16
     x_in = keras.Input((length, dim), name="x")
     keys_in = keras.Input((length,), dtype="bool", name="keys")
