@@ -50,9 +50,9 @@ TITLES = {
 
 
 NOTES = [
-    "- The machine is 2 shared cores; other jobs (TensorFlow test suites) ran at the same "
-    "time, so the matmul ceiling measured in the same rounds varies from row to row (see "
-    "the ceiling column). Ratios of interleaved timings are the meaningful numbers; a "
+    "- The machine is 2 cores shared with other jobs (see the load averages above), so "
+    "the matmul ceiling measured in the same rounds varies from row to row (see the "
+    "ceiling column). Ratios of interleaved timings are the meaningful numbers; a "
     "ratio within ~10-15% of 1.0 is within the run-to-run noise seen here.",
     "- Long sequences: each configuration is its own subprocess, run one after the other, "
     "so the time columns of that table are NOT interleaved (one warm run each); the peak "
