@@ -50,7 +50,7 @@ def run(lengths, repeats, causal=False):
                     attention.head_groups = saved
                 fns[groups] = fn
             times = _common.interleaved(
-                fns, repeats=repeats, calls=max(1, 2**24 // (BATCH * length * length))
+                fns, repeats=repeats, calls=min(128, max(1, 2**24 // (BATCH * length * length)))
             )
             row = {"T": length, "pass": "fwd+bwd" if train else "forward",
                    "ms": {g: 1e3 * t for g, t in times.items()},

@@ -341,7 +341,7 @@ def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng, mon
     """The blocked path (while loops) exports with a dynamic batch, TFLite builtins only.
 
     Head groups are forced on (static length): the 4-head `MultiHeadAttention`
-    runs one blocked loop per head, the one-head `DotProductAttention` a
+    runs two blocked loops of two heads, the one-head `DotProductAttention` a
     single loop, so both shapes of the graph are exported.
 
     `DotProductAttention` with query and key padding masks has fully masked
@@ -354,8 +354,9 @@ def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng, mon
     from keras_attn.export import export_all
 
     monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
-    monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1)
-    assert attention_ops.head_groups((None, 4, 16, 8), 4) == 4
+    # One (1, 4, 16, 8) float32 block is 2048 bytes: 2 groups of 1024.
+    monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1024)
+    assert attention_ops.head_groups((None, 4, 16, 8), 4) == 2
     length, dim = 40, 16
     x_in = keras.Input((length, dim), name="x")
     keys_in = keras.Input((length,), dtype="bool", name="keys")
