@@ -15,6 +15,9 @@ import tensorflow as tf
 from keras_attn.layers import DotProductAttention
 from keras_attn.layers import MultiHeadAttention
 from keras_attn.ops import attention as attention_ops
+from keras_attn import ops as ka_ops
+from keras_attn.ops import dispatch
+from keras_attn.ops import tf_kernels
 from keras_attn.ops import chunked
 from keras_attn.ops import dot_product_attention
 from tests.reference import attention_with_grads as np_attention
@@ -55,8 +58,8 @@ def backward_max_chunk(request, monkeypatch):
     if value is not None:
         monkeypatch.setattr(chunked, "BACKWARD_MAX_CHUNK", value)
     if request.param == "head_groups":
-        monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
-        monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1)
+        monkeypatch.setattr(tf_kernels, "GROUP_MIN_SCORE_BYTES", 0)
+        monkeypatch.setattr(tf_kernels, "GROUP_SCORE_BYTES", 1)
     return value
 
 
@@ -81,13 +84,17 @@ def test_chunked_matches_numpy_and_unblocked(name, rng, backward_max_chunk):
         explicit[0, 5, :] = False  # query 5 of example 0 sees nothing
         explicit[1, :, :] = key_valid[1][None, :]
         mask4 &= explicit[:, None]
-    attention_mask = key_valid if explicit is None else explicit & key_valid[:, None, :]
+    attention_mask = key_padding = None
+    if explicit is None:
+        key_padding = key_valid
+    else:
+        attention_mask = (explicit & key_valid[:, None, :])[:, None]
 
     def run(chunk_size):
         def fn(q, k, v, bias):
             return dot_product_attention(
-                q, k, v, attention_mask=attention_mask, bias=bias, is_causal=causal,
-                chunk_size=chunk_size,
+                q, k, v, attention_mask=attention_mask, key_padding_mask=key_padding,
+                bias=bias, is_causal=causal, chunk_size=chunk_size,
             )
         return fn
 
@@ -113,11 +120,13 @@ def test_backward_blocks_differ_from_forward_blocks(monkeypatch):
 
 
 OFFSET_CASES = {
-    # name: (B, Tq, Tk, start_index, sliding_window)
-    "window_cached_decoding": (1, 12, 30, 18, 7),
-    "causal_start_0": (2, 19, 43, 0, None),
-    "causal_start_5": (2, 19, 43, 5, None),
-    "causal_start_23": (2, 19, 43, 23, None),
+    # name: (B, Tq, Tk, start_index, sliding_window, causal)
+    "window_cached_decoding": (1, 12, 30, 18, 7, True),
+    "causal_start_0": (2, 19, 43, 0, None, True),
+    "causal_start_5": (2, 19, 43, 5, None, True),
+    "causal_start_23": (2, 19, 43, 23, None, True),
+    "symmetric_window": (2, 29, 43, 0, 7, False),
+    "symmetric_window_offset": (1, 12, 30, 9, 5, False),
 }
 
 
@@ -126,7 +135,7 @@ def test_causal_offset_window_ragged_blocks(rng, backward_max_chunk, name):
     """Causal with an offset first query (cached decoding), with and without
     a sliding window, lengths not multiples of the blocks, query and key
     blocks of different sizes."""
-    b, tq, tk, start, window = OFFSET_CASES[name]
+    b, tq, tk, start, window, causal = OFFSET_CASES[name]
     h, d = 2, 8
     q = rng.normal(size=(b, tq, h, d)).astype("float32")
     k = rng.normal(size=(b, tk, h, d)).astype("float32")
@@ -134,19 +143,24 @@ def test_causal_offset_window_ragged_blocks(rng, backward_max_chunk, name):
     d_out = rng.normal(size=(b, tq, h, d)).astype("float32")
     q_pos = np.arange(tq)[:, None] + start
     k_pos = np.arange(tk)[None, :]
-    mask = q_pos >= k_pos
+    mask = q_pos >= k_pos if causal else np.ones((tq, tk), bool)
     if window is not None:
-        mask &= q_pos - k_pos < window
+        mask &= np.abs(q_pos - k_pos) < window
     mask4 = np.broadcast_to(mask, (b, h, tq, tk))
 
-    def fn(q, k, v, bias):
-        return dot_product_attention(
-            q, k, v, is_causal=True, start_index=start, sliding_window=window, chunk_size=(6, 8)
-        )
+    def run(chunk_size):
+        def fn(q, k, v, bias):
+            return dot_product_attention(
+                q, k, v, is_causal=causal, start_index=start, sliding_window=window,
+                chunk_size=chunk_size,
+            )
+        return fn
 
     expected = np_attention(q, k, v, mask4, None, 1.0 / np.sqrt(d), d_out)
-    for label, got, ref in zip(("out", "dq", "dk", "dv"), _grads(fn, q, k, v, None, d_out), expected):
-        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4, err_msg=label)
+    for chunk_size in ((6, 8), 0):
+        got_all = _grads(run(chunk_size), q, k, v, None, d_out)
+        for label, got, ref in zip(("out", "dq", "dk", "dv"), got_all, expected):
+            np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4, err_msg=label)
 
 
 def test_graph_xla_and_dynamic_length(rng):
@@ -287,8 +301,8 @@ def test_invalid_chunk_size_and_unsupported_combinations(rng):
 
 
 def test_large_blocks_run_in_head_groups(monkeypatch, rng):
-    """(1, 8, 1024, 1024) float32 blocks (32 MiB) run as one group per head;
-    small blocks or unknown lengths as one group. Values: NumPy reference."""
+    """(1, 8, 1024, 1024) float32 blocks (32 MiB) run in several groups of
+    heads; small blocks or unknown lengths as one group. Values: NumPy."""
     heads = []
     original = chunked.chunked_dot_product_attention
 
@@ -299,7 +313,7 @@ def test_large_blocks_run_in_head_groups(monkeypatch, rng):
     monkeypatch.setattr(chunked, "chunked_dot_product_attention", spy)
     q, k, v = (rng.normal(size=(1, 1100, 8, 4)).astype("float32") for _ in range(3))
     out = dot_product_attention(q, k, v, chunk_size=1024)
-    assert heads == [1] * 8
+    assert len(heads) > 1 and sum(heads) == 8
     mask4 = np.ones((1, 8, 1100, 1100), bool)
     np.testing.assert_allclose(
         out, np_attention(q, k, v, mask4, None, 0.5, np.zeros_like(q))[0], atol=1e-5, rtol=1e-4
@@ -318,22 +332,17 @@ def test_large_blocks_run_in_head_groups(monkeypatch, rng):
 
 def test_automatic_dispatch_above_threshold(monkeypatch, rng):
     """Above the threshold the blocked path runs by itself, never when scores are asked for."""
-    calls = []
-    original = chunked.chunked_dot_product_attention
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["chunk_size"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(chunked, "chunked_dot_product_attention", spy)
-    monkeypatch.setattr(chunked, "AUTO_CHUNK_MIN_SCORES", 15 * 15)
+    monkeypatch.setattr(dispatch, "AUTO_CHUNK_MIN_SCORES", 15 * 15)
     q = rng.normal(size=(1, 16, 2, 4)).astype("float32")
     attention_ops.dot_product_attention(q, q, q)
-    assert calls == [(chunked.DEFAULT_CHUNK_SIZE,) * 2]
-    attention_ops.dot_product_attention(q[:, :15], q[:, :15], q[:, :15])
-    attention_ops.dot_product_attention(q, q, q, return_attention_scores=True)
-    attention_ops.dot_product_attention(q, q, q, chunk_size=0)
-    assert len(calls) == 1
+    assert ka_ops.last_kernel() == "blocked"
+    for args, kwargs in [
+        ((q[:, :15],) * 3, {}),
+        ((q,) * 3, {"return_attention_scores": True}),
+        ((q,) * 3, {"chunk_size": 0}),
+    ]:
+        attention_ops.dot_product_attention(*args, **kwargs)
+        assert ka_ops.last_kernel() != "blocked"
 
 
 @pytest.mark.slow
@@ -353,10 +362,10 @@ def test_blocked_layer_exports_to_saved_model_tflite_and_onnx(tmp_path, rng, mon
 
     from keras_attn.export import export_all
 
-    monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
+    monkeypatch.setattr(tf_kernels, "GROUP_MIN_SCORE_BYTES", 0)
     # One (1, 4, 16, 8) float32 block is 2048 bytes: 2 groups of 1024.
-    monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1024)
-    assert attention_ops.head_groups((None, 4, 16, 8), 4) == 2
+    monkeypatch.setattr(tf_kernels, "GROUP_SCORE_BYTES", 1024)
+    assert tf_kernels.head_groups((None, 4, 16, 8), 4) == 2
     length, dim = 40, 16
     x_in = keras.Input((length, dim), name="x")
     keys_in = keras.Input((length,), dtype="bool", name="keys")

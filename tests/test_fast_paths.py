@@ -8,7 +8,7 @@
   against `keras.layers.MultiHeadAttention` with the same weights.
 - The blocks' LayerNorm with its written-out backward: against
   `keras.layers.LayerNormalization` differentiated by TensorFlow, and NumPy.
-- Attention in independent head groups (`attention.head_groups`): every
+- Attention in independent head groups (`tf_kernels.head_groups`): every
   NumPy case above again with the groups forced, plus per-head biases and
   returned scores.
 - `MultiHeadAttention`'s fused input projections (one matmul per input
@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_attn.layers import MultiHeadAttention
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
-from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import tf_kernels
 from keras_attn.ops import dot_product_attention
 from tests import reference as ref
 
@@ -33,8 +33,8 @@ def grouping(request, monkeypatch):
     """Runs a test twice: as configured, and with attention split into as
     many head groups as the key/value heads allow, whatever the size."""
     if request.param == "head_groups":
-        monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
-        monkeypatch.setattr(attention_ops, "GROUP_SCORE_BYTES", 1)
+        monkeypatch.setattr(tf_kernels, "GROUP_MIN_SCORE_BYTES", 0)
+        monkeypatch.setattr(tf_kernels, "GROUP_SCORE_BYTES", 1)
     return request.param
 
 # name: (B, Tq, Tk, H, Hkv, causal, mask kind, bias, value dtype)
@@ -61,18 +61,19 @@ def test_dense_attention_values_and_gradients_match_numpy(name, rng, grouping):
     # A per-head bias as (H, T_q, T_k): split with the heads in groups.
     bias = rng.normal(size=(h, tq, tk)).astype("float32") if use_bias else None
     mask4 = np.ones((b, h, tq, tk), bool)
-    attention_mask = None
+    attention_mask = key_padding_mask = None
     if kind in ("keys", "keys_empty"):
         valid = rng.random((b, tk)) > 0.3
         valid[:, 0] = kind == "keys"  # "keys_empty": example rows with no key
         if kind == "keys_empty":
             valid[1] = True
-        attention_mask = valid
+        key_padding_mask = valid
         mask4 &= valid[:, None, None, :]
     elif kind == "full":
         attention_mask = rng.random((b, tq, tk)) > 0.4
         attention_mask[0, 2] = False  # one query row sees nothing
         mask4 &= attention_mask[:, None]
+        attention_mask = attention_mask[:, None]
     if causal:
         mask4 &= np.tril(np.ones((tq, tk), bool))[None, None]
 
@@ -83,7 +84,8 @@ def test_dense_attention_values_and_gradients_match_numpy(name, rng, grouping):
     with tf.GradientTape() as tape:
         tape.watch(watched)
         out = dot_product_attention(
-            qt, kt, vt, attention_mask=attention_mask, bias=bt, is_causal=causal, chunk_size=0
+            qt, kt, vt, attention_mask=attention_mask, key_padding_mask=key_padding_mask,
+            bias=bt, is_causal=causal, chunk_size=0,
         )
         loss = tf.reduce_sum(tf.cast(out, "float32") * d_out)
     grads = tape.gradient(loss, watched)
@@ -107,12 +109,14 @@ def test_dense_attention_values_and_gradients_match_numpy(name, rng, grouping):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_head_groups_return_the_scores_of_every_head(kv_heads, rng, monkeypatch):
     """Grouped heads, scores requested: outputs and scores against NumPy."""
-    monkeypatch.setattr(attention_ops, "GROUP_MIN_SCORE_BYTES", 0)
+    monkeypatch.setattr(tf_kernels, "GROUP_MIN_SCORE_BYTES", 0)
     b, t, h, d = 2, 6, 4, 8
     q = rng.normal(size=(b, t, h, d)).astype("float32")
     k, v = (rng.normal(size=(b, t, kv_heads, d)).astype("float32") for _ in range(2))
     valid = rng.random((b, t, t)) > 0.3
-    out, scores = dot_product_attention(q, k, v, attention_mask=valid, return_attention_scores=True)
+    out, scores = dot_product_attention(
+        q, k, v, attention_mask=valid[:, None], return_attention_scores=True
+    )
     mask4 = np.broadcast_to(valid[:, None], (b, h, t, t))
     want = ref.attention_with_grads(q, k, v, mask4, None, 1 / np.sqrt(d), np.zeros((b, t, h, d)))
     np.testing.assert_allclose(np.asarray(out), want[0], atol=1e-5)
@@ -124,26 +128,26 @@ def test_head_groups_return_the_scores_of_every_head(kv_heads, rng, monkeypatch)
     np.testing.assert_allclose(np.asarray(scores), p, atol=1e-5)
 
 
-def test_head_groups_are_used_for_large_scores_only(monkeypatch):
-    """The split really happens where the scores are large, and not for small
-    ones, unknown batch sizes or dropout."""
-    calls = []
-    inner = attention_ops._dense_attention
-    monkeypatch.setattr(
-        attention_ops, "_dense_attention", lambda *a, **k: calls.append(1) or inner(*a, **k)
+def test_head_groups_split_large_scores_into_whole_key_value_groups():
+    """Properties of the split, not its tuning: small scores, unknown lengths,
+    dropout and a single key/value head stay whole; large scores are split
+    into at least 2 groups, a divisor of the key/value heads, more groups
+    for larger scores."""
+    small = tf_kernels.GROUP_MIN_SCORE_BYTES // 4 // 2 - 1  # float32 (1, 2, 1, small)
+    assert tf_kernels.head_groups((1, 2, 1, small), 2) == 1
+    large = (8, 8, 512, 512)
+    for kv_heads in (2, 4, 8):
+        groups = tf_kernels.head_groups(large, kv_heads)
+        assert groups >= 2 and kv_heads % groups == 0
+    assert tf_kernels.head_groups((8, 8, None, 512), 8) == 1
+    assert tf_kernels.head_groups(large, 8, dropout_active=True) == 1
+    assert tf_kernels.head_groups(large, 1) == 1
+    assert tf_kernels.head_groups((64,) + large[1:], 8) >= tf_kernels.head_groups(
+        (1, 8, 128, 128), 8
     )
-    big = np.zeros((8, 128, 8, 32), "float32")
-    dot_product_attention(big, big, big)
-    assert len(calls) == 2  # (8, 8, 128, 128) float32 scores: 4 MiB in 2 groups
-    calls.clear()
-    dot_product_attention(big[:1, :64], big[:1, :64], big[:1, :64])
-    assert len(calls) == 1
-    assert attention_ops.head_groups((None, 8, 512, 512), 8) == 4  # batch counts as 1
-    assert attention_ops.head_groups((8, 8, None, 512), 8) == 1  # unknown length
-    assert attention_ops.head_groups((8, 8, 512, 512), 8) == 8
-    assert attention_ops.head_groups((8, 8, 512, 512), 8, dropout_active=True) == 1
-    assert attention_ops.head_groups((8, 8, 512, 512), 1) == 1  # multi-query: one kv head
-    assert attention_ops.head_groups((8, 6, 512, 512), 6) == 6
+    assert tf_kernels.head_groups((None,) + large[1:], 8) == tf_kernels.head_groups(
+        (1,) + large[1:], 8
+    )
 
 
 def test_dropout_and_scores_paths_agree_with_the_fast_path(rng):
@@ -155,7 +159,9 @@ def test_dropout_and_scores_paths_agree_with_the_fast_path(rng):
     def run(scores):
         with tf.GradientTape() as tape:
             tape.watch([q, k, v])
-            out = dot_product_attention(q, k, v, attention_mask=valid, return_attention_scores=scores)
+            out = dot_product_attention(
+                q, k, v, key_padding_mask=valid, return_attention_scores=scores
+            )
             out = out[0] if scores else out
             loss = tf.reduce_sum(out * out)
         return [out] + tape.gradient(loss, [q, k, v])
@@ -259,7 +265,9 @@ def test_hand_written_gradients_support_second_order(rng):
 
     def attention(scores):
         def fn(x):
-            out = dot_product_attention(x, k, v, attention_mask=valid, return_attention_scores=scores)
+            out = dot_product_attention(
+                x, k, v, key_padding_mask=valid, return_attention_scores=scores
+            )
             return out[0] if scores else out
         return fn
 

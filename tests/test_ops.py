@@ -30,22 +30,37 @@ def test_dot_product_attention_matches_reference(rng, hkv, causal):
 
 
 @pytest.mark.parametrize(
-    "mask_shape", [(2, 7), (5, 7), (2, 5, 7), (2, 4, 5, 7), (1, 5, 7)]
+    "mask_shape", [(5, 7), (1, 7), (4, 5, 7), (1, 5, 7), (2, 1, 5, 7), (2, 4, 5, 7), (2, 4, 1, 7)]
 )
-def test_explicit_mask_shapes(rng, mask_shape):
+def test_explicit_mask_shapes_broadcast_right_aligned(rng, mask_shape):
+    """As keras.ops.dot_product_attention and torch SDPA: the mask broadcasts
+    against (B, H, T_q, T_k) from the right (NumPy's rule)."""
     q, k, v = _qkv(rng)
     mask = rng.random(mask_shape) > 0.4
     out = ka_ops.dot_product_attention(q, k, v, attention_mask=mask)
-    if len(mask_shape) == 2 and mask_shape[0] == 2:
-        full = mask[:, None, None, :]
-    elif len(mask_shape) == 2:
-        full = mask[None, None]
-    elif len(mask_shape) == 3:
-        full = mask[:, None]
-    else:
-        full = mask
+    full = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask_shape), (2, 4, 5, 7))
     want, _ = ref.attention(q, k, v, mask=full)
     np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_key_padding_mask_has_its_own_argument(rng):
+    q, k, v = _qkv(rng)
+    valid = rng.random((2, 7)) > 0.4
+    out = ka_ops.dot_product_attention(q, k, v, key_padding_mask=valid)
+    want, _ = ref.attention(q, k, v, mask=valid[:, None, None, :])
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    with pytest.raises(ValueError, match=r"key_padding_mask.*\(2, 5\)"):
+        ka_ops.dot_product_attention(q, k, v, key_padding_mask=valid[:, :5])
+
+
+def test_batch_by_key_mask_is_rejected_not_guessed(rng):
+    """A (B, T_k) or (B, T_q, T_k) mask does not broadcast to (B, H, T_q, T_k):
+    a clear error naming the way out, never a guess from the batch size."""
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ka_ops.dot_product_attention(q, k, v, attention_mask=np.ones((2, 7), bool))
+    with pytest.raises(ValueError, match="expand_dims"):
+        ka_ops.dot_product_attention(q, k, v, attention_mask=np.ones((2, 5, 7), bool))
 
 
 def test_mask_bias_scale_and_causal_combine(rng):
@@ -53,7 +68,7 @@ def test_mask_bias_scale_and_causal_combine(rng):
     mask = rng.random((2, 5)) > 0.3
     bias = rng.standard_normal((1, 4, 5, 5)).astype("float32")
     out = ka_ops.dot_product_attention(
-        q, k, v, attention_mask=mask, bias=bias, is_causal=True, scale=0.3
+        q, k, v, key_padding_mask=mask, bias=bias, is_causal=True, scale=0.3
     )
     full = mask[:, None, None, :] & ref.causal(5)[None, None]
     want, _ = ref.attention(q, k, v, mask=full, bias=bias, scale=0.3)
@@ -69,7 +84,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradients(rng):
     for dropout in (0.0, 0.5):
         with tf.GradientTape() as tape:
             out, scores = ka_ops.dot_product_attention(
-                q_t, k_t, v_t, attention_mask=mask, return_attention_scores=True,
+                q_t, k_t, v_t, attention_mask=mask[:, None], return_attention_scores=True,
                 dropout_rate=dropout, training=True, seed=3,
             )
             loss = tf.reduce_sum(out[0, 2] ** 2) + tf.reduce_sum(out[1] ** 2)

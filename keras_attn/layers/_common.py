@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_attn.ops import chunked
+from keras_attn.ops import dispatch
 from keras_attn.ops import masking
 from keras_attn.ops.attention import check_dropout  # noqa: F401  (re-export)
 
@@ -61,7 +61,7 @@ def check_chunk_size(chunk_size, dropout):
     round trip unchanged.
     """
     if chunk_size != 0:
-        chunked.check_chunk_size(chunk_size)
+        dispatch.check_chunk_size(chunk_size)
     if chunk_size not in (0, None) and dropout > 0.0:
         raise ValueError(
             "An explicit `chunk_size` (the blocked attention path) cannot be "
@@ -184,9 +184,13 @@ def merge_attention_masks(
     """One `(B|1, H|1, T_q, T_k)` boolean mask from every mask source.
 
     Padding masks (Keras masks of the inputs, or given), the explicit
-    `attention_mask` and the causal mask combine by logical AND. As in
-    `keras.layers.MultiHeadAttention`, `key_mask` is ignored when `key` is
-    None or is `value`.
+    `attention_mask` and the causal / sliding-window masks combine by
+    logical AND. As in `keras.layers.MultiHeadAttention`, `key_mask` is
+    ignored when `key` is None or is `value`, and `attention_mask` is
+    `(B, T_q, T_k)` (or `(B, H, T_q, T_k)`); a rank-2 one is `(T_q, T_k)`,
+    shared by the batch, whatever the batch size
+    (`keras_attn.ops.normalize_attention_mask`). `sliding_window` is the
+    band `|i - j| < sliding_window` (`keras_attn.ops.sliding_window_mask`).
     """
     if key is None or key is value:
         key_mask = None
@@ -202,20 +206,11 @@ def merge_attention_masks(
         key_length=value.shape[1],
         num_heads=num_heads,
     )
-    causal = None
-    window = None
-    if use_causal_mask or sliding_window is not None:
-        t_q = keras.ops.shape(query)[1]
-        t_k = keras.ops.shape(value)[1]
-        if use_causal_mask:
-            causal = masking._expand_bool(
-                masking.causal_mask(t_q, t_k, start_index=start_index), (0, 1)
-            )
-        if sliding_window is not None:
-            window = masking._expand_bool(
-                masking.sliding_window_mask(
-                    t_q, t_k, window=sliding_window, start_index=start_index
-                ),
-                (0, 1),
-            )
-    return masking.combine_masks(padding, explicit, causal, window)
+    positions = masking.position_mask(
+        keras.ops.shape(query)[1],
+        keras.ops.shape(value)[1],
+        is_causal=bool(use_causal_mask),
+        sliding_window=sliding_window,
+        start_index=start_index,
+    )
+    return masking.combine_masks(padding, explicit, positions)

@@ -11,14 +11,13 @@ either.
 
 Everything here is `keras.ops` (`custom_gradient`, `map`, `fori_loop`,
 `take`, `slice_update`), so it runs on the TensorFlow and JAX backends; the
-PyTorch backend has no `keras.ops.custom_gradient` and is not supported.
-One exception, in `_loop`/`_map`: on TensorFlow the loops are
-`tf.while_loop`s with `parallel_iterations=1` (and `_map` writes its
-results into a buffer, see there). `keras.ops`
-builds them with TensorFlow's default of 10 iterations in flight, and as the
-blocks do not depend on each other, TensorFlow then keeps up to 10 x 10
-score blocks alive at once (measured: 3.1 GiB instead of 1 GiB peak for
-forward+backward at T=8192), which defeats the purpose of blocking.
+PyTorch backend has no `keras.ops.custom_gradient` and is not supported. On
+TensorFlow the loops run one iteration at a time
+(`keras_attn.ops.tf_kernels.loop` / `sequential_map`), which bounds the memory.
+
+Causal and sliding-window masks are built per block from positions, and key
+blocks that no query of a block can see are skipped, so a sliding window
+costs `O(T W)` time and `O(T)` memory.
 
 Layout inside this module: queries `(nq, B, H_kv, G, q_chunk, D)` with `G`
 query heads per key/value head (grouped-query attention without repeating
@@ -27,115 +26,25 @@ keys or values), keys and values `(nk, B, H_kv, k_chunk, D)`.
 
 import math
 
-import keras
 from keras import ops
 
+from keras_attn.ops import dispatch
 from keras_attn.ops import masking
+from keras_attn.ops.shapes import dim as _dim
+from keras_attn.ops.tf_kernels import loop as _loop
+from keras_attn.ops.tf_kernels import sequential_map as _map
 
-DEFAULT_CHUNK_SIZE = 1024
-"""Default query and key block size of the blocked path's forward pass.
-
-Larger blocks make the forward faster (fewer loop steps and running-max
-updates): at T=4096/8192, batch 1, 8 heads of 32, 1024-blocks took 0.83-0.88x
-the time of 512-blocks (`benchmarks/README.md`)."""
+DEFAULT_CHUNK_SIZE = dispatch.DEFAULT_CHUNK_SIZE
 
 BACKWARD_MAX_CHUNK = 512
 """Largest block the backward pass uses on either axis. Its blocks are
 independent of the forward's (it recomputes them from q, k, v, the output and
-the row log-sum-exp); with 1024-blocks the causal forward+backward at T=8192
-was 9-13% slower than with 512-blocks, and smaller ones were slower still."""
-
-AUTO_CHUNK_MIN_SCORES = 4096 * 4096
-"""`dot_product_attention` takes the blocked path by itself when the static
-`T_q * T_k` is larger than this (i.e. beyond 4096 x 4096 tokens), where the
-unblocked score tensors of a batch-1, 8-head layer already take 512 MiB each."""
+the row log-sum-exp), and it is fastest with smaller blocks than the forward
+(benchmarks/README.md)."""
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
 _LOWEST = -3.4028234663852886e38  # the lowest finite float32
-
-
-def _loop(lower, upper, body, init):
-    """`ops.fori_loop`, one iteration at a time on TensorFlow (see module doc)."""
-    if keras.backend.backend() != "tensorflow":
-        return ops.fori_loop(lower, upper, body, init)
-    import tensorflow as tf
-
-    return tf.while_loop(
-        lambda i, _: i < upper,
-        lambda i, carry: (i + 1, body(i, carry)),
-        (lower, init),
-        parallel_iterations=1,
-    )[1]
-
-
-def _map(fn, n, batch):
-    """`ops.map(fn, arange(n))`, one iteration at a time on TensorFlow.
-
-    On TensorFlow the results go into a preallocated `(n, ...)` buffer,
-    written row by row (`where(arange(n) == i, result, buffer)`) in a
-    `tf.while_loop`, rather than through `tf.map_fn`: `map_fn` collects them
-    in TensorLists, which TFLite lowers to builtin ops only when their element
-    shape is static, and a serving signature's batch axis is not (the blocked
-    path would then need the Flex delegate). The row writes cost O(n) passes
-    over `(T, d)`-sized results, next to the `O(T^2 d)` work of the blocks.
-    `batch` is the (possibly dynamic) batch size, the one axis of `fn`'s
-    results that may be unknown when tracing.
-    """
-    indices = ops.arange(n, dtype="int32")
-    if keras.backend.backend() != "tensorflow":
-        return ops.map(fn, indices)
-    import tensorflow as tf
-
-    # The result shapes, from a trace of `fn` that never runs (also in eager
-    # mode, and when n == 0).
-    traced = tf.function(fn).get_concrete_function(tf.TensorSpec((), tf.int32))
-    specs = tf.nest.map_structure(tf.TensorSpec.from_tensor, traced.structured_outputs)
-    flat_specs = tf.nest.flatten(specs)
-
-    def buffer(spec):
-        shape = [n] + [batch if d is None else d for d in spec.shape]
-        return tf.zeros(tf.stack([tf.cast(d, tf.int32) for d in shape]), spec.dtype)
-
-    def body(i, stacked):
-        row = tf.equal(indices, i)
-        written = []
-        for old, new in zip(stacked, tf.nest.flatten(fn(i))):
-            hit = tf.reshape(row, [-1] + [1] * len(new.shape))
-            written.append(tf.where(hit, new[None], old))
-        return i + 1, written
-
-    _, stacked = tf.while_loop(
-        lambda i, _: i < n,
-        body,
-        (tf.constant(0, tf.int32), [buffer(spec) for spec in flat_specs]),
-        parallel_iterations=1,
-    )
-    return tf.nest.pack_sequence_as(specs, stacked)
-
-
-def check_chunk_size(chunk_size, name="chunk_size"):
-    """Validates `chunk_size`: None, a positive int or a pair `(q_chunk, k_chunk)`.
-
-    Returns None or a `(q_chunk, k_chunk)` tuple of ints.
-    """
-    if chunk_size is None:
-        return None
-    pair = chunk_size if isinstance(chunk_size, (tuple, list)) else (chunk_size, chunk_size)
-    if len(pair) != 2 or not all(
-        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in pair
-    ):
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected None, a "
-            "positive integer or a pair of positive integers (q_chunk, k_chunk). "
-            f"Received: {name}={chunk_size!r}"
-        )
-    return (int(pair[0]), int(pair[1]))
-
-
-def _dim(x, axis):
-    d = x.shape[axis]
-    return d if d is not None else ops.shape(x)[axis]
 
 
 def _ceil_div(a, b):
@@ -279,9 +188,11 @@ class _Tiling:
         """Key blocks `[lo, hi)` that query block `i` can see."""
         lo = ops.convert_to_tensor(0, "int32")
         hi = ops.convert_to_tensor(self.nk, "int32")
+        last_q = i * self.q_chunk + (self.q_chunk - 1) + self.start
         if self.is_causal:
-            last_q = i * self.q_chunk + (self.q_chunk - 1) + self.start
             hi = ops.clip(last_q // self.k_chunk + 1, 0, self.nk)
+        elif self.window is not None:
+            hi = ops.clip((last_q + self.window - 1) // self.k_chunk + 1, 0, self.nk)
         if self.window is not None:
             first_q = i * self.q_chunk + self.start
             lo = ops.clip((first_q - self.window + 1) // self.k_chunk, 0, self.nk)
@@ -291,27 +202,34 @@ class _Tiling:
         """Query blocks `[lo, hi)` that can see key block `j`."""
         lo = ops.convert_to_tensor(0, "int32")
         hi = ops.convert_to_tensor(self.nq, "int32")
+        first_k = j * self.k_chunk
         if self.is_causal:
-            lo = ops.clip((j * self.k_chunk - self.start) // self.q_chunk, 0, self.nq)
+            lo = ops.clip((first_k - self.start) // self.q_chunk, 0, self.nq)
+        elif self.window is not None:
+            lo = ops.clip((first_k - self.window + 1 - self.start) // self.q_chunk, 0, self.nq)
         if self.window is not None:
-            last_k = j * self.k_chunk + self.k_chunk - 1
+            last_k = first_k + self.k_chunk - 1
             hi = ops.clip((last_k + self.window - 1 - self.start) // self.q_chunk + 1, 0, self.nq)
         return lo, ops.maximum(lo, hi)
 
     def visible(self, i, j):
         """Boolean `(B|1, H_kv|1, G|1, q_chunk, k_chunk)` block mask, or None."""
         result = None
-        if self.is_causal or self.needs_key_bound:
+        positional = self.is_causal or self.window is not None
+        if positional or self.needs_key_bound:
             k_pos = j * self.k_chunk + self.k_offsets
             if self.needs_key_bound:
                 result = ops.less(k_pos, self.t_k)[None, :]
-            if self.is_causal:
+            if positional:
                 q_pos = i * self.q_chunk + self.q_offsets + self.start
                 diff = q_pos[:, None] - k_pos[None, :]
-                causal = ops.greater_equal(diff, 0)
-                if self.window is not None:
-                    causal = ops.logical_and(causal, ops.less(diff, self.window))
-                result = causal if result is None else ops.logical_and(result, causal)
+                if self.is_causal:
+                    near = ops.greater_equal(diff, 0)
+                    if self.window is not None:
+                        near = ops.logical_and(near, ops.less(diff, self.window))
+                else:
+                    near = ops.less(ops.abs(diff), self.window)
+                result = near if result is None else ops.logical_and(result, near)
             result = result[None, None, None]
         if self.mask_blocks is not None:
             blk = self.mask_blocks.block(i, j)
@@ -492,7 +410,7 @@ def chunked_dot_product_attention(
     Returns:
         `(B, T_q, H, D_v)` in `value`'s dtype.
     """
-    chunks = check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
+    chunks = dispatch.check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
     out_dtype = value.dtype
     q = ops.cast(query, "float32")
     k = ops.cast(key, "float32")
@@ -521,7 +439,7 @@ def chunked_dot_product_attention(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             is_causal=is_causal,
-            window=sliding_window if (is_causal and sliding_window is not None) else None,
+            window=sliding_window,
             start=ops.cast(start_index, "int32"),
             mask5=mask5,
         )

@@ -9,6 +9,7 @@ The causal and sliding-window masks are built from `arange` comparisons
 and ONNX for any (dynamic) sequence length.
 """
 
+import keras
 from keras import ops
 
 
@@ -95,7 +96,8 @@ def causal_mask(query_length, key_length=None, start_index=0, sliding_window=Non
 
     `start_index` is the absolute position of the first query, as in cached
     decoding where the keys hold `start_index` earlier tokens. With
-    `sliding_window=w`, query `i` also sees only keys `j > i + start_index - w`.
+    `sliding_window=w`, the band of `sliding_window_mask` too: query `i`
+    sees the last `w` keys `i + start_index - w < j <= i + start_index`.
 
     Example:
 
@@ -106,20 +108,36 @@ def causal_mask(query_length, key_length=None, start_index=0, sliding_window=Non
     key_length = query_length if key_length is None else key_length
     q_pos = ops.arange(query_length, dtype="int32") + ops.cast(start_index, "int32")
     k_pos = ops.arange(key_length, dtype="int32")
-    mask = ops.greater_equal(q_pos[:, None], k_pos[None, :])
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = ops.greater_equal(diff, 0)
     if sliding_window is not None:
-        mask = ops.logical_and(
-            mask, ops.less(q_pos[:, None] - k_pos[None, :], sliding_window)
-        )
+        mask = ops.logical_and(mask, ops.less(diff, sliding_window))
     return mask
 
 
 def sliding_window_mask(query_length, key_length=None, window=1, start_index=0):
-    """Symmetric band `(T_q, T_k)`: `|i + start_index - j| < window` (as Keras MHA)."""
+    """Band `(T_q, T_k)`: query `i` sees key `j` when `|i + start_index - j| < window`.
+
+    This is what `sliding_window` means everywhere in keras_attn (ops and
+    layers, as Keras MHA): a symmetric band, which with a causal mask leaves
+    the last `window` keys, as in the ring-buffer generation caches.
+    """
     key_length = query_length if key_length is None else key_length
     q_pos = ops.arange(query_length, dtype="int32") + ops.cast(start_index, "int32")
     k_pos = ops.arange(key_length, dtype="int32")
     return ops.less(ops.abs(q_pos[:, None] - k_pos[None, :]), window)
+
+
+def position_mask(query_length, key_length, *, is_causal=False, sliding_window=None,
+                  start_index=0):
+    """The `(1, 1, T_q, T_k)` causal and/or sliding-window mask, or None."""
+    if is_causal:
+        mask = causal_mask(query_length, key_length, start_index, sliding_window)
+    elif sliding_window is not None:
+        mask = sliding_window_mask(query_length, key_length, sliding_window, start_index)
+    else:
+        return None
+    return _expand_bool(mask, (0, 1))
 
 
 def combine_masks(*masks):
@@ -156,12 +174,34 @@ def mask_to_bias(mask, row_visible=None):
 
 
 def _check_mask_dtype(name, mask):
-    dtype = str(getattr(mask, "dtype", "bool"))
-    dtype = dtype.replace("<dtype: '", "").replace("'>", "")
+    raw = getattr(mask, "dtype", "bool")
+    try:
+        dtype = keras.backend.standardize_dtype(raw)
+    except ValueError:  # strings, objects: not a dtype Keras knows
+        dtype = str(raw)
     if not dtype.startswith(_MASK_DTYPE_PREFIXES):
         raise TypeError(
             f"Received an invalid `{name}` dtype: expected bool (True = attend) "
             f"or an integer/float 0/1 mask. Received: {name}.dtype={dtype}"
+        )
+
+
+def _to_tensor(mask, name):
+    if isinstance(mask, (list, tuple)):
+        mask = ops.convert_to_tensor(mask)
+    _check_mask_dtype(name, mask)
+    return mask
+
+
+def _check_broadcast(name, shape, full, expected, accepted):
+    batch_size, num_heads, query_length, key_length = expected
+    for got, want in zip(full, expected):
+        if got is None or want is None or got == 1 or got == want:
+            continue
+        raise ValueError(
+            f"Received an invalid `{name}` shape: {shape} does not broadcast to "
+            f"(batch={batch_size}, heads={num_heads}, T_q={query_length}, "
+            f"T_k={key_length}). Expected {accepted}."
         )
 
 
@@ -173,13 +213,13 @@ def normalize_attention_mask(
     num_heads=None,
     name="attention_mask",
 ):
-    """Brings an explicit attention mask to rank 4 `(B|1, H|1, T_q|1, T_k)`.
+    """A layer's `attention_mask` (as Keras MHA) at rank 4 `(B|1, H|1, T_q|1, T_k)`.
 
-    Accepted shapes: `(B, T_k)` (key padding), `(T_q, T_k)`, `(B, T_q, T_k)`
-    and `(B, H, T_q, T_k)`. A rank-2 mask is read as `(T_q, T_k)` only when its
-    first dimension is statically equal to `query_length` and differs from
-    `batch_size` (or the batch size is unknown); otherwise as `(B, T_k)`.
-    Pass a rank-3 mask `(1, T_q, T_k)` to remove any doubt.
+    Accepted shapes: `(B, T_q, T_k)` (Keras' documented shape),
+    `(B, H, T_q, T_k)`, and `(T_q, T_k)`, shared by the whole batch (as Keras
+    MHA broadcasts it). A rank-2 mask is always `(T_q, T_k)`, whatever the
+    batch size; key padding is a `(B, T_k)` `value_mask`/`key_mask` (or
+    `key_padding_mask=` in `keras_attn.ops.dot_product_attention`).
 
     Statically known dimensions that cannot broadcast to
     `(batch_size, num_heads, query_length, key_length)` raise a ValueError
@@ -187,45 +227,67 @@ def normalize_attention_mask(
     """
     if mask is None:
         return None
-    if isinstance(mask, (list, tuple)):
-        mask = ops.convert_to_tensor(mask)
-    _check_mask_dtype(name, mask)
+    mask = _to_tensor(mask, name)
     shape = tuple(mask.shape)
     rank = len(shape)
     if rank not in (2, 3, 4):
         raise ValueError(
-            f"Received an invalid `{name}`: expected rank 2 `(B, T_k)` or "
-            "`(T_q, T_k)`, rank 3 `(B, T_q, T_k)` or rank 4 `(B, H, T_q, T_k)`. "
+            f"Received an invalid `{name}`: expected rank 2 `(T_q, T_k)`, "
+            "rank 3 `(B, T_q, T_k)` or rank 4 `(B, H, T_q, T_k)`. "
             f"Received: {name}.shape={shape}"
         )
     mask = _as_bool(mask)
-    if rank == 4:
-        full = shape
-    elif rank == 3:
+    if rank == 3:
         mask = _expand_bool(mask, (1,))
-        full = (shape[0], 1, shape[1], shape[2])
-    else:
-        first = shape[0]
-        is_query_by_key = (
-            first is not None
-            and query_length is not None
-            and first == query_length
-            and (batch_size is None or batch_size != first)
-        )
-        if is_query_by_key:
-            mask = _expand_bool(mask, (0, 1))
-            full = (1, 1, shape[0], shape[1])
-        else:
-            mask = _expand_bool(mask, (1, 2))
-            full = (shape[0], 1, 1, shape[1])
-    expected = (batch_size, num_heads, query_length, key_length)
-    for got, want in zip(full, expected):
-        if got is None or want is None or got == 1 or got == want:
-            continue
-        raise ValueError(
-            f"Received an invalid `{name}` shape: {shape} does not broadcast to "
-            f"(batch={batch_size}, heads={num_heads}, T_q={query_length}, "
-            f"T_k={key_length}). Expected one of (B, T_k), (T_q, T_k), "
-            "(B, T_q, T_k) or (B, H, T_q, T_k)."
-        )
+    elif rank == 2:
+        mask = _expand_bool(mask, (0, 1))
+    full = tuple(mask.shape)
+    _check_broadcast(
+        name, shape, full, (batch_size, num_heads, query_length, key_length),
+        "one of (T_q, T_k), (B, T_q, T_k) or (B, H, T_q, T_k)",
+    )
     return mask
+
+
+def broadcast_attention_mask(mask, scores_shape, name="attention_mask"):
+    """An ops-level mask at rank 4: right-aligned broadcasting against
+    `scores_shape = (B, H, T_q, T_k)`, as `keras.ops.dot_product_attention`
+    and PyTorch's `scaled_dot_product_attention` read it (rank 2 is
+    `(T_q, T_k)`, rank 3 `(H, T_q, T_k)`). Checked on its static shape."""
+    if mask is None:
+        return None
+    mask = _to_tensor(mask, name)
+    shape = tuple(mask.shape)
+    if not 1 <= len(shape) <= 4:
+        raise ValueError(
+            f"Received an invalid `{name}`: expected rank 1 to 4, broadcastable "
+            f"to (B, H, T_q, T_k). Received: {name}.shape={shape}"
+        )
+    mask = _as_bool(mask)
+    if len(shape) < 4:
+        mask = _expand_bool(mask, tuple(range(4 - len(shape))))
+    _check_broadcast(
+        name, shape, tuple(mask.shape), tuple(scores_shape),
+        "a shape broadcastable to (B, H, T_q, T_k) (for a (B, T_q, T_k) mask, "
+        "add the head axis: expand_dims(mask, 1); for key padding, use "
+        "`key_padding_mask`)",
+    )
+    return mask
+
+
+def key_padding_mask_to_attention_mask(key_padding_mask, batch_size=None, key_length=None,
+                                       name="key_padding_mask"):
+    """A `(B, T_k)` key padding mask (True = a real key) as `(B, 1, 1, T_k)`."""
+    if key_padding_mask is None:
+        return None
+    mask = _to_tensor(key_padding_mask, name)
+    shape = tuple(mask.shape)
+    if len(shape) != 2 or any(
+        g is not None and w is not None and g not in (1, w)
+        for g, w in zip(shape, (batch_size, key_length))
+    ):
+        raise ValueError(
+            f"Received an invalid `{name}`: expected shape (batch, T_k) = "
+            f"({batch_size}, {key_length}). Received: {name}.shape={shape}"
+        )
+    return _expand_bool(_as_bool(mask), (1, 2))

@@ -1,0 +1,124 @@
+"""The one place that chooses an attention kernel: `select_kernel`.
+
+`keras_attn.ops.dot_product_attention` validates its inputs, asks
+`select_kernel` for a kernel name, and runs that kernel (see
+`keras_attn.config` for the names and the user setting). `select_kernel`
+decides from static facts only (backend, device type, the setting, static
+sequence lengths, whether dropout or the scores are needed), so the choice is
+made once per trace and can be checked in tests without the device.
+
+`last_kernel()` names the kernel of the most recent trace or eager call;
+`keras_attn.ops.explain_kernel(query, key, value, ...)` the kernel a call
+would use.
+"""
+
+import keras
+
+from keras_attn import config
+
+AUTO_CHUNK_MIN_SCORES = 4096 * 4096
+"""With `chunk_size=None`, attention is blocked when the static `T_q * T_k`
+exceeds this: beyond 4096 x 4096, the unblocked score tensors of a batch-1,
+8-head layer already take 512 MiB each."""
+
+DEFAULT_CHUNK_SIZE = 1024
+"""The forward block size of the blocked path when it is picked automatically
+(larger blocks take fewer loop steps; benchmarks/README.md)."""
+
+_last = {"kernel": None}
+
+
+def check_chunk_size(chunk_size, name="chunk_size"):
+    """Validates `chunk_size`: None, 0 (never blocked), a positive int or a
+    pair `(q_chunk, k_chunk)`. Returns None, 0 or a `(q_chunk, k_chunk)` tuple."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size == 0:
+        return 0
+    pair = chunk_size if isinstance(chunk_size, (tuple, list)) else (chunk_size, chunk_size)
+    if len(pair) != 2 or not all(
+        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in pair
+    ):
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected None, 0, a "
+            "positive integer or a pair of positive integers (q_chunk, k_chunk). "
+            f"Received: {name}={chunk_size!r}"
+        )
+    return (int(pair[0]), int(pair[1]))
+
+
+def cpu_kernels_enabled(implementation=None, backend=None, device=None):
+    """Whether the TensorFlow CPU optimisations (`keras_attn.ops.tf_kernels`)
+    may run: TensorFlow backend, a CPU, and the setting `"auto"` or `"tf_cpu"`."""
+    implementation = implementation or config.get_attention_implementation()
+    backend = backend or keras.backend.backend()
+    device = device or config.get_device_type()
+    if implementation == "tf_cpu":
+        return True
+    return implementation == "auto" and backend == "tensorflow" and device == "cpu"
+
+
+def select_kernel(
+    *,
+    query_length,
+    key_length,
+    chunk_size=None,
+    dropout_active=False,
+    return_attention_scores=False,
+    implementation=None,
+    backend=None,
+    device=None,
+):
+    """The name of the kernel that runs one attention call.
+
+    Args:
+        query_length, key_length: static sequence lengths (None if unknown).
+        chunk_size: the call's `chunk_size` (validated): a pair asks for the
+            blocked path, 0 forbids it, None lets the sizes decide.
+        dropout_active: dropout on the probabilities in training.
+        return_attention_scores: the caller wants the probabilities.
+        implementation, backend, device: default to
+            `config.get_attention_implementation()`, the Keras backend and
+            `config.get_device_type()`.
+
+    Returns:
+        `"reference"`, `"tf_cpu"`, `"blocked"` or `"keras"`.
+    """
+    implementation = implementation or config.get_attention_implementation()
+    backend = backend or keras.backend.backend()
+    device = device or config.get_device_type()
+    needs_scores = dropout_active or return_attention_scores
+    if implementation == "reference":
+        return "reference"
+    if implementation in ("blocked", "keras"):
+        # Neither kernel builds the score matrix.
+        return "reference" if needs_scores else implementation
+    if implementation == "tf_cpu":
+        return "tf_cpu"
+    # "auto"
+    if isinstance(chunk_size, tuple):
+        return "blocked"
+    if (
+        chunk_size is None
+        and not needs_scores
+        and query_length is not None
+        and key_length is not None
+        and query_length * key_length > AUTO_CHUNK_MIN_SCORES
+    ):
+        return "blocked"
+    if backend == "tensorflow" and device == "cpu":
+        return "tf_cpu"
+    if device == "gpu" and backend in ("jax", "torch") and not needs_scores:
+        return "keras"
+    return "reference"
+
+
+def record(kernel):
+    _last["kernel"] = kernel
+    return kernel
+
+
+def last_kernel():
+    """The kernel that the most recent `dot_product_attention` call (eager
+    call, or trace of a `tf.function` / `jit`) chose, or None."""
+    return _last["kernel"]
