@@ -10,10 +10,17 @@ no padding mask). After a row stops, it is filled with `pad_token_id`.
 
 The model must offer `init_cache`, `call_with_cache` and, for
 encoder-decoder models, `encode` (see `keras_attn.generation.models`).
+
+TensorFlow is required here, by design: the searches are TensorFlow graphs
+(`tf.function`, `tf.while_loop`, XLA) that also export as serving signatures
+(`keras_attn.generation.export`), so they run with the TensorFlow Keras
+backend only (checked, docs/architecture.md). The models and caches are
+`keras.ops` and run on every backend.
 """
 
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -77,6 +84,14 @@ def check_max_positions(model, max_length, encoder_length=None):
 
 def _check(model, max_length, prompt_ids, encoder_ids, stop_token_ids):
     """Validates the common arguments; returns `(prompt_ids, encoder_ids, stops)`."""
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "keras_attn's cached searches (greedy_search, random_sampling, "
+            "beam_search) are TensorFlow graphs and need the TensorFlow Keras "
+            f"backend. Received: backend={keras.backend.backend()!r}; set "
+            "KERAS_BACKEND=tensorflow, or call the model's `call_with_cache` "
+            "in your own loop."
+        )
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected a "

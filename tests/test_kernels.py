@@ -1,0 +1,240 @@
+"""Every attention kernel against the float64 NumPy reference and the
+`reference` kernel; the kernel choice (`select_kernel`) and its settings.
+
+- Values and gradients of `reference`, `tf_cpu`, `blocked` and `keras`
+  (`keras.ops.dot_product_attention`), forced through
+  `keras_attn.config.attention_implementation`, with masks (key padding,
+  full, fully masked rows), biases, causal and sliding windows, GQA, in
+  float32, float16 and bfloat16.
+- On a GPU (forced with `keras_attn.config.device_type("gpu")`), "auto"
+  never picks the CPU-only kernel or the blocks' CPU LayerNorm.
+- Forcing "reference" gives the same results (1e-5) on every public layer
+  and block of tests/model_zoo.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_attn
+from keras_attn import config
+from keras_attn import ops as ka_ops
+from keras_attn.ops import dispatch
+from tests import model_zoo
+from tests import reference as ref
+
+KERNELS = ["reference", "tf_cpu", "blocked", "keras"]
+
+# name: (B, Tq, Tk, H, Hkv, causal, window, mask kind, bias)
+CASES = {
+    "plain": (2, 9, 9, 4, 4, False, None, None, False),
+    "key_padding": (3, 7, 11, 4, 4, False, None, "keys", False),
+    "full_mask_empty_rows": (2, 6, 8, 2, 2, False, None, "full", False),
+    "gqa_causal_bias": (2, 9, 9, 8, 2, True, None, None, True),
+    "mqa_causal_keys": (2, 10, 10, 4, 1, True, None, "keys", False),
+    "causal_window": (1, 12, 12, 2, 2, True, 4, None, False),
+    "symmetric_window_bias": (2, 11, 11, 2, 2, False, 3, None, True),
+}
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 8e-2}
+
+
+def _case_inputs(name, rng):
+    b, tq, tk, h, hkv, causal, window, kind, use_bias = CASES[name]
+    d = 8
+    arrays = dict(
+        q=rng.normal(size=(b, tq, h, d)).astype("float32"),
+        k=rng.normal(size=(b, tk, hkv, d)).astype("float32"),
+        v=rng.normal(size=(b, tk, hkv, d)).astype("float32"),
+        d_out=rng.normal(size=(b, tq, h, d)).astype("float32"),
+        bias=rng.normal(size=(1, h, tq, tk)).astype("float32") if use_bias else None,
+    )
+    kwargs = dict(is_causal=causal, sliding_window=window)
+    mask4 = np.ones((b, h, tq, tk), bool)
+    q_pos, k_pos = np.arange(tq)[:, None], np.arange(tk)[None, :]
+    if causal:
+        mask4 &= q_pos >= k_pos
+    if window is not None:
+        mask4 &= np.abs(q_pos - k_pos) < window
+    if kind == "keys":
+        valid = rng.random((b, tk)) > 0.3
+        valid[:, 0] = True
+        kwargs["key_padding_mask"] = valid
+        mask4 &= valid[:, None, None, :]
+    elif kind == "full":
+        full = rng.random((b, 1, tq, tk)) > 0.4
+        full[0, 0, 2] = False  # a query row that sees no key
+        full[1] = False  # an example that sees nothing
+        kwargs["attention_mask"] = full
+        mask4 &= full
+    return arrays, kwargs, mask4
+
+
+def _run(kernel, arrays, kwargs, dtype):
+    cast = lambda a: tf.cast(tf.constant(a), dtype)  # noqa: E731
+    q, k, v = (cast(arrays[n]) for n in "qkv")
+    bias = None if arrays["bias"] is None else tf.constant(arrays["bias"])
+    watched = [q, k, v] + ([bias] if bias is not None else [])
+    with config.attention_implementation(kernel):
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            out = ka_ops.dot_product_attention(q, k, v, bias=bias, **kwargs)
+            loss = tf.reduce_sum(tf.cast(out, "float32") * arrays["d_out"])
+        ran = ka_ops.last_kernel()
+    grads = tape.gradient(loss, watched)
+    assert ran == kernel
+    assert out.dtype == dtype
+    return [np.asarray(tf.cast(x, "float32")) for x in [out] + grads], (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_values_and_gradients(kernel, name, dtype, rng):
+    arrays, kwargs, mask4 = _case_inputs(name, rng)
+    got, (q, k, v) = _run(kernel, arrays, kwargs, dtype)
+    # The NumPy reference sees the same (rounded) inputs.
+    q64, k64, v64 = (np.asarray(tf.cast(x, "float32")) for x in (q, k, v))
+    scale = 1 / np.sqrt(q64.shape[-1])
+    want = ref.attention_with_grads(q64, k64, v64, mask4, arrays["bias"], scale, arrays["d_out"])
+    want = list(want[:4]) + ([want[4].sum(axis=0, keepdims=True)] if arrays["bias"] is not None else [])
+    baseline, _ = _run("reference", arrays, kwargs, dtype)
+    tol = TOLERANCE[dtype]
+    for label, g, w, r in zip(["out", "dq", "dk", "dv", "d_bias"], got, want, baseline):
+        assert np.all(np.isfinite(g)), label
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=f"{label} vs NumPy")
+        np.testing.assert_allclose(g, r, atol=tol, rtol=tol, err_msg=f"{label} vs reference")
+
+
+@pytest.mark.parametrize("kernel", ["reference", "tf_cpu"])
+def test_kernels_with_scores_and_dropout(kernel, rng):
+    """Scores (all kernels that build them) against NumPy; dropout keeps the
+    expected value of the output (mean over many draws)."""
+    arrays, kwargs, mask4 = _case_inputs("full_mask_empty_rows", rng)
+    with config.attention_implementation(kernel):
+        out, scores = ka_ops.dot_product_attention(
+            arrays["q"], arrays["k"], arrays["v"], return_attention_scores=True, **kwargs
+        )
+        assert ka_ops.last_kernel() == kernel
+        want_out, want_probs = ref.attention(arrays["q"], arrays["k"], arrays["v"], mask=mask4)
+        np.testing.assert_allclose(out, want_out, atol=1e-5)
+        np.testing.assert_allclose(scores, want_probs, atol=1e-6)
+        dropped = ka_ops.dot_product_attention(
+            arrays["q"], arrays["k"], arrays["v"], dropout_rate=0.5, training=True, seed=1,
+            **kwargs,
+        )
+        assert np.all(np.isfinite(dropped))
+        np.testing.assert_array_equal(np.asarray(dropped)[1], 0.0)
+
+
+def test_forced_kernels_that_need_no_scores_leave_scores_to_reference(rng):
+    q = rng.normal(size=(1, 5, 2, 4)).astype("float32")
+    for kernel in ("blocked", "keras"):
+        with config.attention_implementation(kernel):
+            ka_ops.dot_product_attention(q, q, q, return_attention_scores=True)
+            assert ka_ops.last_kernel() == "reference"
+            ka_ops.dot_product_attention(q, q, q)
+            assert ka_ops.last_kernel() == kernel
+
+
+def test_select_kernel_on_a_gpu_never_picks_cpu_kernels():
+    """Every combination of sizes and options, on each backend's GPU."""
+    for backend in ("tensorflow", "jax", "torch"):
+        for lengths in ((8, 8), (None, None), (8192, 8192)):
+            for chunk in (None, 0, (64, 64)):
+                for needs in ((False, False), (True, False), (False, True)):
+                    if chunk == (64, 64) and any(needs):
+                        continue  # rejected by dot_product_attention
+                    kernel = dispatch.select_kernel(
+                        query_length=lengths[0], key_length=lengths[1], chunk_size=chunk,
+                        dropout_active=needs[0], return_attention_scores=needs[1],
+                        implementation="auto", backend=backend, device="gpu",
+                    )
+                    assert kernel != "tf_cpu"
+                    if backend in ("jax", "torch") and kernel != "blocked" and not any(needs):
+                        assert kernel == "keras"
+                    if any(needs):
+                        assert kernel == "reference"
+    assert dispatch.select_kernel(
+        query_length=8, key_length=8, implementation="auto", backend="tensorflow", device="cpu"
+    ) == "tf_cpu"
+    assert dispatch.select_kernel(
+        query_length=8, key_length=8, implementation="auto", backend="jax", device="cpu"
+    ) == "reference"
+
+
+def test_device_override_drives_dot_product_attention_and_layer_norm(rng):
+    """TensorFlow with a (forced) GPU: the reference kernel and Keras'
+    LayerNorm, the same numbers as on the CPU kernels."""
+    q = rng.normal(size=(2, 6, 2, 4)).astype("float32")
+    block = keras_attn.layers.TransformerEncoderBlock(2, 16)
+    x = rng.normal(size=(2, 6, 8)).astype("float32")
+    cpu_block = np.asarray(block(x))
+    cpu_out = ka_ops.dot_product_attention(q, q, q, is_causal=True)
+    assert ka_ops.last_kernel() == "tf_cpu"
+    assert dispatch.cpu_kernels_enabled()
+    with config.device_type("gpu"):
+        assert config.get_device_type() == "gpu"
+        assert not dispatch.cpu_kernels_enabled()
+        gpu_out = ka_ops.dot_product_attention(q, q, q, is_causal=True)
+        assert ka_ops.last_kernel() == "reference"
+        assert ka_ops.explain_kernel(q, q, q) == "reference"
+        assert ka_ops.explain_kernel(q, q, q, chunk_size=4) == "blocked"
+        gpu_block = np.asarray(block(x))
+    assert config.get_device_type() == "cpu"
+    np.testing.assert_allclose(gpu_out, cpu_out, atol=1e-6)
+    np.testing.assert_allclose(gpu_block, cpu_block, atol=1e-5)
+
+
+def test_setting_environment_variable_and_context_manager(monkeypatch):
+    assert config.get_attention_implementation() in config.IMPLEMENTATIONS
+    monkeypatch.setenv(config.ENV_VAR, "reference")
+    assert config.get_attention_implementation() == "reference"
+    with config.attention_implementation("blocked"):
+        assert config.get_attention_implementation() == "blocked"
+        config.set_attention_implementation("tf_cpu")
+        assert config.get_attention_implementation() == "tf_cpu"
+    assert config.get_attention_implementation() == "reference"
+    monkeypatch.setenv(config.ENV_VAR, "flash")
+    with pytest.raises(ValueError, match=config.ENV_VAR + ".*flash"):
+        config.get_attention_implementation()
+    with pytest.raises(ValueError, match="'fast'"):
+        config.set_attention_implementation("fast")
+    with pytest.raises(ValueError, match="device_type"):
+        config.set_device_type("npu")
+
+
+def _outputs_and_grads(model, inputs):
+    with tf.GradientTape() as tape:
+        out = model(inputs, training=True)
+        flat = tf.nest.flatten(out)
+        loss = tf.add_n([tf.reduce_sum(tf.cast(o, "float32") ** 2) for o in flat])
+    grads = tape.gradient(loss, model.trainable_weights)
+    return [np.asarray(o) for o in flat] + [
+        np.asarray(tf.convert_to_tensor(g)) for g in grads if g is not None
+    ]
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    keras.utils.set_random_seed(7)
+    return {name: build() for name, build in model_zoo.ALL.items()}
+
+
+@pytest.mark.parametrize("name", list(model_zoo.ALL))
+def test_forcing_reference_gives_the_same_results_on_every_layer(name, zoo):
+    model = zoo[name]
+    inputs = model_zoo.sample_inputs(model, batch=3, length=9)
+    with config.attention_implementation("auto"):
+        auto = _outputs_and_grads(model, inputs)
+    for kernel in ("reference", "blocked"):
+        with config.attention_implementation(kernel):
+            forced = _outputs_and_grads(model, inputs)
+        assert len(forced) == len(auto)
+        n_out = len(tf.nest.flatten(model.outputs))
+        for i, (a, f) in enumerate(zip(auto, forced)):
+            # Outputs to 1e-5; weight gradients (sums over the batch and the
+            # sequence, in another order) to 1e-5 of their largest entry.
+            atol = 1e-5 if i < n_out else 1e-5 * max(1.0, float(np.abs(a).max()))
+            np.testing.assert_allclose(f, a, atol=atol, rtol=1e-5, err_msg=f"{kernel} #{i}")
