@@ -15,6 +15,12 @@ def _seed_and_policy():
     keras.utils.set_random_seed(1234)
     yield
     keras.mixed_precision.set_global_policy("float32")
+    # Kernel settings made by a test end with it; the suite as a whole runs
+    # with KERAS_ATTN_ATTENTION_IMPLEMENTATION (e.g. =reference) if set.
+    import keras_attn.config
+
+    keras_attn.config.set_attention_implementation(None)
+    keras_attn.config.set_device_type(None)
 
 
 @pytest.fixture

@@ -238,3 +238,49 @@ def test_forcing_reference_gives_the_same_results_on_every_layer(name, zoo):
             # sequence, in another order) to 1e-5 of their largest entry.
             atol = 1e-5 if i < n_out else 1e-5 * max(1.0, float(np.abs(a).max()))
             np.testing.assert_allclose(f, a, atol=atol, rtol=1e-5, err_msg=f"{kernel} #{i}")
+
+
+@pytest.mark.parametrize("layer_name", ["mha", "dot_product"])
+def test_rank2_layer_mask_does_not_depend_on_the_batch_size(layer_name, rng):
+    """A rank-2 `attention_mask` is `(T_q, T_k)` for the whole batch (as Keras
+    MHA broadcasts it), also when batch == T_q: eager, `tf.function` with an
+    unknown batch and XLA agree, and match the same mask given per example."""
+    batch = t = 4
+    x = rng.normal(size=(batch, t, 8)).astype("float32")
+    mask = rng.random((t, t)) > 0.4
+    mask[:, 0] = True
+    if layer_name == "mha":
+        layer = keras_attn.layers.MultiHeadAttention(2, 4)
+    else:
+        layer = keras_attn.layers.DotProductAttention()
+    per_example = np.asarray(layer(x, x, attention_mask=np.broadcast_to(mask, (batch, t, t))))
+    eager = np.asarray(layer(x, x, attention_mask=mask))
+    spec = [tf.TensorSpec((None, t, 8)), tf.TensorSpec((t, t), tf.bool)]
+    graph = tf.function(lambda a, m: layer(a, a, attention_mask=m), input_signature=spec)
+    xla = tf.function(lambda a, m: layer(a, a, attention_mask=m), input_signature=spec,
+                      jit_compile=True)
+    for label, got in (("eager", eager), ("graph", graph(x, mask)), ("xla", xla(x, mask))):
+        np.testing.assert_allclose(np.asarray(got), per_example, atol=1e-5, err_msg=label)
+    # Not what reading the mask as (B, T_k) key padding would give.
+    as_padding = np.asarray(layer(x, x, value_mask=mask))
+    assert np.abs(as_padding - per_example).max() > 1e-3
+
+
+def test_sliding_window_means_the_same_band_in_ops_and_layers(rng):
+    """MHA's `sliding_window` (with and without a causal mask) against the
+    NumPy band `|i - j| < W`, unblocked and blocked."""
+    t, w = 13, 3
+    x = rng.normal(size=(2, t, 8)).astype("float32")
+    band = np.abs(np.arange(t)[:, None] - np.arange(t)[None, :]) < w
+    for causal in (False, True):
+        allowed = band & (np.tril(np.ones((t, t), bool)) if causal else True)
+
+        for chunk in (0, (4, 4)):
+            layer = keras_attn.layers.MultiHeadAttention(2, 4, sliding_window=w, chunk_size=chunk)
+            plain = keras_attn.layers.MultiHeadAttention(2, 4, chunk_size=0)
+            plain(x, x)
+            layer(x, x)
+            layer.set_weights(plain.get_weights())
+            got = np.asarray(layer(x, x, use_causal_mask=causal))
+            want = np.asarray(plain(x, x, attention_mask=np.broadcast_to(allowed, (2, t, t))))
+            np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{causal} {chunk}")

@@ -516,11 +516,10 @@ class MultiHeadAttention(keras.layers.Layer):
             value_mask=value_mask,
             key_mask=key_mask,
             attention_mask=attention_mask,
-            # The causal mask is built by the ops (blockwise on the chunked
-            # path, never as a (T_q, T_k) tensor there).
+            # The causal and window masks are built by the ops (blockwise on
+            # the chunked path, never as a (T_q, T_k) tensor there).
             use_causal_mask=False,
             num_heads=self.num_heads,
-            sliding_window=self.sliding_window,
         )
         # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
         with masking.hidden_keras_masks(query, value, key_or_value):
@@ -544,6 +543,8 @@ class MultiHeadAttention(keras.layers.Layer):
             seed=self.seed_generator,
             return_attention_scores=return_attention_scores,
             chunk_size=self.chunk_size,
+            # Built by the ops too: per block on the blocked path.
+            sliding_window=self.sliding_window,
         )
         output, scores = result if return_attention_scores else (result, None)
         # output = [B, T_q, H, value_dim]
