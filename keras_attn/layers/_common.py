@@ -73,6 +73,33 @@ def check_chunk_size(chunk_size, dropout):
     return list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
 
 
+def check_num_key_value_heads(num_key_value_heads, num_heads):
+    """None or a positive divisor of `num_heads`."""
+    check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
+    if num_key_value_heads is not None and num_heads % num_key_value_heads:
+        raise ValueError(
+            "Received an invalid value for argument `num_key_value_heads`, "
+            f"expected a divisor of num_heads={num_heads}. Received: "
+            f"num_key_value_heads={num_key_value_heads}"
+        )
+    return num_key_value_heads
+
+
+def check_rotary_embedding(rotary_embedding):
+    """None or a `RotaryEmbedding` (also from its serialized config)."""
+    from keras_attn.layers.rotary_embedding import RotaryEmbedding
+
+    if isinstance(rotary_embedding, dict):
+        rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
+    if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
+        raise TypeError(
+            "Received an invalid value for argument `rotary_embedding`, "
+            "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
+            f"rotary_embedding={rotary_embedding!r}"
+        )
+    return rotary_embedding
+
+
 def mask_tensors(*masks):
     """Masks given as Python lists or tuples, as tensors (as Keras accepts them)."""
     return tuple(

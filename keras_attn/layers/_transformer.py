@@ -6,7 +6,6 @@ from keras import ops
 from keras_attn.layers import _common
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
-from keras_attn.layers.rotary_embedding import RotaryEmbedding
 
 
 class BlockBase(keras.layers.Layer):
@@ -38,25 +37,12 @@ class BlockBase(keras.layers.Layer):
         self.activation = _common.check_activation("activation", activation)
         self.normalize_first = _common.check_bool("normalize_first", normalize_first)
         self.layer_norm_epsilon = _common.check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        self.num_key_value_heads = _common.check_positive_int(
-            "num_key_value_heads", num_key_value_heads, allow_none=True
+        self.num_key_value_heads = _common.check_num_key_value_heads(
+            num_key_value_heads, num_heads
         )
-        if num_key_value_heads is not None and num_heads % num_key_value_heads:
-            raise ValueError(
-                "Received an invalid value for argument `num_key_value_heads`, "
-                f"expected a divisor of num_heads={num_heads}. Received: "
-                f"num_key_value_heads={num_key_value_heads}"
-            )
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        if isinstance(rotary_embedding, dict):
-            rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
-        if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
-            raise TypeError(
-                "Received an invalid value for argument `rotary_embedding`, "
-                "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
-                f"rotary_embedding={rotary_embedding!r}"
-            )
+        rotary_embedding = _common.check_rotary_embedding(rotary_embedding)
         self.rotary_embedding = rotary_embedding
         # Self-attention only: each query sees keys fewer than `sliding_window`
         # positions away (causal in the decoder, so a ring-buffer cache of
