@@ -16,11 +16,20 @@ from keras_attn.layers import DotProductAttention
 from keras_attn.layers import MultiHeadAttention
 from keras_attn.ops import attention as attention_ops
 from keras_attn import ops as ka_ops
+from keras_attn import config
 from keras_attn.ops import dispatch
 from keras_attn.ops import tf_kernels
 from keras_attn.ops import chunked
 from keras_attn.ops import dot_product_attention
 from tests.reference import attention_with_grads as np_attention
+
+
+@pytest.fixture
+def auto_kernels():
+    """For tests of the automatic kernel choice itself: "auto" even when the
+    suite runs with KERAS_ATTN_ATTENTION_IMPLEMENTATION forced."""
+    with config.attention_implementation("auto"):
+        yield
 
 
 def _grads(fn, q, k, v, bias, d_out):
@@ -233,6 +242,7 @@ def test_layers_accept_chunk_size_and_match_unblocked(rng):
     assert DotProductAttention.from_config(layer.get_config()).chunk_size == 8
 
 
+@pytest.mark.usefixtures("auto_kernels")
 def test_blocks_accept_chunk_size_and_match_unblocked(monkeypatch, rng):
     """Encoder and decoder blocks pass `chunk_size` to every attention sublayer:
     same outputs and weight gradients as the unblocked blocks with the same weights."""
@@ -300,6 +310,7 @@ def test_invalid_chunk_size_and_unsupported_combinations(rng):
         dot_product_attention(q, q, q, chunk_size=4, dropout_rate=0.5, training=True)
 
 
+@pytest.mark.usefixtures("auto_kernels")
 def test_large_blocks_run_in_head_groups(monkeypatch, rng):
     """(1, 8, 1024, 1024) float32 blocks (32 MiB) run in several groups of
     heads; small blocks or unknown lengths as one group. Values: NumPy."""
@@ -330,6 +341,7 @@ def test_large_blocks_run_in_head_groups(monkeypatch, rng):
     assert heads == [8]
 
 
+@pytest.mark.usefixtures("auto_kernels")
 def test_automatic_dispatch_above_threshold(monkeypatch, rng):
     """Above the threshold the blocked path runs by itself, never when scores are asked for."""
     monkeypatch.setattr(dispatch, "AUTO_CHUNK_MIN_SCORES", 15 * 15)

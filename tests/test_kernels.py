@@ -40,6 +40,14 @@ CASES = {
 TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 8e-2}
 
 
+@pytest.fixture
+def auto_kernels():
+    """For tests of the automatic kernel choice itself: "auto" even when the
+    suite runs with KERAS_ATTN_ATTENTION_IMPLEMENTATION forced."""
+    with config.attention_implementation("auto"):
+        yield
+
+
 def _case_inputs(name, rng):
     b, tq, tk, h, hkv, causal, window, kind, use_bias = CASES[name]
     d = 8
@@ -164,6 +172,7 @@ def test_select_kernel_on_a_gpu_never_picks_cpu_kernels():
     ) == "reference"
 
 
+@pytest.mark.usefixtures("auto_kernels")
 def test_device_override_drives_dot_product_attention_and_layer_norm(rng):
     """TensorFlow with a (forced) GPU: the reference kernel and Keras'
     LayerNorm, the same numbers as on the CPU kernels."""
