@@ -4,7 +4,7 @@
 split forced to 1 (none), 2, 4 and 8 groups, forward and forward+backward,
 batch 8, 8 heads of 32, interleaved in one process; ratios are the
 ungrouped time over each grouped time (> 1: grouping is faster). This is the
-measurement behind `attention.head_groups` (benchmarks/README.md).
+measurement behind `tf_kernels.head_groups` (benchmarks/README.md).
 
     python benchmarks/bench_head_groups.py --lengths 128 512 1024
 """
@@ -23,6 +23,7 @@ def run(lengths, repeats, causal=False):
     import tensorflow as tf
 
     from keras_attn.ops import attention
+    from keras_attn.ops import tf_kernels
 
     rows = []
     rng = np.random.default_rng(0)
@@ -41,20 +42,20 @@ def run(lengths, repeats, causal=False):
                         out = attention.dot_product_attention(q, k, v, is_causal=causal)
                     return tape.gradient(out, [q, k, v], output_gradients=out) if train else out
 
-                saved = attention.head_groups
-                attention.head_groups = lambda *a, groups=groups, **kw: groups
+                saved = tf_kernels.head_groups
+                tf_kernels.head_groups = lambda *a, groups=groups, **kw: groups
                 try:
                     fn = tf.function(step)
                     fn.get_concrete_function()  # traced with this many groups
                 finally:
-                    attention.head_groups = saved
+                    tf_kernels.head_groups = saved
                 fns[groups] = fn
             times = _common.interleaved(
                 fns, repeats=repeats, calls=min(128, max(1, 2**24 // (BATCH * length * length)))
             )
             row = {"T": length, "pass": "fwd+bwd" if train else "forward",
                    "ms": {g: 1e3 * t for g, t in times.items()},
-                   "chosen": attention.head_groups((BATCH, HEADS, length, length), HEADS)}
+                   "chosen": tf_kernels.head_groups((BATCH, HEADS, length, length), HEADS)}
             row["speedup"] = {g: times[1] / t for g, t in times.items()}
             print(row, flush=True)
             rows.append(row)

@@ -19,6 +19,9 @@ CASES = {
     "long": ["bench_long.py", "--lengths", "256", "--repeats", "1", "--no-check"],
     "decode": ["bench_decode.py", "--lengths", "8", "--repeats", "2", "--skip-keras-hub",
                "--layers", "1", "--hidden", "32", "--vocab", "50"],
+    "sliding_window": ["bench_sliding_window.py", "--lengths", "256", "--window", "32",
+                       "--repeats", "1", "--no-full"],
+    "gpu_check": ["gpu_check.py", "--allow-cpu", "--repeats", "1"],
     "input": ["bench_input.py", "--examples", "48", "--batch-size", "8", "--rounds", "1",
               "--modes", "graph"],
 }

@@ -179,3 +179,25 @@ def test_bad_shapes(rng):
         ka_ops.dot_product_attention(q, k, v[:, :3])
     with pytest.raises(TypeError, match="attention_mask"):
         ka_ops.dot_product_attention(q, k, v, attention_mask=np.array([["a"] * 7] * 2))
+
+
+def test_mask_dtype_check_reads_every_backend_dtype():
+    """`torch.bool` / `torch.float16` (how torch spells them) are masks;
+    strings are not."""
+    torch = pytest.importorskip("torch")
+    from keras_attn.ops import masking
+
+    for dtype in (torch.bool, torch.float16, torch.int64, np.dtype("bool")):
+        masking._check_mask_dtype("attention_mask", type("M", (), {"dtype": dtype})())
+    with pytest.raises(TypeError, match="attention_mask.dtype=<U1"):
+        masking._check_mask_dtype("attention_mask", np.array(["a"]))
+
+
+def test_sliding_window_without_causal_is_the_band(rng):
+    q, k, v = _qkv(rng, tq=9, tk=9)
+    out = ka_ops.dot_product_attention(q, k, v, sliding_window=2)
+    band = np.abs(np.arange(9)[:, None] - np.arange(9)[None, :]) < 2
+    want, _ = ref.attention(q, k, v, mask=band[None, None])
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        ka_ops.dot_product_attention(q, k, v, sliding_window=0)
