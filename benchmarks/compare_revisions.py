@@ -37,9 +37,10 @@ def main():
     parser.add_argument("after")
     parser.add_argument("--script", default="bench_attention.py")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("extra", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
-    extra = [a for a in args.extra if a != "--"]
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    extra = argv[split + 1 :]  # passed on to the benchmark script
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results = {"before": [], "after": []}
     for round_index in range(args.rounds):

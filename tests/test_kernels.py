@@ -293,3 +293,49 @@ def test_sliding_window_means_the_same_band_in_ops_and_layers(rng):
             got = np.asarray(layer(x, x, use_causal_mask=causal))
             want = np.asarray(plain(x, x, attention_mask=np.broadcast_to(allowed, (2, t, t))))
             np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{causal} {chunk}")
+
+
+_OTHER_BACKEND_SCRIPT = """
+import numpy as np, keras
+from keras_attn import config, ops as ka
+from tests import reference as ref
+rng = np.random.default_rng(0)
+q = rng.normal(size=(2, 9, 4, 8)).astype("float32")
+k = rng.normal(size=(2, 9, 2, 8)).astype("float32")
+valid = rng.random((2, 9)) > 0.3
+valid[:, 0] = True
+band = np.abs(np.arange(9)[:, None] - np.arange(9)[None, :]) < 4
+mask = valid[:, None, None, :] & np.tril(band)[None, None]
+want, _ = ref.attention(q, k, k, mask=mask)
+kernels = ["reference", "keras"] + (["blocked"] if keras.backend.backend() == "jax" else [])
+for kernel in kernels:
+    with config.attention_implementation(kernel):
+        out = ka.dot_product_attention(
+            q, k, k, key_padding_mask=valid, is_causal=True, sliding_window=4)
+        assert ka.last_kernel() == kernel, (kernel, ka.last_kernel())
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(out), want, atol=1e-5, err_msg=kernel)
+assert ka.explain_kernel(q, k, k) == "reference"  # auto on a CPU
+with config.device_type("gpu"):
+    assert ka.explain_kernel(q, k, k) == "keras"
+    assert ka.explain_kernel(q, k, k, return_attention_scores=True) == "reference"
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_kernels_and_choice_on_jax_and_torch(backend):
+    """JAX and torch: the kernels against NumPy, and "auto" on a (forced)
+    GPU picks `keras.ops.dot_product_attention`."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip(backend)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(root), TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop(config.ENV_VAR, None)
+    result = subprocess.run([sys.executable, "-c", _OTHER_BACKEND_SCRIPT], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -239,10 +239,17 @@ def dot_product_attention(
 
     # A causal mask alone always leaves key 0 visible (start_index >= 0).
     every_row_sees_a_key = is_causal and mask is None and sliding_window is None
+    # Keras' own causal flag (what flash kernels want) means start_index 0
+    # and T_q == T_k; other causal masks are built here.
+    keras_causal = (
+        kernel == "keras" and is_causal and sliding_window is None
+        and isinstance(start_index, int) and start_index == 0
+        and query.shape[1] is not None and query.shape[1] == key.shape[1]
+    )
     mask = masking.combine_masks(
         mask,
         masking.position_mask(
-            shapes.dim(query, 1), shapes.dim(key, 1), is_causal=is_causal,
+            shapes.dim(query, 1), shapes.dim(key, 1), is_causal=is_causal and not keras_causal,
             sliding_window=sliding_window, start_index=start_index,
         ),
     )
@@ -252,13 +259,14 @@ def dot_product_attention(
         return_attention_scores=return_attention_scores,
     )
     if kernel == "keras":
-        return _keras_attention(query, key, value, **common)
+        return _keras_attention(query, key, value, is_causal=keras_causal, **common)
     if kernel == "tf_cpu":
         return tf_kernels.tf_cpu_attention(query, key, value, **common)
     return reference.reference_attention(query, key, value, **common)
 
 
-def _keras_attention(query, key, value, *, mask, bias, scale, every_row_sees_a_key, **unused):
+def _keras_attention(query, key, value, *, mask, bias, scale, every_row_sees_a_key, is_causal,
+                     **unused):
     """The `"keras"` kernel: `keras.ops.dot_product_attention` (cuDNN or
     flash attention where Keras has them), plus keras_attn's semantics: a
     float32 softmax for float32 inputs, and zeros for rows that see no key
@@ -269,7 +277,9 @@ def _keras_attention(query, key, value, *, mask, bias, scale, every_row_sees_a_k
         # for more than one of them.
         key = ops.repeat(key, query.shape[2], axis=2)
         value = ops.repeat(value, query.shape[2], axis=2)
-    out = ops.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale)
+    out = ops.dot_product_attention(
+        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal
+    )
     if mask is not None and not every_row_sees_a_key:
         visible = ops.transpose(reference.rows_with_a_key(mask), (0, 2, 1, 3))
         out = out * ops.cast(visible, out.dtype)

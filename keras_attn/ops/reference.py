@@ -20,6 +20,11 @@ from keras_attn.ops.shapes import dim
 LOW_PRECISION = ("float16", "bfloat16")
 
 
+def is_low_precision(x):
+    """float16 / bfloat16, however the backend spells the dtype."""
+    return keras.backend.standardize_dtype(x.dtype) in LOW_PRECISION
+
+
 def rows_with_a_key(mask):
     """`(B|1, H|1, T_q|1, 1)`: does the query row see at least one key?"""
     return ops.any(mask, axis=-1, keepdims=True)
@@ -52,8 +57,9 @@ def merge_groups(x, head_axis):
 
 def logits(query, key, scale):
     """float32 `(B, H, T_q, T_k)` logits `(q * scale) k^T` (scaling `q`: O(T D) work)."""
-    q = ops.cast(query, "float32") if query.dtype in LOW_PRECISION else query
-    k = ops.cast(key, "float32") if key.dtype in LOW_PRECISION else key
+    q, k = ops.convert_to_tensor(query), ops.convert_to_tensor(key)
+    q = ops.cast(q, "float32") if is_low_precision(q) else q
+    k = ops.cast(k, "float32") if is_low_precision(k) else k
     if scale != 1.0:
         q = q * ops.cast(scale, q.dtype)
     num_kv_heads = key.shape[2]

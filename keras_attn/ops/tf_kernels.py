@@ -148,9 +148,9 @@ def _is_key_only(mask):
 
 
 def _one_group(query, key, value, mask, bias, *, scale, every_row_sees_a_key, **common):
-    if query.dtype in reference.LOW_PRECISION:
+    if reference.is_low_precision(query):
         query = ops.cast(query, "float32")
-    if key.dtype in reference.LOW_PRECISION:
+    if reference.is_low_precision(key):
         key = ops.cast(key, "float32")
     if (
         _is_key_only(mask)
