@@ -26,7 +26,7 @@ def _run(checkout, script, extra):
     cmd = [sys.executable, os.path.join(checkout, "benchmarks", script), "--json", path] + extra
     subprocess.run(cmd, cwd=checkout, check=True, capture_output=True, text=True)
     with open(path) as f:
-        rows = json.load(f)
+        rows = json.load(f)["rows"]
     os.unlink(path)
     return {(r["T"], r["case"], r["step"]): r["ratio_vs_keras"] for r in rows}
 

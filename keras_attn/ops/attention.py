@@ -11,7 +11,6 @@ Tensors use the layout `(batch, seq, heads, head_dim)`.
 
 import math
 
-import keras
 from keras import ops
 
 from keras_attn.ops import chunked
