@@ -1,0 +1,160 @@
+"""Projections and N-D attention layout of `MultiHeadAttention`.
+
+The einsum equations are those of `keras.layers.MultiHeadAttention`, so the
+sublayers' weights have Keras's shapes for every input rank. `project` and
+`project_output` compute the common `(batch, seq, features)` case as 2-D
+matmuls; `fold_attention_axes` / `unfold_*` bring inputs with several
+attention or batch-like axes to that case and back.
+"""
+
+import itertools
+import math
+import string
+
+from keras import ops
+
+
+def projection_equation(free_dims, bound_dims, output_dims):
+    """`(equation, bias_axes)` of an EinsumDense as Keras's MHA builds it."""
+    letters = string.ascii_lowercase
+    free = letters[:free_dims]
+    bound = letters[free_dims : free_dims + bound_dims]
+    out = letters[free_dims + bound_dims : free_dims + bound_dims + output_dims]
+    return f"{free}{bound},{bound}{out}->{free}{out}", out
+
+
+def output_shape_arg(rank, known_last_dims):
+    """EinsumDense `output_shape` for an output of `rank` axes after the batch."""
+    return [None] * (rank - len(known_last_dims)) + list(known_last_dims)
+
+
+def normalize_attention_axes(attention_axes, input_rank):
+    """Keras's rule: None is every axis between batch and features; negative
+    axes count from the input's rank."""
+    if attention_axes is None:
+        return tuple(range(1, input_rank - 1))
+    axes = tuple(a if a >= 0 else input_rank + a for a in attention_axes)
+    bad = [a for a in axes if not 1 <= a < input_rank - 1]
+    if bad or len(set(axes)) != len(axes):
+        raise ValueError(
+            "Received an invalid value for argument `attention_axes`, expected "
+            f"distinct axes between the batch axis and the feature axis of inputs "
+            f"of rank {input_rank}. Received: attention_axes={attention_axes!r}"
+        )
+    return tuple(sorted(axes))
+
+
+def _plain(dense):
+    """Can `dense` be computed from its `kernel`/`bias` as a 2-D matmul?
+    Not when quantized (its call dequantizes)."""
+    return dense.built and dense.quantization_mode is None
+
+
+def _seq_dims(x):
+    return [x.shape[a] if x.shape[a] is not None else ops.shape(x)[a] for a in (0, 1)]
+
+
+def project(x, denses):
+    """`[dense(x) for dense in denses]` for `"abc,cde->abde"` projections of
+    one `(B, T, features)` input, as ONE 2-D matmul.
+
+    The kernels `(features, heads, size)` are concatenated as
+    `(features, sum(heads * size))` at call time (a copy of the weights, not
+    of activations) and the `(B * T, ...)` product is split: for
+    self-attention the query, key and value projections become one larger
+    matmul, which oneDNN runs faster than three small ones
+    (benchmarks/README.md). The variables stay those of the separate
+    projections, so weights, checkpoints and `from_keras` are unchanged.
+    Quantized projections, and inputs of another rank, are called as layers.
+    """
+    if (
+        len(x.shape) != 3
+        or not all(_plain(d) for d in denses)
+        or len({d.bias is None for d in denses}) > 1
+    ):
+        return [d(x) for d in denses]
+    features = x.shape[-1]
+    batch, length = _seq_dims(x)
+    kernels = [d.kernel for d in denses]  # read once: with LoRA, a computed tensor
+    widths = [k.shape[1] * k.shape[2] for k in kernels]
+    kernel = ops.concatenate(
+        [ops.reshape(k, (features, w)) for k, w in zip(kernels, widths)], axis=1
+    )
+    y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, features)), kernel)
+    if denses[0].bias is not None:
+        y = y + ops.concatenate([ops.reshape(d.bias, (w,)) for d, w in zip(denses, widths)])
+    pieces = ops.split(y, list(itertools.accumulate(widths[:-1])), axis=-1) if len(denses) > 1 else [y]
+    outputs = []
+    for d, k, piece in zip(denses, kernels, pieces):
+        piece = ops.reshape(piece, (batch, length) + tuple(k.shape[1:]))
+        outputs.append(d.activation(piece) if d.activation is not None else piece)
+    return outputs
+
+
+def project_output(x, dense):
+    """`dense(x)` for the output projection of `(B, T, heads, size)`, as a
+    2-D matmul over `(B * T, heads * size)`."""
+    if len(x.shape) != 4 or not _plain(dense):
+        return dense(x)
+    batch, length = _seq_dims(x)
+    kernel = dense.kernel
+    inner = kernel.shape[0] * kernel.shape[1]
+    out_dims = tuple(kernel.shape[2:])
+    width = math.prod(out_dims)
+    y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, inner)), ops.reshape(kernel, (inner, width)))
+    if dense.bias is not None:
+        y = y + ops.reshape(dense.bias, (width,))
+    return ops.reshape(y, (batch, length) + out_dims)
+
+
+def _dims(x, axes):
+    shape = ops.shape(x)
+    return [x.shape[a] if x.shape[a] is not None else shape[a] for a in axes]
+
+
+def _product(dims):
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+class NDLayout:
+    """Folds projected `(B, *spatial, heads, size)` tensors with attention over
+    `attention_axes` into `(B', T, heads, size)`: the other spatial axes join
+    the batch, the attention axes are flattened into one sequence axis. The
+    attention itself is then the one of `(batch, seq, features)` inputs.
+
+    Scores and masks use Keras's layout `(B, *other, heads, *q_axes, *k_axes)`.
+    """
+
+    def __init__(self, rank, attention_axes):
+        # rank: of the projected tensors; attention_axes: normalized, sorted.
+        self.axes = tuple(attention_axes)
+        self.other = tuple(a for a in range(1, rank - 2) if a not in self.axes)
+        self.perm = (0,) + self.other + self.axes + (rank - 2, rank - 1)
+        self.inverse = tuple(self.perm.index(a) for a in range(rank))
+        self.scores_rank = 2 + len(self.other) + 2 * len(self.axes)
+
+    def fold(self, x):
+        batch = _dims(x, (0,) + self.other)
+        seq = _dims(x, self.axes)
+        tail = _dims(x, (len(x.shape) - 2, len(x.shape) - 1))
+        folded = ops.reshape(ops.transpose(x, self.perm), [_product(batch), _product(seq)] + tail)
+        return folded, batch, seq
+
+    def unfold_output(self, y, batch, seq):
+        tail = _dims(y, (2, 3))
+        return ops.transpose(ops.reshape(y, batch + seq + tail), self.inverse)
+
+    def unfold_scores(self, scores, batch, q_seq, k_seq):
+        return ops.reshape(scores, batch + [scores.shape[1]] + q_seq + k_seq)
+
+    def fold_mask(self, mask, batch, q_seq, k_seq):
+        """A mask broadcastable to Keras's scores layout, as `(B', H|1, T_q, T_k)`."""
+        while len(mask.shape) < self.scores_rank:
+            mask = ops.expand_dims(mask, -2 * len(self.axes) - 1)
+        heads = mask.shape[len(batch)]
+        heads = 1 if heads is None else heads
+        mask = ops.broadcast_to(mask, batch + [heads] + q_seq + k_seq)
+        return ops.reshape(mask, [_product(batch), heads, _product(q_seq), _product(k_seq)])
