@@ -9,6 +9,7 @@ The causal and sliding-window masks are built from `arange` comparisons
 and ONNX for any (dynamic) sequence length.
 """
 
+import keras
 from keras import ops
 
 
@@ -156,8 +157,8 @@ def mask_to_bias(mask, row_visible=None):
 
 
 def _check_mask_dtype(name, mask):
-    dtype = str(getattr(mask, "dtype", "bool"))
-    dtype = dtype.replace("<dtype: '", "").replace("'>", "")
+    dtype = getattr(mask, "dtype", None)
+    dtype = "bool" if dtype is None else keras.backend.standardize_dtype(dtype)
     if not dtype.startswith(_MASK_DTYPE_PREFIXES):
         raise TypeError(
             f"Received an invalid `{name}` dtype: expected bool (True = attend) "
