@@ -456,7 +456,10 @@ class MultiHeadAttention(keras.layers.Layer):
                 "attention is enabled. Please disable flash attention to access"
                 " attention scores."
             )
+        # Called directly (an override calling super()), inputs may be NumPy.
+        query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
         if attention_mask is not None:
+            attention_mask = ops.convert_to_tensor(attention_mask)
             masking._check_mask_dtype("attention_mask", attention_mask)
             attention_mask = masking._as_bool(attention_mask)
         if len(query.shape) > 4:
