@@ -42,6 +42,7 @@ def from_keras(cls, layer):
             )
             if k in config
         }
+    kwargs["flash_attention"] = getattr(layer, "_flash_attention", None)
     new = cls(**kwargs)
 
     def shape(dense):
