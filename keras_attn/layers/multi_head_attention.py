@@ -255,12 +255,13 @@ class MultiHeadAttention(keras.layers.Layer):
         if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
             raise ValueError(
                 "All dimensions of `value` and `key`, except the last one, "
-                f"must be equal. Received: value_shape={tuple(value_shape)} and "
+                "must be equal (the same sequence length). Received: "
+                f"value_shape={tuple(value_shape)} and "
                 f"key_shape={tuple(key_shape)}"
             )
         if not 3 <= len(query_shape) == len(value_shape):
             raise ValueError(
-                "`query` and `value` must have the same rank, at least 3 "
+                "Expected `query` and `value` of the same rank, at least rank 3 "
                 "(batch, ..., features). Received: "
                 f"query_shape={tuple(query_shape)}, value_shape={tuple(value_shape)}"
             )
@@ -556,7 +557,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if value_shape[1:-1] != key_shape[1:-1]:
             raise ValueError(
                 "All dimensions of `value` and `key`, except the last one, "
-                f"must be equal. Received: value_shape={value_shape} and "
+                f"must be equal (the same sequence length). Received: value_shape={value_shape} and "
                 f"key_shape={key_shape}"
             )
         return query_shape[:-1] + tuple(self._output_shape or query_shape[-1:])
