@@ -1,4 +1,11 @@
-"""Shared test set-up: TensorFlow backend, quiet logs, seeds, fixtures."""
+"""Shared test set-up: the Keras backend, quiet logs, seeds, fixtures.
+
+The backend is `KERAS_BACKEND` (TensorFlow when unset). `.ci/run` runs the
+whole suite on TensorFlow, then the backend-agnostic files below on JAX and
+torch. On a backend other than TensorFlow every other test is skipped with
+the reason, as are tests marked `tensorflow_only` (they use `tf.function`,
+`tf.GradientTape`, SavedModel... on purpose).
+"""
 
 import os
 
@@ -8,6 +15,42 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# Layers, blocks and ops: keras.ops only, so they must pass on every backend.
+# Training, export, generation and data are TensorFlow by design
+# (docs/architecture.md).
+BACKEND_AGNOSTIC_FILES = {
+    "test_attention_layers.py",
+    "test_blocks.py",
+    "test_cache_masks.py",
+    "test_errors.py",
+    "test_mha_keras_compat.py",
+    "test_ops.py",
+    "test_peers.py",
+    "test_position_layers.py",
+    "test_serialization.py",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "tensorflow_only: uses TensorFlow APIs directly; runs on the TensorFlow backend only"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return
+    whole_file = pytest.mark.skip(
+        reason=f"TensorFlow-only test file (training/export/generation/data); backend is {backend}"
+    )
+    marked = pytest.mark.skip(reason=f"tensorflow_only test; backend is {backend}")
+    for item in items:
+        if item.path.name not in BACKEND_AGNOSTIC_FILES:
+            item.add_marker(whole_file)
+        elif item.get_closest_marker("tensorflow_only"):
+            item.add_marker(marked)
 
 
 @pytest.fixture(autouse=True)

@@ -234,3 +234,16 @@ def test_recording_override_matches_base_layer_with_cache(rng):
     assert len(sub.calls) == 1 and sub.calls[0][1] == (1, 6, 2, 4)
     # Equal to uncached causal attention over the 3 tokens.
     np.testing.assert_allclose(C(got), C(base(x, x, use_causal_mask=True)), atol=1e-5)
+
+
+@pytest.mark.parametrize("use_gate", [False, True])
+def test_set_weights_from_keras_get_weights(rng, use_gate):
+    theirs = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, use_gate=use_gate)
+    theirs.build((2, 5, 8), (2, 3, 6))
+    theirs.set_weights([rng.standard_normal(w.shape).astype("float32") for w in theirs.get_weights()])
+    ours = kal.MultiHeadAttention(num_heads=2, key_dim=4, use_gate=use_gate)
+    ours.build((2, 5, 8), (2, 3, 6))
+    ours.set_weights(theirs.get_weights())
+    q = rng.standard_normal((2, 5, 8)).astype("float32")
+    v = rng.standard_normal((2, 3, 6)).astype("float32")
+    np.testing.assert_allclose(C(ours(q, v)), C(theirs(q, v)), atol=1e-5)

@@ -289,11 +289,12 @@ class MultiHeadAttention(keras.layers.Layer):
         self._query_dense.build(query_shape)
         self._key_dense = self._dense(rank, "key", 1, (kv_heads, self.key_dim))
         self._key_dense.build(key_shape)
-        self._value_dense = self._dense(rank, "value", 1, (kv_heads, self.value_dim))
-        self._value_dense.build(value_shape)
+        # Keras's order (gate before value), so `get_weights()` lists match.
         if self.use_gate:
             self._gate_dense = self._dense(rank, "gate", 1, (heads, self.value_dim), "sigmoid")
             self._gate_dense.build(query_shape)
+        self._value_dense = self._dense(rank, "value", 1, (kv_heads, self.value_dim))
+        self._value_dense.build(value_shape)
         out_dims = self._output_shape or (query_shape[-1],)
         self._output_dense = self._dense(rank, "attention_output", 2, out_dims)
         self._output_dense.build(tuple(query_shape[:-1]) + (heads, self.value_dim))
