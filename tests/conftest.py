@@ -2,9 +2,9 @@
 
 The backend is `KERAS_BACKEND` (TensorFlow when unset). `.ci/run` runs the
 whole suite on TensorFlow, then the backend-agnostic files below on JAX and
-torch. On a backend other than TensorFlow every other test is skipped with
-the reason, as are tests marked `tensorflow_only` (they use `tf.function`,
-`tf.GradientTape`, SavedModel... on purpose).
+torch. On a backend other than TensorFlow the other files are not collected
+(the run's summary lists them) and tests marked `tensorflow_only` (they use
+`tf.function`, `tf.GradientTape`, SavedModel... on purpose) are skipped.
 """
 
 import os
@@ -38,18 +38,40 @@ def pytest_configure(config):
     )
 
 
+_NOT_COLLECTED = []
+
+
+def pytest_ignore_collect(collection_path, config):
+    # Other backends: TensorFlow-only files are not even imported (they
+    # import TensorFlow, datasets, exporters); the summary lists them.
+    if keras.backend.backend() == "tensorflow" or collection_path.is_dir():
+        return None
+    name = collection_path.name
+    if name.startswith("test_") and name.endswith(".py") and name not in BACKEND_AGNOSTIC_FILES:
+        _NOT_COLLECTED.append(name)
+        return True
+    return None
+
+
+def pytest_report_header(config):
+    return f"keras backend: {keras.backend.backend()}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _NOT_COLLECTED:
+        terminalreporter.write_line(
+            f"TensorFlow-only test files not run on backend {keras.backend.backend()} "
+            f"(run them with KERAS_BACKEND=tensorflow): {', '.join(sorted(_NOT_COLLECTED))}"
+        )
+
+
 def pytest_collection_modifyitems(config, items):
     backend = keras.backend.backend()
     if backend == "tensorflow":
         return
-    whole_file = pytest.mark.skip(
-        reason=f"TensorFlow-only test file (training/export/generation/data); backend is {backend}"
-    )
     marked = pytest.mark.skip(reason=f"tensorflow_only test; backend is {backend}")
     for item in items:
-        if item.path.name not in BACKEND_AGNOSTIC_FILES:
-            item.add_marker(whole_file)
-        elif item.get_closest_marker("tensorflow_only"):
+        if item.get_closest_marker("tensorflow_only"):
             item.add_marker(marked)
 
 
