@@ -122,7 +122,17 @@ def _id(case):
     return " ".join(case[2])[:60]
 
 
-@pytest.mark.parametrize("make, error, words", CONSTRUCTORS + CALLS, ids=[_id(c) for c in CONSTRUCTORS + CALLS])
+# On JAX and torch, Keras itself converts NumPy call arguments to tensors
+# before the layer sees them, so a string mask fails inside Keras there.
+_KERAS_CONVERTS_FIRST = {"attention_mask dtype"}
+
+
+def _param(case):
+    marks = [pytest.mark.tensorflow_only] if _id(case) in _KERAS_CONVERTS_FIRST else []
+    return pytest.param(*case, id=_id(case), marks=marks)
+
+
+@pytest.mark.parametrize("make, error, words", [_param(c) for c in CONSTRUCTORS + CALLS])
 def test_bad_input_raises_clear_error(make, error, words):
     with pytest.raises(error) as info:
         make()

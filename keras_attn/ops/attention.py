@@ -351,6 +351,8 @@ def dot_product_attention(
     >>> tuple(out.shape)
     (2, 5, 4, 8)
     """
+    # NumPy inputs as tensors: on torch, `ndarray * Tensor` is an error.
+    query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_rank(name, x, 4)
     dropout_rate = check_dropout("dropout_rate", dropout_rate)
