@@ -13,6 +13,8 @@ import string
 
 from keras import ops
 
+from keras_attn.ops import masking
+
 
 def projection_equation(free_dims, bound_dims, output_dims):
     """`(equation, bias_axes)` of an EinsumDense as Keras's MHA builds it."""
@@ -26,6 +28,94 @@ def projection_equation(free_dims, bound_dims, output_dims):
 def output_shape_arg(rank, known_last_dims):
     """EinsumDense `output_shape` for an output of `rank` axes after the batch."""
     return [None] * (rank - len(known_last_dims)) + list(known_last_dims)
+
+
+def check_output_shape(output_shape):
+    """None, or a tuple of positive ints (an int is one dim), as Keras."""
+    if output_shape is None:
+        return None
+    if isinstance(output_shape, int) and not isinstance(output_shape, bool):
+        output_shape = (output_shape,)
+    if not isinstance(output_shape, (tuple, list)) or not output_shape or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in output_shape
+    ):
+        raise ValueError(
+            f"Invalid `output_shape`: {output_shape!r}. Expected a positive "
+            "int or a tuple/list of positive ints."
+        )
+    return tuple(output_shape)
+
+
+def check_attention_axes(attention_axes):
+    """None, or a tuple of ints (an int is one axis), as Keras."""
+    if attention_axes is None:
+        return None
+    if isinstance(attention_axes, int) and not isinstance(attention_axes, bool):
+        return (attention_axes,)
+    if not isinstance(attention_axes, (list, tuple)) or not all(
+        isinstance(a, int) and not isinstance(a, bool) for a in attention_axes
+    ):
+        raise ValueError(
+            "`attention_axes` must be an int, list, or tuple of ints. "
+            f"Received: attention_axes={attention_axes!r}"
+        )
+    return tuple(attention_axes)
+
+
+def check_shapes(query_shape, value_shape, key_shape=None, ranks=True):
+    """Keras's check (value and key agree except for features), and equal ranks >= 3."""
+    value_shape = tuple(value_shape)
+    key_shape = value_shape if key_shape is None else tuple(key_shape)
+    if value_shape[1:-1] != key_shape[1:-1]:
+        raise ValueError(
+            "All dimensions of `value` and `key`, except the last one, must be "
+            f"equal (the same sequence length). Received: value_shape={value_shape} "
+            f"and key_shape={key_shape}"
+        )
+    if ranks and not 3 <= len(query_shape) == len(value_shape):
+        raise ValueError(
+            "Expected `query` and `value` of the same rank, at least rank 3 "
+            "(batch, ..., features). Received: "
+            f"query_shape={tuple(query_shape)}, value_shape={value_shape}"
+        )
+
+
+def scores_shape(query_shape, value_shape, attention_axes, num_heads, cache_length=None):
+    """Keras's scores layout `(B, *other, heads, *q_axes, *k_axes)`; with a
+    cache, `(B, heads, T_q, cache_length)`."""
+    rank = len(query_shape)
+    axes = normalize_attention_axes(attention_axes, rank)
+    other = tuple(query_shape[a] for a in range(1, rank - 1) if a not in axes)
+    q_seq = tuple(query_shape[a] for a in axes)
+    k_seq = (cache_length,) if value_shape is None else tuple(value_shape[a] for a in axes)
+    return (query_shape[0],) + other + (num_heads,) + q_seq + k_seq
+
+
+def nd_mask(query, value, query_mask, value_mask, key_mask, attention_mask,
+            use_causal_mask, sliding_window):
+    """Keras's mask for inputs of rank > 3 (or None): padding masks as
+    `[..., None]` / `[..., None, :]`, the causal and window masks as
+    `(1, T, S)` over the first axis after the batch, ANDed with
+    `attention_mask`. `NDLayout.fold_mask` gives it the scores' layout."""
+    parts = []
+    if query_mask is not None:
+        parts.append(ops.expand_dims(masking._as_bool(query_mask), -1))
+    for m in (value_mask, key_mask):
+        if m is not None:
+            parts.append(ops.expand_dims(masking._as_bool(m), -2))
+    t, s = ops.shape(query)[1], ops.shape(value)[1]
+    rel = ops.expand_dims(ops.arange(t, dtype="int32"), 1) - ops.arange(s, dtype="int32")
+    if use_causal_mask:
+        parts.append(ops.expand_dims(ops.greater_equal(rel, 0), 0))
+    if sliding_window is not None:
+        parts.append(ops.expand_dims(ops.less(ops.abs(rel), sliding_window), 0))
+    if attention_mask is not None:
+        masking._check_mask_dtype("attention_mask", attention_mask)
+        parts.append(masking._as_bool(attention_mask))
+    mask = None
+    for part in parts:
+        mask = part if mask is None else ops.logical_and(mask, part)
+    return mask
 
 
 def normalize_attention_axes(attention_axes, input_rank):

@@ -152,29 +152,9 @@ class MultiHeadAttention(keras.layers.Layer):
         self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
         self.use_bias = _common.check_bool("use_bias", use_bias)
         self.use_gate = _common.check_bool("use_gate", use_gate)
-        if output_shape is not None:
-            if isinstance(output_shape, int) and not isinstance(output_shape, bool):
-                output_shape = (output_shape,)
-            if not isinstance(output_shape, (tuple, list)) or not output_shape or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in output_shape
-            ):
-                raise ValueError(
-                    f"Invalid `output_shape`: {output_shape!r}. Expected a positive "
-                    "int or a tuple/list of positive ints."
-                )
-            output_shape = tuple(output_shape)
+        output_shape = proj.check_output_shape(output_shape)
         self._output_shape = output_shape
-        if isinstance(attention_axes, int) and not isinstance(attention_axes, bool):
-            attention_axes = (attention_axes,)
-        elif attention_axes is not None and (
-            not isinstance(attention_axes, (list, tuple))
-            or not all(isinstance(a, int) and not isinstance(a, bool) for a in attention_axes)
-        ):
-            raise ValueError(
-                "`attention_axes` must be an int, list, or tuple of ints. "
-                f"Received: attention_axes={attention_axes!r}"
-            )
-        self._attention_axes = None if attention_axes is None else tuple(attention_axes)
+        self._attention_axes = proj.check_attention_axes(attention_axes)
         self._sliding_window = _common.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
@@ -251,24 +231,9 @@ class MultiHeadAttention(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
-    def _check_shapes(self, query_shape, value_shape, key_shape):
-        if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, "
-                "must be equal (the same sequence length). Received: "
-                f"value_shape={tuple(value_shape)} and "
-                f"key_shape={tuple(key_shape)}"
-            )
-        if not 3 <= len(query_shape) == len(value_shape):
-            raise ValueError(
-                "Expected `query` and `value` of the same rank, at least rank 3 "
-                "(batch, ..., features). Received: "
-                f"query_shape={tuple(query_shape)}, value_shape={tuple(value_shape)}"
-            )
-
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
-        self._check_shapes(query_shape, value_shape, key_shape)
+        proj.check_shapes(query_shape, value_shape, key_shape)
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
             if shape[-1] is None:
                 raise ValueError(
@@ -341,8 +306,10 @@ class MultiHeadAttention(keras.layers.Layer):
             key_or_value = value if key is None else key
             self._check_inputs(query, value, key_or_value)
             if self._nd is not None:
-                mask = self._nd_mask(query, value, query_mask, value_mask, key_mask,
-                                     attention_mask, use_causal_mask)
+                mask = proj.nd_mask(
+                    query, value, query_mask, value_mask, key_mask, attention_mask,
+                    use_causal_mask, self.sliding_window,
+                )
             else:
                 # A query padding mask only zeroes whole output rows: applied
                 # to the `(B, T_q, H, D)` output it leaves a key-only mask,
@@ -398,38 +365,13 @@ class MultiHeadAttention(keras.layers.Layer):
         if self._nd is None:
             _common.check_attention_inputs(query, value, key, feature_checks=checks)
             return
-        self._check_shapes(query.shape, value.shape, key.shape)
+        proj.check_shapes(query.shape, value.shape, key.shape)
         for name, x, expected in checks:
             if len(x.shape) != len(query.shape) or x.shape[-1] not in (None, expected):
                 raise ValueError(
                     f"The layer was built for `{name}` of rank {len(query.shape)} with "
                     f"{expected} features. Received: {name}.shape={tuple(x.shape)}"
                 )
-
-    def _nd_mask(self, query, value, query_mask, value_mask, key_mask, attention_mask,
-                 use_causal_mask):
-        """Keras's mask for inputs of rank > 3, `(B, *q_axes, *k_axes)`-like:
-        padding masks as `[..., None]` / `[..., None, :]`, the causal and
-        window masks as `(1, T, S)` over the first axis after the batch."""
-        parts = []
-        if query_mask is not None:
-            parts.append(ops.expand_dims(masking._as_bool(query_mask), -1))
-        for m in (value_mask, key_mask):
-            if m is not None:
-                parts.append(ops.expand_dims(masking._as_bool(m), -2))
-        t, s = ops.shape(query)[1], ops.shape(value)[1]
-        rel = ops.expand_dims(ops.arange(t, dtype="int32"), 1) - ops.arange(s, dtype="int32")
-        if use_causal_mask:
-            parts.append(ops.expand_dims(ops.greater_equal(rel, 0), 0))
-        if self.sliding_window is not None:
-            parts.append(ops.expand_dims(ops.less(ops.abs(rel), self.sliding_window), 0))
-        if attention_mask is not None:
-            masking._check_mask_dtype("attention_mask", attention_mask)
-            parts.append(masking._as_bool(attention_mask))
-        mask = None
-        for part in parts:
-            mask = part if mask is None else ops.logical_and(mask, part)
-        return mask
 
     def _compute_attention(
         self,
@@ -500,10 +442,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def _compute_nd_attention(self, query, key, value, mask, training, return_scores, causal):
         layout = self._nd or proj.NDLayout(len(query.shape), self._attention_axes)
         if causal:
-            t, s = ops.shape(query)[1], ops.shape(value)[1]
-            rel = ops.expand_dims(ops.arange(t, dtype="int32"), 1) - ops.arange(s, dtype="int32")
-            causal_mask = ops.expand_dims(ops.greater_equal(rel, 0), 0)
-            mask = causal_mask if mask is None else ops.logical_and(mask, causal_mask)
+            mask = proj.nd_mask(query, value, None, None, None, mask, True, None)
         q, batch, q_seq = layout.fold(query)
         k, _, k_seq = layout.fold(key)
         v, _, _ = layout.fold(value)
@@ -553,37 +492,27 @@ class MultiHeadAttention(keras.layers.Layer):
         return k, v
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
-        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
-        key_shape = value_shape if key_shape is None else tuple(key_shape)
-        if value_shape[1:-1] != key_shape[1:-1]:
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, "
-                f"must be equal (the same sequence length). Received: value_shape={value_shape} and "
-                f"key_shape={key_shape}"
-            )
+        query_shape = tuple(query_shape)
+        if value_shape is not None:  # None: a cross-attention cache call
+            proj.check_shapes(query_shape, value_shape, key_shape, ranks=False)
         return query_shape[:-1] + tuple(self._output_shape or query_shape[-1:])
 
     def compute_output_spec(
         self, query, value, key=None, return_attention_scores=False, cache=None,
         cache_index=None, **kwargs
     ):
-        key_shape = None if key is None else key.shape
-        out = keras.KerasTensor(
-            self.compute_output_shape(query.shape, value.shape, key_shape),
-            dtype=self.compute_dtype,
-        )
-        result = (out,)
+        shapes = [None if x is None else x.shape for x in (query, value, key)]
+        result = (keras.KerasTensor(self.compute_output_shape(*shapes), dtype=self.compute_dtype),)
         if return_attention_scores:
-            rank = len(query.shape)
-            axes = proj.normalize_attention_axes(self._attention_axes, rank)
-            other = tuple(query.shape[a] for a in range(1, rank - 1) if a not in axes)
-            q_seq = tuple(query.shape[a] for a in axes)
-            k_seq = tuple(value.shape[a] for a in axes) if cache is None else (cache[0].shape[1],)
-            shape = (query.shape[0],) + other + (self.num_heads,) + q_seq + k_seq
+            shape = proj.scores_shape(
+                query.shape, None if cache is not None else value.shape,
+                self._attention_axes, self.num_heads,
+                None if cache is None else cache[0].shape[1],
+            )
             result += (keras.KerasTensor(shape, dtype=self.compute_dtype),)
         if cache is not None:
             result += (tuple(keras.KerasTensor(c.shape, dtype=c.dtype) for c in cache),)
-        return result if len(result) > 1 else out
+        return result if len(result) > 1 else result[0]
 
     @classmethod
     def from_keras(cls, layer):
