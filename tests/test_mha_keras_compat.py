@@ -158,6 +158,27 @@ def test_flash_attention_argument_behaves_as_keras(rng):
     np.testing.assert_allclose(C(ours(x, x)), C(theirs(x, x)), atol=1e-5)
 
 
+def test_flash_attention_true_works_or_fails_where_keras_does(rng):
+    # Flash kernels need accelerators: on a CPU Keras's op raises. Either
+    # way, ours does what keras.layers.MultiHeadAttention does.
+    x = rng.standard_normal((2, 4, 16)).astype("float16")
+
+    def run(cls):
+        layer = cls(num_heads=2, key_dim=8, flash_attention=True, dtype="float16")
+        layer.build(x.shape, x.shape)
+        layer.set_weights([np.full(w.shape, 0.05, "float16") for w in layer.get_weights()])
+        try:
+            return C(layer(x, x))
+        except Exception as error:  # noqa: BLE001 - compared below
+            return type(error)
+
+    want, got = run(keras.layers.MultiHeadAttention), run(kal.MultiHeadAttention)
+    if isinstance(want, type):
+        assert got is want
+    else:
+        np.testing.assert_allclose(got, want, atol=1e-2)
+
+
 # --- the _compute_attention override point ------------------------------------
 
 
