@@ -81,7 +81,7 @@ def encoder_classifier(normalize_first=False, num_classes=3, dim=DIM, intermedia
     """TokenAndPositionEmbedding(mask_zero) -> encoder block -> masked mean pool -> softmax."""
     ids = _ids()
     h = kal.TokenAndPositionEmbedding(VOCAB, 32, dim, mask_zero=True)(ids)
-    h = kal.TransformerEncoderBlock(2, intermediate_dim, normalize_first=normalize_first)(h)
+    h = kal.TransformerEncoderBlock(2, intermediate_dim=intermediate_dim, normalize_first=normalize_first)(h)
     pooled = keras.layers.GlobalAveragePooling1D()(h)
     probs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(pooled)
     return keras.Model(ids, probs, name="encoder_classifier")
@@ -91,9 +91,9 @@ def encoder_decoder():
     enc_ids = _ids("encoder_tokens")
     dec_ids = _ids("decoder_tokens")
     enc = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, mask_zero=True)(enc_ids)
-    enc = kal.TransformerEncoderBlock(2, 32)(enc)
+    enc = kal.TransformerEncoderBlock(2, intermediate_dim=32)(enc)
     dec = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, mask_zero=True)(dec_ids)
-    dec = kal.TransformerDecoderBlock(2, 32, normalize_first=True)(dec, enc)
+    dec = kal.TransformerDecoderBlock(2, intermediate_dim=32, normalize_first=True)(dec, enc)
     logits = keras.layers.Dense(VOCAB, name="logits")(dec)
     return keras.Model([enc_ids, dec_ids], logits, name="encoder_decoder")
 
@@ -101,7 +101,7 @@ def encoder_decoder():
 def decoder_only():
     ids = _ids()
     h = kal.TokenAndPositionEmbedding(VOCAB, 32, DIM, position="sinusoidal")(ids)
-    h = kal.TransformerDecoderBlock(2, 32, num_key_value_heads=1)(h)
+    h = kal.TransformerDecoderBlock(2, intermediate_dim=32, num_key_value_heads=1)(h)
     return keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(h), name="decoder_only")
 
 

@@ -101,7 +101,7 @@ def test_decoder_only_block_is_causal(rng):
 def test_blocks_consume_and_propagate_keras_masks(rng):
     ids = keras.Input((None,), dtype="int32")
     emb = kal.TokenAndPositionEmbedding(30, 16, 8, mask_zero=True)
-    enc_block = kal.TransformerEncoderBlock(2, 16)
+    enc_block = kal.TransformerEncoderBlock(2, intermediate_dim=16)
     h = enc_block(emb(ids))
     pooled = keras.layers.GlobalAveragePooling1D()(h)
     model = keras.Model(ids, [h, pooled])
@@ -121,10 +121,10 @@ def test_blocks_consume_and_propagate_keras_masks(rng):
 def test_block_output_specs_with_different_lengths():
     dec = keras.Input((4, 8))
     enc = keras.Input((9, 8))
-    block = kal.TransformerDecoderBlock(2, 16)
+    block = kal.TransformerDecoderBlock(2, intermediate_dim=16)
     out, scores = block(dec, enc, return_attention_scores=True)
     assert tuple(out.shape) == (None, 4, 8)
     assert tuple(scores["cross_attention"].shape) == (None, 2, 4, 9)
     assert block.compute_output_shape((None, 4, 8), (None, 9, 8)) == (None, 4, 8)
-    enc_out, enc_scores = kal.TransformerEncoderBlock(2, 16)(enc, return_attention_scores=True)
+    enc_out, enc_scores = kal.TransformerEncoderBlock(2, intermediate_dim=16)(enc, return_attention_scores=True)
     assert tuple(enc_scores.shape) == (None, 2, 9, 9)

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from keras_attn.generation.cache import check_cache_write
 from keras_attn.layers import MultiHeadAttention, RotaryEmbedding, TransformerDecoderBlock
-from keras_attn.layers.multi_head_attention import write_cache
+from keras_attn.layers._kv_cache import write_cache
 from tests import reference as ref
 
 

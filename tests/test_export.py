@@ -198,7 +198,7 @@ def classifier(dim=64):
 
     ids = keras.Input((None,), dtype="int32", name="tokens")
     h = kal.TokenAndPositionEmbedding(model_zoo.VOCAB, 32, dim, mask_zero=True)(ids)
-    h = kal.TransformerEncoderBlock(4, 2 * dim)(h)
+    h = kal.TransformerEncoderBlock(4, intermediate_dim=2 * dim)(h)
     pooled = keras.layers.GlobalAveragePooling1D()(h)
     return keras.Model(ids, keras.layers.Dense(3, activation="softmax", name="probs")(pooled))
 
@@ -370,7 +370,7 @@ def mixed_classifier(policy):
     try:
         ids = keras.Input((None,), dtype="int32", name="tokens")
         h = kal.TokenAndPositionEmbedding(model_zoo.VOCAB, 16, 16, mask_zero=True)(ids)
-        h = kal.TransformerEncoderBlock(2, 32, dropout=0.1)(h)
+        h = kal.TransformerEncoderBlock(2, intermediate_dim=32, dropout=0.1)(h)
         h = keras.Sequential([keras.layers.Dense(16), keras.layers.LayerNormalization()],
                              name="head")(h)
         logits = keras.layers.Dense(3, dtype="float32", name="logits")(h)

@@ -75,6 +75,7 @@ def test_mask_bias_scale_and_causal_combine(rng):
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
+@pytest.mark.tensorflow_only
 def test_fully_masked_rows_are_zero_with_zero_gradients(rng):
     q, k, v = _qkv(rng)
     mask = np.ones((2, 5, 7), bool)

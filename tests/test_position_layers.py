@@ -107,6 +107,7 @@ def test_positions_are_float32_under_mixed_precision():
     np.testing.assert_allclose(np.asarray(out, "float32")[0], ref.sinusoidal(3, 4, start=30000), atol=2e-3)
 
 
+@pytest.mark.tensorflow_only
 def test_learned_positions_past_the_table_raise_when_static():
     import tensorflow as tf
 

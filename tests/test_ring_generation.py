@@ -132,11 +132,11 @@ def test_ring_tflite_greedy_loop_matches_keras(ring_lm):
 
 
 def test_blocks_sliding_window_config_and_errors():
-    block = TransformerDecoderBlock(2, 16, sliding_window=3)
+    block = TransformerDecoderBlock(2, intermediate_dim=16, sliding_window=3)
     block(np.zeros((1, 5, 8), np.float32))
     assert block.self_attention.sliding_window == 3
     assert TransformerDecoderBlock.from_config(block.get_config()).sliding_window == 3
-    encoder = TransformerEncoderBlock(2, 16, sliding_window=2)
+    encoder = TransformerEncoderBlock(2, intermediate_dim=16, sliding_window=2)
     encoder(np.zeros((1, 5, 8), np.float32))
     assert encoder.self_attention.sliding_window == 2
     lm = DecoderOnlyLM(VOCAB, 16, 8, num_layers=1, num_heads=2, intermediate_dim=16,
@@ -145,7 +145,7 @@ def test_blocks_sliding_window_config_and_errors():
     assert lm.init_cache(1, 3)[0]["self_attention"][0].shape[1] == 3  # shorter than the window
     for bad in (0, -2, 2.5):
         with pytest.raises(ValueError, match="sliding_window"):
-            TransformerDecoderBlock(2, 16, sliding_window=bad)
+            TransformerDecoderBlock(2, intermediate_dim=16, sliding_window=bad)
         with pytest.raises(ValueError, match="sliding_window"):
             DecoderOnlyLM(VOCAB, 16, 8, num_layers=1, num_heads=2, intermediate_dim=16,
                           sliding_window=bad)

@@ -220,7 +220,9 @@ def test_loads_in_fresh_process_that_imports_only_keras_attn(tmp_path):
         "assert 'tests' not in sys.modules\n"
         "print('OK')\n"
     )
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    # This checkout's keras_attn, whichever copy is installed.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=root)
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

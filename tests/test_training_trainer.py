@@ -108,7 +108,7 @@ def _dropout_model():
 
     keras.utils.set_random_seed(11)
     x = keras.Input((4, 8))
-    h = kal.TransformerEncoderBlock(2, 16, dropout=0.3)(x)
+    h = kal.TransformerEncoderBlock(2, intermediate_dim=16, dropout=0.3)(x)
     h = keras.layers.Dropout(0.4)(keras.layers.GlobalAveragePooling1D()(h))
     return keras.Model(x, keras.layers.Dense(1)(h))
 

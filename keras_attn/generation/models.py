@@ -78,7 +78,7 @@ class _LMBase(keras.Model):
         rotary = RotaryEmbedding() if self.position == "rotary" else None
         return [
             TransformerDecoderBlock(
-                self.num_heads, self.intermediate_dim,
+                self.num_heads, intermediate_dim=self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads,
                 normalize_first=True, rotary_embedding=rotary,
                 sliding_window=self.sliding_window, name=f"decoder_{i}",
@@ -195,7 +195,7 @@ class Seq2SeqLM(_LMBase):
         rotary = RotaryEmbedding() if self.position == "rotary" else None
         self.encoder_blocks = [
             TransformerEncoderBlock(
-                self.num_heads, self.intermediate_dim,
+                self.num_heads, intermediate_dim=self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads, normalize_first=True,
                 rotary_embedding=rotary, name=f"encoder_{i}",
             )

@@ -14,7 +14,8 @@ class BlockBase(keras.layers.Layer):
     def __init__(
         self,
         num_heads,
-        intermediate_dim,
+        *args,
+        intermediate_dim=None,
         key_dim=None,
         dropout=0.0,
         activation="relu",
@@ -28,6 +29,17 @@ class BlockBase(keras.layers.Layer):
         chunk_size=None,
         **kwargs,
     ):
+        name = type(self).__name__
+        if args:
+            # KerasHub's TransformerEncoder/Decoder take `(intermediate_dim,
+            # num_heads)`: a positional second argument would silently swap them.
+            raise TypeError(
+                f"{name} takes `num_heads` as its only positional argument; pass "
+                f"the others by keyword, e.g. {name}(num_heads=4, intermediate_dim=64). "
+                "(KerasHub's blocks take `(intermediate_dim, num_heads)` positionally; "
+                "keyword arguments keep such a call from building another block.) "
+                f"Received positional arguments: {(num_heads,) + args!r}"
+            )
         super().__init__(**kwargs)
         self.num_heads = _common.check_positive_int("num_heads", num_heads)
         self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)

@@ -3,6 +3,7 @@
 import keras
 
 from keras_attn.layers import _common
+from keras_attn.layers import _hub_convert
 from keras_attn.layers import _transformer
 from keras_attn.ops import masking
 
@@ -55,6 +56,19 @@ class TransformerDecoderBlock(_transformer.BlockBase):
     ((2, 4, 16), (2, 2, 4, 7))
     """
 
+    @classmethod
+    def from_keras_hub(cls, layer):
+        """A block with the weights and outputs of a built `keras_hub.layers.TransformerDecoder`.
+
+        Post-norm or pre-norm, with or without cross-attention. Outputs
+        equal KerasHub's except at padded query positions: our padding mask
+        also zeroes the attention output of padded queries, KerasHub's masks
+        keys only (docs/guides/coming_from.md). Call order differs too:
+        KerasHub's `TransformerDecoder(intermediate_dim, num_heads)` is ours
+        `(num_heads, intermediate_dim=...)`; and pass masks by keyword.
+        """
+        return _hub_convert.decoder_from_keras_hub(cls, layer)
+
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         layout = "(batch, seq, features)"
         _common.check_shape_rank("decoder_sequence", decoder_sequence_shape, 3, layout)
@@ -81,6 +95,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         self,
         decoder_sequence,
         encoder_sequence=None,
+        *,
         decoder_padding_mask=None,
         encoder_padding_mask=None,
         decoder_attention_mask=None,

@@ -3,6 +3,7 @@
 import keras
 
 from keras_attn.layers import _common
+from keras_attn.layers import _hub_convert
 from keras_attn.layers import _transformer
 from keras_attn.ops import masking
 
@@ -61,6 +62,19 @@ class TransformerEncoderBlock(_transformer.BlockBase):
     (2, 5, 16)
     """
 
+    @classmethod
+    def from_keras_hub(cls, layer):
+        """A block with the weights and outputs of a built `keras_hub.layers.TransformerEncoder`.
+
+        Post-norm or pre-norm. Outputs
+        equal KerasHub's except at padded query positions: our padding mask
+        also zeroes the attention output of padded queries, KerasHub's masks
+        keys only (docs/guides/coming_from.md). Call order differs too:
+        KerasHub's `TransformerEncoder(intermediate_dim, num_heads)` is ours
+        `(num_heads, intermediate_dim=...)`.
+        """
+        return _hub_convert.encoder_from_keras_hub(cls, layer)
+
     def build(self, inputs_shape):
         _common.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")
         self.self_attention = self._attention(
@@ -78,6 +92,7 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         inputs,
         padding_mask=None,
         attention_mask=None,
+        *,
         attention_bias=None,
         use_causal_mask=False,
         training=None,

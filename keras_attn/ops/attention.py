@@ -202,6 +202,8 @@ def dot_product_attention(
     >>> tuple(out.shape)
     (2, 5, 4, 8)
     """
+    # NumPy inputs as tensors: on torch, `ndarray * Tensor` is an error.
+    query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     kernel, chunks, dropout_rate = _plan(
         query, key, value, chunk_size=chunk_size, dropout_rate=dropout_rate,
         training=training, return_attention_scores=return_attention_scores,

@@ -174,11 +174,12 @@ def mask_to_bias(mask, row_visible=None):
 
 
 def _check_mask_dtype(name, mask):
-    raw = getattr(mask, "dtype", "bool")
+    dtype = getattr(mask, "dtype", None)
     try:
-        dtype = keras.backend.standardize_dtype(raw)
-    except ValueError:  # strings, objects: not a dtype Keras knows
-        dtype = str(raw)
+        # "bool" whatever the backend spells it ("torch.bool", "<dtype: 'bool'>").
+        dtype = "bool" if dtype is None else keras.backend.standardize_dtype(dtype)
+    except ValueError:  # not a Keras dtype at all, e.g. strings
+        dtype = str(dtype)
     if not dtype.startswith(_MASK_DTYPE_PREFIXES):
         raise TypeError(
             f"Received an invalid `{name}` dtype: expected bool (True = attend) "

@@ -43,7 +43,7 @@ def seq2seq_transformer(
     )(enc_in)
     for i in range(num_encoder_layers):
         x = TransformerEncoderBlock(
-            num_heads, intermediate_dim, dropout=dropout, name=f"encoder_{i}"
+            num_heads, intermediate_dim=intermediate_dim, dropout=dropout, name=f"encoder_{i}"
         )(x)
     y = TokenAndPositionEmbedding(
         target_vocabulary_size, target_length, embedding_dim, mask_zero=True,
@@ -52,7 +52,7 @@ def seq2seq_transformer(
     scores = None
     for i in range(num_decoder_layers):
         y, scores = TransformerDecoderBlock(
-            num_heads, intermediate_dim, dropout=dropout, name=f"decoder_{i}"
+            num_heads, intermediate_dim=intermediate_dim, dropout=dropout, name=f"decoder_{i}"
         )(y, x, return_attention_scores=True)
     logits = keras.layers.Dense(target_vocabulary_size, dtype="float32", name="logits")(y)
     # A list, not a dict: exporters and serving signatures keep this order,
@@ -94,7 +94,7 @@ def transformer_classifier(
     )(ids)
     for i in range(num_layers):
         x = TransformerEncoderBlock(
-            num_heads, intermediate_dim, dropout=dropout, name=f"encoder_{i}"
+            num_heads, intermediate_dim=intermediate_dim, dropout=dropout, name=f"encoder_{i}"
         )(x)
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     x = keras.layers.Dropout(dropout)(x)
