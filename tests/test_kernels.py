@@ -177,7 +177,7 @@ def test_device_override_drives_dot_product_attention_and_layer_norm(rng):
     """TensorFlow with a (forced) GPU: the reference kernel and Keras'
     LayerNorm, the same numbers as on the CPU kernels."""
     q = rng.normal(size=(2, 6, 2, 4)).astype("float32")
-    block = keras_attn.layers.TransformerEncoderBlock(2, 16)
+    block = keras_attn.layers.TransformerEncoderBlock(num_heads=2, intermediate_dim=16)
     x = rng.normal(size=(2, 6, 8)).astype("float32")
     cpu_block = np.asarray(block(x))
     cpu_out = ka_ops.dot_product_attention(q, q, q, is_causal=True)
