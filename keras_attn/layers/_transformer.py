@@ -28,6 +28,7 @@ class BlockBase(keras.layers.Layer):
         rotary_embedding=None,
         sliding_window=None,
         chunk_size=None,
+        mask_padded_queries=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -66,7 +67,15 @@ class BlockBase(keras.layers.Layer):
         self.sliding_window = _common.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
+        # False: padding masks only keys, and padded positions are computed
+        # like any token (BERT, GPT-2 and KerasHub semantics); True also
+        # zeroes the attention output of padded query rows.
+        self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
         self.supports_masking = True
+
+    def _query_padding(self, padding_mask):
+        """The padding mask used as `query_mask`: None when only keys are masked."""
+        return padding_mask if self.mask_padded_queries else None
 
     def _head_size(self, hidden_dim, name):
         if hidden_dim is None:
@@ -182,6 +191,7 @@ class BlockBase(keras.layers.Layer):
                 ),
                 "sliding_window": self.sliding_window,
                 "chunk_size": self.chunk_size,
+                "mask_padded_queries": self.mask_padded_queries,
             }
         )
         return config
