@@ -103,7 +103,8 @@ def _parse(argv):
 
 def _tokenizer(directory):
     """The checkpoint's tokenizer when the directory has one, else None."""
-    if directory is None:
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+    if directory is None or not any(os.path.exists(os.path.join(directory, f)) for f in files):
         return None
     import transformers
 
