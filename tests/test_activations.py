@@ -175,3 +175,8 @@ def test_dense_with_block_gelu_converts_to_onnx():
     report = kx.check_exportable(ours, formats=("onnx",))
     assert report.ok, str(report)
     assert "Erfc" not in report.tf_ops and "Erf" in report.tf_ops
+    # The TFLite converter fuses the erf form into its builtin GELU.
+    from keras_attn.export import tflite as tflite_lib
+
+    flatbuffer, _ = tflite_lib.convert(ours)
+    assert "GELU" in tflite_lib.tflite_op_names(flatbuffer)

@@ -63,6 +63,22 @@ def test_token_type_arguments_are_checked():
         bert_embedding()(np.array([[1, 2]]), token_type_ids=np.array([[0, 0, 0]]))
 
 
+def test_tied_head_through_token_and_position_embedding(tmp_path):
+    layer = bert_embedding()
+    ids = keras.Input((None,), dtype="int32")
+    h = layer(ids)
+    logits = layer(h, reverse=True)
+    assert tuple(logits.shape) == (None, None, 30)
+    model = keras.Model(ids, logits)
+    feed = np.array([[4, 5, 6, 0]])
+    hidden = np.asarray(layer(feed))
+    table = np.asarray(layer.token_embedding.embeddings)
+    np.testing.assert_allclose(np.asarray(model(feed)), hidden @ table.T, atol=1e-5)
+    model.save(tmp_path / "tied.keras")
+    loaded = keras.saving.load_model(tmp_path / "tied.keras")
+    np.testing.assert_array_equal(np.asarray(loaded(feed)), np.asarray(model(feed)))
+
+
 def test_token_type_embedding_serializes_in_a_functional_model(tmp_path):
     ids = keras.Input((None,), dtype="int32", name="ids")
     types = keras.Input((None,), dtype="int32", name="types")
@@ -88,6 +104,11 @@ def test_reversible_embedding_reverse_is_the_transposed_table(tmp_path):
     assert len(emb.weights) == 1  # tied: no extra kernel, no bias
     with pytest.raises(ValueError, match="6 features"):
         emb(np.zeros((1, 2, 4), "float32"), reverse=True)
+    # Hidden states keep their mask; ids give one with mask_zero.
+    masked = ReversibleEmbedding(20, 6, mask_zero=True)
+    ids_mask = np.array([[True, False]])
+    np.testing.assert_array_equal(np.asarray(masked.compute_mask(np.array([[3, 0]]))), ids_mask)
+    assert masked.compute_mask(hidden, mask=ids_mask) is ids_mask
     # In a functional model, and through .keras.
     ids = keras.Input((None,), dtype="int32")
     shared = ReversibleEmbedding(20, 6, name="shared")

@@ -55,6 +55,12 @@ class ReversibleEmbedding(keras.layers.Embedding):
         logits = ops.matmul(flat, kernel)
         return ops.reshape(logits, tuple(shape[:-1]) + (self.input_dim,))
 
+    def compute_mask(self, inputs, mask=None):
+        # Hidden states (reverse=True) keep their mask; ids give one with mask_zero.
+        if "float" in keras.backend.standardize_dtype(inputs.dtype):
+            return mask
+        return super().compute_mask(inputs, mask)
+
     def compute_output_shape(self, input_shape, reverse=False):
         if reverse:
             return tuple(input_shape[:-1]) + (self.input_dim,)

@@ -12,6 +12,10 @@ from keras_attn.layers.sinusoidal_position_encoding import SinusoidalPositionEnc
 POSITION_KINDS = ("sinusoidal", "learned")
 
 
+def _is_float(x):
+    return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
 @_common.register
 class TokenAndPositionEmbedding(keras.layers.Layer):
     """Embeds token ids and adds sinusoidal or learned position information.
@@ -23,8 +27,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     `type_vocabulary_size` token-type (segment) embeddings added to the sum,
     and a LayerNorm of the sum (`use_layer_norm=True`):
     `LN(token[ids] + position[i] + type[token_type_ids])`. The token table is
-    a `ReversibleEmbedding`, so `layer.token_embedding(h, reverse=True)` is
-    a tied output head.
+    a `ReversibleEmbedding`: `layer(hidden, reverse=True)` is the tied output
+    head, `hidden @ token_table.T` (no bias; positions, types and the
+    LayerNorm play no part), as GPT-2 and BERT's masked-LM head use it.
 
     Args:
         vocabulary_size: number of token ids.
@@ -48,6 +53,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         start_index: position of the first token (for cached decoding).
         token_type_ids: integer `(B, T)` token types (segment ids), only with
             `type_vocabulary_size`; None means type 0 everywhere.
+        reverse: if True, `inputs` are hidden states `(B, T, embedding_dim)`
+            and the call returns logits `(B, T, vocabulary_size)`.
 
     Example:
 
@@ -127,6 +134,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.supports_masking = mask_zero
 
     def build(self, inputs_shape, token_type_ids_shape=None):
+        if len(inputs_shape) == 3:  # first called with reverse=True
+            inputs_shape = tuple(inputs_shape[:2])
         _common.check_shape_rank("inputs", inputs_shape, 2, "(batch, seq) of token ids")
         self.token_embedding.build(inputs_shape)
         self.position_embedding.build(tuple(inputs_shape) + (self.embedding_dim,))
@@ -136,7 +145,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             self.layer_norm.build(tuple(inputs_shape) + (self.embedding_dim,))
         self.built = True
 
-    def call(self, inputs, start_index=0, token_type_ids=None):
+    def call(self, inputs, start_index=0, token_type_ids=None, reverse=False):
+        if reverse:
+            return self.token_embedding(inputs, reverse=True)
         if self.position == "learned":
             _positions.check_start_index(
                 start_index, inputs.shape[1], self.sequence_length, "TokenAndPositionEmbedding"
@@ -165,9 +176,18 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         return x
 
     def compute_mask(self, inputs, mask=None, **kwargs):
+        if _is_float(inputs):  # reverse=True: hidden states keep their mask
+            return mask
         if not self.mask_zero:
             return None
         return keras.ops.not_equal(inputs, 0)
+
+    def compute_output_spec(self, inputs, start_index=0, token_type_ids=None, reverse=False):
+        if reverse:
+            shape = tuple(inputs.shape[:-1]) + (self.vocabulary_size,)
+        else:
+            shape = tuple(inputs.shape) + (self.embedding_dim,)
+        return keras.KerasTensor(shape, dtype=self.compute_dtype)
 
     def compute_output_shape(self, inputs_shape, token_type_ids_shape=None):
         return tuple(inputs_shape) + (self.embedding_dim,)
