@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from keras_attn.generation import greedy_search
-from keras_attn.generation.models import DecoderOnlyLM
+from keras_attn.generation.models import DecoderOnlyLM, Seq2SeqLM
 from keras_attn.layers import (
     ReversibleEmbedding,
     TokenAndPositionEmbedding,
@@ -212,3 +212,37 @@ def test_decoder_only_lm_options(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(ids)), logits)
     with pytest.raises(ValueError, match="activation"):
         DecoderOnlyLM(40, 16, 16, num_layers=1, num_heads=2, intermediate_dim=8, activation="nope")
+
+
+def test_seq2seq_lm_tied_head():
+    lm = Seq2SeqLM(
+        30, 12, 16, num_layers=1, num_heads=2, intermediate_dim=16, position="rotary",
+        activation="silu", tie_embeddings=True,
+    )
+    enc = np.array([[3, 4, 5, 0]])
+    dec = np.array([[1, 6, 7]])
+    logits = np.asarray(lm((enc, dec)))
+    assert lm.lm_head is None and not [w for w in lm.weights if "lm_head" in w.path]
+    encoded, mask = lm.encode(enc)
+    x = lm.decoder_embedding(dec)
+    for block in lm.blocks:
+        x = block(x, encoded, encoder_padding_mask=mask)
+    hidden = np.asarray(lm.final_norm(x))
+    np.testing.assert_allclose(logits, hidden @ np.asarray(lm.decoder_embedding.embeddings).T, atol=1e-5)
+    assert Seq2SeqLM.from_config(lm.get_config()).get_config() == lm.get_config()
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_low_precision_and_empty_batches(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    layer = bert_embedding()
+    ids = np.array([[5, 3, 9, 0]])
+    h = layer(ids, token_type_ids=np.array([[0, 1, 1, 0]]))
+    logits = layer(h, reverse=True)
+    assert keras.backend.standardize_dtype(logits.dtype) == policy.split("_")[1]
+    assert np.all(np.isfinite(np.asarray(keras.ops.cast(logits, "float32"))))
+    keras.mixed_precision.set_global_policy("float32")
+    empty = np.zeros((0, 4), "int32")
+    out = bert_embedding()(empty, token_type_ids=empty)
+    assert tuple(out.shape) == (0, 4, 8)
+    assert tuple(ReversibleEmbedding(10, 8)(np.asarray(out), reverse=True).shape) == (0, 4, 10)
