@@ -317,26 +317,29 @@ def _convert_encoder(config, state, architecture, prefix, dropout):
         x = block(x, padding_mask=padding_mask)
         blocks.append(block)
     outputs = []
-    has_pooler = "pooler.dense.weight" in weights or (roberta and classify)
     pooler = None
-    if has_pooler:
+    if "pooler.dense.weight" in weights or (roberta and classify):
+        # BERT's pooler, or RoBERTa's classification head's first dense: both
+        # tanh(dense(first token)).
         pooler = keras.layers.Dense(hidden, activation="tanh", name="pooler")
-        pooled = pooler(x[:, 0, :])
+        first = x[:, 0, :]
+        if roberta and classify:  # dropout, dense, tanh, dropout, out_proj
+            first = keras.layers.Dropout(rate, name="head_dropout_0")(first)
+        pooled = pooler(first)
     if classify:
         head_dropout = getattr(config, "classifier_dropout", None)
         head_dropout = rate if head_dropout is None or dropout is not None else head_dropout
         classifier = keras.layers.Dense(config.num_labels, name="classifier")
-        if roberta:  # dropout, dense, tanh, dropout, out_proj
-            pooled = pooler(keras.layers.Dropout(head_dropout, name="head_dropout_0")(x[:, 0, :]))
         logits = classifier(keras.layers.Dropout(head_dropout, name="head_dropout")(pooled))
         outputs.append(keras.layers.Identity(name="logits")(logits))
     else:
         outputs.append(keras.layers.Identity(name="last_hidden_state")(x))
-        if has_pooler:
+        if pooler is not None:
             outputs.append(keras.layers.Identity(name="pooler_output")(pooled))
     model = keras.Model(inputs, outputs, name=f"{config.model_type}_keras_attn")
 
-    def linear(layer, name):
+    def linear(name):
+        """An `nn.Linear`: `(kernel (in, out), bias, name)`."""
         return weights.take(name + ".weight").T, weights.take(name + ".bias"), name
 
     _assign(embedding.token_embedding.embeddings, weights.take("embeddings.word_embeddings.weight"), "word_embeddings")
@@ -351,22 +354,22 @@ def _convert_encoder(config, state, architecture, prefix, dropout):
         p = f"encoder.layer.{i}."
         _set_attention(
             block.self_attention,
-            linear(None, p + "attention.self.query"),
-            linear(None, p + "attention.self.key"),
-            linear(None, p + "attention.self.value"),
-            linear(None, p + "attention.output.dense"),
+            linear(p + "attention.self.query"),
+            linear(p + "attention.self.key"),
+            linear(p + "attention.self.value"),
+            linear(p + "attention.output.dense"),
             heads,
         )
         _set_norm(block.self_attention_layer_norm, weights, p + "attention.output.LayerNorm")
-        _set_dense(block.feedforward_intermediate_dense, *linear(None, p + "intermediate.dense")[:2], p + "intermediate.dense")
-        _set_dense(block.feedforward_output_dense, *linear(None, p + "output.dense")[:2], p + "output.dense")
+        _set_dense(block.feedforward_intermediate_dense, *linear(p + "intermediate.dense"))
+        _set_dense(block.feedforward_output_dense, *linear(p + "output.dense"))
         _set_norm(block.feedforward_layer_norm, weights, p + "output.LayerNorm")
     if pooler is not None:
         name = "classifier.dense" if roberta and classify else "pooler.dense"
-        _set_dense(pooler, *linear(None, name)[:2], name)
+        _set_dense(pooler, *linear(name))
     if classify:
         name = "classifier.out_proj" if roberta else "classifier"
-        _set_dense(classifier, *linear(None, name)[:2], name)
+        _set_dense(classifier, *linear(name))
     weights.check_all_used(architecture)
     return model
 
