@@ -54,7 +54,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         token_type_ids: integer `(B, T)` token types (segment ids), only with
             `type_vocabulary_size`; None means type 0 everywhere.
         reverse: if True, `inputs` are hidden states `(B, T, embedding_dim)`
-            and the call returns logits `(B, T, vocabulary_size)`.
+            and the call returns logits `(B, T, vocabulary_size)` (the layer
+            must have embedded ids before, which builds it).
 
     Example:
 
@@ -134,8 +135,6 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.supports_masking = mask_zero
 
     def build(self, inputs_shape, token_type_ids_shape=None):
-        if len(inputs_shape) == 3:  # first called with reverse=True
-            inputs_shape = tuple(inputs_shape[:2])
         _common.check_shape_rank("inputs", inputs_shape, 2, "(batch, seq) of token ids")
         self.token_embedding.build(inputs_shape)
         self.position_embedding.build(tuple(inputs_shape) + (self.embedding_dim,))
