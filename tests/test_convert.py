@@ -290,3 +290,14 @@ def test_converted_bert_exports_with_hf_parity(tmp_path):
     interpreter.allocate_tensors()
     got = interpreter.get_signature_runner("serving_default")(**feed)["logits"]
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_fully_padded_rows_and_empty_batches_stay_finite():
+    model = from_huggingface(hf_model(transformers.BertModel, tiny_bert_config(initializer_range=0.3)))
+    ids, mask, types = batch(seed=9)
+    mask[1] = 0  # a row with no token at all
+    out = run(model, ids, mask, types)
+    assert all(np.all(np.isfinite(v)) for v in out.values())
+    empty = np.zeros((0, 5), "int32")
+    out = run(model, empty, empty, empty)
+    assert out["last_hidden_state"].shape == (0, 5, 16)
