@@ -159,7 +159,7 @@ def _load(model_or_local_dir):
         cls = getattr(transformers, names[0], None) if names else None
         if cls is None:
             cls = transformers.AutoModel
-        return cls.from_pretrained(path, local_files_only=True).eval()
+        return cls.from_pretrained(path, local_files_only=True)
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is in the test extra
@@ -167,7 +167,7 @@ def _load(model_or_local_dir):
     if torch is not None and isinstance(model_or_local_dir, torch.nn.Module) and hasattr(
         model_or_local_dir, "config"
     ):
-        return model_or_local_dir.eval()
+        return model_or_local_dir  # only its config and state_dict are read
     raise TypeError(
         "Received an invalid value for argument `model_or_local_dir`, expected a "
         "PyTorch transformers.PreTrainedModel or a local directory path. "
