@@ -236,6 +236,7 @@ def test_converted_encoder_saves_and_loads(tmp_path):
             "position_embedding_type.*relative_key",
         ),
         (lambda: hf_model(transformers.BertForMaskedLM, tiny_bert_config()), "BertForMaskedLM"),
+        (lambda: hf_model(transformers.BertLMHeadModel, tiny_bert_config()), "BertLMHeadModel"),
         (
             lambda: hf_model(transformers.GPT2LMHeadModel, tiny_gpt2_config(add_cross_attention=True)),
             "add_cross_attention",

@@ -271,7 +271,7 @@ def _check_encoder_config(config):
 def _convert_encoder(config, state, architecture, prefix, dropout):
     _check_encoder_config(config)
     classify = architecture.endswith("ForSequenceClassification")
-    if not (classify or architecture.endswith("Model")):
+    if not (classify or architecture in ("BertModel", "RobertaModel", "XLMRobertaModel")):
         raise ValueError(
             f"Cannot convert {architecture}: supported are the base model and "
             "*ForSequenceClassification. Received: architecture="
