@@ -119,6 +119,26 @@ def test_reversible_embedding_reverse_is_the_transposed_table(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(feed)), np.asarray(model(feed)))
 
 
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_key_only_padding_matches_numpy_at_every_position(normalize_first):
+    """Padded rows computed (not zeroed), checked against the NumPy block of
+    tests/test_blocks.py, whose padding masks keys only."""
+    from tests import reference as ref
+    from tests.test_blocks import encoder_reference
+
+    rng = np.random.default_rng(5)
+    block = TransformerEncoderBlock(
+        num_heads=2, intermediate_dim=12, activation="gelu", normalize_first=normalize_first,
+        mask_padded_queries=False,
+    )
+    x = rng.standard_normal((2, 5, 8)).astype("float32")
+    mask = np.array([[1, 1, 1, 0, 0], [1] * 5], bool)
+    block(x)
+    block.set_weights([rng.standard_normal(w.shape).astype("float32") * 0.3 for w in block.weights])
+    got = np.asarray(block(x, padding_mask=mask))
+    np.testing.assert_allclose(got, encoder_reference(block, x, mask, ref.gelu), atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def keras_hub():
     return pytest.importorskip("keras_hub")
