@@ -105,13 +105,29 @@ def decoder_only():
     return keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(h), name="decoder_only")
 
 
+def pretrained_style():
+    """BERT-style embeddings (token types, LayerNorm), key-only padding, exact
+    GELU, and the token table reused as the output head (tied)."""
+    ids = _ids()
+    embedding = kal.TokenAndPositionEmbedding(
+        VOCAB, 32, DIM, position="learned", type_vocabulary_size=2, use_layer_norm=True,
+        layer_norm_epsilon=1e-12, mask_zero=True,
+    )
+    h = embedding(ids)
+    h = kal.TransformerEncoderBlock(
+        num_heads=2, intermediate_dim=32, activation="gelu", mask_padded_queries=False
+    )(h)
+    logits = embedding(h, reverse=True)
+    return keras.Model(ids, logits, name="pretrained_style")
+
+
 ALL = {
     f.__name__: f
     for f in (
         dot_product_attention, additive_attention, multi_head_attention, cross_attention,
         sinusoidal_position_encoding, learned_position_embedding, rotary_embedding, alibi_bias,
         relative_position_bias, token_and_position_embedding, encoder_classifier,
-        encoder_decoder, decoder_only,
+        encoder_decoder, decoder_only, pretrained_style,
     )
 }
 

@@ -6,7 +6,13 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_attn"
-HIGHER = ("keras_attn.data", "keras_attn.training", "keras_attn.export", "keras_attn.generation")
+HIGHER = (
+    "keras_attn.data",
+    "keras_attn.training",
+    "keras_attn.export",
+    "keras_attn.generation",
+    "keras_attn.convert",
+)
 
 
 def _module_level_imports(path):

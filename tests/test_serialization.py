@@ -41,7 +41,12 @@ LAYERS = [
     kal.AlibiBias(6, max_bias=4.0),
     kal.RelativePositionBias(4, num_buckets=8, max_distance=20, bidirectional=False),
     kal.TokenAndPositionEmbedding(10, 8, 4, position="learned", mask_zero=True),
-    kal.TransformerEncoderBlock(2, intermediate_dim=8, key_dim=3, activation="gelu", normalize_first=True,
+    kal.TokenAndPositionEmbedding(10, 8, 4, type_vocabulary_size=3, use_layer_norm=True,
+                                  layer_norm_epsilon=1e-12),
+    kal.ReversibleEmbedding(10, 4, mask_zero=True),
+    kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=8, activation="gelu_new",
+                                mask_padded_queries=False),
+    kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=8, key_dim=3, activation="gelu", normalize_first=True,
                                 rotary_embedding=kal.RotaryEmbedding()),
     kal.TransformerDecoderBlock(4, intermediate_dim=8, num_key_value_heads=2, dropout=0.1, layer_norm_epsilon=1e-6),
 ]

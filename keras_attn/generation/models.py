@@ -20,6 +20,8 @@ from keras import ops
 
 from keras_attn.generation import cache as cache_lib
 from keras_attn.layers import _common
+from keras_attn.layers import activations
+from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from keras_attn.layers.transformer_decoder_block import TransformerDecoderBlock
@@ -39,6 +41,10 @@ class _LMBase(keras.Model):
         position="sinusoidal",
         pad_token_id=0,
         sliding_window=None,
+        activation="relu",
+        layer_norm_epsilon=1e-5,
+        tie_embeddings=False,
+        mask_padded_queries=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -54,6 +60,13 @@ class _LMBase(keras.Model):
         self.sliding_window = _common.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
+        activations.get(activation)  # raises a ValueError naming `activation`
+        self.activation = activation
+        self.layer_norm_epsilon = _common.check_positive_float(
+            "layer_norm_epsilon", layer_norm_epsilon
+        )
+        self.tie_embeddings = _common.check_bool("tie_embeddings", tie_embeddings)
+        self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
         if hidden_dim % num_heads:
             raise ValueError(
                 f"`hidden_dim` must be divisible by `num_heads`. Received: "
@@ -63,7 +76,7 @@ class _LMBase(keras.Model):
 
     def _embedding(self, name):
         if self.position == "rotary":
-            return keras.layers.Embedding(self.vocabulary_size, self.hidden_dim, name=name)
+            return ReversibleEmbedding(self.vocabulary_size, self.hidden_dim, name=name)
         return TokenAndPositionEmbedding(
             self.vocabulary_size, self.sequence_length, self.hidden_dim,
             position=self.position, name=name,
@@ -74,6 +87,28 @@ class _LMBase(keras.Model):
             return layer(ids)
         return layer(ids, start_index=start_index)
 
+    def _norm(self, name):
+        return keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon, name=name)
+
+    def _head(self):
+        """The output projection: a Dense with bias, or None when tied."""
+        if self.tie_embeddings:
+            return None
+        return keras.layers.Dense(self.vocabulary_size, name="lm_head")
+
+    def _logits(self, embedding, x):
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        table = embedding if self.position == "rotary" else embedding.token_embedding
+        return table(x, reverse=True)
+
+    def _block_kwargs(self):
+        return dict(
+            activation=self.activation,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            mask_padded_queries=self.mask_padded_queries,
+        )
+
     def _decoder_blocks(self):
         rotary = RotaryEmbedding() if self.position == "rotary" else None
         return [
@@ -82,6 +117,7 @@ class _LMBase(keras.Model):
                 num_key_value_heads=self.num_key_value_heads,
                 normalize_first=True, rotary_embedding=rotary,
                 sliding_window=self.sliding_window, name=f"decoder_{i}",
+                **self._block_kwargs(),
             )
             for i in range(self.num_layers)
         ]
@@ -128,6 +164,12 @@ class _LMBase(keras.Model):
                 num_heads=self.num_heads, intermediate_dim=self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads, position=self.position,
                 pad_token_id=self.pad_token_id, sliding_window=self.sliding_window,
+                activation=self.activation
+                if isinstance(self.activation, str)
+                else keras.activations.serialize(activations.get(self.activation)),
+                layer_norm_epsilon=self.layer_norm_epsilon,
+                tie_embeddings=self.tie_embeddings,
+                mask_padded_queries=self.mask_padded_queries,
             )
         )
         return config
@@ -142,6 +184,16 @@ class DecoderOnlyLM(_LMBase):
     `sliding_window=W` each token attends to the last `W` tokens only
     (itself included) and the cache is a ring buffer of `W` positions.
 
+    Options shared with `Seq2SeqLM`:
+
+    - `activation`: of the feed-forward networks (any name the blocks
+      accept, e.g. `"gelu_new"` for GPT-2; see `keras_attn.activations`);
+    - `layer_norm_epsilon`: of every LayerNorm;
+    - `tie_embeddings`: the output head is the transposed token embedding
+      table, without bias (GPT-2); else a `Dense` with bias (`lm_head`);
+    - `mask_padded_queries`: passed to the blocks (False: padding masks keys
+      only, as Hugging Face models do).
+
     Example:
 
     >>> import numpy as np
@@ -154,14 +206,14 @@ class DecoderOnlyLM(_LMBase):
         super().__init__(*args, **kwargs)
         self.embedding = self._embedding("embedding")
         self.blocks = self._decoder_blocks()
-        self.final_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")
-        self.lm_head = keras.layers.Dense(self.vocabulary_size, name="lm_head")
+        self.final_norm = self._norm("final_norm")
+        self.lm_head = self._head()
 
     def call(self, token_ids, padding_mask=None):
         x = self._embed(self.embedding, token_ids)
         for block in self.blocks:
             x = block(x, decoder_padding_mask=padding_mask)
-        return self.lm_head(self.final_norm(x))
+        return self._logits(self.embedding, self.final_norm(x))
 
     def call_with_cache(self, token_ids, cache, cache_index, padding_mask=None):
         """Logits of `token_ids` at positions `[cache_index, ...)` and the new cache.
@@ -178,7 +230,7 @@ class DecoderOnlyLM(_LMBase):
                 x, decoder_padding_mask=padding_mask, cache=layer_cache, cache_index=cache_index
             )
             new_cache.append(layer_cache)
-        return self.lm_head(self.final_norm(x)), new_cache
+        return self._logits(self.embedding, self.final_norm(x)), new_cache
 
 
 @_common.register
@@ -198,14 +250,15 @@ class Seq2SeqLM(_LMBase):
                 self.num_heads, intermediate_dim=self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads, normalize_first=True,
                 rotary_embedding=rotary, name=f"encoder_{i}",
+                **self._block_kwargs(),
             )
             for i in range(self.num_layers)
         ]
-        self.encoder_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="encoder_norm")
+        self.encoder_norm = self._norm("encoder_norm")
         self.decoder_embedding = self._embedding("decoder_embedding")
         self.blocks = self._decoder_blocks()
-        self.final_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")
-        self.lm_head = keras.layers.Dense(self.vocabulary_size, name="lm_head")
+        self.final_norm = self._norm("final_norm")
+        self.lm_head = self._head()
 
     def encode(self, encoder_ids):
         mask = ops.not_equal(encoder_ids, self.pad_token_id)
@@ -220,7 +273,7 @@ class Seq2SeqLM(_LMBase):
         x = self._embed(self.decoder_embedding, decoder_ids)
         for block in self.blocks:
             x = block(x, encoded, encoder_padding_mask=mask)
-        return self.lm_head(self.final_norm(x))
+        return self._logits(self.decoder_embedding, self.final_norm(x))
 
     def call_with_cache(self, token_ids, cache, cache_index, encoder_outputs=None,
                         encoder_padding_mask=None):
@@ -237,4 +290,4 @@ class Seq2SeqLM(_LMBase):
                 cache=layer_cache, cache_index=cache_index,
             )
             new_cache.append(layer_cache)
-        return self.lm_head(self.final_norm(x)), new_cache
+        return self._logits(self.decoder_embedding, self.final_norm(x)), new_cache

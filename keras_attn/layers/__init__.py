@@ -6,6 +6,7 @@ from keras_attn.layers.dot_product_attention import DotProductAttention
 from keras_attn.layers.learned_position_embedding import LearnedPositionEmbedding
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
 from keras_attn.layers.relative_position_bias import RelativePositionBias
+from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.layers.sinusoidal_position_encoding import SinusoidalPositionEncoding
 from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
@@ -19,6 +20,7 @@ __all__ = [
     "LearnedPositionEmbedding",
     "MultiHeadAttention",
     "RelativePositionBias",
+    "ReversibleEmbedding",
     "RotaryEmbedding",
     "SinusoidalPositionEncoding",
     "TokenAndPositionEmbedding",

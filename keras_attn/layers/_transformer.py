@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_attn.layers import _common
+from keras_attn.layers import activations
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
 
@@ -27,6 +28,7 @@ class BlockBase(keras.layers.Layer):
         rotary_embedding=None,
         sliding_window=None,
         chunk_size=None,
+        mask_padded_queries=True,
         **kwargs,
     ):
         name = type(self).__name__
@@ -46,7 +48,8 @@ class BlockBase(keras.layers.Layer):
         self.key_dim = _common.check_positive_int("key_dim", key_dim, allow_none=True)
         self.dropout = _common.check_dropout("dropout", dropout)
         self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
-        self.activation = _common.check_activation("activation", activation)
+        activations.get(activation)  # raises a ValueError naming `activation`
+        self.activation = activation
         self.normalize_first = _common.check_bool("normalize_first", normalize_first)
         self.layer_norm_epsilon = _common.check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
         self.num_key_value_heads = _common.check_num_key_value_heads(
@@ -62,7 +65,15 @@ class BlockBase(keras.layers.Layer):
         self.sliding_window = _common.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
+        # False: padding masks only keys, and padded positions are computed
+        # like any token (BERT, GPT-2 and KerasHub semantics); True also
+        # zeroes the attention output of padded query rows.
+        self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
         self.supports_masking = True
+
+    def _query_padding(self, padding_mask):
+        """The padding mask used as `query_mask`: None when only keys are masked."""
+        return padding_mask if self.mask_padded_queries else None
 
     def _head_size(self, hidden_dim, name):
         if hidden_dim is None:
@@ -114,7 +125,7 @@ class BlockBase(keras.layers.Layer):
         self.feedforward_layer_norm.build(sequence_shape)
         self.feedforward_intermediate_dense = keras.layers.Dense(
             self.intermediate_dim,
-            activation=self.activation,
+            activation=activations.get(self.activation),
             name="feedforward_intermediate_dense",
             **self._dense_kwargs(),
         )
@@ -163,9 +174,9 @@ class BlockBase(keras.layers.Layer):
                 "intermediate_dim": self.intermediate_dim,
                 "key_dim": self.key_dim,
                 "dropout": self.dropout,
-                "activation": keras.activations.serialize(keras.activations.get(self.activation))
-                if not isinstance(self.activation, str)
-                else self.activation,
+                "activation": self.activation
+                if isinstance(self.activation, str)
+                else keras.activations.serialize(activations.get(self.activation)),
                 "normalize_first": self.normalize_first,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "num_key_value_heads": self.num_key_value_heads,
@@ -178,6 +189,7 @@ class BlockBase(keras.layers.Layer):
                 ),
                 "sliding_window": self.sliding_window,
                 "chunk_size": self.chunk_size,
+                "mask_padded_queries": self.mask_padded_queries,
             }
         )
         return config

@@ -147,7 +147,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             "self_attention",
             _SAME_AS_QUERY,
             cache["self_attention"] if cached else None,
-            query_mask=None if cached else decoder_padding_mask,
+            query_mask=None if cached else self._query_padding(decoder_padding_mask),
             value_mask=decoder_padding_mask,
             attention_mask=decoder_attention_mask,
             use_causal_mask=use_causal_mask,
@@ -166,7 +166,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 "cross_attention",
                 None if cached else encoder_sequence,
                 cross_cache if cached else None,
-                query_mask=None if cached else decoder_padding_mask,
+                query_mask=None if cached else self._query_padding(decoder_padding_mask),
                 value_mask=encoder_padding_mask,
                 attention_mask=encoder_attention_mask,
             )

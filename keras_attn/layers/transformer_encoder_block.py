@@ -40,6 +40,12 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             exact attention in every attention sublayer (see
             `MultiHeadAttention`); None uses it only for long sequences, 0
             never.
+        mask_padded_queries: True (default): a padding mask masks padded
+            keys and zeroes the attention output of padded query rows. False:
+            it masks keys only, so padded positions are computed as any
+            other token (their outputs are not used, but they are finite and
+            equal to what BERT, GPT-2 or KerasHub's blocks give there).
+            Unpadded positions are the same either way.
 
     Call arguments:
         inputs: `(B, T, D)`.
@@ -107,7 +113,7 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             result = self.self_attention(
                 x,
                 x,
-                query_mask=padding_mask,
+                query_mask=self._query_padding(padding_mask),
                 value_mask=padding_mask,
                 attention_mask=attention_mask,
                 attention_bias=attention_bias,
