@@ -60,10 +60,12 @@ def set_attention_implementation(name):
     `keras_attn.config.IMPLEMENTATIONS`. `None` goes back to the environment
     variable `KERAS_ATTN_ATTENTION_IMPLEMENTATION`, or `"auto"`.
 
-    A forced kernel that cannot serve a call (the blocked and `"keras"`
-    kernels never build the score matrix, so they can neither return it nor
-    apply dropout to it) leaves that call to `"reference"`;
-    `keras_attn.ops.last_kernel()` tells which one ran.
+    A forced kernel runs every call it can serve, whatever the call's
+    `chunk_size` (which only guides `"auto"`). The blocked and `"keras"`
+    kernels never build the score matrix, so calls that return it or apply
+    dropout to it run on `"reference"`; `keras_attn.ops.last_kernel()` tells
+    which one ran. The blocked kernel needs `keras.ops.custom_gradient`
+    (TensorFlow, JAX).
     """
     _state["implementation"] = None if name is None else _check_implementation(name)
 
