@@ -445,14 +445,16 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     inputs = {"token_ids": prompt_ids}
     if encoder_ids is not None:
         inputs["encoder_ids"] = _checked_ids("encoder_ids", encoder_ids)
-    out = _checked_call(prefill, "prefill", inputs)
+    out = prefill(**inputs)
     vocab = out["logits"].shape[-1]
-    for name, ids in inputs.items():
+    for key, ids in inputs.items():
+        name = "prompt_ids" if key == "token_ids" else key
         if ids.size and ids.max() >= vocab:
             raise ValueError(
                 f"`{name}` must hold token ids in [0, vocabulary_size={vocab}) (the "
                 f"logits' last axis). Received: max id {int(ids.max())}"
             )
+    _check_valid(out, "prefill", inputs)
     state = {"cache": out["cache"]}
     if encoder_ids is not None:
         state["cross_cache"] = out["cross_cache"]
@@ -482,8 +484,8 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     for i in range(start, max_length):
         if done.all():
             break
-        out = _checked_call(decode, "decode", dict(
-            token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state))
+        step = dict(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
+        out = _check_valid(decode(**step), "decode", step)
         state["cache"] = out["cache"]
         chosen = np.argmax(out["logits"][:, 0], axis=-1).astype(np.int32)
         chosen = np.where(done, pad_token_id, chosen)
@@ -506,8 +508,7 @@ def _checked_ids(name, ids):
     return ids.astype(np.int32)
 
 
-def _checked_call(fn, name, inputs):
-    out = fn(**inputs)
+def _check_valid(out, name, inputs):
     valid = out.get("valid")
     if valid is not None and not bool(np.all(valid)):
         index = inputs.get("index")
