@@ -161,3 +161,44 @@ def test_checks_argument_is_validated():
         gen_export.signature_functions(lm, max_length=8, checks="maybe")
     with pytest.raises(ValueError, match="checks.*TFLite has no assert"):
         gen_export.tflite_bytes(lm, max_length=8, batch_size=1, prompt_length=2, checks="assert")
+
+
+def test_model_signature_checks_ids_against_each_embedding(tmp_path):
+    """Each embedded input is checked against its own vocabulary (73 and 13 for
+    the dates model); `check_ids=False` shows the wrap the check prevents."""
+    import argparse
+
+    import keras
+
+    from keras_attn.data.pipelines import dates_tokenizers
+    from keras_attn.export import export_saved_model
+    from keras_attn.training import quickstart
+
+    keras.utils.set_random_seed(0)
+    args = argparse.Namespace(embedding_dim=16, num_heads=2, intermediate_dim=32, num_layers=1,
+                              epochs=1, num_train=64, batch_size=32, learning_rate=1e-3)
+    source, target = dates_tokenizers()
+    model, _ = quickstart.build_dates_model(args, source, target, dynamic_length=True)
+    enc_vocab, dec_vocab = source.vocabulary_size, target.vocabulary_size
+    good = {"encoder_inputs": np.array([[3, 4, 5, 0]], np.int32),
+            "decoder_inputs": np.array([[1, 2, 3]], np.int32)}
+    report = export_saved_model(model, tmp_path / "checked", sample_inputs=good)
+    assert report.details["checked_ids"] == {"encoder_inputs": enc_vocab,
+                                             "decoder_inputs": dec_vocab}
+    fn = tf.saved_model.load(report.path).signatures["serving_default"]
+    call = lambda **kw: fn(**{k: tf.constant(v) for k, v in {**good, **kw}.items()})  # noqa: E731
+    np.testing.assert_allclose(call()["logits"].numpy(), np.asarray(model(good)), atol=1e-4)
+    # An id the encoder table has but the decoder's does not.
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"`decoder_inputs` must hold token ids in \[0, vocabulary_size={dec_vocab}\)"):
+        call(decoder_inputs=np.array([[1, dec_vocab, 3]], np.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"`encoder_inputs` must hold token ids in \[0, vocabulary_size={enc_vocab}\)"):
+        call(encoder_inputs=np.array([[3, -4, 5, 0]], np.int32))
+    unchecked = export_saved_model(model, tmp_path / "unchecked", sample_inputs=good,
+                                   check_ids=False)
+    raw = tf.saved_model.load(unchecked.path).signatures["serving_default"]
+    wrapped = raw(encoder_inputs=tf.constant([[3, -4, 5, 0]]),
+                  decoder_inputs=tf.constant(good["decoder_inputs"]))["logits"].numpy()
+    want = np.asarray(model({**good, "encoder_inputs": np.array([[3, enc_vocab - 4, 5, 0]])}))
+    np.testing.assert_allclose(wrapped, want, atol=1e-4)
