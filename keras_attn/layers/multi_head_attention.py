@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from keras_attn.layers import _common
+from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _positions
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
@@ -467,6 +468,7 @@ class MultiHeadAttention(keras.layers.Layer):
         cache=None,
         cache_index=None,
     ):
+        _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
         query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
             query_mask, value_mask, key_mask, attention_mask
         )
@@ -743,6 +745,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def compute_output_spec(
         self, query, value, key=None, return_attention_scores=False, **kwargs
     ):
+        _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
         out = keras.KerasTensor(
             self.compute_output_shape(query.shape, value.shape), dtype=self.compute_dtype
         )

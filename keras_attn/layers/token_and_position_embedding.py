@@ -3,6 +3,7 @@
 import keras
 
 from keras_attn.layers import _common
+from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _positions
 from keras_attn.layers.learned_position_embedding import LearnedPositionEmbedding
 from keras_attn.layers.sinusoidal_position_encoding import SinusoidalPositionEncoding
@@ -89,6 +90,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, start_index=0):
+        _dtype_checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
         if self.position == "learned":
             _positions.check_start_index(
                 start_index, inputs.shape[1], self.sequence_length, "TokenAndPositionEmbedding"
@@ -100,6 +102,11 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         if not self.mask_zero:
             return None
         return keras.ops.not_equal(inputs, 0)
+
+    def compute_output_spec(self, inputs, start_index=0):
+        _dtype_checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape),
+                                 dtype=self.compute_dtype)
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape) + (self.embedding_dim,)
