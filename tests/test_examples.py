@@ -132,13 +132,26 @@ def _export_errors(out):
     return errors
 
 
+def _agreements(out):
+    """{label: (argmax agreement, threshold)} of the quantized exports' lines."""
+    found = {}
+    for line in out.splitlines():
+        if " - Keras| = " in line and "argmax agreement " in line:
+            value, _, floor = line.split("argmax agreement ")[1].rstrip(")").partition(" >= ")
+            found[line.split(":")[0]] = (float(value), float(floor))
+    return found
+
+
 def test_translate_and_text_examples_export_every_format(dates_runs):
     tmp, outs = dates_runs
     for name, stem in (("translate", "translate_dates"), ("text", "text_classifier")):
         errors = _export_errors(outs[name])
         assert set(errors) == {"SavedModel", "TFLite", "TFLite (dynamic)", "ONNX"}, outs[name][-3000:]
         assert all(errors[k] < 1e-4 for k in ("SavedModel", "TFLite", "ONNX")), errors
-        assert errors["TFLite (dynamic)"] < 0.25, errors
+        # The quantized variant is checked by argmax agreement with Keras, printed
+        # next to its max logit error (which is reported, not bounded).
+        agreement, floor = _agreements(outs[name])["TFLite (dynamic)"]
+        assert floor == 0.95 and agreement >= floor, outs[name][-3000:]
         assert (tmp / name / f"{stem}.tflite").is_file()
         assert (tmp / name / f"{stem}_dynamic.tflite").is_file()
         assert (tmp / name / f"{stem}.onnx").is_file()
