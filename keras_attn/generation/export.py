@@ -247,7 +247,10 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
 
 def _module(model, functions):
     module = tf.Module()
-    module.model = model
+    # Track the weights, not the Keras model: saving a subclassed Keras model
+    # also traces Keras's default `serving_default`, which feeds it float32
+    # inputs (`Model.input_dtype`), and token ids must be integers.
+    module.model_variables = [getattr(v, "value", v) for v in model.variables]
     for name, fn in functions.items():
         setattr(module, name, fn)
     return module
