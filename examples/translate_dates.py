@@ -52,6 +52,7 @@ def main(argv=None):
     encoder_inputs, targets = quickstart.test_arrays(test)
     accuracy, predictions = quickstart.evaluate_dates(model, encoder_inputs, targets, target)
     print(f"test exact-match accuracy: {accuracy:.4f} on {len(targets)} dates")
+    quickstart.save_predictions(args.output_dir, encoder_inputs, targets, predictions)
     for i in range(5):
         print(f"  {source.decode(encoder_inputs[i])!r:34} -> {target.decode(predictions[i])}"
               f"   (truth {target.decode(targets[i])})")

@@ -52,12 +52,18 @@ def _greedy_with(prefill, decode, encoder_ids, start_id, max_length):
     tokens = np.zeros((batch, max_length), np.int32)
     tokens[:, 0] = start_id
     out = prefill(token_ids=tokens[:, :1], encoder_ids=encoder_ids)
+    if "valid" in out and not np.all(out["valid"]):
+        raise ValueError("prefill flagged the request invalid (valid=False): encoder ids "
+                         "outside the vocabulary")
     cache = out["cache"]
     cross = {"cross_cache": out["cross_cache"],
              "encoder_padding_mask": out["encoder_padding_mask"]}
     for i in range(1, max_length):
         out = decode(token_ids=tokens[:, i - 1:i], cache=cache,
                      index=np.array(i - 1, np.int32), **cross)
+        # The exported signatures clamp bad ids/indices and say so in `valid`.
+        if "valid" in out and not np.all(out["valid"]):
+            raise ValueError(f"decode flagged step {i} invalid (valid=False)")
         cache = out["cache"]
         tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
     return tokens

@@ -1,9 +1,13 @@
-"""The examples and `keras-attn demo`, run end to end with tiny settings so they cannot rot.
+"""The examples and `keras-attn demo`, run end to end (exports included) so they cannot rot.
 
 Each run is a subprocess with a hard timeout; independent runs go in
-parallel. Accuracy at these sizes is meaningless; what is checked is that
-every stage ran and wrote what it promises (the README's full-size numbers
-come from the default settings).
+parallel. `translate_dates`, `bahdanau_seq2seq` and `text_classification` run
+at the smallest scales found to learn reliably, and the tests check a learned
+result well above chance, computed here from the predictions the examples
+save (or their printed test accuracy for the classifier). `keras-attn demo`
+runs at a tiny scale (it trains the same model as `translate_dates`, whose
+learning is checked). The default-scale figures the README quotes come from
+`benchmarks/bench_examples.py`.
 """
 
 import os
@@ -12,13 +16,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-TIMEOUT = 300
+TIMEOUT = 600
 
 pytestmark = pytest.mark.slow
+
+# Smallest scales measured to learn (2 cores, shared): exact match / accuracy
+# in brackets. Transformer dates, 6000 pairs x 3 epochs (81 s alone): exact
+# match only 0.02 (it jumps later: 0.9985 at the default 20000 x 4), but
+# character accuracy 0.69 against 0.47 for the best constant per position.
+DATES_LEARN = ["--num-train", "6000", "--num-test", "200", "--epochs", "3", "--verbose", "0"]
+# Bahdanau GRU, 3000 pairs x 3 epochs, 32 units: exact match 0.52.
+BAHDANAU_LEARN = ["--num-train", "3000", "--num-test", "200", "--epochs", "3", "--batch-size",
+                  "32", "--units", "32", "--verbose", "0"]
+# Text classifier, 3000 reviews x 4 epochs, default sizes: test accuracy 0.84 (chance 0.5).
+TEXT_LEARN = ["--num-train", "3000", "--num-test", "300", "--epochs", "4", "--verbose", "0"]
 
 DATES_TINY = ["--num-train", "256", "--num-test", "32", "--epochs", "1", "--batch-size", "32",
               "--embedding-dim", "16", "--intermediate-dim", "32", "--num-heads", "2",
@@ -68,17 +84,21 @@ def dates_runs(tmp_path_factory):
     commands = {
         "demo": [sys.executable, "-m", "keras_attn.cli", "demo", *DATES_TINY,
                  "--data-dir", data_dir, "--output-dir", str(tmp / "demo")],
-        "translate": [sys.executable, str(EXAMPLES / "translate_dates.py"), *DATES_TINY,
+        "translate": [sys.executable, str(EXAMPLES / "translate_dates.py"), *DATES_LEARN,
                       "--data-dir", str(tmp / "tfds2"), "--output-dir", str(tmp / "translate")],
     }
     outs = _run_parallel(list(commands.values()), tmp)
     commands2 = {
-        "bahdanau": [sys.executable, str(EXAMPLES / "bahdanau_seq2seq.py"), *DATES_TINY,
-                     "--units", "16", "--data-dir", data_dir, "--output-dir", str(tmp / "bahdanau"),
-                     "--no-export"],  # its export: tests/test_export_examples.py
-        "text": [sys.executable, str(EXAMPLES / "text_classification.py"), "--num-train", "300",
-                 "--num-test", "50", "--epochs", "1", "--embedding-dim", "16", "--verbose", "0",
+        "bahdanau": [sys.executable, str(EXAMPLES / "bahdanau_seq2seq.py"), *BAHDANAU_LEARN,
+                     "--data-dir", data_dir, "--output-dir", str(tmp / "bahdanau")],
+        "text": [sys.executable, str(EXAMPLES / "text_classification.py"), *TEXT_LEARN,
                  "--output-dir", str(tmp / "text")],
+        # Smoke scale, its own export included (tests/test_training_distributed.py
+        # checks the training itself).
+        "distributed": [sys.executable, str(EXAMPLES / "distributed_training.py"), "--steps", "20",
+                        "--num-train", "300", "--num-test", "50", "--embedding-dim", "16",
+                        "--intermediate-dim", "32", "--log-every", "10", "--strategy", "mirrored",
+                        "--output-dir", str(tmp / "distributed")],
     }
     outs += _run_parallel(list(commands2.values()), tmp)
     return tmp, dict(zip([*commands, *commands2], outs))
@@ -132,14 +152,75 @@ def _export_errors(out):
     return errors
 
 
+def _agreements(out):
+    """{label: (argmax agreement, threshold)} of the quantized exports' lines."""
+    found = {}
+    for line in out.splitlines():
+        if " - Keras| = " in line and "argmax agreement " in line:
+            value, _, floor = line.split("argmax agreement ")[1].rstrip(")").partition(" >= ")
+            found[line.split(":")[0]] = (float(value), float(floor))
+    return found
+
+
 def test_translate_and_text_examples_export_every_format(dates_runs):
     tmp, outs = dates_runs
     for name, stem in (("translate", "translate_dates"), ("text", "text_classifier")):
         errors = _export_errors(outs[name])
         assert set(errors) == {"SavedModel", "TFLite", "TFLite (dynamic)", "ONNX"}, outs[name][-3000:]
         assert all(errors[k] < 1e-4 for k in ("SavedModel", "TFLite", "ONNX")), errors
-        assert errors["TFLite (dynamic)"] < 0.25, errors
+        # The quantized variant is checked by argmax agreement with Keras, printed
+        # next to its max logit error (which is reported, not bounded).
+        agreement, floor = _agreements(outs[name])["TFLite (dynamic)"]
+        assert floor == 0.95 and agreement >= floor, outs[name][-3000:]
         assert (tmp / name / f"{stem}.tflite").is_file()
         assert (tmp / name / f"{stem}_dynamic.tflite").is_file()
         assert (tmp / name / f"{stem}.onnx").is_file()
         assert (tmp / name / "saved_model" / stem / "1" / "saved_model.pb").is_file()
+
+
+def _predictions(path):
+    data = np.load(path)
+    return data["predictions"], data["targets"]
+
+
+def _best_constant_accuracy(targets):
+    """Accuracy of always answering each position's most frequent target character."""
+    return float(np.mean([np.mean(targets[:, i] == np.bincount(targets[:, i]).argmax())
+                          for i in range(targets.shape[1])]))
+
+
+def test_translate_dates_learns_well_above_chance(dates_runs):
+    tmp, outs = dates_runs
+    predictions, targets = _predictions(tmp / "translate" / "predictions.npz")
+    assert targets.shape == (200, 10)
+    char_accuracy = float(np.mean(predictions == targets))
+    baseline = _best_constant_accuracy(targets)
+    printed = float(outs["translate"].split("test exact-match accuracy: ")[1].split()[0])
+    assert printed == pytest.approx(float(np.mean(np.all(predictions == targets, axis=1))),
+                                    abs=1e-4)
+    assert char_accuracy >= baseline + 0.1 and char_accuracy >= 0.55, (char_accuracy, baseline)
+
+
+def test_bahdanau_learns_well_above_chance(dates_runs):
+    tmp, outs = dates_runs
+    predictions, targets = _predictions(tmp / "bahdanau" / "predictions.npz")
+    exact = float(np.mean(np.all(predictions == targets, axis=1)))
+    assert exact >= 0.25, exact  # measured 0.52; a constant answer gets ~0
+    errors = _export_errors(outs["bahdanau"])
+    assert set(errors) == {"SavedModel", "TFLite", "TFLite (dynamic)", "ONNX"}, outs["bahdanau"][-3000:]
+    assert _agreements(outs["bahdanau"])["TFLite (dynamic)"][0] >= 0.95
+
+
+def test_text_classification_learns_well_above_chance(dates_runs):
+    _, outs = dates_runs
+    accuracy = float(outs["text"].split("test accuracy: ")[1].split()[0])
+    assert accuracy >= 0.7, accuracy  # measured 0.84; balanced classes: chance 0.5
+
+
+def test_distributed_training_runs_its_export(dates_runs):
+    _, outs = dates_runs
+    out = outs["distributed"]
+    errors = _export_errors(out)
+    assert set(errors) == {"SavedModel", "TFLite", "TFLite (dynamic)", "ONNX"}, out[-3000:]
+    assert all(errors[k] < 1e-4 for k in ("SavedModel", "TFLite", "ONNX")), errors
+    assert _agreements(out)["TFLite (dynamic)"][0] >= 0.95

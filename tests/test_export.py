@@ -208,7 +208,12 @@ def quantized(tmp_path_factory):
     keras.utils.set_random_seed(3)
     model = classifier()
     out = tmp_path_factory.mktemp("quant")
-    reports = {q: kx.export_tflite(model, out / f"{q}.tflite", quantization=None if q == "float32" else q)
+    # Untrained: near-uniform probabilities, so int8's argmax agreement is not
+    # meaningful here (min_agreement=0; test_quantized_accuracy checks a
+    # trained model); its error is bounded in the test below.
+    reports = {q: kx.export_tflite(model, out / f"{q}.tflite",
+                                   quantization=None if q == "float32" else q,
+                                   min_agreement=0.0 if q == "int8" else None)
                for q in ("float32", "float16", "dynamic", "int8")}
     for r in reports.values():
         print(r)
@@ -233,6 +238,36 @@ def test_quantization_size_and_accuracy(quantized):
     assert errors["dynamic"] <= 5e-2 and sizes["dynamic"] < 0.45 * sizes["float32"]
     assert errors["int8"] <= 0.15 and sizes["int8"] < 0.5 * sizes["float32"]
     assert "QUANTIZE" in reports["int8"].ops
+    # Quantized reports carry the measured agreement and the threshold checked.
+    for q, floor in (("float16", 0.99), ("dynamic", 0.95)):
+        assert reports[q].min_agreement == floor and reports[q].agreement >= floor, q
+        assert reports[q].atol is None
+    assert reports["float32"].agreement is None and reports["float32"].atol == FLOAT_ATOL
+
+
+def test_quantized_export_fails_on_disagreement(tmp_path):
+    """Two classes whose weights differ by far less than an int8 step: Keras
+    separates them by the sign of x . delta, the int8 weights cannot, so about
+    half the top-1 answers flip and the default threshold (0.95) refuses it."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(-1, 1, (512, 1))
+    kernel = np.concatenate([base, base + rng.uniform(-1e-4, 1e-4, (512, 1))], axis=1)
+    x = keras.Input((512,), name="features")
+    dense = keras.layers.Dense(2, use_bias=False, name="scores")
+    model = keras.Model(x, dense(x))
+    dense.set_weights([kernel.astype("float32")])
+    features = rng.standard_normal((64, 512)).astype("float32")
+    target = tmp_path / "q.tflite"
+    with pytest.raises(kx.ParityError, match=r"argmax agreement 0\.[0-8]"):
+        kx.export_tflite(model, target, quantization="dynamic", sample_inputs=features)
+    assert not target.exists()
+    report = kx.export_tflite(model, target, quantization="dynamic", sample_inputs=features,
+                              min_agreement=0.0)
+    assert report.agreement < 0.9 and report.min_agreement == 0.0
+    with pytest.raises(ValueError, match="min_agreement"):
+        kx.export_tflite(model, target, min_agreement=0.9)
+    with pytest.raises(ValueError, match="min_agreement"):
+        kx.export_tflite(model, target, quantization="dynamic", min_agreement=1.5)
 
 
 # ---------------------------------------------------------------------------

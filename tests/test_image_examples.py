@@ -39,7 +39,10 @@ def caption_example():
 def classifier_run(classifier_example, tmp_path_factory):
     out = tmp_path_factory.mktemp("image_self_attention")
     summary = classifier_example.main(
-        ["--epochs", "2", "--seeds", "1", "--width", "16", "--output-dir", str(out)]
+        # 8 epochs: the smallest run measured to learn with the attention block
+        # (test accuracy 0.59 with attention, 0.35 without, 0.96 flatten-head CNN;
+        # 10 classes). At 2 epochs the attention model was still at chance (0.10).
+        ["--epochs", "8", "--seeds", "1", "--width", "16", "--output-dir", str(out)]
     )
     return summary, out
 
@@ -173,9 +176,10 @@ def _check_artifacts(model, feeds, paths):
 
 def test_classifier_reports_both_accuracies(classifier_run):
     summary, out = classifier_run
-    keys = ("accuracy_with_attention", "accuracy_without_attention", "accuracy_flatten_head_cnn")
-    for key in keys:
-        assert 0.0 <= summary[key] <= 1.0
+    # 10 balanced-ish classes: chance ~0.1.
+    assert summary["accuracy_with_attention"] >= 0.3, summary
+    assert summary["accuracy_without_attention"] >= 0.2, summary
+    assert summary["accuracy_flatten_head_cnn"] >= 0.6, summary
     assert summary["runs"]["with_attention"] and summary["runs"]["without_attention"]
     assert not set(summary["train_index"]) & set(summary["test_index"])
     assert (out / "results.json").exists()

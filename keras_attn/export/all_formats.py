@@ -29,6 +29,7 @@ def export_all(
     formats=FORMATS,
     tflite_quantizations=(None,),
     atol=None,
+    min_agreement=None,
     version=1,
     opset=17,
     on_error="raise",
@@ -58,10 +59,15 @@ def export_all(
         formats: a non-empty subset of ("saved_model", "tflite", "onnx").
         tflite_quantizations: TFLite variants, each None (float32),
             "float16", "dynamic" or "int8".
-        atol: None (each exporter's default: 1e-4 for float32, looser for
-            quantized TFLite), a number for every export, or a dict keyed by
-            report key ("saved_model", "tflite", "tflite_dynamic", "onnx", ...)
-            whose missing keys use the defaults.
+        atol: None (each exporter's default: 1e-4 for float32; quantized
+            TFLite variants report their max logit error and are checked by
+            argmax agreement instead), a number for every export, or a dict
+            keyed by report key ("saved_model", "tflite", "tflite_dynamic",
+            "onnx", ...) whose missing keys use the defaults.
+        min_agreement: for the quantized TFLite variants, the smallest
+            fraction of argmax positions equal to Keras's (see
+            `export_tflite`): None (defaults per quantization), a number, or
+            a dict keyed by report key ("tflite_dynamic", ...).
         version: TF Serving version directory.
         opset: ONNX opset (17 or 18).
         on_error: "raise" stops at the first failing export; "continue"
@@ -110,6 +116,19 @@ def export_all(
         atols = {k: atol.get(k) for k in keys}
     else:
         atols = {k: verify.resolve_atol(atol, 0.0) if atol is not None else None for k in keys}
+    quantized_keys = [_key(f, q) for f, q in jobs if q is not None]
+    if isinstance(min_agreement, dict):
+        unknown = sorted(set(min_agreement) - set(quantized_keys))
+        if unknown:
+            raise ValueError(
+                f"Received an invalid `min_agreement`: unknown keys {unknown}; expected "
+                f"some of {quantized_keys}. Received: min_agreement={min_agreement!r}"
+            )
+        agreements = {k: min_agreement.get(k) for k in quantized_keys}
+    else:
+        if min_agreement is not None:
+            verify.resolve_min_agreement(min_agreement, None)
+        agreements = {k: min_agreement for k in quantized_keys}
     samples = verify.normalize_samples(model, sample_inputs)
     # Once for every format (one warning); the exporters then get a float32 model.
     try:
@@ -135,6 +154,8 @@ def export_all(
                     version=version, **kwargs,
                 )
             elif fmt == "tflite":
+                if agreements.get(key) is not None:
+                    kwargs["min_agreement"] = agreements[key]
                 suffix = "" if quantization is None else f"_{quantization}"
                 report = tflite_lib.export_tflite(
                     model, os.path.join(output_dir, f"{name}{suffix}.tflite"),
@@ -156,7 +177,8 @@ def export_all(
         if verbose:
             print(
                 f"{label}: {report.path} ({report.size_bytes / 1e6:.2f} MB), "
-                f"max |{label} - Keras| = {report.max_abs_error:.2e} (atol {report.atol:g})",
+                f"max |{label} - Keras| = {report.max_abs_error:.2e} "
+                f"({report.tolerance_text()})",
                 flush=True,
             )
     return reports

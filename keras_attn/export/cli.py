@@ -27,6 +27,9 @@ def add_parser(subparsers):
     parser.add_argument("--version", type=int, default=1, help="TF Serving version")
     parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
     parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
+    parser.add_argument("--min-agreement", type=float, default=None,
+                        help="quantized TFLite: smallest fraction of argmax positions equal "
+                             "to Keras's (default 0.99 float16, 0.95 dynamic, 0.9 int8)")
     parser.add_argument(
         "--unsafe-deserialization",
         action="store_true",
@@ -65,7 +68,7 @@ def run(args):
             try:
                 reports = export.export_all(
                     model, args.out, name=name, formats=(fmt,), tflite_quantizations=(quant,),
-                    atol=args.atol, version=args.version, opset=args.opset, verbose=False,
+                    atol=args.atol, min_agreement=args.min_agreement, version=args.version, opset=args.opset, verbose=False,
                 )
             except (export.ExportError, ValueError, OSError) as error:
                 failed += 1

@@ -18,18 +18,55 @@ SIGNATURE_KEY = "serving_default"
 SERVING_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
 
 
-def serving_function(model):
+def embedded_inputs(model):
+    """`{input name: vocabulary size}` of the integer inputs fed straight into an
+    embedding layer (a layer with an int `input_dim` or `vocabulary_size`)."""
+    by_id = {id(t): t.name for t in model.inputs if "int" in str(t.dtype)}
+    found = {}
+    for layer in model._flatten_layers(include_self=False):
+        vocab = getattr(layer, "vocabulary_size", getattr(layer, "input_dim", None))
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            continue
+        for node in getattr(layer, "_inbound_nodes", []):
+            for tensor in keras.tree.flatten(node.arguments.args):
+                name = by_id.get(id(tensor))
+                if name is not None:
+                    found[name] = min(vocab, found.get(name, vocab))
+    return found
+
+
+def _checked_ids(inputs, vocabularies):
+    """`inputs` with each embedded input ordered after an assert on its id range."""
+    out = dict(inputs)
+    for name, vocab in vocabularies.items():
+        ids = inputs[name]
+        low, high = tf.reduce_min(ids), tf.reduce_max(ids)
+        ok = tf.logical_or(tf.equal(tf.size(ids), 0), tf.logical_and(low >= 0, high < vocab))
+        check = tf.debugging.Assert(ok, [
+            f"serving_default: `{name}` must hold token ids in [0, vocabulary_size={vocab}). "
+            f"Received min, max of `{name}`:", low, high])
+        with tf.control_dependencies([check]):
+            out[name] = tf.identity(ids)
+    return out
+
+
+def serving_function(model, check_ids=False):
     """A `serve(inputs: dict) -> dict` function and its input signature.
 
     Inputs and outputs are keyed by the names of the model's `keras.Input`s
     and outputs; the batch axis (and every axis the model leaves as None, e.g.
-    the sequence) is dynamic.
+    the sequence) is dynamic. With `check_ids`, every integer input fed into
+    an embedding is checked against its vocabulary at run time (see
+    `export_saved_model`).
     """
     specs = verify.input_specs(model)
     names = verify.output_names(model)
     signature = {s.name: tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs}
+    vocabularies = embedded_inputs(model) if check_ids else {}
 
     def serve(inputs):
+        if vocabularies:
+            inputs = _checked_ids(inputs, vocabularies)
         args = [inputs[s.name] for s in specs]
         outputs = model(args if len(args) > 1 else args[0], training=False)
         flat = keras.tree.flatten(outputs)
@@ -38,9 +75,9 @@ def serving_function(model):
     return serve, [signature]
 
 
-def write_saved_model(model, path):
+def write_saved_model(model, path, check_ids=False):
     """Writes the serving SavedModel of `model` at `path` (no verification)."""
-    serve, input_signature = serving_function(model)
+    serve, input_signature = serving_function(model, check_ids)
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(SIGNATURE_KEY, serve, input_signature=input_signature)
@@ -75,6 +112,7 @@ def export_saved_model(
     sample_inputs=None,
     atol=1e-4,
     overwrite=True,
+    check_ids=True,
 ):
     """Exports `model` as a TF Serving SavedModel and verifies it against Keras.
 
@@ -93,6 +131,14 @@ def export_saved_model(
             sizes and sequence lengths from the model's input specs.
         atol: max abs difference allowed between SavedModel and Keras.
         overwrite: replace an existing version directory.
+        check_ids: every integer input fed straight into an embedding layer
+            is checked at run time against `[0, vocabulary_size)`: a
+            request with a negative id (which the embedding would wrap
+            around, Python-style, to a valid one) or an id past the
+            vocabulary raises InvalidArgumentError naming the input (TF
+            Serving answers INVALID_ARGUMENT). The inputs checked are
+            `details["checked_ids"]`. False leaves the check out
+            (benchmarks/bench_serving.py measures its cost).
 
     Returns:
         An `ExportReport` (path, size, max abs error, TF ops, signature).
@@ -117,7 +163,7 @@ def export_saved_model(
     names = verify.output_names(model)
 
     with verify.staged(path, "export_dir", overwrite) as tmp:
-        write_saved_model(model, tmp)
+        write_saved_model(model, tmp, check_ids)
         loaded = tf.saved_model.load(tmp)
         signature = loaded.signatures[SIGNATURE_KEY]
 
@@ -135,6 +181,7 @@ def export_saved_model(
         "signature": description,
         "inputs": [s.name for s in specs],
         "outputs": names,
+        "checked_ids": embedded_inputs(model) if check_ids else {},
     }
     if float32_note is not None:
         details["float32_copy"] = float32_note

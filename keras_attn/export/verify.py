@@ -41,10 +41,16 @@ class ExportReport:
         path: where the artifact is (a directory for SavedModel).
         size_bytes: total size of the artifact on disk.
         max_abs_error: largest |artifact - keras| over every sample and output.
-        atol: the tolerance it was checked against.
+        atol: the tolerance it was checked against (None: reported, not
+            checked; quantized exports are checked by `agreement`).
         ops: the op types in the artifact (TFLite builtins, ONNX ops, TF ops).
         checks: one entry per sample set: input shapes and max abs error.
         details: format-specific facts (signature, quantization, opset ...).
+        agreement: for quantized exports, the fraction of positions (over
+            every sample and every float output with a last axis > 1) whose
+            argmax equals Keras's: the task-level check (top-1 class, next
+            token). None when not computed.
+        min_agreement: the threshold `agreement` was checked against.
     """
 
     format: str
@@ -55,6 +61,8 @@ class ExportReport:
     ops: list
     checks: list = dataclasses.field(default_factory=list)
     details: dict = dataclasses.field(default_factory=dict)
+    agreement: float = None
+    min_agreement: float = None
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -66,9 +74,18 @@ class ExportReport:
         extra = "".join(f" {k}={v}" for k, v in self.details.items() if k != "signature")
         return (
             f"[{self.format}] {self.path} ({self.size_bytes / 1024:.1f} KiB){extra}\n"
-            f"  max |export - keras| = {self.max_abs_error:.3g} (atol {self.atol:g}) "
+            f"  max |export - keras| = {self.max_abs_error:.3g} ({self.tolerance_text()}) "
             f"on {shapes}\n  {len(self.ops)} op types: {', '.join(self.ops)}"
         )
+
+    def tolerance_text(self):
+        """`atol 0.0001`, or for a quantized export `argmax agreement 1.000 >= 0.95`."""
+        parts = []
+        if self.atol is not None:
+            parts.append(f"atol {self.atol:g}")
+        if self.agreement is not None:
+            parts.append(f"argmax agreement {self.agreement:.3f} >= {self.min_agreement:g}")
+        return ", ".join(parts) or "not checked"
 
 
 # --------------------------------------------------------------------------
@@ -296,18 +313,65 @@ def compare(reference, got, names, where):
     return worst
 
 
-def verify_artifact(fmt, model, samples, run, atol, path):
+def argmax_matches(reference, got):
+    """`(matched, total)` argmax positions over the float outputs with a last axis > 1.
+
+    `(0, 0)` when no output is a score vector (nothing to agree on).
+    """
+    matched = total = 0
+    for ref, out in zip(reference, got):
+        ref, out = np.asarray(ref), np.asarray(out)
+        if ref.ndim < 1 or ref.shape[-1] < 2 or not np.issubdtype(ref.dtype, np.floating):
+            continue
+        same = np.argmax(ref, axis=-1) == np.argmax(out, axis=-1)
+        matched += int(same.sum())
+        total += int(same.size)
+    return matched, total
+
+
+def verify_artifact(fmt, model, samples, run, atol, path, min_agreement=None):
     """Runs the artifact (`run(sample) -> [outputs]`) on every sample set against Keras.
 
-    Returns `(checks, worst)`: one `{"shapes", "max_abs_error"}` entry per
-    sample set and the largest error. Raises ParityError beyond `atol`.
+    Returns `(checks, worst)`: one `{"shapes", "max_abs_error", "argmax_matches"}`
+    entry per sample set and the largest error. Raises ParityError beyond
+    `atol` (None: not checked) or, given `min_agreement`, when the fraction of
+    argmax positions equal to Keras's is below it (see `agreement_of`).
     """
     names = output_names(model)
     checks = []
     for sample in samples:
-        err = compare(keras_outputs(model, sample), run(sample), names, fmt)
-        checks.append({"shapes": shapes_of(sample), "max_abs_error": err})
-    return checks, check_parity(fmt, checks, atol, path)
+        reference, got = keras_outputs(model, sample), run(sample)
+        err = compare(reference, got, names, fmt)
+        checks.append({"shapes": shapes_of(sample), "max_abs_error": err,
+                       "argmax_matches": list(argmax_matches(reference, got))})
+    worst = max(c["max_abs_error"] for c in checks)
+    if atol is not None:
+        check_parity(fmt, checks, atol, path)
+    if min_agreement is not None:
+        check_agreement(fmt, checks, worst, min_agreement, path)
+    return checks, worst
+
+
+def agreement_of(checks):
+    """Fraction of argmax positions equal to Keras's over `checks`; None if there were none."""
+    matched = sum(c["argmax_matches"][0] for c in checks)
+    total = sum(c["argmax_matches"][1] for c in checks)
+    return matched / total if total else None
+
+
+def check_agreement(fmt, checks, worst, min_agreement, path):
+    agreement = agreement_of(checks)
+    if agreement is not None and not agreement >= min_agreement:
+        matched = sum(c["argmax_matches"][0] for c in checks)
+        total = sum(c["argmax_matches"][1] for c in checks)
+        raise ParityError(
+            f"The {fmt} export does not give the Keras model's answers: argmax "
+            f"agreement {agreement:.4f} ({matched}/{total} positions) < "
+            f"min_agreement={min_agreement:g} (max |export - keras| = {worst:.3g}). "
+            f"Nothing was written to {path}. Lower `min_agreement` if this loss "
+            "is acceptable, or use a lighter quantization (float16 / none)."
+        )
+    return agreement
 
 
 def check_parity(fmt, checks, atol, path):
@@ -409,6 +473,18 @@ def staged(path, arg_name, overwrite=True):
         _remove_created_dirs(created)
         raise
     shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def resolve_min_agreement(min_agreement, default):
+    if min_agreement is None:
+        return default
+    if (isinstance(min_agreement, bool) or not isinstance(min_agreement, (int, float))
+            or not 0 <= min_agreement <= 1):
+        raise ValueError(
+            "Received an invalid value for argument `min_agreement`, expected a "
+            f"number in [0, 1] or None. Received: min_agreement={min_agreement!r}"
+        )
+    return float(min_agreement)
 
 
 def resolve_atol(atol, default):

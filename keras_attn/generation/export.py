@@ -23,6 +23,19 @@ starting at the shortest prompt length and keeping prompt tokens while a
 row's (right-padded) prompt lasts. `index` must stay below the cache length
 (the export's `max_length`), except for a sliding-window model, whose cache
 is a ring buffer that wraps; `greedy_loop` checks this.
+
+Bad requests (docs/guides/serving_validation.md has the measured table):
+
+- SavedModel (`checks="assert"`): `prefill`, `decode` and `generate` check at
+  run time that token ids are in `[0, vocabulary_size)`, that `index` is in
+  `[0, max_length)` (`>= 0` for a ring-buffer cache) and that the prompt
+  holds 1 to `max_length` tokens; a bad request raises InvalidArgumentError
+  (TF Serving: INVALID_ARGUMENT) whose message names the argument.
+- TFLite and ONNX (`checks="flag"`: asserts are not builtin ops): token ids
+  and `index` are clamped into range, so no request can read or write out of
+  bounds, and an extra output `valid` (bool scalar) is False when anything
+  was clamped: the logits and cache of that call are then meaningless.
+  `greedy_loop` raises a ValueError on `valid=False`.
 """
 
 import os
@@ -47,12 +60,88 @@ def _cache_spec(model, batch_size, length, name):
     return tf.TensorSpec(shape, tf.float32, name=name)
 
 
+CHECKS = ("assert", "flag", "none")
+
+
+class _Checks:
+    """Run-time checks of one request, in one of the `CHECKS` modes.
+
+    "assert": tf.debugging asserts (InvalidArgumentError naming the argument);
+    "flag": clamp into range and AND the conditions into `self.valid`;
+    "none": trust the caller.
+    """
+
+    def __init__(self, mode, signature):
+        self.mode, self.signature = mode, signature
+        self.conditions = []
+
+    def _require(self, condition, message, data=(), guarded=None):
+        """Asserts or flags `condition`; returns `guarded` ordered after the assert
+        (so the model never runs on the bad value before the error is raised)."""
+        if self.mode == "assert":
+            op = tf.debugging.Assert(condition, [f"{self.signature}: {message}", *data])
+            if guarded is not None:
+                with tf.control_dependencies([op]):
+                    return tf.identity(guarded)
+        elif self.mode == "flag":
+            self.conditions.append(condition)
+        return guarded
+
+    def token_ids(self, name, ids, vocab):
+        if vocab is None or self.mode == "none":
+            return ids
+        low, high = tf.reduce_min(ids), tf.reduce_max(ids)
+        ok = tf.logical_or(tf.equal(tf.size(ids), 0),
+                           tf.logical_and(low >= 0, high < vocab))
+        ids = self._require(ok, f"`{name}` must hold token ids in [0, vocabulary_size="
+                            f"{vocab}). Received min, max of `{name}`:", (low, high), ids)
+        return tf.clip_by_value(ids, 0, vocab - 1) if self.mode == "flag" else ids
+
+    def index(self, index, cache_length, ring):
+        if self.mode == "none":
+            return index
+        if ring:
+            ok = index >= 0
+            expected = "`index` must be >= 0 (a ring-buffer cache wraps). Received: index ="
+        else:
+            ok = tf.logical_and(index >= 0, index < cache_length)
+            expected = (f"`index` must be in [0, max_length={cache_length}) (the exported "
+                        "cache length). Received: index =")
+        index = self._require(ok, expected, (index,), index)
+        if self.mode != "flag":
+            return index
+        return tf.maximum(index, 0) if ring else tf.clip_by_value(index, 0, cache_length - 1)
+
+    def length(self, name, ids, low, high, what):
+        """Checks the length of `ids`; returns `ids` (ordered after the assert)."""
+        if self.mode == "none":
+            return ids
+        length = tf.shape(ids)[1]
+        return self._require(tf.logical_and(length >= low, length <= high),
+                             f"`{name}` must hold {low} to {high} tokens ({what}). "
+                             f"Received: {name}.shape[1] =", (length,), ids)
+
+    def valid(self):
+        if not self.conditions:
+            return tf.constant(True)
+        return tf.reduce_all(tf.stack(self.conditions))
+
+
+def _vocabulary_size(model):
+    vocab = getattr(model, "vocabulary_size", None)
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
-                        encoder_length=None, stop_token_ids=(), pad_token_id=0):
+                        encoder_length=None, stop_token_ids=(), pad_token_id=0,
+                        checks="none"):
     """`{"prefill", "decode", "generate"}` tf.functions with input signatures.
 
     Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
     (SavedModel, ONNX); give them for TFLite, whose inputs are static.
+    `checks` validates each request at run time (see the module docstring):
+    "assert" (SavedModel), "flag" (TFLite / ONNX: clamps and adds a `valid`
+    output to `prefill` and `decode`) or "none".
     `max_length` (and `encoder_length`) may not exceed `model.max_positions`
     when the model has one (a learned position table): a ValueError here,
     because an exported loop compiled with XLA would clamp the positions.
@@ -62,6 +151,13 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
             "Received an invalid value for argument `max_length`, expected an "
             f"integer >= 2. Received: max_length={max_length!r}"
         )
+    if checks not in CHECKS:
+        raise ValueError(
+            f"Received an invalid value for argument `checks`, expected one of "
+            f"{list(CHECKS)}. Received: checks={checks!r}"
+        )
+    vocab = _vocabulary_size(model)
+    positions = getattr(model, "max_positions", None)
     # Under XLA a position past a learned table would be clamped silently.
     search.check_max_positions(model, max_length, encoder_length)
     seq2seq = _is_seq2seq(model)
@@ -75,31 +171,56 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
     index = tf.TensorSpec((), tf.int32, name="index")
     stops = tuple(int(t) for t in stop_token_ids)
+    ring = cache_length < max_length
+    flag = checks == "flag"
+
+    def _check_inputs(check, name, ids, encoder_ids):
+        ids = check.token_ids(name, ids, vocab)
+        ids = check.length(name, ids, 1, max_length, f"max_length={max_length}")
+        if encoder_ids is not None:
+            encoder_ids = check.token_ids("encoder_ids", encoder_ids, vocab)
+            encoder_ids = check.length("encoder_ids", encoder_ids, 1, positions or 2**31 - 1,
+                                       f"model.max_positions={positions}")
+        return ids, encoder_ids
 
     def _prefill(token_ids, encoder_ids=None):
+        check = _Checks(checks, "prefill")
+        token_ids, encoder_ids = _check_inputs(check, "token_ids", token_ids, encoder_ids)
         batch = tf.shape(token_ids)[0]
         c = model.init_cache(batch, max_length)
         if encoder_ids is None:
             logits, c = model.call_with_cache(token_ids, c, 0)
-            return {"logits": logits, "cache": cache_lib.stack_cache(c)}
-        encoded, mask = model.encode(encoder_ids)
-        logits, c = model.call_with_cache(
-            token_ids, c, 0, encoder_outputs=encoded, encoder_padding_mask=mask
-        )
-        return {
-            "logits": logits,
-            "cache": cache_lib.stack_cache(c),
-            "cross_cache": cache_lib.stack_cache(c, "cross_attention"),
-            "encoder_padding_mask": mask,
-        }
+            out = {"logits": logits, "cache": cache_lib.stack_cache(c)}
+        else:
+            encoded, mask = model.encode(encoder_ids)
+            logits, c = model.call_with_cache(
+                token_ids, c, 0, encoder_outputs=encoded, encoder_padding_mask=mask
+            )
+            out = {
+                "logits": logits,
+                "cache": cache_lib.stack_cache(c),
+                "cross_cache": cache_lib.stack_cache(c, "cross_attention"),
+                "encoder_padding_mask": mask,
+            }
+        if flag:
+            out["valid"] = check.valid()
+        return out
 
     def _decode(token_ids, cache, index, cross_cache=None, encoder_padding_mask=None):
+        check = _Checks(checks, "decode")
+        token_ids = check.token_ids("token_ids", token_ids, vocab)
+        index = check.index(index, cache_length, ring)
         c = cache_lib.unstack_cache(cache, cross_cache)
         kwargs = {} if cross_cache is None else {"encoder_padding_mask": encoder_padding_mask}
         logits, c = model.call_with_cache(token_ids, c, index, **kwargs)
-        return {"logits": logits, "cache": cache_lib.stack_cache(c)}
+        out = {"logits": logits, "cache": cache_lib.stack_cache(c)}
+        if flag:
+            out["valid"] = check.valid()
+        return out
 
     def _generate(prompt_ids, encoder_ids=None):
+        check = _Checks("assert" if checks == "assert" else "none", "generate")
+        prompt_ids, encoder_ids = _check_inputs(check, "prompt_ids", prompt_ids, encoder_ids)
         tokens = search._decode_loop(
             model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
             lambda logits, i: tf.argmax(logits, axis=-1),
@@ -126,17 +247,27 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
 
 def _module(model, functions):
     module = tf.Module()
-    module.model = model
+    # Track the weights, not the Keras model: saving a subclassed Keras model
+    # also traces Keras's default `serving_default`, which feeds it float32
+    # inputs (`Model.input_dtype`), and token ids must be integers.
+    module.model_variables = [getattr(v, "value", v) for v in model.variables]
     for name, fn in functions.items():
         setattr(module, name, fn)
     return module
 
 
 def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_id=0,
-                       include_generate=True):
-    """Writes a SavedModel with `prefill`, `decode` (and `generate`) signatures."""
+                       include_generate=True, checks="assert"):
+    """Writes a SavedModel with `prefill`, `decode` (and `generate`) signatures.
+
+    With `checks="assert"` (the default) a request with token ids outside
+    `[0, vocabulary_size)`, an `index` outside `[0, max_length)` or a prompt
+    longer than `max_length` raises InvalidArgumentError naming the argument
+    (TF Serving answers INVALID_ARGUMENT); "none" leaves the checks out
+    (benchmarks/bench_serving.py measures what they cost).
+    """
     fns = signature_functions(model, max_length=max_length, stop_token_ids=stop_token_ids,
-                              pad_token_id=pad_token_id)
+                              pad_token_id=pad_token_id, checks=checks)
     if not include_generate:
         fns.pop("generate")
     module = _module(model, fns)
@@ -157,15 +288,27 @@ def _frozen_call(frozen, concrete):
     return call
 
 
-def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None):
-    """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only."""
+def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None,
+                 checks="flag"):
+    """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only.
+
+    With `checks="flag"` (the default) token ids and `index` are clamped into
+    range and both signatures have a bool output `valid`, False for a bad
+    request (see the module docstring); "none" trusts the caller.
+    """
+    if checks not in ("flag", "none"):
+        raise ValueError(
+            "Received an invalid value for argument `checks`, expected 'flag' or "
+            f"'none' (TFLite has no assert op). Received: checks={checks!r}"
+        )
     if _is_seq2seq(model) and encoder_length is None:
         raise ValueError(
             "Encoder-decoder models need a static `encoder_length` for TFLite. "
             "Received: encoder_length=None"
         )
     fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
-                              prompt_length=prompt_length, encoder_length=encoder_length)
+                              prompt_length=prompt_length, encoder_length=encoder_length,
+                              checks=checks)
     fns.pop("generate")
     # With several signatures the converter keeps the weights as resource
     # variables (VAR_HANDLE/READ_VARIABLE) that the interpreter never
@@ -213,17 +356,23 @@ def _flattened(fn, out_names):
     return flat
 
 
-def onnx_models(model, *, max_length, opset=17):
+def onnx_models(model, *, max_length, opset=17, checks="flag"):
     """`{"prefill": ModelProto, "decode": ModelProto}` converted with tf2onnx.
 
     Inputs and outputs carry the signature names, except that an output
     named like an input gets `_out` appended (`cache_out`). Raises a ValueError if
-    tf2onnx leaves any op that is not a standard ONNX op.
+    tf2onnx leaves any op that is not a standard ONNX op. `checks` as for
+    `tflite_bytes` ("flag" adds the `valid` output).
     """
     import onnx
     import tf2onnx
 
-    fns = signature_functions(model, max_length=max_length)
+    if checks not in ("flag", "none"):
+        raise ValueError(
+            "Received an invalid value for argument `checks`, expected 'flag' or "
+            f"'none' (ONNX has no assert op). Received: checks={checks!r}"
+        )
+    fns = signature_functions(model, max_length=max_length, checks=checks)
     protos = {}
     for name in ("prefill", "decode"):
         concrete = fns[name].get_concrete_function()
@@ -250,11 +399,12 @@ def onnx_models(model, *, max_length, opset=17):
     return protos
 
 
-def export_onnx(model, directory, *, max_length, opset=17):
+def export_onnx(model, directory, *, max_length, opset=17, checks="flag"):
     """Writes `prefill.onnx` and `decode.onnx` into `directory`; returns their paths."""
     os.makedirs(directory, exist_ok=True)
     paths = {}
-    for name, proto in onnx_models(model, max_length=max_length, opset=opset).items():
+    for name, proto in onnx_models(model, max_length=max_length, opset=opset,
+                                   checks=checks).items():
         paths[name] = os.path.join(directory, f"{name}.onnx")
         with open(paths[name], "wb") as f:
             f.write(proto.SerializeToString())
@@ -268,6 +418,11 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     `prefill(**inputs)` and `decode(**inputs)` take and return dicts named as
     the signatures. NumPy only: this is the loop to copy into an app.
 
+    Bad requests are refused with a ValueError before they reach the model
+    where NumPy can tell (negative ids, wrong rank or dtype), and after a call
+    whose `valid` output (TFLite / ONNX exports with `checks="flag"`) is
+    False, e.g. an id >= the vocabulary size, which the artifact clamped.
+
     The exported cache holds the `max_length` it was exported with, and
     `max_length` here may not exceed it (a ValueError): positions past a
     cache's end are dropped, which would give wrong tokens. A model exported
@@ -279,7 +434,7 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
             "Received an invalid value for argument `max_length`, expected a "
             f"positive integer. Received: max_length={max_length!r}"
         )
-    prompt_ids = np.asarray(search.as_token_ids("prompt_ids", prompt_ids), np.int32)
+    prompt_ids = _checked_ids("prompt_ids", prompt_ids)
     batch, width = prompt_ids.shape
     if not 1 <= width <= max_length:
         raise ValueError(
@@ -292,9 +447,17 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     in_prompt[:, :width] = prompt_ids != pad_token_id
     inputs = {"token_ids": prompt_ids}
     if encoder_ids is not None:
-        inputs["encoder_ids"] = np.asarray(search.as_token_ids("encoder_ids", encoder_ids),
-                                           np.int32)
+        inputs["encoder_ids"] = _checked_ids("encoder_ids", encoder_ids)
     out = prefill(**inputs)
+    vocab = out["logits"].shape[-1]
+    for key, ids in inputs.items():
+        name = "prompt_ids" if key == "token_ids" else key
+        if ids.size and ids.max() >= vocab:
+            raise ValueError(
+                f"`{name}` must hold token ids in [0, vocabulary_size={vocab}) (the "
+                f"logits' last axis). Received: max id {int(ids.max())}"
+            )
+    _check_valid(out, "prefill", inputs)
     state = {"cache": out["cache"]}
     if encoder_ids is not None:
         state["cross_cache"] = out["cross_cache"]
@@ -324,7 +487,8 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     for i in range(start, max_length):
         if done.all():
             break
-        out = decode(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
+        step = dict(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
+        out = _check_valid(decode(**step), "decode", step)
         state["cache"] = out["cache"]
         chosen = np.argmax(out["logits"][:, 0], axis=-1).astype(np.int32)
         chosen = np.where(done, pad_token_id, chosen)
@@ -332,3 +496,29 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
         done |= ~in_prompt[:, i] & np.isin(chosen, stop_token_ids)
         tokens[:, i] = chosen
     return tokens
+
+
+def _checked_ids(name, ids):
+    ids = search.as_token_ids(name, ids)
+    ids = np.asarray(ids)
+    if ids.size and ids.min() < 0:
+        raise ValueError(
+            f"`{name}` must hold token ids >= 0 (a negative id would wrap around the "
+            f"vocabulary). Received: min id {int(ids.min())}"
+        )
+    if ids.size and ids.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"`{name}` holds ids past int32. Received: max id {int(ids.max())}")
+    return ids.astype(np.int32)
+
+
+def _check_valid(out, name, inputs):
+    valid = out.get("valid")
+    if valid is not None and not bool(np.all(valid)):
+        index = inputs.get("index")
+        raise ValueError(
+            f"The exported `{name}` signature flagged the request invalid (valid=False): "
+            "token ids outside [0, vocabulary_size), or `index` outside the cache. "
+            f"Received: index={None if index is None else int(index)}, token_ids min/max="
+            f"{int(inputs['token_ids'].min())}/{int(inputs['token_ids'].max())}"
+        )
+    return out

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_attn.layers import _common
+from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _kv_cache
 from keras_attn.layers import _mha_convert
 from keras_attn.layers import _mha_projections as proj
@@ -285,6 +286,7 @@ class MultiHeadAttention(keras.layers.Layer):
         cache=None,
         cache_index=None,
     ):
+        _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
         query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
             query_mask, value_mask, key_mask, attention_mask
         )
@@ -516,6 +518,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self, query, value, key=None, return_attention_scores=False, cache=None,
         cache_index=None, **kwargs
     ):
+        _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
         shapes = [None if x is None else x.shape for x in (query, value, key)]
         result = (keras.KerasTensor(self.compute_output_shape(*shapes), dtype=self.compute_dtype),)
         if return_attention_scores:

@@ -3,6 +3,7 @@
 import keras
 
 from keras_attn.layers import _common
+from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _positions
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
 from keras_attn.layers.learned_position_embedding import LearnedPositionEmbedding
@@ -147,6 +148,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     def call(self, inputs, start_index=0, token_type_ids=None, reverse=False):
         if reverse:
             return self.token_embedding(inputs, reverse=True)
+        _dtype_checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
         if self.position == "learned":
             _positions.check_start_index(
                 start_index, inputs.shape[1], self.sequence_length, "TokenAndPositionEmbedding"
@@ -182,6 +184,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         return keras.ops.not_equal(inputs, 0)
 
     def compute_output_spec(self, inputs, start_index=0, token_type_ids=None, reverse=False):
+        if not reverse:
+            _dtype_checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
         if reverse:
             shape = tuple(inputs.shape[:-1]) + (self.vocabulary_size,)
         else:

@@ -108,6 +108,16 @@ def evaluate_dates(model, encoder_inputs, targets, target_tokenizer):
     return float(np.mean(np.all(predictions == targets, axis=1))), predictions
 
 
+def save_predictions(output_dir, encoder_inputs, targets, predictions):
+    """Writes `predictions.npz` (test inputs, target ids, greedy ids) for checking."""
+    import numpy as np
+
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "predictions.npz")
+    np.savez(path, encoder_inputs=encoder_inputs, targets=targets, predictions=predictions)
+    return path
+
+
 def save_attention_heatmap(attention_model, source, target, text, path):
     """Plots cross-attention for `text` as a PNG; returns (decoded text, weights).
 
