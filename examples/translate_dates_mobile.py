@@ -36,7 +36,10 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_attn_cli  # noqa: E402
+
+# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
+keras_attn_cli.quiet()
 
 
 def _greedy_with(prefill, decode, encoder_ids, start_id, max_length):
@@ -131,7 +134,7 @@ def _parse(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=os.path.join("~", "tensorflow_datasets"),
                         help="where tfds writes the generated data set")
-    parser.add_argument("--output-dir", default="keras_attn_outputs/mobile",
+    parser.add_argument("--output-dir", default="outputs/translate_dates_mobile",
                         help="exported models and mobile_tokens.npz go here")
     parser.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (1 = bar)")
     return parser.parse_args(argv)
