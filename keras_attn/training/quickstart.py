@@ -258,9 +258,24 @@ def run(args, export=True):
               flush=True)
         reports = export_all(model, args.output_dir, samples)
         if "saved_model" in reports:
+            write_serving_examples(args.output_dir, samples[0])
             print(serving_commands(args.output_dir))
     print(f"total {time.perf_counter() - begin:.1f}s")
     return {"accuracy": accuracy, "heatmap": heatmap, "reports": reports, "model": model_path}
+
+
+def write_serving_examples(output_dir, sample):
+    """Real test inputs for the serving commands: `example_inputs.npz`, `request.json`."""
+    import json
+
+    import numpy as np
+
+    from keras_attn.export import rest_predict_body
+
+    rows = {k: np.asarray(v[:2], dtype="int32") for k, v in sample.items()}
+    np.savez(os.path.join(output_dir, "example_inputs.npz"), **rows)
+    with open(os.path.join(output_dir, "request.json"), "w") as handle:
+        json.dump(rest_predict_body(rows), handle)
 
 
 def serving_commands(output_dir, name="dates"):
@@ -270,8 +285,11 @@ def serving_commands(output_dir, name="dates"):
         "serve it with TF Serving (REST on :8501, gRPC on :8500):\n"
         f'  docker run --rm -p 8500:8500 -p 8501:8501 -v "$PWD/{base}:/models/{name}" '
         f"-e MODEL_NAME={name} tensorflow/serving\n"
-        "inspect its signature:\n"
-        f"  saved_model_cli show --dir {base}/1 --tag_set serve --signature_def serving_default"
+        f"  curl -X POST http://localhost:8501/v1/models/{name}:predict -d @{output_dir}/request.json\n"
+        "run it without a server:\n"
+        f"  saved_model_cli run --dir {base}/1 --tag_set serve --signature_def serving_default "
+        f"--inputs 'encoder_inputs={output_dir}/example_inputs.npz[encoder_inputs];"
+        f"decoder_inputs={output_dir}/example_inputs.npz[decoder_inputs]'"
     )
 
 
