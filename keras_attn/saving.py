@@ -108,8 +108,10 @@ def load_weights(model, path):
     """Loads `.weights.h5` into `model`; on any failure the model keeps its weights.
 
     Raises:
-        FileNotFoundError, CorruptFileError, or Keras' ValueError for a file
-        saved from a different architecture; in every case `model` is unchanged.
+        FileNotFoundError: `path` does not exist.
+        CorruptFileError: the file is truncated, corrupt or not HDF5.
+        ValueError: (from Keras) the file was saved from a different
+            architecture. In every case `model` is unchanged.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
