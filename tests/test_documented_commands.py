@@ -1,0 +1,140 @@
+"""Every shell command the docs show runs against what the repo produces.
+
+The ```bash blocks of README.md, docs/**/*.md and export/README.md are read and
+each command (lines joined at `\\`, split at `&&`) is handled by its first word:
+
+- `keras-attn demo ...` runs once, at smoke scale (size flags appended), in a
+  scratch folder: it writes `outputs/demo/` as for a user;
+- `keras-attn ...` and `saved_model_cli ...` then run word for word there;
+- `docker run ... tensorflow/serving`: every mounted host path exists and the
+  model folder holds a numbered SavedModel version (no Docker in CI);
+- `curl ... -d @FILE`: FILE exists and holds a REST body with the SavedModel's
+  input names;
+- `python examples/X.py --flag ...`: the script exists and defines each flag;
+- set-up lines (venv, pip, activate, export, TF_CONFIG=..., mkdocs, pytest) are left to
+  `.ci/run`, which runs the README's test command itself.
+"""
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "README.md", ROOT / "export" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DEMO_SMOKE = ["--num-train", "256", "--num-test", "32", "--epochs", "1", "--batch-size", "32",
+              "--embedding-dim", "16", "--intermediate-dim", "32", "--num-heads", "2",
+              "--num-layers", "1"]
+SKIPPED = ("python3 -m venv", ". .venv/bin/activate", "source ", "pip ", "export ", "TF_CONFIG=",
+           "mkdocs ", "cd ", "bash ", "python -m pytest")
+
+
+def documented_commands():
+    commands = []
+    for source in SOURCES:
+        for block in re.findall(r"```bash\n(.*?)```", source.read_text(), flags=re.S):
+            text = re.sub(r"\\\n\s*", " ", block)
+            for line in text.splitlines():
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                for part in line.split("&&"):
+                    part = part.strip().rstrip("&").strip()
+                    if part and not part.startswith(SKIPPED):
+                        commands.append((source.relative_to(ROOT).as_posix(), part))
+    return commands
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _run(command, cwd, timeout=900):
+    done = subprocess.run(command, shell=True, cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=timeout, executable="/bin/bash")
+    assert done.returncode == 0, f"{command}\nfailed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A user's folder after `keras-attn demo` (smoke scale)."""
+    cwd = tmp_path_factory.mktemp("user")
+    demo = [c for _, c in documented_commands() if c.startswith("keras-attn demo")]
+    assert demo, "no documented `keras-attn demo` command"
+    command = demo[0] + " " + " ".join(DEMO_SMOKE + ["--data-dir", str(cwd / "tfds")])
+    out = _run(command, cwd)
+    return cwd, out
+
+
+def test_documented_commands_are_found():
+    firsts = {c.split()[0] for _, c in documented_commands()}
+    assert {"keras-attn", "saved_model_cli", "docker", "curl", "python"} <= firsts, firsts
+
+
+def test_demo_saves_its_model_and_prints_the_documented_commands(workdir):
+    cwd, out = workdir
+    assert (cwd / "outputs" / "demo" / "dates.keras").is_file()
+    printed = {line.strip() for line in out.splitlines()}
+    documented = {c for _, c in documented_commands()}
+    for command in ("docker run", "curl", "saved_model_cli run"):
+        line = next((l for l in printed if l.startswith(command)), None)
+        assert line is not None, f"the demo did not print a `{command}` line:\n{out[-2000:]}"
+        assert line in documented, f"the demo prints a command the docs do not show: {line}"
+
+
+def _signature_inputs(cwd, saved_model):
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(str(cwd / saved_model))
+    return set(loaded.signatures["serving_default"].structured_input_signature[1])
+
+
+def test_every_documented_command_runs(workdir):
+    cwd, _ = workdir
+    seen = set()
+    for source, command in documented_commands():
+        if command in seen or command.startswith("keras-attn demo"):
+            continue
+        seen.add(command)
+        words = shlex.split(command)
+        if words[0] in ("keras-attn", "saved_model_cli"):
+            _run(command, cwd)
+        elif words[0] == "docker":
+            assert "tensorflow/serving" in words, (source, command)
+            mounts = [words[i + 1] for i, w in enumerate(words) if w == "-v"]
+            assert mounts, (source, command)
+            for mount in mounts:
+                host, container = mount.split(":")[:2]
+                host = pathlib.Path(host.replace("$PWD", str(cwd)).replace(str(cwd) + "/export",
+                                                                         str(ROOT / "export")))
+                assert host.exists(), (source, command, host)
+            name = next((w.split("=", 1)[1] for w in words if w.startswith("MODEL_NAME=")), None)
+            if name is not None:
+                model_dir = pathlib.Path(mounts[0].split(":")[0].replace("$PWD", str(cwd)))
+                assert model_dir.name == name and (model_dir / "1" / "saved_model.pb").is_file()
+        elif words[0] == "curl":
+            body = next(w[1:] for w in words if w.startswith("@"))
+            model = re.search(r"/v1/models/([^/:]+)", command).group(1)
+            request = json.loads((cwd / body).read_text())
+            saved_model = f"outputs/demo/saved_model/{model}/1"
+            assert set(request["inputs"]) == _signature_inputs(cwd, saved_model), command
+        elif words[0] == "python":
+            script = ROOT / words[1]
+            assert script.is_file(), (source, command)
+            sources = script.read_text() + (ROOT / "keras_attn/training/quickstart.py").read_text()
+            for flag in (w for w in words[2:] if w.startswith("--")):
+                assert f'"{flag}"' in sources, (source, command, flag)
+        else:
+            pytest.fail(f"{source}: no rule for the documented command {command!r}")
