@@ -111,3 +111,12 @@ def test_docstring_examples(module_name):
     module = importlib.import_module(module_name)
     result = doctest.testmod(module, optionflags=FLAGS, report=True)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module_name}"
+
+
+def test_readme_links_exist():
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if not t.startswith(("http://", "https://"))]
+    assert local
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, missing
