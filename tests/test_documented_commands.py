@@ -79,7 +79,9 @@ def _env(scripts=None):
     if scripts is not None:
         env["PATH"] = str(scripts) + os.pathsep + env["PATH"]
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("TF_CONFIG", None)
+    # As in a user's shell: no logging settings inherited from the test process.
+    for name in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", "KERAS_ATTN_VERBOSE"):
+        env.pop(name, None)
     return env
 
 
