@@ -65,8 +65,8 @@ def test_quiet_and_verbose_switch_tensorflow_logging():
     code = (
         "import os, keras_attn_cli\n"
         "os.environ.pop('TF_CPP_MIN_LOG_LEVEL', None); os.environ.pop('KERAS_ATTN_VERBOSE', None)\n"
-        "print(keras_attn_cli.quiet(verbose=VERBOSE, import_tensorflow=False),"
+        "print(keras_attn_cli.quiet(verbose=FLAG, import_tensorflow=False),"
         " os.environ.get('TF_CPP_MIN_LOG_LEVEL'), os.environ.get('KERAS_ATTN_VERBOSE'))\n"
     )
-    assert _run(code.replace("VERBOSE", "False")).stdout.split() == ["False", "3", "None"]
-    assert _run(code.replace("VERBOSE", "True")).stdout.split() == ["True", "None", "1"]
+    assert _run(code.replace("FLAG", "False")).stdout.split() == ["False", "3", "None"]
+    assert _run(code.replace("FLAG", "True")).stdout.split() == ["True", "None", "1"]
