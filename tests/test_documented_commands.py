@@ -8,8 +8,9 @@ each command (lines joined at `\\`, split at `&&`) is handled by its first word:
 - `keras-attn ...` and `saved_model_cli ...` then run word for word there;
 - `docker run ... tensorflow/serving`: every mounted host path exists and the
   model folder holds a numbered SavedModel version (no Docker in CI);
-- `curl ... -d @FILE`: FILE exists and holds a REST body with the SavedModel's
-  input names;
+- `curl ... -d @FILE` (or an inline JSON body): valid JSON whose input names are
+  the SavedModel's when the model is the demo's;
+- `python -m module ...`: the module exists;
 - `python examples/X.py --flag ...`: the script exists and defines each flag;
 - set-up lines (venv, pip, activate, export, TF_CONFIG=..., mkdocs, pytest) are left to
   `.ci/run`, which runs the README's test command itself.
@@ -136,7 +137,7 @@ def test_demo_saves_its_model_and_prints_the_documented_commands(workdir):
 def _signature_inputs(cwd, saved_model):
     import tensorflow as tf
 
-    loaded = tf.saved_model.load(str(cwd / saved_model))
+    loaded = tf.saved_model.load(str(pathlib.Path(cwd) / saved_model))
     return set(loaded.signatures["serving_default"].structured_input_signature[1])
 
 
@@ -147,7 +148,7 @@ def test_every_documented_command_runs(workdir):
         if command in seen or command.startswith("keras-attn demo"):
             continue
         seen.add(command)
-        words = shlex.split(command)
+        words = shlex.split(command, comments=True)
         if words[0] in ("keras-attn", "saved_model_cli"):
             _run(command, cwd)
         elif words[0] == "docker":
@@ -164,11 +165,22 @@ def test_every_documented_command_runs(workdir):
                 model_dir = pathlib.Path(mounts[0].split(":")[0].replace("$PWD", str(cwd)))
                 assert model_dir.name == name and (model_dir / "1" / "saved_model.pb").is_file()
         elif words[0] == "curl":
-            body = next(w[1:] for w in words if w.startswith("@"))
+            data = words[words.index("-d") + 1] if "-d" in words else None
+            if data is None:  # a GET: model status or metadata
+                assert re.search(r"localhost:850[01]/v1/models/", command), (source, command)
+                continue
+            if data.startswith("@"):
+                request = json.loads((cwd / data[1:]).read_text())
+            else:
+                request = json.loads(data)
             model = re.search(r"/v1/models/([^/:]+)", command).group(1)
-            request = json.loads((cwd / body).read_text())
-            saved_model = f"outputs/demo/saved_model/{model}/1"
-            assert set(request["inputs"]) == _signature_inputs(cwd, saved_model), command
+            saved_model = cwd / f"outputs/demo/saved_model/{model}/1"
+            if "inputs" in request and saved_model.is_dir():
+                assert set(request["inputs"]) == _signature_inputs(cwd, saved_model), command
+        elif words[0] == "python" and words[1] == "-m":
+            import importlib.util
+
+            assert importlib.util.find_spec(words[2]) is not None, (source, command)
         elif words[0] == "python":
             script = ROOT / words[1]
             assert script.is_file(), (source, command)
