@@ -36,10 +36,6 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-import keras_attn_cli  # noqa: E402
-
-# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
-keras_attn_cli.quiet()
 
 
 def _greedy_with(prefill, decode, encoder_ids, start_id, max_length):
@@ -142,7 +138,12 @@ def _parse(argv):
 
 def main(argv=None):
     args = _parse(argv)
+    # Here, not at import: the NumPy decoding loops above must import without
+    # TensorFlow. Before TensorFlow is imported: hides its log lines
+    # (KERAS_ATTN_VERBOSE=1 shows them).
+    import keras_attn_cli
 
+    keras_attn_cli.quiet()
     import keras
     import numpy as np
     import tensorflow as tf
