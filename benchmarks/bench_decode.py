@@ -16,8 +16,7 @@ Not a test: the numbers depend on the machine and its load. Run:
 
     KERAS_BACKEND=tensorflow python benchmarks/bench_decode.py [--lengths 32 128 512]
 
-keras-hub must be installed with `pip install --no-deps keras-hub` (its
-dependencies would pull in a second TensorFlow distribution).
+The KerasHub peer needs `pip install -e ".[peers]"` (or `bash benchmarks/install_peers.sh`).
 """
 
 import argparse
@@ -126,7 +125,7 @@ def main(argv=None):
         try:
             hub = HubLM(args, max_len)
         except ImportError as error:
-            print(f"KerasHub not available ({error}); install with `pip install --no-deps keras-hub`.")
+            print(f"KerasHub not available ({error}); install with `pip install -e ".[peers]"`.")
 
     full = tf.function(lambda ids: lm(ids)[:, -1], jit_compile=True)
     # One stacked cache tensor in and out, like KerasHub's step below (and our

@@ -30,7 +30,10 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_attn_cli  # noqa: E402
+
+# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
+keras_attn_cli.quiet()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -243,7 +246,7 @@ def parse_args(argv):
     )
     p.add_argument("--test-fraction", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", default="attend_and_caption_out")
+    p.add_argument("--output-dir", default="outputs/attend_and_caption")
     p.add_argument("--no-export", action="store_true", help="skip the exports")
     return p.parse_args(argv)
 

@@ -35,7 +35,10 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_attn_cli  # noqa: E402
+
+# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
+keras_attn_cli.quiet()
 
 
 def parse_args(argv=None):
@@ -67,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="TensorBoard directory")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--save-weights", default=None, help="write final weights to this .npz")
-    p.add_argument("--output-dir", default="distributed_training_out",
+    p.add_argument("--output-dir", default="outputs/distributed_training",
                    help="exported models go here (chief only)")
     p.add_argument("--no-export", action="store_true", help="skip the export step")
     p.add_argument("--step-delay", type=float, default=0.0,

@@ -25,7 +25,10 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_attn_cli  # noqa: E402
+
+# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
+keras_attn_cli.quiet()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -207,7 +210,7 @@ def parse_args(argv):
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--positions", choices=["sinusoidal2d", "learned"], default="sinusoidal2d")
     p.add_argument("--test-fraction", type=float, default=0.25)
-    p.add_argument("--output-dir", default="image_self_attention_out")
+    p.add_argument("--output-dir", default="outputs/image_self_attention")
     p.add_argument("--no-export", action="store_true", help="skip the exports")
     return p.parse_args(argv)
 

@@ -21,7 +21,10 @@ import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_attn_cli  # noqa: E402
+
+# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
+keras_attn_cli.quiet()
 
 
 def export_samples(token_ids):
@@ -53,7 +56,7 @@ def main(argv=None):
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", type=int, default=2)
-    p.add_argument("--output-dir", default="text_classification_out",
+    p.add_argument("--output-dir", default="outputs/text_classification",
                    help="exported models go here")
     p.add_argument("--no-export", action="store_true", help="skip the export step")
     p.add_argument("--min-accuracy", type=float, default=0.0,

@@ -21,7 +21,10 @@ import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_attn_cli  # noqa: E402
+
+# Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
+keras_attn_cli.quiet()
 
 from keras_attn.training import quickstart  # noqa: E402
 
@@ -30,7 +33,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    quickstart.add_dates_arguments(parser, epochs=4, num_train=20_000)
+    quickstart.add_dates_arguments(parser, epochs=4, num_train=20_000,
+                                   output_dir="outputs/translate_dates")
     parser.add_argument("--heatmap-text", default="Wednesday, March 3, 1999",
                         help="input whose cross-attention is plotted")
     parser.add_argument("--min-accuracy", type=float, default=0.0,

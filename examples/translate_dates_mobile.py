@@ -36,7 +36,6 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _greedy_with(prefill, decode, encoder_ids, start_id, max_length):
@@ -137,7 +136,7 @@ def _parse(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=os.path.join("~", "tensorflow_datasets"),
                         help="where tfds writes the generated data set")
-    parser.add_argument("--output-dir", default="keras_attn_outputs/mobile",
+    parser.add_argument("--output-dir", default="outputs/translate_dates_mobile",
                         help="exported models and mobile_tokens.npz go here")
     parser.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (1 = bar)")
     return parser.parse_args(argv)
@@ -145,7 +144,12 @@ def _parse(argv):
 
 def main(argv=None):
     args = _parse(argv)
+    # Here, not at import: the NumPy decoding loops above must import without
+    # TensorFlow. Before TensorFlow is imported: hides its log lines
+    # (KERAS_ATTN_VERBOSE=1 shows them).
+    import keras_attn_cli
 
+    keras_attn_cli.quiet()
     import keras
     import numpy as np
     import tensorflow as tf

@@ -1,6 +1,6 @@
 """keras_attn: attention layers for Keras 3 that export everywhere."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from keras_attn import config  # noqa: F401
 from keras_attn import ops  # noqa: F401

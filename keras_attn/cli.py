@@ -1,35 +1,12 @@
-"""The `keras-attn` console script."""
+"""`python -m keras_attn.cli`: the `keras-attn` console script.
 
-import argparse
+The script itself is the top-level module `keras_attn_cli`, which imports no
+TensorFlow until a command runs (`keras-attn --help` is instant).
+"""
+
 import sys
 
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="keras-attn", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("version", help="print the version")
-    from keras_attn.export import cli as export_cli
-
-    export_cli.add_parser(sub)
-    sub.add_parser(
-        "demo", add_help=False,
-        help="the quickstart: train the dates Transformer, show attention, export "
-        "(`keras-attn demo --help` lists its flags)",
-    )
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:
-        from keras_attn.training import quickstart
-
-        return quickstart.main(argv[1:])
-    args = parser.parse_args(argv)
-    if args.command == "export":
-        return export_cli.run(args)
-    if args.command == "version":
-        import keras_attn
-
-        print(keras_attn.__version__)
-    return 0
-
+from keras_attn_cli import main  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(main())

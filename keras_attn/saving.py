@@ -1,5 +1,9 @@
 """Loading that fails cleanly: validated `.keras` / `.weights.h5` files, safe mode by default.
 
+Plain `keras.saving.load_model` loads keras_attn models once `keras_attn` is
+imported (the import registers the layers). Without the import Keras reports
+that `Functional` "could not be deserialized properly": add `import keras_attn`.
+
 `keras.saving.load_model` on a truncated file raises whatever the zip or HDF5
 library hits first, and `Model.load_weights` can fail after it has assigned
 some variables. These wrappers check the container before Keras reads it and
@@ -17,6 +21,18 @@ import keras_attn.layers  # noqa: F401  (registers the layers for deserializatio
 
 class CorruptFileError(ValueError):
     """A saved model or weights file is truncated, corrupt or of the wrong kind."""
+
+
+LOAD_HINT = (
+    "A .keras file with keras_attn layers loads after `import keras_attn` (the import "
+    "registers every layer as `keras_attn>ClassName`); layers of your own need "
+    "`custom_objects={...}` or `@keras.saving.register_keras_serializable`."
+)
+
+
+def _unknown_class(error):
+    text = str(error)
+    return "Could not locate" in text or "could not be deserialized" in text
 
 
 def _check_keras_archive(path):
@@ -79,14 +95,23 @@ def load_model(path, *, custom_objects=None, compile=True, safe_mode=True):
         )
     except (OSError, EOFError, zipfile.BadZipFile) as error:
         raise CorruptFileError(f"{path!s} could not be loaded: {error}") from error
+    except (TypeError, ValueError) as error:
+        if not _unknown_class(error):
+            raise
+        raise type(error)(
+            f"{path!s}: a class in the model's config is not registered. {LOAD_HINT}\n"
+            f"Keras said: {str(error)[:1000]}"
+        ) from error
 
 
 def load_weights(model, path):
     """Loads `.weights.h5` into `model`; on any failure the model keeps its weights.
 
     Raises:
-        FileNotFoundError, CorruptFileError, or Keras' ValueError for a file
-        saved from a different architecture; in every case `model` is unchanged.
+        FileNotFoundError: `path` does not exist.
+        CorruptFileError: the file is truncated, corrupt or not HDF5.
+        ValueError: (from Keras) the file was saved from a different
+            architecture. In every case `model` is unchanged.
     """
     path = os.fspath(path)
     if not os.path.exists(path):

@@ -1,6 +1,7 @@
 """SavedModel export laid out for TF Serving: `<dir>/<model_name>/<version>/`."""
 
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -75,13 +76,34 @@ def serving_function(model, check_ids=False):
     return serve, [signature]
 
 
-def write_saved_model(model, path, check_ids=False):
-    """Writes the serving SavedModel of `model` at `path` (no verification)."""
+# A model's SavedModel is also reloaded to fine-tune or to take gradients
+# (tf.GradientTape through the signature), which needs the custom gradients;
+# without them TensorFlow finds no gradient for the IdentityN ops they leave.
+MODEL_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=True)
+
+
+def _write_archive(model, path, options, check_ids=False):
     serve, input_signature = serving_function(model, check_ids)
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(SIGNATURE_KEY, serve, input_signature=input_signature)
-    archive.write_out(path, verbose=False, options=SERVING_SAVE_OPTIONS)
+    archive.write_out(path, verbose=False, options=options)
+
+
+def write_saved_model(model, path, check_ids=False):
+    """Writes the serving SavedModel of `model` at `path` (no verification).
+
+    Custom gradients are saved (the SavedModel works under tf.GradientTape);
+    a model whose custom gradients cannot be serialised is written without
+    them, for serving only.
+    """
+    try:
+        _write_archive(model, path, MODEL_SAVE_OPTIONS, check_ids)
+    except Exception as error:  # noqa: BLE001 - TF raises several types for this
+        if "custom gradient" not in str(error).lower():
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        _write_archive(model, path, SERVING_SAVE_OPTIONS, check_ids)
 
 
 def graph_op_types(concrete_function):

@@ -21,7 +21,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def add_dates_arguments(parser, epochs, num_train):
+def add_dates_arguments(parser, epochs, num_train, output_dir="outputs/demo"):
     """Size flags shared by the dates scripts."""
     parser.add_argument("--num-train", type=int, default=num_train, help="training pairs")
     parser.add_argument("--num-test", type=int, default=2000, help="test pairs")
@@ -36,8 +36,8 @@ def add_dates_arguments(parser, epochs, num_train):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=os.path.join("~", "tensorflow_datasets"),
                         help="where tfds writes the generated data set")
-    parser.add_argument("--output-dir", default="keras_attn_outputs",
-                        help="PNG heatmap and exported models go here")
+    parser.add_argument("--output-dir", default=output_dir,
+                        help="the .keras model, PNG heatmap and exported models go here")
     parser.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (1 = bar)")
     return parser
 
@@ -45,11 +45,15 @@ def add_dates_arguments(parser, epochs, num_train):
 def load_dates_task(args):
     """(train, validation, test) tf.data pipelines and the tokenizers, built through tfds."""
     from keras_attn import data
+    from keras_attn_cli import quiet_tfds
 
-    train, validation, test = data.load_dates(
-        num_train=args.num_train, num_validation=max(1, args.num_test // 2),
-        num_test=args.num_test, seed=args.seed, data_dir=os.path.expanduser(args.data_dir),
-    )
+    print(f"data: human_dates through tfds ({args.num_train} training pairs; generated "
+          f"offline on the first run, then read from {args.data_dir})", flush=True)
+    with quiet_tfds():
+        train, validation, test = data.load_dates(
+            num_train=args.num_train, num_validation=max(1, args.num_test // 2),
+            num_test=args.num_test, seed=args.seed, data_dir=os.path.expanduser(args.data_dir),
+        )
     pipelines = (
         data.dates_pipeline(train, args.batch_size, training=True, seed=args.seed),
         data.dates_pipeline(validation, 256),
@@ -84,6 +88,22 @@ def build_dates_model(args, source, target, dynamic_length=False):
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="token_accuracy")],
     )
     return model, attention_model
+
+
+def compile_notice():
+    """A Keras callback printing, before the first step, that it compiles.
+
+    The first step traces and compiles the training function (tens of seconds
+    on a small CPU); Keras's bar meanwhile shows an ETA computed from it.
+    """
+    import keras
+
+    class CompileNotice(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            print("training: the first step compiles the model (slow; the ETA of "
+                  "step 1 counts it), later steps are fast", flush=True)
+
+    return CompileNotice()
 
 
 def test_arrays(test_pipeline):
@@ -211,13 +231,16 @@ def run(args, export=True):
     keras.utils.set_random_seed(args.seed)
     begin = time.perf_counter()
     (train, validation, test), _, (source, target) = load_dates_task(args)
-    print(f"data: human_dates through tfds ({args.num_train} training pairs) "
-          f"in {time.perf_counter() - begin:.1f}s")
+    print(f"data: ready in {time.perf_counter() - begin:.1f}s", flush=True)
     model, attention_model = build_dates_model(args, source, target)
     model.fit(train, validation_data=validation, epochs=args.epochs, verbose=args.verbose,
-              shuffle=False)  # the pipeline shuffles (seeded)
+              shuffle=False, callbacks=[compile_notice()])  # the pipeline shuffles (seeded)
     trained = time.perf_counter()
     print(f"trained in {trained - begin:.1f}s")
+    os.makedirs(args.output_dir, exist_ok=True)
+    model_path = os.path.join(args.output_dir, "dates.keras")
+    model.save(model_path)
+    print(f"model: {model_path} (load with `import keras_attn` first)")
     encoder_inputs, targets = test_arrays(test)
     accuracy, predictions = evaluate_dates(model, encoder_inputs, targets, target)
     print(f"test exact-match accuracy: {accuracy:.4f} ({len(targets)} dates)")
@@ -241,9 +264,43 @@ def run(args, export=True):
             {"encoder_inputs": encoder_inputs[:8], "decoder_inputs": dec[:8]},
             {"encoder_inputs": encoder_inputs[8:11], "decoder_inputs": dec[8:11]},
         ]
+        print("export: SavedModel, TFLite and ONNX, each run and compared with Keras ...",
+              flush=True)
         reports = export_all(model, args.output_dir, samples)
+        if "saved_model" in reports:
+            write_serving_examples(args.output_dir, samples[0])
+            print(serving_commands(args.output_dir))
     print(f"total {time.perf_counter() - begin:.1f}s")
-    return {"accuracy": accuracy, "heatmap": heatmap, "reports": reports}
+    return {"accuracy": accuracy, "heatmap": heatmap, "reports": reports, "model": model_path}
+
+
+def write_serving_examples(output_dir, sample):
+    """Real test inputs for the serving commands: `example_inputs.npz`, `request.json`."""
+    import json
+
+    import numpy as np
+
+    from keras_attn.export import rest_predict_body
+
+    rows = {k: np.asarray(v[:2], dtype="int32") for k, v in sample.items()}
+    np.savez(os.path.join(output_dir, "example_inputs.npz"), **rows)
+    with open(os.path.join(output_dir, "request.json"), "w") as handle:
+        json.dump(rest_predict_body(rows), handle)
+
+
+def serving_commands(output_dir, name="dates"):
+    """The commands that inspect and serve the demo's SavedModel (as in the docs)."""
+    base = f"{output_dir}/saved_model/{name}"
+    return (
+        "serve it with TF Serving (REST on :8501, gRPC on :8500):\n"
+        f'  docker run --rm -p 8500:8500 -p 8501:8501 -v "$PWD/{base}:/models/{name}" '
+        f"-e MODEL_NAME={name} tensorflow/serving\n"
+        f"  curl -X POST http://localhost:8501/v1/models/{name}:predict -d @{output_dir}/request.json\n"
+        "run it without a server:\n"
+        f"  saved_model_cli run --dir {base}/1 --tag_set serve --signature_def serving_default "
+        f"--inputs 'encoder_inputs={output_dir}/example_inputs.npz[encoder_inputs];"
+        f"decoder_inputs={output_dir}/example_inputs.npz[decoder_inputs]'"
+    )
 
 
 def main(argv=None):

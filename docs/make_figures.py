@@ -1,0 +1,163 @@
+"""Draws the documentation's figures into docs/images/ (nothing is drawn by hand).
+
+    python docs/make_figures.py                      # every figure (trains the demo model: minutes)
+    python docs/make_figures.py --only memory architecture
+
+- `dates_attention.png`: cross-attention of the demo's date translator, trained
+  here with the demo's code (`keras_attn.training.quickstart`).
+- `architecture.png`: the encoder-decoder the demo builds, layer by layer.
+- `long_sequence_memory.png`: peak memory against sequence length, read from the
+  long-sequence table of `benchmarks/RESULTS.md` (`benchmarks/bench_long.py`).
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "docs" / "images"
+FIGURES = ("attention", "architecture", "memory")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def long_sequence_rows(results_md):
+    """`[(T, pass, ours GiB, keras GiB or None)]` from the long-sequence table."""
+    text = pathlib.Path(results_md).read_text()
+    section = text.split("## Long sequences", 1)
+    if len(section) < 2:
+        raise ValueError(f"{results_md} has no '## Long sequences' section")
+    rows = []
+    for line in section[1].splitlines()[1:]:
+        if line.startswith("## "):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].isdigit():
+            continue
+        keras = float(cells[3]) if re.fullmatch(r"[0-9.]+", cells[3]) else None
+        rows.append((int(cells[0]), cells[1], float(cells[2]), keras))
+    if not rows:
+        raise ValueError(f"no rows in the long-sequence table of {results_md}")
+    return rows
+
+
+def draw_memory(path, results_md=ROOT / "benchmarks" / "RESULTS.md"):
+    plt = _pyplot()
+    rows = long_sequence_rows(results_md)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind, style in (("fwd+bwd", "-"), ("fwd", "--")):
+        mine = [(t, o) for t, p, o, _ in rows if p == kind]
+        theirs = [(t, k) for t, p, _, k in rows if p == kind and k is not None]
+        ax.plot(*zip(*mine), style, marker="o", color="tab:blue", label=f"keras_attn {kind}")
+        if theirs:
+            ax.plot(*zip(*theirs), style, marker="s", color="tab:red",
+                    label=f"keras.layers.MultiHeadAttention {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T (batch 1, 8 heads, d=256)")
+    ax.set_ylabel("peak RSS of the process (GiB)")
+    ax.set_title("Memory of one attention layer (Keras not run where its scores alone exceed 9 GiB)",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_architecture(path):
+    plt = _pyplot()
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 10)
+    ax.axis("off")
+
+    def box(x, y, text, color, w=3.6, h=0.8):
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.05",
+                                    facecolor=color, edgecolor="black", linewidth=0.8))
+        ax.text(x, y, text, ha="center", va="center", fontsize=8.5, family="monospace")
+
+    def arrow(a, b):
+        ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=10, linewidth=0.8))
+
+    enc, dec = 2.5, 7.5
+    box(enc, 0.8, "encoder_inputs (characters)", "#eeeeee")
+    box(enc, 2.4, "TokenAndPositionEmbedding", "#cfe2f3")
+    box(enc, 4.2, "TransformerEncoderBlock\n(self-attention + FFN)", "#d9ead3", h=1.1)
+    box(enc, 6.2, "TransformerEncoderBlock", "#d9ead3")
+    box(dec, 0.8, "decoder_inputs (shifted ISO date)", "#eeeeee")
+    box(dec, 2.4, "TokenAndPositionEmbedding", "#cfe2f3")
+    box(dec, 4.2, "TransformerDecoderBlock\n(causal self-attn, cross-attn, FFN)", "#fce5cd", h=1.1)
+    box(dec, 6.2, "TransformerDecoderBlock", "#fce5cd")
+    box(dec, 7.8, "Dense -> logits", "#eeeeee")
+    for x in (enc, dec):
+        arrow((x, 1.2), (x, 2.0))
+        arrow((x, 2.8), (x, 3.65))
+        arrow((x, 4.75), (x, 5.8))
+    arrow((dec, 6.6), (dec, 7.4))
+    arrow((enc + 1.8, 6.2), (dec - 1.8, 4.4))
+    arrow((enc + 1.8, 6.2), (dec - 1.8, 6.2))
+    ax.text(5.0, 5.55, "cross-attention\n(keys, values)", ha="center", fontsize=8, style="italic")
+    ax.text(5.0, 9.3, "The demo's date translator: every box is a keras_attn layer",
+            ha="center", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_attention(path, num_train=20_000, epochs=3):
+    """Trains the demo's model (no export) and draws its cross-attention."""
+    from keras_attn.training import quickstart
+
+    parser = quickstart.add_dates_arguments(argparse.ArgumentParser(), epochs=epochs,
+                                            num_train=num_train)
+    args = parser.parse_args(["--output-dir", str(path.parent / "_figure_run"), "--verbose", "2"])
+    import keras
+
+    keras.utils.set_random_seed(args.seed)
+    (train, validation, _), _, (source, target) = quickstart.load_dates_task(args)
+    model, attention_model = quickstart.build_dates_model(args, source, target)
+    model.fit(train, validation_data=validation, epochs=args.epochs, verbose=2, shuffle=False)
+    output, _ = quickstart.save_attention_heatmap(
+        attention_model, source, target, quickstart.EXAMPLE_TEXTS[2], str(path))
+    print(f"{quickstart.EXAMPLE_TEXTS[2]!r} -> {output}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES))
+    parser.add_argument("--out", default=str(IMAGES), help="folder for the PNGs")
+    parser.add_argument("--num-train", type=int, default=20_000)
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if "memory" in args.only:
+        draw_memory(out / "long_sequence_memory.png")
+    if "architecture" in args.only:
+        draw_architecture(out / "architecture.png")
+    if "attention" in args.only:
+        sys.path.insert(0, str(ROOT))
+        import keras_attn_cli
+
+        keras_attn_cli.quiet()
+        draw_attention(out / "dates_attention.png", args.num_train, args.epochs)
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".png"):
+            print(out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

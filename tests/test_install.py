@@ -1,0 +1,103 @@
+"""The install resolves to exactly one TensorFlow distribution.
+
+Every distribution below writes the same `tensorflow/` package; two of them in
+one environment overwrite each other's files. Each case asks pip to resolve
+(`pip install --dry-run --report -`: nothing is downloaded beyond metadata and
+nothing is installed) keras-attn with all its extras, from scratch next to a
+pinned `tensorflow` or `tensorflow[and-cuda]`, and in the test environment
+itself next to the TensorFlow already installed there.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+TENSORFLOW_DISTRIBUTIONS = {
+    "tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel",
+    "tensorflow-macos", "tensorflow-aarch64", "tensorflow-cpu-aws", "tensorflow-rocm",
+    "intel-tensorflow", "tf-nightly", "tf-nightly-cpu", "tf-nightly-gpu",
+    "tf-nightly-intel", "tf-nightly-macos",
+}
+
+
+def _extras():
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        return sorted(tomllib.load(handle)["project"]["optional-dependencies"])
+
+
+def _normalize(name):
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _start(*requirements, ignore_installed):
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+               "--report", "-", *requirements]
+    if ignore_installed:
+        command.insert(4, "--ignore-installed")
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return requirements, subprocess.Popen(command, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+
+def _finish(started):
+    requirements, process = started
+    stdout, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, f"pip could not resolve {requirements}:\n{stderr[-3000:]}"
+    report = json.loads(stdout)
+    return {_normalize(item["metadata"]["name"]): item["metadata"]["version"]
+            for item in report["install"]}
+
+
+CASES = {
+    # A machine with nothing, or with a TensorFlow image's `tensorflow`: our
+    # core dependency is that same distribution, so one resolution covers both.
+    "cpu": ("tensorflow>=2.21,<2.22",),
+    "gpu": ("tensorflow[and-cuda]>=2.21,<2.22",),
+}
+
+
+@pytest.fixture(scope="module")
+def resolutions():
+    """The three resolutions, run side by side (pip mostly waits on the network)."""
+    ours = f".[{','.join(_extras())}]"
+    started = {name: _start(*extra, ours, ignore_installed=True)
+               for name, extra in CASES.items()}
+    started["environment"] = _start(ours, ignore_installed=False)
+    return {name: _finish(s) for name, s in started.items()}
+
+
+def _tensorflows(names):
+    return sorted(n for n in names if n in TENSORFLOW_DISTRIBUTIONS)
+
+
+def test_tensorflow_distribution_list_is_normalized():
+    assert all(_normalize(n) == n for n in TENSORFLOW_DISTRIBUTIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fresh_install_has_one_tensorflow(resolutions, case):
+    installed = resolutions[case]
+    assert "keras-attn" in installed
+    assert "keras-hub" in installed and "tensorflow-text" in installed  # peers resolve normally
+    assert _tensorflows(installed) == ["tensorflow"], installed
+    if case == "gpu":
+        assert any(n.startswith("nvidia-") for n in installed), "and-cuda pulled no CUDA wheels"
+
+
+@pytest.mark.slow
+def test_install_next_to_this_environments_tensorflow(resolutions):
+    from importlib import metadata
+
+    present = {_normalize(d.metadata["Name"]) for d in metadata.distributions()}
+    assert len(_tensorflows(present)) == 1, _tensorflows(present)
+    added = resolutions["environment"]
+    assert _tensorflows(added) == [], f"would add {_tensorflows(added)} next to {_tensorflows(present)}"
