@@ -119,6 +119,9 @@ def _add_export_arguments(parser):
     parser.add_argument("--version", type=int, default=1, help="TF Serving version")
     parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
     parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
+    parser.add_argument("--min-agreement", type=float, default=None,
+                        help="quantized TFLite: smallest fraction of argmax positions equal "
+                             "to Keras's (default 0.99 float16, 0.95 dynamic, 0.9 int8)")
     parser.add_argument("--unsafe-deserialization", action="store_true",
                         help="allow Lambda layers and other arbitrary code in the model file "
                         "(only for files you trust; off by default)")
