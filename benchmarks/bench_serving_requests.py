@@ -225,6 +225,8 @@ def markdown(results):
                 cells.append("")
                 continue
             detail = result["detail"].replace("|", "\\|")
+            if "[" in detail:  # error texts like "... [0, 20)] [-3]" read as links in markdown
+                detail = "`" + detail.replace("`", "'") + "`"
             cells.append(f"**{result['outcome']}**: {detail}")
         lines.append(f"| {name} (`{signature}`: {description}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)

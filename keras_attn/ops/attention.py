@@ -122,6 +122,7 @@ def explain_kernel(
     Example:
 
     >>> import numpy as np
+    >>> import keras_attn
     >>> q = np.zeros((1, 8, 2, 4), "float32")
     >>> with keras_attn.config.attention_implementation("reference"):
     ...     explain_kernel(q, q, q)
