@@ -30,7 +30,33 @@ def test_token_and_position_embedding_rejects_float_ids():
     assert tuple(layer(ids).shape) == (1, 3, 4)
     with pytest.raises(TypeError, match=r"integer token ids in `inputs`.*dtype=float32.*\(1, 3\)"):
         layer(ids.astype("float32"))
+    # keras.Input defaults to float32: the model builds (Keras builds reloaded
+    # subclassed models on float placeholders too), its first real call fails.
+    float_ids = keras.Input((None,))
+    model = keras.Model(float_ids, layer(float_ids))
     with pytest.raises(TypeError, match=r"dtype='int32'"):
-        layer(keras.Input((None,)))  # keras.Input defaults to float32
+        model.predict(ids, verbose=0)
     # float ids would be truncated: 2.7 would read row 2.
     assert tuple(layer(keras.Input((None,), dtype="int32")).shape) == (None, None, 4)
+
+
+@keras.saving.register_keras_serializable(package="test_dtype_checks")
+class _Classifier(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = kal.TokenAndPositionEmbedding(10, 8, 4)
+        self.head = keras.layers.Dense(2)
+
+    def call(self, ids):
+        return self.head(self.embedding(ids))
+
+
+def test_subclassed_model_with_embedding_reloads_its_weights(tmp_path):
+    """Keras rebuilds a subclassed model on float placeholders when loading;
+    the id check must not stop that (the weights would be lost)."""
+    model = _Classifier()
+    ids = np.array([[1, 2, 3]], "int32")
+    expected = np.asarray(model(ids))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), expected)

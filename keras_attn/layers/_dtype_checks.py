@@ -2,6 +2,12 @@
 
 import keras
 
+try:  # Keras sets this scope while it computes output specs on placeholders.
+    from keras.src.backend import in_symbolic_scope as _in_symbolic_scope
+except ImportError:  # pragma: no cover - older/newer Keras without it
+    def _in_symbolic_scope():
+        return False
+
 
 def _dtype(x):
     return keras.backend.standardize_dtype(getattr(x, "dtype", None) or "float32")
@@ -28,8 +34,14 @@ def check_float_features(layer_name, **tensors):
 def check_integer_ids(layer_name, name, x):
     """Raises a TypeError naming the argument if token ids are not integers.
 
-    Float ids would be truncated silently by the embedding lookup.
+    Float ids would be truncated silently by the embedding lookup. Symbolic
+    placeholders are let through: Keras builds a subclassed model on float
+    placeholders when it reloads a `.keras` file (`build_from_config`), and a
+    refusal there would leave the model unbuilt and its saved weights unloaded.
+    A functional model with a float `keras.Input` fails on its first real call.
     """
+    if isinstance(x, keras.KerasTensor) or _in_symbolic_scope():
+        return
     dtype = _dtype(x)
     if "int" not in dtype:
         raise TypeError(

@@ -184,8 +184,6 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         return keras.ops.not_equal(inputs, 0)
 
     def compute_output_spec(self, inputs, start_index=0, token_type_ids=None, reverse=False):
-        if not reverse:
-            _dtype_checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
         if reverse:
             shape = tuple(inputs.shape[:-1]) + (self.vocabulary_size,)
         else:
