@@ -97,7 +97,21 @@ def tflite_runner(fn, signature, owner):
     converter = tf.lite.TFLiteConverter.from_concrete_functions([concrete], module)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
     interpreter = litert.Interpreter(model_content=converter.convert())
-    return interpreter.get_signature_runner()
+    # A model converted from one concrete function may carry no SignatureDef
+    # (ai-edge-litert 2.3), so inputs are matched to the specs' names directly.
+    interpreter.allocate_tensors()
+    inputs = interpreter.get_input_details()
+    out = interpreter.get_output_details()[0]
+    names = [spec.name for spec in signature]
+
+    def run(**kwargs):
+        for position, detail in enumerate(inputs):
+            name = next((n for n in names if n in detail["name"]), names[position])
+            interpreter.set_tensor(detail["index"], kwargs[name])
+        interpreter.invoke()
+        return interpreter.get_tensor(out["index"])
+
+    return run
 
 
 def main(argv=None):
@@ -125,7 +139,7 @@ def main(argv=None):
         try:
             hub = HubLM(args, max_len)
         except ImportError as error:
-            print(f"KerasHub not available ({error}); install with `pip install -e ".[peers]"`.")
+            print(f"KerasHub not available ({error}); install with `pip install -e '.[peers]'`.")
 
     full = tf.function(lambda ids: lm(ids)[:, -1], jit_compile=True)
     # One stacked cache tensor in and out, like KerasHub's step below (and our

@@ -62,7 +62,7 @@ def blocks(length, batch, repeats):
     import keras_attn
 
     x = np.random.default_rng(0).normal(size=(batch, length, 256)).astype("float32")
-    ours = keras_attn.layers.TransformerEncoderBlock(8, 1024)
+    ours = keras_attn.layers.TransformerEncoderBlock(num_heads=8, intermediate_dim=1024)
     theirs = keras_hub.layers.TransformerEncoder(1024, 8)
     ours_s = _median_seconds(lambda: ours(x), repeats)
     theirs_s = _median_seconds(lambda: theirs(x), repeats)
@@ -82,7 +82,7 @@ def mirrored_fit(length, steps):
     strategy = tf.distribute.MirroredStrategy()
     with strategy.scope():
         inputs = keras.Input((length, 64))
-        h = keras_attn.layers.TransformerEncoderBlock(4, 128)(inputs)
+        h = keras_attn.layers.TransformerEncoderBlock(num_heads=4, intermediate_dim=128)(inputs)
         model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h)))
         model.compile("adam", "mse")
     n = 32 * strategy.num_replicas_in_sync * steps
