@@ -1,42 +1,13 @@
-"""`keras-attn export`: export a `.keras` model to SavedModel, TFLite and ONNX."""
+"""`keras-attn export`: export a `.keras` model to SavedModel, TFLite and ONNX.
+
+The flags are defined once, by the launcher (`keras_attn_cli._add_export_arguments`),
+which parses them without importing TensorFlow; `run` reads them.
+"""
 
 import os
 import sys
 
 FORMATS = ("saved_model", "tflite", "onnx")
-QUANTIZE = ("none", "float16", "dynamic", "int8")
-
-
-def add_parser(subparsers):
-    parser = subparsers.add_parser(
-        "export",
-        help="export a .keras model to SavedModel / TFLite / ONNX and verify it",
-        description=__doc__,
-    )
-    parser.add_argument("model", help="path to a .keras file (loaded with safe_mode=True unless --unsafe-deserialization)")
-    parser.add_argument("--format", default="all", choices=FORMATS + ("all",))
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument(
-        "--quantize",
-        nargs="+",
-        default=["none"],
-        choices=QUANTIZE,
-        help="TFLite variants to write (several allowed, e.g. none dynamic)",
-    )
-    parser.add_argument("--model-name", default=None, help="TF Serving model name")
-    parser.add_argument("--version", type=int, default=1, help="TF Serving version")
-    parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
-    parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
-    parser.add_argument("--min-agreement", type=float, default=None,
-                        help="quantized TFLite: smallest fraction of argmax positions equal "
-                             "to Keras's (default 0.99 float16, 0.95 dynamic, 0.9 int8)")
-    parser.add_argument(
-        "--unsafe-deserialization",
-        action="store_true",
-        help="allow Lambda layers and other arbitrary code in the model file "
-        "(only for files you trust; off by default)",
-    )
-    return parser
 
 
 def run(args):

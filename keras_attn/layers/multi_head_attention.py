@@ -8,7 +8,6 @@ from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _kv_cache
 from keras_attn.layers import _mha_convert
 from keras_attn.layers import _mha_projections as proj
-from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import masking
 from keras_attn.ops import shapes
@@ -175,14 +174,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
-        if isinstance(rotary_embedding, dict):
-            rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
-        if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
-            raise TypeError(
-                "Received an invalid value for argument `rotary_embedding`, "
-                "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
-                f"rotary_embedding={rotary_embedding!r}"
-            )
+        rotary_embedding = _common.check_rotary_embedding(rotary_embedding)
         if rotary_embedding is not None and self.key_dim % 2:
             raise ValueError(
                 f"`rotary_embedding` needs an even `key_dim`. Received: key_dim={key_dim}"

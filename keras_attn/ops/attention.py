@@ -56,20 +56,13 @@ def attend_from_logits(
         probabilities when `return_attention_scores`. Query rows with no
         visible key give zeros (outputs, scores and gradients).
     """
-    logits = ops.cast(logits, "float32")
-    if bias is not None:
-        logits = logits + ops.cast(bias, "float32")
-    row_visible = None
-    if mask is not None:
-        mask = masking._as_bool(mask)
-        if not every_row_sees_a_key:
-            row_visible = reference.rows_with_a_key(mask)
     fused = tf_kernels.softmax_weighted_sum if dispatch.cpu_kernels_enabled() else None
-    return reference.attend(
-        logits,
+    return reference.attend_with_bias(
+        ops.cast(logits, "float32"),
         value,
-        mask=mask,
-        row_visible=row_visible,
+        mask=None if mask is None else masking._as_bool(mask),
+        bias=bias,
+        every_row_sees_a_key=every_row_sees_a_key,
         dropout_rate=dropout_rate,
         training=training,
         seed=seed,

@@ -144,19 +144,26 @@ def reference_attention(
 ):
     """The reference kernel for validated inputs: `mask` rank 4 with the
     causal and window parts included, or None; `bias` checked; `scale` a float."""
-    scores = logits(query, key, scale)
-    if bias is not None:
-        scores = scores + ops.cast(bias, "float32")
-    row_visible = None
-    if mask is not None and not every_row_sees_a_key:
-        row_visible = rows_with_a_key(mask)
-    return attend(
-        scores,
+    return attend_with_bias(
+        logits(query, key, scale),
         value,
         mask=mask,
-        row_visible=row_visible,
+        bias=bias,
+        every_row_sees_a_key=every_row_sees_a_key,
         dropout_rate=dropout_rate,
         training=training,
         seed=seed,
         return_attention_scores=return_attention_scores,
     )
+
+
+def attend_with_bias(scores, value, *, mask, bias, every_row_sees_a_key=False, **attend_kwargs):
+    """`attend` after adding `bias` to the float32 `scores`; the rows that
+    see a key are found from the boolean `mask` unless the caller vouches
+    that every row does."""
+    if bias is not None:
+        scores = scores + ops.cast(bias, "float32")
+    row_visible = None
+    if mask is not None and not every_row_sees_a_key:
+        row_visible = rows_with_a_key(mask)
+    return attend(scores, value, mask=mask, row_visible=row_visible, **attend_kwargs)

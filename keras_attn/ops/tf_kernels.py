@@ -175,14 +175,9 @@ def _one_group(query, key, value, mask, bias, *, scale, every_row_sees_a_key, **
             logits, value, mask=None, row_visible=row_visible,
             softmax_weighted_sum=softmax_weighted_sum, **common,
         )
-    logits = reference.logits(query, key, scale)
-    if bias is not None:
-        logits = logits + ops.cast(bias, "float32")
-    row_visible = None
-    if mask is not None and not every_row_sees_a_key:
-        row_visible = reference.rows_with_a_key(mask)
-    return reference.attend(
-        logits, value, mask=mask, row_visible=row_visible,
+    return reference.attend_with_bias(
+        reference.logits(query, key, scale), value, mask=mask, bias=bias,
+        every_row_sees_a_key=every_row_sees_a_key,
         softmax_weighted_sum=softmax_weighted_sum, **common,
     )
 
