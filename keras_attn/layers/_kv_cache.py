@@ -7,6 +7,7 @@ and one boolean mask; the layer then runs them through the same
 
 from keras import ops
 
+from keras_attn.layers import _mha_attention
 from keras_attn.layers import _positions
 from keras_attn.ops import masking
 
@@ -194,7 +195,7 @@ def prepare_cached(
     if cache_index is None:
         # query = [B, T_q, H, key_dim]
         with masking.hidden_keras_masks(query):
-            q, _, _, gate = layer._project_inputs(query, None, None)
+            q, _, _, gate = _mha_attention.project_inputs(layer, query, None, None)
         if rotary is not None:
             q = rotary(q, start_index=start_index)
         k, v = key_cache, value_cache
@@ -202,7 +203,7 @@ def prepare_cached(
     else:
         key_or_value = value if key is None else key
         with masking.hidden_keras_masks(query, value, key_or_value):
-            q, k_new, v_new, gate = layer._project_inputs(query, key_or_value, value)
+            q, k_new, v_new, gate = _mha_attention.project_inputs(layer, query, key_or_value, value)
         if rotary is not None:
             q = rotary(q, start_index=cache_index)
             k_new = rotary(k_new, start_index=cache_index)

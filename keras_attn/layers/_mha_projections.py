@@ -11,8 +11,10 @@ import itertools
 import math
 import string
 
+import keras
 from keras import ops
 
+from keras_attn.layers import _common
 from keras_attn.ops import masking
 
 
@@ -23,6 +25,43 @@ def projection_equation(free_dims, bound_dims, output_dims):
     bound = letters[free_dims : free_dims + bound_dims]
     out = letters[free_dims + bound_dims : free_dims + bound_dims + output_dims]
     return f"{free}{bound},{bound}{out}->{free}{out}", out
+
+
+def build_sublayers(layer, query_shape, value_shape, key_shape):
+    """Creates and builds the EinsumDense sublayers of a `MultiHeadAttention`,
+    in Keras's order (gate before value) so that `get_weights()` lists match."""
+    rank = len(query_shape)
+    heads, kv_heads = layer.num_heads, layer.num_key_value_heads
+
+    def dense(name, shape, bound_dims, out_dims, activation=None):
+        # As Keras: the input's non-feature axes are free, `bound_dims` contracted.
+        equation, bias_axes = projection_equation(rank - 1, bound_dims, len(out_dims))
+        sublayer = keras.layers.EinsumDense(
+            equation,
+            output_shape=output_shape_arg(rank - 2 + len(out_dims), out_dims),
+            bias_axes=bias_axes if layer.use_bias else None,
+            activation=activation,
+            name=name,
+            kernel_initializer=_common.clone_initializer(layer.kernel_initializer),
+            bias_initializer=_common.clone_initializer(layer.bias_initializer),
+            kernel_regularizer=layer.kernel_regularizer,
+            bias_regularizer=layer.bias_regularizer,
+            kernel_constraint=layer.kernel_constraint,
+            bias_constraint=layer.bias_constraint,
+            dtype=layer.dtype_policy,
+        )
+        sublayer.build(shape)
+        return sublayer
+
+    layer._query_dense = dense("query", query_shape, 1, (heads, layer.key_dim))
+    layer._key_dense = dense("key", key_shape, 1, (kv_heads, layer.key_dim))
+    if layer.use_gate:
+        layer._gate_dense = dense("gate", query_shape, 1, (heads, layer.value_dim), "sigmoid")
+    layer._value_dense = dense("value", value_shape, 1, (kv_heads, layer.value_dim))
+    layer._output_dense = dense(
+        "attention_output", tuple(query_shape[:-1]) + (heads, layer.value_dim), 2,
+        layer._output_shape or (query_shape[-1],),
+    )
 
 
 def output_shape_arg(rank, known_last_dims):

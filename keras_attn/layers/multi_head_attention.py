@@ -6,11 +6,11 @@ from keras import ops
 from keras_attn.layers import _common
 from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _kv_cache
+from keras_attn.layers import _mha_attention
 from keras_attn.layers import _mha_convert
 from keras_attn.layers import _mha_projections as proj
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import masking
-from keras_attn.ops import shapes
 from keras_attn.layers._mha_projections import project_output
 
 
@@ -140,15 +140,8 @@ class MultiHeadAttention(keras.layers.Layer):
         self.key_dim = _common.check_positive_int("key_dim", key_dim)
         self.value_dim = _common.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim
         self.num_key_value_heads = (
-            _common.check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
-            or num_heads
+            _common.check_num_key_value_heads(num_key_value_heads, num_heads) or num_heads
         )
-        if num_heads % self.num_key_value_heads:
-            raise ValueError(
-                "Received an invalid value for argument `num_key_value_heads`, "
-                f"expected a divisor of num_heads={num_heads}. Received: "
-                f"num_key_value_heads={num_key_value_heads}"
-            )
         self.dropout = _common.check_dropout("dropout", dropout)
         self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
         self.use_bias = _common.check_bool("use_bias", use_bias)
@@ -207,24 +200,6 @@ class MultiHeadAttention(keras.layers.Layer):
     def output_dense(self):
         return self._output_dense
 
-    def _dense(self, rank, name, bound_dims, out_dims, activation=None):
-        # As Keras: the input's non-feature axes are free, `bound_dims` contracted.
-        equation, bias_axes = proj.projection_equation(rank - 1, bound_dims, len(out_dims))
-        return keras.layers.EinsumDense(
-            equation,
-            output_shape=proj.output_shape_arg(rank - 2 + len(out_dims), out_dims),
-            bias_axes=bias_axes if self.use_bias else None,
-            activation=activation,
-            name=name,
-            kernel_initializer=_common.clone_initializer(self.kernel_initializer),
-            bias_initializer=_common.clone_initializer(self.bias_initializer),
-            kernel_regularizer=self.kernel_regularizer,
-            bias_regularizer=self.bias_regularizer,
-            kernel_constraint=self.kernel_constraint,
-            bias_constraint=self.bias_constraint,
-            dtype=self.dtype_policy,
-        )
-
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
         proj.check_shapes(query_shape, value_shape, key_shape)
@@ -243,20 +218,7 @@ class MultiHeadAttention(keras.layers.Layer):
                     f"query_shape={tuple(query_shape)}"
                 )
             self._nd = proj.NDLayout(rank + 1, self._attention_axes)
-        heads, kv_heads = self.num_heads, self.num_key_value_heads
-        self._query_dense = self._dense(rank, "query", 1, (heads, self.key_dim))
-        self._query_dense.build(query_shape)
-        self._key_dense = self._dense(rank, "key", 1, (kv_heads, self.key_dim))
-        self._key_dense.build(key_shape)
-        # Keras's order (gate before value), so `get_weights()` lists match.
-        if self.use_gate:
-            self._gate_dense = self._dense(rank, "gate", 1, (heads, self.value_dim), "sigmoid")
-            self._gate_dense.build(query_shape)
-        self._value_dense = self._dense(rank, "value", 1, (kv_heads, self.value_dim))
-        self._value_dense.build(value_shape)
-        out_dims = self._output_shape or (query_shape[-1],)
-        self._output_dense = self._dense(rank, "attention_output", 2, out_dims)
-        self._output_dense.build(tuple(query_shape[:-1]) + (heads, self.value_dim))
+        proj.build_sublayers(self, query_shape, value_shape, key_shape)
         self._feature_dims = (query_shape[-1], value_shape[-1], key_shape[-1])
         self.built = True
 
@@ -283,8 +245,7 @@ class MultiHeadAttention(keras.layers.Layer):
             query_mask, value_mask, key_mask, attention_mask
         )
         overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
-        rows = None
-        kwargs = {}
+        rows, kwargs = None, {}
         if cache is not None:
             q, k, v, gate, mask, new_cache = _kv_cache.prepare_cached(
                 self, query, value, key, cache=cache, cache_index=cache_index,
@@ -298,40 +259,13 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"cache_index={cache_index!r}, cache=None"
             )
         else:
-            key_or_value = value if key is None else key
-            self._check_inputs(query, value, key_or_value)
-            if self._nd is not None:
-                mask = proj.nd_mask(
-                    query, value, query_mask, value_mask, key_mask, attention_mask,
-                    use_causal_mask, self.sliding_window,
-                )
-            else:
-                # A query padding mask only zeroes whole output rows: applied
-                # to the `(B, T_q, H, D)` output it leaves a key-only mask,
-                # which the attention core folds into the logits for free.
-                if query_mask is not None and not (return_attention_scores or overridden):
-                    _common.check_padding_mask("query_mask", query_mask, query, "query")
-                    rows, query_mask = masking._as_bool(query_mask), None
-                # The causal and window masks are built by the kernel
-                # (blockwise on the blocked path); an overriding subclass
-                # gets them in the mask.
-                if use_causal_mask and not overridden:
-                    kwargs["use_causal_mask"] = True
-                if self.sliding_window is not None and not overridden:
-                    kwargs["sliding_window"] = self.sliding_window
-                mask = _common.merge_attention_masks(
-                    query, value, key, query_mask=query_mask, value_mask=value_mask,
-                    key_mask=key_mask, attention_mask=attention_mask,
-                    use_causal_mask=use_causal_mask and overridden,
-                    num_heads=self.num_heads,
-                    sliding_window=self.sliding_window if overridden else None,
-                )
-            # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
-            with masking.hidden_keras_masks(query, value, key_or_value):
-                q, k, v, gate = self._project_inputs(query, key_or_value, value)
-            if self.rotary_embedding is not None:
-                q = self.rotary_embedding(q, start_index=start_index)
-                k = self.rotary_embedding(k, start_index=start_index)
+            q, k, v, gate, mask, rows, kwargs = _mha_attention.prepare_uncached(
+                self, query, value, key, query_mask=query_mask, value_mask=value_mask,
+                key_mask=key_mask, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask,
+                return_attention_scores=return_attention_scores, overridden=overridden,
+                start_index=start_index,
+            )
         if attention_bias is not None:
             if self._nd is not None:
                 raise ValueError(
@@ -358,20 +292,6 @@ class MultiHeadAttention(keras.layers.Layer):
             result += (new_cache,)
         return result if len(result) > 1 else output
 
-    def _check_inputs(self, query, value, key):
-        d_q, d_v, d_k = self._feature_dims
-        checks = (("query", query, d_q), ("value", value, d_v), ("key", key, d_k))
-        if self._nd is None:
-            _common.check_attention_inputs(query, value, key, feature_checks=checks)
-            return
-        proj.check_shapes(query.shape, value.shape, key.shape)
-        for name, x, expected in checks:
-            if len(x.shape) != len(query.shape) or x.shape[-1] not in (None, expected):
-                raise ValueError(
-                    f"The layer was built for `{name}` of rank {len(query.shape)} with "
-                    f"{expected} features. Received: {name}.shape={tuple(x.shape)}"
-                )
-
     def _compute_attention(
         self,
         query,
@@ -396,94 +316,10 @@ class MultiHeadAttention(keras.layers.Layer):
         path); `attention_bias` is added to the logits. For
         rank > 3 inputs, tensors have Keras's N-D layouts.
         """
-        if self._flash_attention and return_attention_scores:
-            raise ValueError(
-                "Returning attention scores is not supported when flash "
-                "attention is enabled. Please disable flash attention to access"
-                " attention scores."
-            )
-        # Called directly (an override calling super()), inputs may be NumPy.
-        query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
-        if attention_mask is not None:
-            attention_mask = ops.convert_to_tensor(attention_mask)
-            masking._check_mask_dtype("attention_mask", attention_mask)
-            attention_mask = masking._as_bool(attention_mask)
-        if len(query.shape) > 4:
-            return self._compute_nd_attention(
-                query, key, value, attention_mask, training, return_attention_scores,
-                use_causal_mask,
-            )
-        if attention_mask is not None:
-            while len(attention_mask.shape) < 4:
-                attention_mask = ops.expand_dims(attention_mask, -3)
-        if self._flash_attention:
-            if sliding_window is not None:
-                band = masking.position_mask(
-                    shapes.dim(query, 1), shapes.dim(key, 1), is_causal=False,
-                    sliding_window=sliding_window,
-                )
-                attention_mask = masking.combine_masks(attention_mask, band)
-            heads = self.num_heads // self.num_key_value_heads
-            if heads > 1:
-                key, value = ops.repeat(key, heads, axis=2), ops.repeat(value, heads, axis=2)
-            output = ops.dot_product_attention(
-                query, key, value, bias=attention_bias, mask=attention_mask,
-                scale=self.key_dim**-0.5, is_causal=bool(use_causal_mask),
-                flash_attention=self._flash_attention,
-            )
-            return output, None
-        result = attention_ops.dot_product_attention(
-            query,
-            key,
-            value,
-            attention_mask=attention_mask,
-            bias=attention_bias,
-            is_causal=bool(use_causal_mask),
-            dropout_rate=self.dropout,
-            training=bool(training),
-            seed=self.seed_generator,
-            return_attention_scores=return_attention_scores,
-            chunk_size=self.chunk_size,
-            sliding_window=sliding_window,
+        return _mha_attention.compute_attention(
+            self, query, key, value, attention_mask, training, return_attention_scores,
+            use_causal_mask, attention_bias, sliding_window,
         )
-        return result if return_attention_scores else (result, None)
-
-    def _compute_nd_attention(self, query, key, value, mask, training, return_scores, causal):
-        layout = self._nd or proj.NDLayout(len(query.shape), self._attention_axes)
-        if causal:
-            mask = proj.nd_mask(query, value, None, None, None, mask, True, None)
-        q, batch, q_seq = layout.fold(query)
-        k, _, k_seq = layout.fold(key)
-        v, _, _ = layout.fold(value)
-        if mask is not None:
-            mask = layout.fold_mask(mask, batch, q_seq, k_seq)
-        output, scores = MultiHeadAttention._compute_attention(
-            self, q, k, v, mask, training, return_scores
-        )
-        output = layout.unfold_output(output, batch, q_seq)
-        if scores is not None:
-            scores = layout.unfold_scores(scores, batch, q_seq, k_seq)
-        return output, scores
-
-    def _project_inputs(self, query, key, value):
-        """`(q, k, v, gate)`: the projections of each input tensor computed
-        together (`project`): one matmul for self-attention, query and gate
-        in one and key and value in another for cross-attention. An input
-        given as None (and the gate without `use_gate`) gives None."""
-        denses = (
-            self._query_dense,
-            self._key_dense,
-            self._value_dense,
-            self._gate_dense if self.use_gate else None,
-        )
-        groups = {}
-        for x, dense in zip((query, key, value, query), denses):
-            if x is not None and dense is not None:
-                groups.setdefault(id(x), (x, []))[1].append(dense)
-        results = {}
-        for x, group in groups.values():
-            results.update(zip(map(id, group), proj.project(x, group)))
-        return tuple(results.get(id(dense)) for dense in denses)
 
     def project_key_value(self, value, key=None):
         """Projected `(key, value)` of `value` (and `key`), for a cross-attention cache.
@@ -495,7 +331,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         key_or_value = value if key is None else key
         with masking.hidden_keras_masks(value, key_or_value):
-            _, k, v, _ = self._project_inputs(None, key_or_value, value)
+            _, k, v, _ = _mha_attention.project_inputs(self, None, key_or_value, value)
         if self.rotary_embedding is not None:
             k = self.rotary_embedding(k)
         return k, v
@@ -511,18 +347,7 @@ class MultiHeadAttention(keras.layers.Layer):
         cache_index=None, **kwargs
     ):
         _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
-        shapes = [None if x is None else x.shape for x in (query, value, key)]
-        result = (keras.KerasTensor(self.compute_output_shape(*shapes), dtype=self.compute_dtype),)
-        if return_attention_scores:
-            shape = proj.scores_shape(
-                query.shape, None if cache is not None else value.shape,
-                self._attention_axes, self.num_heads,
-                None if cache is None else cache[0].shape[1],
-            )
-            result += (keras.KerasTensor(shape, dtype=self.compute_dtype),)
-        if cache is not None:
-            result += (tuple(keras.KerasTensor(c.shape, dtype=c.dtype) for c in cache),)
-        return result if len(result) > 1 else result[0]
+        return _mha_attention.output_spec(self, query, value, key, return_attention_scores, cache)
 
     @classmethod
     def from_keras(cls, layer):
@@ -557,32 +382,22 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "key_dim": self.key_dim,
-                "value_dim": self.value_dim,
-                "dropout": self.dropout,
-                "use_bias": self.use_bias,
-                "output_shape": self._output_shape,
-                "attention_axes": self._attention_axes,
-                "sliding_window": self.sliding_window,
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
-                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
-                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
-                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
-                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
-                "use_gate": self.use_gate,
-                "seed": self.seed,
-                "num_key_value_heads": self.num_key_value_heads,
-                "chunk_size": self.chunk_size,
-                "rotary_embedding": (
-                    keras.saving.serialize_keras_object(self.rotary_embedding)
-                    if self.rotary_embedding is not None
-                    else None
-                ),
-            }
+        for name in (
+            "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "sliding_window",
+            "use_gate", "seed", "num_key_value_heads", "chunk_size",
+        ):
+            config[name] = getattr(self, name)
+        for name in ("kernel_initializer", "bias_initializer"):
+            config[name] = keras.initializers.serialize(getattr(self, name))
+        for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
+            config[name] = keras.regularizers.serialize(getattr(self, name))
+        for name in ("kernel_constraint", "bias_constraint"):
+            config[name] = keras.constraints.serialize(getattr(self, name))
+        config["output_shape"] = self._output_shape
+        config["attention_axes"] = self._attention_axes
+        config["rotary_embedding"] = (
+            keras.saving.serialize_keras_object(self.rotary_embedding)
+            if self.rotary_embedding is not None
+            else None
         )
         return config
