@@ -385,12 +385,12 @@ def test_outputs_of_one_layer_get_unique_names(tmp_path):
 
 
 def test_repeated_output_names_skip_taken_names():
-    from keras_attn.export import verify
+    from keras_attn.export import samples
 
     x = keras.Input((4,), name="x")
     y = keras.layers.Dense(2, name="d")(x)
     model = keras.Model(x, [y, y, keras.layers.Identity(name="d_1")(y)])
-    assert verify.output_names(model) == ["d", "d_2", "d_1"]
+    assert samples.output_names(model) == ["d", "d_2", "d_1"]
 
 
 # ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from keras_attn.export import onnx as onnx_lib
 from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
+from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 FORMATS = verify.FORMATS
@@ -83,7 +84,7 @@ def export_all(
         ExportError: an export failed (UnsupportedOpsError, ParityError) and
             `on_error="raise"`.
     """
-    verify.input_specs(model)
+    model_io.input_specs(model)
     verify.check_formats(formats)
     if isinstance(tflite_quantizations, str) or not tflite_quantizations or any(
         q not in tflite_lib.QUANTIZATIONS for q in tflite_quantizations
@@ -129,7 +130,7 @@ def export_all(
         if min_agreement is not None:
             verify.resolve_min_agreement(min_agreement, None)
         agreements = {k: min_agreement for k in quantized_keys}
-    samples = verify.normalize_samples(model, sample_inputs)
+    samples = model_io.normalize_samples(model, sample_inputs)
     # Once for every format (one warning); the exporters then get a float32 model.
     try:
         model, float32_note = precision.model_for_export(model, samples)

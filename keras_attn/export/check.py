@@ -8,6 +8,7 @@ from keras_attn.export import onnx as onnx_lib
 from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
+from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 FORMATS = verify.FORMATS
@@ -58,7 +59,7 @@ def check_exportable(model, formats=FORMATS):
     True
     """
     verify.check_formats(formats)
-    verify.input_specs(model)
+    model_io.input_specs(model)
     problems = {}
     warnings = []
     for layer in model._flatten_layers(include_self=False):

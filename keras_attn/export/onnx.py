@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 OPSETS = (17, 18)
@@ -46,8 +47,8 @@ def convert(model, *, opset=17):
         )
     import tf2onnx
 
-    specs = verify.input_specs(model)
-    names = verify.output_names(model)
+    specs = model_io.input_specs(model)
+    names = model_io.output_names(model)
     serve, _ = saved_model_lib.serving_function(model)
     signature = [tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs]
 
@@ -107,10 +108,10 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
         UnsupportedOpsError: tf2onnx cannot convert some TF op.
         ParityError: onnxruntime differs from Keras beyond `atol`.
     """
-    specs = verify.input_specs(model)
-    names = verify.output_names(model)
+    specs = model_io.input_specs(model)
+    names = model_io.output_names(model)
     atol = verify.resolve_atol(atol, 1e-4)
-    samples = verify.normalize_samples(model, sample_inputs)
+    samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
         model_proto = convert(model, opset=opset)

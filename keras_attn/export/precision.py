@@ -17,6 +17,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 LOW_PRECISION = ("float16", "bfloat16")
@@ -147,10 +148,10 @@ def model_for_export(model, samples=None, *, warn=True):
     note = {"replaced_policies": sorted(set(layers.values()))}
     gap_text = ""
     if samples:
-        names = verify.output_names(model)
+        names = model_io.output_names(model)
         gap = max(
             verify.compare(
-                verify.keras_outputs(model, s), verify.keras_outputs(copy, s), names,
+                model_io.keras_outputs(model, s), model_io.keras_outputs(copy, s), names,
                 "float32 copy",
             )
             for s in samples

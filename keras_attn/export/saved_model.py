@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_attn.export import precision
+from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 SIGNATURE_KEY = "serving_default"
@@ -60,8 +61,8 @@ def serving_function(model, check_ids=False):
     an embedding is checked against its vocabulary at run time (see
     `export_saved_model`).
     """
-    specs = verify.input_specs(model)
-    names = verify.output_names(model)
+    specs = model_io.input_specs(model)
+    names = model_io.output_names(model)
     signature = {s.name: tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs}
     vocabularies = embedded_inputs(model) if check_ids else {}
 
@@ -169,7 +170,7 @@ def export_saved_model(
         ValueError: bad arguments, an unbuilt model, an unwritable path.
         ParityError: the loaded SavedModel differs from Keras beyond `atol`.
     """
-    specs = verify.input_specs(model)
+    specs = model_io.input_specs(model)
     if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
         raise ValueError(
             "Received an invalid value for argument `version`, expected a "
@@ -179,10 +180,10 @@ def export_saved_model(
         "model_name", model.name if model_name is None else model_name, "name"
     )
     atol = verify.resolve_atol(atol, 1e-4)
-    samples = verify.normalize_samples(model, sample_inputs)
+    samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     path = os.path.join(os.fspath(export_dir), model_name, str(version))
-    names = verify.output_names(model)
+    names = model_io.output_names(model)
 
     with verify.staged(path, "export_dir", overwrite) as tmp:
         write_saved_model(model, tmp, check_ids)

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
@@ -73,7 +74,7 @@ def _flex_error(error):
 def _representative(model, representative_dataset, input_names):
     if representative_dataset is None:
         source = [
-            verify.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)
+            model_io.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)
         ]
     elif callable(representative_dataset):
         source = representative_dataset()
@@ -82,7 +83,7 @@ def _representative(model, representative_dataset, input_names):
 
     def generator():
         for item in source:
-            sample = verify.normalize_samples(model, item, "representative_dataset")[0]
+            sample = model_io.normalize_samples(model, item, "representative_dataset")[0]
             yield {name: sample[name] for name in input_names}
 
     return generator
@@ -110,7 +111,7 @@ def convert(
             "`representative_dataset` is only used with quantization='int8'. "
             f"Received: quantization={quantization!r}"
         )
-    specs = verify.input_specs(model)
+    specs = model_io.input_specs(model)
     details = {"quantization": quantization or "none"}
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         saved = os.path.join(tmp, "saved_model")
@@ -214,8 +215,8 @@ def export_tflite(
         ParityError: LiteRT's outputs differ from Keras beyond `atol`, or
             agree on fewer argmax positions than `min_agreement`.
     """
-    specs = verify.input_specs(model)
-    names = verify.output_names(model)
+    specs = model_io.input_specs(model)
+    names = model_io.output_names(model)
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             "Received an invalid value for argument `quantization`, expected "
@@ -229,7 +230,7 @@ def export_tflite(
         )
     min_agreement = verify.resolve_min_agreement(
         min_agreement, DEFAULT_MIN_AGREEMENT[quantization])
-    samples = verify.normalize_samples(model, sample_inputs)
+    samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
         content, details = convert(

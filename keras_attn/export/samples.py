@@ -1,0 +1,209 @@
+"""What an exporter feeds and reads: the model's input specs, output names,
+sample inputs (random ones within each input's range, or the user's
+normalized to dicts) and the Keras outputs the artifacts are compared with."""
+
+import dataclasses
+
+import keras
+import numpy as np
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    name: str
+    shape: tuple  # batch axis first, None = dynamic
+    dtype: str
+
+
+def input_specs(model):
+    """The named inputs of a built functional/Sequential model.
+
+    Raises:
+        ValueError: the model has no known inputs (never built or called, or
+            a subclassed model), or two inputs share a name.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Expected `model` to be a keras.Model. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        inputs = None
+    if not model.built or not inputs:
+        raise ValueError(
+            f"Received an unbuilt model `{model.name}` (no known inputs): "
+            "export needs a functional or Sequential model with `keras.Input`s "
+            "so the exported signature has names, dtypes and shapes. Build it "
+            "with `keras.Input(shape=(None, ...), name=...)`. Received: "
+            f"model.built={model.built}"
+        )
+    specs = []
+    for tensor in inputs:
+        shape = (None,) + tuple(tensor.shape[1:])
+        specs.append(InputSpec(tensor.name, shape, str(tensor.dtype)))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"The model's inputs must have unique names. Received: {names}")
+    return specs
+
+
+def output_names(model):
+    """Signature names of the model's outputs, in the order of `model.outputs`.
+
+    These are `model.output_names`, made unique: several outputs of one layer
+    (e.g. `MultiHeadAttention(..., return_attention_scores=True)` giving the
+    output and the scores) share the layer's name, so every repeat after the
+    first gets the suffix `_1`, `_2`, ... (skipping names already taken):
+    `["mha", "mha"]` -> `["mha", "mha_1"]`.
+    """
+    names = [str(n) for n in model.output_names]
+    taken = set(names)
+    unique, seen = [], set()
+    for name in names:
+        if name in seen:
+            k = 1
+            while f"{name}_{k}" in taken:
+                k += 1
+            name = f"{name}_{k}"
+            taken.add(name)
+        seen.add(name)
+        unique.append(name)
+    return unique
+
+
+def keras_outputs(model, sample):
+    """Runs the Keras model on a `{name: array}` sample; a list of arrays."""
+    specs = input_specs(model)
+    args = [sample[s.name] for s in specs]
+    result = model(args if len(args) > 1 else args[0], training=False)
+    return [np.asarray(keras.ops.convert_to_numpy(y)) for y in keras.tree.flatten(result)]
+
+
+# --------------------------------------------------------------------------
+# Sample inputs
+
+
+def _token_range(model):
+    """Smallest vocabulary of the embedding layers in `model` (ids < it)."""
+    sizes = []
+    for layer in model._flatten_layers(include_self=False):
+        for attr in ("vocabulary_size", "input_dim"):
+            value = getattr(layer, attr, None)
+            if isinstance(value, int) and value > 1:
+                sizes.append(value)
+    return min(sizes) if sizes else 2
+
+
+def _max_length(model):
+    lengths = [
+        layer.sequence_length
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(getattr(layer, "sequence_length", None), int)
+    ]
+    return min(lengths) if lengths else None
+
+
+DEFAULT_SHAPES = ((2, 7), (3, 4))
+
+
+def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
+    """Random sample inputs from the model's input specs.
+
+    Each `(batch, length)` in `shapes` gives one `{name: array}` set; dynamic
+    non-batch axes get `length` (capped by any learned position table).
+    Integer inputs get token ids in `[1, vocab)` with trailing zeros (padding)
+    in every other row, so `mask_zero=True` paths are exercised.
+    """
+    specs = input_specs(model)
+    rng = np.random.default_rng(seed)
+    vocab = _token_range(model)
+    cap = _max_length(model)
+    samples = []
+    for batch, length in shapes:
+        if cap is not None:
+            length = min(length, cap)
+        sample = {}
+        for spec in specs:
+            shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
+            if "int" in spec.dtype:
+                x = rng.integers(1, max(vocab, 2), size=shape)
+                if len(shape) >= 2 and shape[1] > 1:
+                    for row in range(1, batch, 2):
+                        x[row, max(1, shape[1] // 2 + row % 3) :] = 0
+                sample[spec.name] = x.astype(spec.dtype)
+            elif spec.dtype == "bool":
+                sample[spec.name] = rng.random(shape) > 0.3
+            else:
+                sample[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        samples.append(sample)
+    return samples
+
+
+def _as_sample_dict(specs, sample, arg_name):
+    if isinstance(sample, dict):
+        unknown = sorted(set(sample) - {s.name for s in specs})
+        missing = [s.name for s in specs if s.name not in sample]
+        if unknown or missing:
+            raise ValueError(
+                f"Received an invalid `{arg_name}`: its keys must be the model's "
+                f"input names {[s.name for s in specs]}. Received keys: "
+                f"{sorted(sample)} (missing {missing}, unknown {unknown})"
+            )
+        return {s.name: np.asarray(sample[s.name]) for s in specs}
+    if len(specs) == 1 and not isinstance(sample, (list, tuple)):
+        return {specs[0].name: np.asarray(sample)}
+    if isinstance(sample, (list, tuple)) and len(sample) == len(specs):
+        return {s.name: np.asarray(x) for s, x in zip(specs, sample)}
+    raise ValueError(
+        f"Received an invalid `{arg_name}`: expected an array (single-input "
+        f"model), a list of {len(specs)} arrays or a dict keyed by "
+        f"{[s.name for s in specs]}. Received: {type(sample).__name__}"
+    )
+
+
+def normalize_samples(model, sample_inputs, arg_name="sample_inputs"):
+    """Validates user sample inputs; returns a list of `{name: array}` sets.
+
+    `sample_inputs` is one set (array, list of arrays or dict) or a list of
+    dicts (several sets, e.g. two batch sizes). None generates two sets.
+    """
+    specs = input_specs(model)
+    if sample_inputs is None:
+        return make_samples(model)
+    if (
+        isinstance(sample_inputs, (list, tuple))
+        and sample_inputs
+        and all(isinstance(s, dict) for s in sample_inputs)
+    ):
+        sets = [_as_sample_dict(specs, s, arg_name) for s in sample_inputs]
+    else:
+        sets = [_as_sample_dict(specs, sample_inputs, arg_name)]
+    for sample in sets:
+        for spec in specs:
+            x = sample[spec.name]
+            ok_rank = x.ndim == len(spec.shape)
+            ok_dims = ok_rank and all(
+                want is None or got == want for got, want in zip(x.shape, spec.shape)
+            )
+            if not ok_dims:
+                raise ValueError(
+                    f"Received an invalid `{arg_name}` for input '{spec.name}': "
+                    f"expected shape {spec.shape} (None = any). Received: shape "
+                    f"{x.shape}"
+                )
+            want_int = "int" in spec.dtype
+            if want_int != np.issubdtype(x.dtype, np.integer) and spec.dtype != "bool":
+                raise ValueError(
+                    f"Received an invalid `{arg_name}` for input '{spec.name}': "
+                    f"expected dtype {spec.dtype}. Received: dtype {x.dtype}"
+                )
+            sample[spec.name] = x.astype(spec.dtype)
+    return sets
+
+
+def shapes_of(sample):
+    return {k: list(v.shape) for k, v in sample.items()}
