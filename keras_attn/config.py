@@ -64,8 +64,7 @@ def set_attention_implementation(name):
     `chunk_size` (which only guides `"auto"`). The blocked and `"keras"`
     kernels never build the score matrix, so calls that return it or apply
     dropout to it run on `"reference"`; `keras_attn.ops.last_kernel()` tells
-    which one ran. The blocked kernel needs `keras.ops.custom_gradient`
-    (TensorFlow, JAX).
+    which one ran.
     """
     _state["implementation"] = None if name is None else _check_implementation(name)
 

@@ -307,13 +307,34 @@ valid[:, 0] = True
 band = np.abs(np.arange(9)[:, None] - np.arange(9)[None, :]) < 4
 mask = valid[:, None, None, :] & np.tril(band)[None, None]
 want, _ = ref.attention(q, k, k, mask=mask)
-kernels = ["reference", "keras"] + (["blocked"] if keras.backend.backend() == "jax" else [])
-for kernel in kernels:
+for kernel in ["reference", "keras", "blocked"]:
     with config.attention_implementation(kernel):
         out = ka.dot_product_attention(
             q, k, k, key_padding_mask=valid, is_causal=True, sliding_window=4)
         assert ka.last_kernel() == kernel, (kernel, ka.last_kernel())
     np.testing.assert_allclose(keras.ops.convert_to_numpy(out), want, atol=1e-5, err_msg=kernel)
+# Gradients of the blocked kernel (its custom gradient) against NumPy's
+# finite differences of the reference formula, on this backend.
+def loss_of(kernel, qq):
+    with config.attention_implementation(kernel):
+        out = ka.dot_product_attention(qq, k, k, key_padding_mask=valid, is_causal=True,
+                                       sliding_window=4, chunk_size=(4, 4))
+    return keras.ops.sum(out * out)
+if keras.backend.backend() == "torch":
+    import torch
+    qt = torch.tensor(q, requires_grad=True)
+    loss_of("blocked", qt).backward()
+    grad = qt.grad.numpy()
+else:
+    import jax
+    grad = np.asarray(jax.grad(lambda qq: loss_of("blocked", qq))(q))
+eps, num = 1e-2, np.zeros_like(q)
+for idx in [(0, 3, 1, 2), (1, 8, 3, 7), (0, 0, 0, 0), (1, 5, 2, 4)]:
+    d = np.zeros_like(q); d[idx] = eps
+    up, _ = ref.attention(q + d, k, k, mask=mask)
+    down, _ = ref.attention(q - d, k, k, mask=mask)
+    num[idx] = (np.sum(up.astype("float64") ** 2) - np.sum(down.astype("float64") ** 2)) / (2 * eps)
+    assert abs(grad[idx] - num[idx]) < 2e-2 * max(1.0, abs(num[idx])), (idx, grad[idx], num[idx])
 assert ka.explain_kernel(q, k, k) == "reference"  # auto on a CPU
 with config.device_type("gpu"):
     assert ka.explain_kernel(q, k, k) == "keras"
@@ -325,8 +346,9 @@ print("ok")
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_kernels_and_choice_on_jax_and_torch(backend):
-    """JAX and torch: the kernels against NumPy, and "auto" on a (forced)
-    GPU picks `keras.ops.dot_product_attention`."""
+    """JAX and torch: the kernels against NumPy (the blocked kernel's custom
+    gradient against finite differences), and "auto" on a (forced) GPU picks
+    `keras.ops.dot_product_attention`."""
     import os
     import pathlib
     import subprocess

@@ -10,8 +10,8 @@ FlashAttention backward), so training does not store `T^2` activations
 either.
 
 Everything here is `keras.ops` (`custom_gradient`, `map`, `fori_loop`,
-`take`, `slice_update`), so it runs on the TensorFlow and JAX backends; the
-PyTorch backend has no `keras.ops.custom_gradient` and is not supported. On
+`take`, `slice_update`), so it runs on the TensorFlow, JAX and PyTorch
+backends (tests check values and gradients against the reference on each). On
 TensorFlow the loops run one iteration at a time
 (`keras_attn.ops.tf_kernels.loop` / `sequential_map`), which bounds the memory.
 

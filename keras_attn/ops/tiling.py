@@ -9,6 +9,7 @@ never exist as `(T_q, T_k)` tensors.
 
 from keras import ops
 
+from keras_attn.ops import masking
 from keras_attn.ops.shapes import dim as _dim
 
 _NEG_INF = float("-inf")
@@ -186,7 +187,7 @@ class Tiling:
         if positional or self.needs_key_bound:
             k_pos = j * self.k_chunk + self.k_offsets
             if self.needs_key_bound:
-                result = ops.less(k_pos, self.t_k)[None, :]
+                result = masking._expand_bool(ops.less(k_pos, self.t_k), 0)
             if positional:
                 q_pos = i * self.q_chunk + self.q_offsets + self.start
                 diff = q_pos[:, None] - k_pos[None, :]
@@ -197,7 +198,7 @@ class Tiling:
                 else:
                     near = ops.less(ops.abs(diff), self.window)
                 result = near if result is None else ops.logical_and(result, near)
-            result = result[None, None, None]
+            result = masking._expand_bool(result, (0, 1, 2))
         if self.mask_blocks is not None:
             blk = self.mask_blocks.block(i, j)
             result = blk if result is None else ops.logical_and(result, blk)
