@@ -107,3 +107,48 @@ def emit(text, args, **raw):
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
+
+
+def peak_rss_kib():
+    """This process's peak resident set (VmHWM).
+
+    Not `ru_maxrss`: on Linux that survives fork+exec, so a child would report
+    its parent's peak if the parent was bigger.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def time_self_attention(layer, x, mode, repeats, **call_kwargs):
+    """Median warm seconds of `layer(x, x, **call_kwargs)` in a `tf.function`:
+    the forward pass ("fwd") or it and the gradients w.r.t. `x` and every
+    weight ("fwd+bwd"); the first (tracing) call is not counted."""
+    import tensorflow as tf
+
+    @tf.function
+    def fwd(x):
+        return tf.reduce_sum(layer(x, x, **call_kwargs))
+
+    @tf.function
+    def fwd_bwd(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.square(layer(x, x, **call_kwargs)))
+        return tape.gradient(loss, [x] + layer.trainable_variables)
+
+    fn = fwd if mode == "fwd" else fwd_bwd
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        out = fn(x)
+        _ = [np.asarray(o) for o in tf.nest.flatten(out)]
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))

@@ -33,6 +33,7 @@ def _child(impl, mode, length, repeats):
     import numpy as np
     import tensorflow as tf
 
+    import _common  # this directory: the script's own
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from keras_attn.layers import MultiHeadAttention
 
@@ -44,43 +45,8 @@ def _child(impl, mode, length, repeats):
     x = tf.constant(np.random.default_rng(0).normal(size=(1, length, D_MODEL)).astype("float32"))
     layer(x[:, :8], x[:, :8])
 
-    @tf.function
-    def fwd(x):
-        return tf.reduce_sum(layer(x, x))
-
-    @tf.function
-    def fwd_bwd(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(tf.square(layer(x, x)))
-        return tape.gradient(loss, [x] + layer.trainable_variables)
-
-    fn = fwd if mode == "fwd" else fwd_bwd
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        out = fn(x)
-        _ = [np.asarray(o) for o in tf.nest.flatten(out)]
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"seconds": float(np.median(times[1:])), "peak_gib": _peak_rss_kib() / 2**20}))
-
-
-def _peak_rss_kib():
-    """This process's peak resident set (VmHWM).
-
-    Not `ru_maxrss`: on Linux that survives fork+exec, so a child would report
-    its parent's peak if the parent was bigger.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    seconds = _common.time_self_attention(layer, x, mode, repeats)
+    print(json.dumps({"seconds": seconds, "peak_gib": _common.peak_rss_kib() / 2**20}))
 
 
 def _check():

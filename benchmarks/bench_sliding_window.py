@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -31,6 +30,7 @@ def _child(length, window, mode, repeats):
     import numpy as np
     import tensorflow as tf
 
+    import _common  # this directory: the script's own
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from keras_attn import ops as ka_ops
     from keras_attn.layers import MultiHeadAttention
@@ -42,37 +42,12 @@ def _child(length, window, mode, repeats):
     x = tf.constant(np.random.default_rng(0).normal(size=(1, length, D_MODEL)).astype("float32"))
     layer(x[:, :8], x[:, :8])
 
-    @tf.function
-    def fwd(x):
-        return tf.reduce_sum(layer(x, x, use_causal_mask=True))
-
-    @tf.function
-    def fwd_bwd(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(tf.square(layer(x, x, use_causal_mask=True)))
-        return tape.gradient(loss, [x] + layer.trainable_variables)
-
-    fn = fwd if mode == "fwd" else fwd_bwd
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        out = fn(x)
-        _ = [np.asarray(o) for o in tf.nest.flatten(out)]
-        times.append(time.perf_counter() - start)
+    seconds = _common.time_self_attention(layer, x, mode, repeats, use_causal_mask=True)
     print(json.dumps({
-        "seconds": float(np.median(times[1:])),
-        "peak_gib": _peak_rss_kib() / 2**20,
+        "seconds": seconds,
+        "peak_gib": _common.peak_rss_kib() / 2**20,
         "kernel": ka_ops.last_kernel(),
     }))
-
-
-def _peak_rss_kib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _run(length, window, mode, repeats):

@@ -65,19 +65,10 @@ def tflite_runners(path):
 
 
 def onnx_runners(paths):
-    import onnxruntime as ort
+    # The session wrapper of the seq2seq mobile example (same directory).
+    from translate_dates_mobile import onnx_runner
 
-    def runner(path):
-        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-
-        def run(**inputs):
-            # An output named like an input carries `_out` (`cache_out`).
-            return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, inputs))}
-
-        return run
-
-    return runner(paths["prefill"]), runner(paths["decode"])
+    return onnx_runner(paths["prefill"]), onnx_runner(paths["decode"])
 
 
 def _parse(argv):

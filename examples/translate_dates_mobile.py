@@ -93,22 +93,26 @@ def tflite_greedy(model_path, encoder_ids, start_id, max_length):
     return np.concatenate(results) if results else np.zeros((0, max_length), np.int32)
 
 
+def onnx_runner(path):
+    """An onnxruntime session as a function of keyword arrays returning a dict
+    of arrays, like a TFLite signature runner."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+
+    def run(**inputs):
+        # An output named like an input carries `_out` (`cache_out`).
+        return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, inputs))}
+
+    return run
+
+
 def onnx_greedy(prefill_path, decode_path, encoder_ids, start_id, max_length):
     """Greedy decoding with the ONNX models alone (NumPy + onnxruntime); dynamic batch."""
     import numpy as np
-    import onnxruntime as ort
 
-    def runner(path):
-        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-
-        def run(**inputs):
-            # An output named like an input carries `_out` (`cache_out`).
-            return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, inputs))}
-
-        return run
-
-    return _greedy_with(runner(prefill_path), runner(decode_path),
+    return _greedy_with(onnx_runner(prefill_path), onnx_runner(decode_path),
                         np.asarray(encoder_ids, np.int32), start_id, max_length)
 
 
