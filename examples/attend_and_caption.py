@@ -10,7 +10,8 @@ positions with learned position embeddings and contextualised by one
 over the tokens emitted so far, cross-attention over the feature map) emits
 the digits and an end token, greedily. The cross-attention (mean over heads)
 of each step is where the model looked: the script reports sequence
-exact-match accuracy on the held-out strips, the attention centroid x-position
+exact-match accuracy and per-digit accuracy (next to the best constant
+answer's) on the held-out strips, the attention centroid x-position
 of every step (it should move left to right across the digits, and sit near
 the digit being written), and saves `caption_attention.png` with one panel per
 emitted token for one test strip.
@@ -127,6 +128,22 @@ def greedy_caption(step_model, images, batch_size=256):
         all_tokens.append(prefix[:, 1:])
         all_attention.append(np.stack(steps, axis=1))
     return np.concatenate(all_tokens), np.concatenate(all_attention)
+
+
+def digit_accuracy(predicted, truth):
+    """Share of the true digits read right at their position (a missing
+    digit counts as wrong), and the same share for the best constant answer
+    (the most frequent digit at each position): the floor to beat."""
+    right = total = 0
+    by_position = [[] for _ in range(MAX_DIGITS)]
+    for p, t in zip(predicted, truth):
+        t = [int(d) for d in t]
+        right += sum(1 for i, d in enumerate(t) if i < len(p) and p[i] == d)
+        total += len(t)
+        for i, d in enumerate(t):
+            by_position[i].append(d)
+    constant = sum(np.bincount(ds, minlength=10).max() for ds in by_position if ds)
+    return right / total, constant / total
 
 
 def centroids_x(attention, grid):
@@ -291,7 +308,9 @@ def main(argv=None):
     predicted = [digits_data.decode_tokens(t) for t in tokens]
     truth = test.sequences()
     exact = float(np.mean([p == list(map(int, t)) for p, t in zip(predicted, truth)]))
-    print(f"held-out strips: sequence exact match {exact:.4f} ({len(truth)} strips)")
+    digits, constant = digit_accuracy(predicted, truth)
+    print(f"held-out strips: sequence exact match {exact:.4f}, digit accuracy {digits:.4f} "
+          f"(best constant answer {constant:.4f}; {len(truth)} strips)")
     report = attention_report(tokens, attention, test, grid)
     fmt = lambda xs: ", ".join("-" if x is None else f"{x:.1f}" for x in xs)  # noqa: E731
     print(f"attention centroid x per step (px): {fmt(report['mean_centroid_x_per_step'])}")
@@ -309,6 +328,8 @@ def main(argv=None):
     print(f"wrote {png}")
     summary = {
         "exact_match": exact,
+        "digit_accuracy": digits,
+        "digit_accuracy_best_constant": constant,
         "final_train_loss": float(history.history["loss"][-1]),
         "attention": report,
         "attention_png": png,

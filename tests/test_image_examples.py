@@ -47,21 +47,19 @@ def classifier_run(classifier_example, tmp_path_factory):
     return summary, out
 
 
+# The smallest caption run measured to learn: reading the strips starts
+# abruptly after ~550 steps at the default learning rate (loss 1.55 -> 0.5);
+# 2000 x 6 and 4000 x 8 stayed at chance (digit accuracy 0.10-0.12, best
+# constant answer 0.12-0.16). 6000 x 10 (50 s of training on 2 cores):
+# exact match 0.86, digit accuracy 0.96 (best constant 0.16), gaze 1-2 px from
+# the digit being written.
+CAPTION_LEARN = ["--train-strips", "6000", "--epochs", "10", "--test-strips", "200"]
+
+
 @pytest.fixture(scope="module")
 def caption_run(caption_example, tmp_path_factory):
-    """Tiny: exercises every path; it does not learn to read (see the README
-    for the numbers of the default-size run, where the gaze moves left to
-    right)."""
     out = tmp_path_factory.mktemp("attend_and_caption")
-    summary = caption_example.main(
-        [
-            "--train-strips", "256",
-            "--epochs", "1",
-            "--test-strips", "40",
-            "--dim", "32",
-            "--output-dir", str(out),
-        ]
-    )
+    summary = caption_example.main([*CAPTION_LEARN, "--output-dir", str(out)])
     return summary, out
 
 
@@ -229,9 +227,34 @@ def test_caption_strips_use_only_their_split(caption_run):
     assert not any(split.x_test[k].tobytes() in train_rows for k in used)
 
 
+def test_caption_learned_to_read_left_to_right(caption_run):
+    """Digits read right well above the best constant answer, and each step's
+    gaze sits on the digit it writes (an untrained model looks at the middle:
+    ~10 px away)."""
+    summary, _ = caption_run
+    test, tokens = summary["test"], summary["tokens"]
+    rows, cols = summary["grid"]
+    truth = [[int(d) for d in seq] for seq in test.sequences()]
+    predicted = [digits_data.decode_tokens(t) for t in tokens]
+    right = sum(p[i] == d for p, t in zip(predicted, truth) for i, d in enumerate(t) if i < len(p))
+    total = sum(len(t) for t in truth)
+    constant = sum(
+        np.bincount([t[i] for t in truth if len(t) > i], minlength=10).max() for i in range(5)
+    )
+    assert summary["digit_accuracy"] == pytest.approx(right / total)
+    assert summary["digit_accuracy_best_constant"] == pytest.approx(constant / total)
+    assert right / total >= constant / total + 0.4, (right / total, constant / total)
+    exact = np.mean([p == t for p, t in zip(predicted, truth)])
+    assert summary["exact_match"] == pytest.approx(exact) and exact >= 0.3
+    cx = _numpy_centroids(summary["attention_maps"], rows, cols)
+    distances = [np.abs(cx[i, :k] - test.centers_x[i, :k]).mean()
+                 for i, k in enumerate(min(len(p), len(t)) for p, t in zip(predicted, truth))
+                 if k >= 2]
+    assert len(distances) >= 100 and np.mean(distances) <= 4.0, np.mean(distances)
+
+
 def test_caption_reports_and_png(caption_run):
     summary, out = caption_run
-    assert 0.0 <= summary["exact_match"] <= 1.0
     png = out / "caption_attention.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "results.json").exists()
