@@ -1,12 +1,11 @@
 """The examples and `keras-attn demo`, run end to end (exports included) so they cannot rot.
 
 Each run is a subprocess with a hard timeout; independent runs go in
-parallel. `translate_dates`, `bahdanau_seq2seq` and `text_classification` run
-at the smallest scales found to learn reliably, and the tests check a learned
-result well above chance, computed here from the predictions the examples
-save (or their printed test accuracy for the classifier). `keras-attn demo`
-runs at a tiny scale (it trains the same model as `translate_dates`, whose
-learning is checked). The default-scale figures the README quotes come from
+parallel. `keras-attn demo`, `translate_dates`, `bahdanau_seq2seq` and
+`text_classification` run at the smallest scales found to learn reliably, and
+the tests check a learned result well above chance, computed here from the
+predictions the examples save (or their printed test accuracy for the
+classifier). The default-scale figures the README quotes come from
 `benchmarks/bench_examples.py`.
 """
 
@@ -35,10 +34,6 @@ BAHDANAU_LEARN = ["--num-train", "3000", "--num-test", "200", "--epochs", "3", "
                   "32", "--units", "32", "--verbose", "0"]
 # Text classifier, 3000 reviews x 4 epochs, default sizes: test accuracy 0.84 (chance 0.5).
 TEXT_LEARN = ["--num-train", "3000", "--num-test", "300", "--epochs", "4", "--verbose", "0"]
-
-DATES_TINY = ["--num-train", "256", "--num-test", "32", "--epochs", "1", "--batch-size", "32",
-              "--embedding-dim", "16", "--intermediate-dim", "32", "--num-heads", "2",
-              "--num-layers", "1", "--verbose", "0"]
 
 
 def _env():
@@ -82,7 +77,7 @@ def dates_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("examples")
     data_dir = str(tmp / "tfds")
     commands = {
-        "demo": [sys.executable, "-m", "keras_attn.cli", "demo", *DATES_TINY,
+        "demo": [sys.executable, "-m", "keras_attn.cli", "demo", *DATES_LEARN,
                  "--data-dir", data_dir, "--output-dir", str(tmp / "demo")],
         "translate": [sys.executable, str(EXAMPLES / "translate_dates.py"), *DATES_LEARN,
                       "--data-dir", str(tmp / "tfds2"), "--output-dir", str(tmp / "translate")],
@@ -189,13 +184,14 @@ def _best_constant_accuracy(targets):
                           for i in range(targets.shape[1])]))
 
 
-def test_translate_dates_learns_well_above_chance(dates_runs):
+@pytest.mark.parametrize("name", ["translate", "demo"])
+def test_dates_models_learn_well_above_chance(dates_runs, name):
     tmp, outs = dates_runs
-    predictions, targets = _predictions(tmp / "translate" / "predictions.npz")
+    predictions, targets = _predictions(tmp / name / "predictions.npz")
     assert targets.shape == (200, 10)
     char_accuracy = float(np.mean(predictions == targets))
     baseline = _best_constant_accuracy(targets)
-    printed = float(outs["translate"].split("test exact-match accuracy: ")[1].split()[0])
+    printed = float(outs[name].split("test exact-match accuracy: ")[1].split()[0])
     assert printed == pytest.approx(float(np.mean(np.all(predictions == targets, axis=1))),
                                     abs=1e-4)
     assert char_accuracy >= baseline + 0.1 and char_accuracy >= 0.55, (char_accuracy, baseline)

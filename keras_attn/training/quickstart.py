@@ -244,6 +244,7 @@ def run(args, export=True):
     encoder_inputs, targets = test_arrays(test)
     accuracy, predictions = evaluate_dates(model, encoder_inputs, targets, target)
     print(f"test exact-match accuracy: {accuracy:.4f} ({len(targets)} dates)")
+    save_predictions(args.output_dir, encoder_inputs, targets, predictions)
     from keras_attn.data.pipelines import dates_arrays
 
     enc, _, _ = dates_arrays([(t, "0000-00-00") for t in EXAMPLE_TEXTS])
