@@ -41,12 +41,13 @@ Bad requests (docs/guides/serving_validation.md has the measured table):
 import os
 import tempfile
 
-import numpy as np
 import tensorflow as tf
 
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
 from keras_attn.generation import cache as cache_lib
+from keras_attn.generation import request_checks
 from keras_attn.generation import search
+from keras_attn.generation.runtime_loop import greedy_loop  # noqa: F401  (public here too)
 
 
 def _is_seq2seq(model):
@@ -58,73 +59,6 @@ def _cache_spec(model, batch_size, length, name):
     key = one[0]["self_attention"][0]
     shape = (len(one), 2, batch_size, length, key.shape[2], key.shape[3])
     return tf.TensorSpec(shape, tf.float32, name=name)
-
-
-CHECKS = ("assert", "flag", "none")
-
-
-class _Checks:
-    """Run-time checks of one request, in one of the `CHECKS` modes.
-
-    "assert": tf.debugging asserts (InvalidArgumentError naming the argument);
-    "flag": clamp into range and AND the conditions into `self.valid`;
-    "none": trust the caller.
-    """
-
-    def __init__(self, mode, signature):
-        self.mode, self.signature = mode, signature
-        self.conditions = []
-
-    def _require(self, condition, message, data=(), guarded=None):
-        """Asserts or flags `condition`; returns `guarded` ordered after the assert
-        (so the model never runs on the bad value before the error is raised)."""
-        if self.mode == "assert":
-            op = tf.debugging.Assert(condition, [f"{self.signature}: {message}", *data])
-            if guarded is not None:
-                with tf.control_dependencies([op]):
-                    return tf.identity(guarded)
-        elif self.mode == "flag":
-            self.conditions.append(condition)
-        return guarded
-
-    def token_ids(self, name, ids, vocab):
-        if vocab is None or self.mode == "none":
-            return ids
-        low, high = tf.reduce_min(ids), tf.reduce_max(ids)
-        ok = tf.logical_or(tf.equal(tf.size(ids), 0),
-                           tf.logical_and(low >= 0, high < vocab))
-        ids = self._require(ok, f"`{name}` must hold token ids in [0, vocabulary_size="
-                            f"{vocab}). Received min, max of `{name}`:", (low, high), ids)
-        return tf.clip_by_value(ids, 0, vocab - 1) if self.mode == "flag" else ids
-
-    def index(self, index, cache_length, ring):
-        if self.mode == "none":
-            return index
-        if ring:
-            ok = index >= 0
-            expected = "`index` must be >= 0 (a ring-buffer cache wraps). Received: index ="
-        else:
-            ok = tf.logical_and(index >= 0, index < cache_length)
-            expected = (f"`index` must be in [0, max_length={cache_length}) (the exported "
-                        "cache length). Received: index =")
-        index = self._require(ok, expected, (index,), index)
-        if self.mode != "flag":
-            return index
-        return tf.maximum(index, 0) if ring else tf.clip_by_value(index, 0, cache_length - 1)
-
-    def length(self, name, ids, low, high, what):
-        """Checks the length of `ids`; returns `ids` (ordered after the assert)."""
-        if self.mode == "none":
-            return ids
-        length = tf.shape(ids)[1]
-        return self._require(tf.logical_and(length >= low, length <= high),
-                             f"`{name}` must hold {low} to {high} tokens ({what}). "
-                             f"Received: {name}.shape[1] =", (length,), ids)
-
-    def valid(self):
-        if not self.conditions:
-            return tf.constant(True)
-        return tf.reduce_all(tf.stack(self.conditions))
 
 
 def _vocabulary_size(model):
@@ -151,10 +85,10 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
             "Received an invalid value for argument `max_length`, expected an "
             f"integer >= 2. Received: max_length={max_length!r}"
         )
-    if checks not in CHECKS:
+    if checks not in request_checks.CHECKS:
         raise ValueError(
             f"Received an invalid value for argument `checks`, expected one of "
-            f"{list(CHECKS)}. Received: checks={checks!r}"
+            f"{list(request_checks.CHECKS)}. Received: checks={checks!r}"
         )
     vocab = _vocabulary_size(model)
     positions = getattr(model, "max_positions", None)
@@ -184,7 +118,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         return ids, encoder_ids
 
     def _prefill(token_ids, encoder_ids=None):
-        check = _Checks(checks, "prefill")
+        check = request_checks.Checks(checks, "prefill")
         token_ids, encoder_ids = _check_inputs(check, "token_ids", token_ids, encoder_ids)
         batch = tf.shape(token_ids)[0]
         c = model.init_cache(batch, max_length)
@@ -207,7 +141,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         return out
 
     def _decode(token_ids, cache, index, cross_cache=None, encoder_padding_mask=None):
-        check = _Checks(checks, "decode")
+        check = request_checks.Checks(checks, "decode")
         token_ids = check.token_ids("token_ids", token_ids, vocab)
         index = check.index(index, cache_length, ring)
         c = cache_lib.unstack_cache(cache, cross_cache)
@@ -219,7 +153,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         return out
 
     def _generate(prompt_ids, encoder_ids=None):
-        check = _Checks("assert" if checks == "assert" else "none", "generate")
+        check = request_checks.Checks("assert" if checks == "assert" else "none", "generate")
         prompt_ids, encoder_ids = _check_inputs(check, "prompt_ids", prompt_ids, encoder_ids)
         tokens = search._decode_loop(
             model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
@@ -409,116 +343,3 @@ def export_onnx(model, directory, *, max_length, opset=17, checks="flag"):
         with open(paths[name], "wb") as f:
             f.write(proto.SerializeToString())
     return paths
-
-
-def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
-                stop_token_ids=(), pad_token_id=0, sliding_window=None):
-    """Greedy decoding with two callables over NumPy dicts (any exported runtime).
-
-    `prefill(**inputs)` and `decode(**inputs)` take and return dicts named as
-    the signatures. NumPy only: this is the loop to copy into an app.
-
-    Bad requests are refused with a ValueError before they reach the model
-    where NumPy can tell (negative ids, wrong rank or dtype), and after a call
-    whose `valid` output (TFLite / ONNX exports with `checks="flag"`) is
-    False, e.g. an id >= the vocabulary size, which the artifact clamped.
-
-    The exported cache holds the `max_length` it was exported with, and
-    `max_length` here may not exceed it (a ValueError): positions past a
-    cache's end are dropped, which would give wrong tokens. A model exported
-    with `sliding_window=W` has a ring-buffer cache of `W` slots that wraps,
-    so any `max_length` works: pass `sliding_window=W` to say so.
-    """
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(
-            "Received an invalid value for argument `max_length`, expected a "
-            f"positive integer. Received: max_length={max_length!r}"
-        )
-    prompt_ids = _checked_ids("prompt_ids", prompt_ids)
-    batch, width = prompt_ids.shape
-    if not 1 <= width <= max_length:
-        raise ValueError(
-            "`prompt_ids` must be `(batch, prompt_width)` with 1 <= prompt_width "
-            f"<= max_length={max_length}. Received: prompt_ids.shape={prompt_ids.shape}"
-        )
-    tokens = np.full((batch, max_length), pad_token_id, np.int32)
-    tokens[:, :width] = prompt_ids
-    in_prompt = np.zeros((batch, max_length), bool)
-    in_prompt[:, :width] = prompt_ids != pad_token_id
-    inputs = {"token_ids": prompt_ids}
-    if encoder_ids is not None:
-        inputs["encoder_ids"] = _checked_ids("encoder_ids", encoder_ids)
-    out = prefill(**inputs)
-    vocab = out["logits"].shape[-1]
-    for key, ids in inputs.items():
-        name = "prompt_ids" if key == "token_ids" else key
-        if ids.size and ids.max() >= vocab:
-            raise ValueError(
-                f"`{name}` must hold token ids in [0, vocabulary_size={vocab}) (the "
-                f"logits' last axis). Received: max id {int(ids.max())}"
-            )
-    _check_valid(out, "prefill", inputs)
-    state = {"cache": out["cache"]}
-    if encoder_ids is not None:
-        state["cross_cache"] = out["cross_cache"]
-        state["encoder_padding_mask"] = out["encoder_padding_mask"]
-    # cache: (num_layers, 2, batch, cache_length, kv_heads, head_dim)
-    cache_length = out["cache"].shape[3]
-    ring = sliding_window is not None and sliding_window == cache_length
-    if cache_length < max_length and not ring:
-        hint = ("" if sliding_window is None else
-                f" (sliding_window={sliding_window} is not the cache length, so the "
-                "cache is not a ring buffer)")
-        raise ValueError(
-            f"The exported cache holds {cache_length} positions, fewer than "
-            f"max_length={max_length}{hint}: positions past its end would be "
-            f"dropped. Export with `max_length` >= {max_length}, or pass "
-            f"`sliding_window={cache_length}` if the model was exported with that "
-            "sliding window (its cache is then a ring buffer that wraps). Received: "
-            f"max_length={max_length}, cache shape={tuple(out['cache'].shape)}"
-        )
-    start = max(int(in_prompt.sum(1).min()), 1)
-    if cache_length < max_length and start < width:
-        # A ring-buffer cache (sliding window) cannot step back over the
-        # prefilled prompt: start from an empty cache, feed prompts one by one.
-        state["cache"] = np.zeros_like(out["cache"])
-        start = 1
-    done = np.zeros(batch, bool)
-    for i in range(start, max_length):
-        if done.all():
-            break
-        step = dict(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
-        out = _check_valid(decode(**step), "decode", step)
-        state["cache"] = out["cache"]
-        chosen = np.argmax(out["logits"][:, 0], axis=-1).astype(np.int32)
-        chosen = np.where(done, pad_token_id, chosen)
-        chosen = np.where(in_prompt[:, i], tokens[:, i], chosen)
-        done |= ~in_prompt[:, i] & np.isin(chosen, stop_token_ids)
-        tokens[:, i] = chosen
-    return tokens
-
-
-def _checked_ids(name, ids):
-    ids = search.as_token_ids(name, ids)
-    ids = np.asarray(ids)
-    if ids.size and ids.min() < 0:
-        raise ValueError(
-            f"`{name}` must hold token ids >= 0 (a negative id would wrap around the "
-            f"vocabulary). Received: min id {int(ids.min())}"
-        )
-    if ids.size and ids.max() > np.iinfo(np.int32).max:
-        raise ValueError(f"`{name}` holds ids past int32. Received: max id {int(ids.max())}")
-    return ids.astype(np.int32)
-
-
-def _check_valid(out, name, inputs):
-    valid = out.get("valid")
-    if valid is not None and not bool(np.all(valid)):
-        index = inputs.get("index")
-        raise ValueError(
-            f"The exported `{name}` signature flagged the request invalid (valid=False): "
-            "token ids outside [0, vocabulary_size), or `index` outside the cache. "
-            f"Received: index={None if index is None else int(index)}, token_ids min/max="
-            f"{int(inputs['token_ids'].min())}/{int(inputs['token_ids'].max())}"
-        )
-    return out
