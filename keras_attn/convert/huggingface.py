@@ -85,6 +85,7 @@ import os
 import keras
 import numpy as np
 
+from keras_attn.convert import _weights
 from keras_attn.generation.models import DecoderOnlyLM
 from keras_attn.layers import activations
 from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
@@ -92,8 +93,6 @@ from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 DECODER_TYPES = ("gpt2",)
-# Buffers and constants that carry no trained values.
-_IGNORED_SUFFIXES = ("position_ids", "embeddings.token_type_ids", ".attn.bias", ".attn.masked_bias")
 
 
 def from_huggingface(model_or_local_dir, *, dropout=None):
@@ -187,70 +186,6 @@ def _check_activation(field, value):
     return value
 
 
-class _Weights:
-    """The checkpoint's tensors, by name without the base-model prefix; each
-    taken once, and the leftovers reported at the end."""
-
-    def __init__(self, state, prefix):
-        self.state = {}
-        for name, value in state.items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if prefix and name.startswith(prefix + "."):
-                name = name[len(prefix) + 1 :]
-            self.state[name] = value
-        self.used = set()
-
-    def __contains__(self, name):
-        return name in self.state
-
-    def take(self, name):
-        self.used.add(name)
-        return self.state[name]
-
-    def check_all_used(self, architecture):
-        left = sorted(set(self.state) - self.used)
-        if left:
-            raise ValueError(
-                f"Cannot convert {architecture}: these checkpoint tensors have no "
-                f"keras_attn counterpart: {left[:10]}{' ...' if len(left) > 10 else ''}"
-            )
-
-
-def _assign(variable, value, name):
-    value = np.asarray(value, dtype="float32")
-    if tuple(variable.shape) != value.shape:
-        raise ValueError(
-            f"Checkpoint tensor `{name}` has shape {value.shape}; the keras_attn "
-            f"variable `{variable.path}` expects {tuple(variable.shape)}."
-        )
-    variable.assign(value)
-
-
-def _set_norm(layer, weights, prefix):
-    _assign(layer.gamma, weights.take(prefix + ".weight"), prefix + ".weight")
-    _assign(layer.beta, weights.take(prefix + ".bias"), prefix + ".bias")
-
-
-def _set_dense(layer, kernel, bias, name):
-    _assign(layer.kernel, kernel, name + ".weight")
-    _assign(layer.bias, bias, name + ".bias")
-
-
-def _set_attention(mha, q, k, v, out, num_heads):
-    """`q, k, v, out`: `(kernel (in, out), bias)` pairs with `in`-major kernels."""
-    for dense, (kernel, bias, name) in zip(
-        (mha._query_dense, mha._key_dense, mha._value_dense), (q, k, v)
-    ):
-        d_in, d_out = kernel.shape
-        _assign(dense.kernel, kernel.reshape(d_in, num_heads, d_out // num_heads), name)
-        _assign(dense.bias, bias.reshape(num_heads, d_out // num_heads), name)
-    kernel, bias, name = out
-    d_in, d_out = kernel.shape
-    _assign(mha._output_dense.kernel, kernel.reshape(num_heads, d_in // num_heads, d_out), name)
-    _assign(mha._output_dense.bias, bias, name)
-
-
 # ---------------------------------------------------------------------------
 # BERT family
 
@@ -280,7 +215,7 @@ def _convert_encoder(config, state, architecture, prefix, dropout):
     problem = getattr(config, "problem_type", None)
     if classify and problem not in (None, "single_label_classification", "multi_label_classification", "regression"):
         _refuse("problem_type", problem, "is not supported")
-    weights = _Weights(state, prefix)
+    weights = _weights.Weights(state, prefix)
     roberta = config.model_type != "bert"
     hidden = config.hidden_size
     heads = config.num_attention_heads
@@ -342,17 +277,17 @@ def _convert_encoder(config, state, architecture, prefix, dropout):
         """An `nn.Linear`: `(kernel (in, out), bias, name)`."""
         return weights.take(name + ".weight").T, weights.take(name + ".bias"), name
 
-    _assign(embedding.token_embedding.embeddings, weights.take("embeddings.word_embeddings.weight"), "word_embeddings")
-    _assign(
+    _weights.assign(embedding.token_embedding.embeddings, weights.take("embeddings.word_embeddings.weight"), "word_embeddings")
+    _weights.assign(
         embedding.position_embedding.position_embeddings,
         weights.take("embeddings.position_embeddings.weight")[offset:],
         "position_embeddings",
     )
-    _assign(embedding.token_type_embedding.embeddings, weights.take("embeddings.token_type_embeddings.weight"), "token_type_embeddings")
-    _set_norm(embedding.layer_norm, weights, "embeddings.LayerNorm")
+    _weights.assign(embedding.token_type_embedding.embeddings, weights.take("embeddings.token_type_embeddings.weight"), "token_type_embeddings")
+    _weights.set_norm(embedding.layer_norm, weights, "embeddings.LayerNorm")
     for i, block in enumerate(blocks):
         p = f"encoder.layer.{i}."
-        _set_attention(
+        _weights.set_attention(
             block.self_attention,
             linear(p + "attention.self.query"),
             linear(p + "attention.self.key"),
@@ -360,16 +295,16 @@ def _convert_encoder(config, state, architecture, prefix, dropout):
             linear(p + "attention.output.dense"),
             heads,
         )
-        _set_norm(block.self_attention_layer_norm, weights, p + "attention.output.LayerNorm")
-        _set_dense(block.feedforward_intermediate_dense, *linear(p + "intermediate.dense"))
-        _set_dense(block.feedforward_output_dense, *linear(p + "output.dense"))
-        _set_norm(block.feedforward_layer_norm, weights, p + "output.LayerNorm")
+        _weights.set_norm(block.self_attention_layer_norm, weights, p + "attention.output.LayerNorm")
+        _weights.set_dense(block.feedforward_intermediate_dense, *linear(p + "intermediate.dense"))
+        _weights.set_dense(block.feedforward_output_dense, *linear(p + "output.dense"))
+        _weights.set_norm(block.feedforward_layer_norm, weights, p + "output.LayerNorm")
     if pooler is not None:
         name = "classifier.dense" if roberta and classify else "pooler.dense"
-        _set_dense(pooler, *linear(name))
+        _weights.set_dense(pooler, *linear(name))
     if classify:
         name = "classifier.out_proj" if roberta else "classifier"
-        _set_dense(classifier, *linear(name))
+        _weights.set_dense(classifier, *linear(name))
     weights.check_all_used(architecture)
     return model
 
@@ -391,7 +326,7 @@ def _convert_gpt2(config, state, architecture, prefix):
     if hidden % heads:
         _refuse("n_head", heads, "does not divide n_embd")
     head_dim = hidden // heads
-    weights = _Weights(state, prefix)
+    weights = _weights.Weights(state, prefix)
     tied = architecture == "GPT2Model" or bool(getattr(config, "tie_word_embeddings", True))
     pad = getattr(config, "pad_token_id", None)
     lm = DecoderOnlyLM(
@@ -403,8 +338,8 @@ def _convert_gpt2(config, state, architecture, prefix):
         name="gpt2_keras_attn",
     )
     lm(np.zeros((1, 1), "int32"))
-    _assign(lm.embedding.token_embedding.embeddings, weights.take("wte.weight"), "wte.weight")
-    _assign(lm.embedding.position_embedding.position_embeddings, weights.take("wpe.weight"), "wpe.weight")
+    _weights.assign(lm.embedding.token_embedding.embeddings, weights.take("wte.weight"), "wte.weight")
+    _weights.assign(lm.embedding.position_embedding.position_embeddings, weights.take("wpe.weight"), "wpe.weight")
     for i, block in enumerate(lm.blocks):
         p = f"h.{i}."
         # HF multiplies q.k by `scaling`; keras_attn always by 1/sqrt(d):
@@ -422,19 +357,19 @@ def _convert_gpt2(config, state, architecture, prefix):
         )
         q = (q[0] * factor, q[1] * factor, name)
         out = (weights.take(p + "attn.c_proj.weight"), weights.take(p + "attn.c_proj.bias"), p + "attn.c_proj")
-        _set_attention(block.self_attention, q, k, v, out, heads)
-        _set_norm(block.self_attention_layer_norm, weights, p + "ln_1")
-        _set_norm(block.feedforward_layer_norm, weights, p + "ln_2")
-        _set_dense(block.feedforward_intermediate_dense, weights.take(p + "mlp.c_fc.weight"), weights.take(p + "mlp.c_fc.bias"), p + "mlp.c_fc")
-        _set_dense(block.feedforward_output_dense, weights.take(p + "mlp.c_proj.weight"), weights.take(p + "mlp.c_proj.bias"), p + "mlp.c_proj")
-    _set_norm(lm.final_norm, weights, "ln_f")
+        _weights.set_attention(block.self_attention, q, k, v, out, heads)
+        _weights.set_norm(block.self_attention_layer_norm, weights, p + "ln_1")
+        _weights.set_norm(block.feedforward_layer_norm, weights, p + "ln_2")
+        _weights.set_dense(block.feedforward_intermediate_dense, weights.take(p + "mlp.c_fc.weight"), weights.take(p + "mlp.c_fc.bias"), p + "mlp.c_fc")
+        _weights.set_dense(block.feedforward_output_dense, weights.take(p + "mlp.c_proj.weight"), weights.take(p + "mlp.c_proj.bias"), p + "mlp.c_proj")
+    _weights.set_norm(lm.final_norm, weights, "ln_f")
     if "lm_head.weight" in weights:
         head = weights.take("lm_head.weight")
         if tied:
             if not np.array_equal(head, lm.embedding.token_embedding.embeddings.numpy()):
                 _refuse("tie_word_embeddings", True, "but lm_head.weight differs from wte.weight")
         else:
-            _assign(lm.lm_head.kernel, head.T, "lm_head.weight")
+            _weights.assign(lm.lm_head.kernel, head.T, "lm_head.weight")
             lm.lm_head.bias.assign(np.zeros(lm.lm_head.bias.shape, "float32"))
     weights.check_all_used(architecture)
     return lm
