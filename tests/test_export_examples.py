@@ -23,7 +23,7 @@ import pytest
 import keras
 
 from keras_attn import export
-from keras_attn.export import samples
+from keras_attn.export import samples as model_io
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT_ATOL = 1e-4
@@ -75,7 +75,7 @@ def _distributed_training():
         trained = transformer_classifier(60, 16, embedding_dim=32, num_heads=2,
                                          intermediate_dim=64, dropout=0.1)
     model = module.export_model(trained, 60, args)
-    ids = samples.make_samples(trained, shapes=[(4, 16)], seed=5)[0]["token_ids"]
+    ids = model_io.make_samples(trained, shapes=[(4, 16)], seed=5)[0]["token_ids"]
     gap = np.max(np.abs(np.asarray(model(ids)) - np.asarray(trained(ids))))
     assert gap <= 1e-6, f"the float32 export copy differs from the trained model by {gap}"
     return model, ((2, 16), (3, 7)), True
@@ -93,7 +93,7 @@ BUILDERS = {
 def exported(request, tmp_path_factory):
     keras.utils.set_random_seed(0)
     model, shapes, dynamic = BUILDERS[request.param]()
-    samples = samples.make_samples(model, shapes=shapes, seed=1)
+    samples = model_io.make_samples(model, shapes=shapes, seed=1)
     out = tmp_path_factory.mktemp(request.param)
     reports = export.export_all(model, out, sample_inputs=samples, name=request.param,
                                 tflite_quantizations=(None, "dynamic"))
@@ -101,7 +101,7 @@ def exported(request, tmp_path_factory):
 
 
 def _keras(model, sample):
-    return samples.keras_outputs(model, sample)
+    return model_io.keras_outputs(model, sample)
 
 
 def _run_saved_model(report, sample):
@@ -193,7 +193,7 @@ def test_while_loop_gru_is_refused_by_tflite_with_a_clear_error(tmp_path):
     model, shapes, _ = _bahdanau(unroll=False)
     with pytest.raises(export.UnsupportedOpsError, match="unroll=True"):
         export.export_tflite(model, tmp_path / "loop.tflite",
-                             sample_inputs=samples.make_samples(model, shapes=shapes))
+                             sample_inputs=model_io.make_samples(model, shapes=shapes))
     assert not (tmp_path / "loop.tflite").exists()
 
 
