@@ -1,5 +1,6 @@
-"""examples/pretrained_to_mobile.py end to end with tiny settings: random-init
-configs, and local `save_pretrained` directories through the same flags."""
+"""examples/pretrained_to_mobile.py end to end: random-init configs at a
+fine-tuning scale that learns, and local `save_pretrained` directories through
+the same flags at a tiny scale (the loading path; learning is checked above)."""
 
 import json
 import os
@@ -16,6 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "pretrained_to_mobile.py"
 TINY = ["--num-train", "256", "--num-test", "64", "--steps", "8", "--batch-size", "32",
         "--max-length", "14", "--num-prompts", "2"]
+
+# Fine-tuning that learns: the random-init BERT classifier, 200 steps over 3000
+# generated reviews (13 s): test accuracy 0.47 -> 0.98 (40 steps: 0.535).
+LEARN = ["--num-train", "3000", "--num-test", "200", "--steps", "200", "--batch-size", "32",
+         "--max-length", "14", "--num-prompts", "2"]
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +53,15 @@ def test_help():
     assert "--bert-dir" in stdout and "--gpt2-dir" in stdout
 
 
-def test_random_init_models(tmp_path):
+def test_random_init_models_fine_tune_and_export(tmp_path):
     out = tmp_path / "out"
-    _check(out, _run([sys.executable, str(SCRIPT), *TINY, "--output-dir", str(out)], tmp_path))
+    stdout = _run([sys.executable, str(SCRIPT), *LEARN, "--output-dir", str(out)], tmp_path)
+    _check(out, stdout)
+    summary = json.loads((out / "pretrained_summary.json").read_text())
+    before, after = summary["bert_accuracy_before"], summary["bert_accuracy_after"]
+    # Balanced classes: chance 0.5. The printed figures are the summary's.
+    assert after >= 0.8 and after >= before + 0.2, (before, after)
+    assert f"test accuracy {before:.3f} -> {after:.3f}" in stdout
 
 
 def test_local_checkpoint_directories(tmp_path):
