@@ -122,6 +122,10 @@ def _add_export_arguments(parser):
     parser.add_argument("--min-agreement", type=float, default=None,
                         help="quantized TFLite: smallest fraction of argmax positions equal "
                              "to Keras's (default 0.99 float16, 0.95 dynamic, 0.9 int8)")
+    parser.add_argument("--check-ids", default=None, choices=("clamp", "flag"),
+                        help="an out-of-range token id: by default SavedModel rejects the "
+                             "request and TFLite/ONNX clamp it; 'clamp' or 'flag' (clamp and "
+                             "add a boolean 'valid' output per row) for every format")
     parser.add_argument("--unsafe-deserialization", action="store_true",
                         help="allow Lambda layers and other arbitrary code in the model file "
                         "(only for files you trust; off by default)")

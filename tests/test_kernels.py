@@ -23,6 +23,7 @@ from keras_attn import ops as ka_ops
 from keras_attn.ops import dispatch
 from tests import model_zoo
 from tests import reference as ref
+from tests import tolerance
 
 KERNELS = ["reference", "tf_cpu", "blocked", "keras"]
 
@@ -242,11 +243,15 @@ def test_forcing_reference_gives_the_same_results_on_every_layer(name, zoo):
             forced = _outputs_and_grads(model, inputs)
         assert len(forced) == len(auto)
         n_out = len(tf.nest.flatten(model.outputs))
-        for i, (a, f) in enumerate(zip(auto, forced)):
-            # Outputs to 1e-5; weight gradients (sums over the batch and the
-            # sequence, in another order) to 1e-5 of their largest entry.
-            atol = 1e-5 if i < n_out else 1e-5 * max(1.0, float(np.abs(a).max()))
-            np.testing.assert_allclose(f, a, atol=atol, rtol=1e-5, err_msg=f"{kernel} #{i}")
+        # Outputs against their own magnitude; weight gradients (sums over
+        # the batch and the sequence, in another order) against the largest
+        # gradient of the model: some are ~0 by cancellation (a key bias's
+        # gradient is exactly 0 in exact arithmetic) and carry the rounding
+        # of the terms they were summed from.
+        tolerance.assert_all_close(forced[:n_out], auto[:n_out], err_msg=f"{kernel} output")
+        tolerance.assert_all_close(
+            forced[n_out:], auto[n_out:], terms=3 * 9, err_msg=f"{kernel} gradient"
+        )
 
 
 @pytest.mark.parametrize("layer_name", ["mha", "dot_product"])
@@ -299,6 +304,7 @@ _OTHER_BACKEND_SCRIPT = """
 import numpy as np, keras
 from keras_attn import config, ops as ka
 from tests import reference as ref
+from tests import tolerance
 rng = np.random.default_rng(0)
 q = rng.normal(size=(2, 9, 4, 8)).astype("float32")
 k = rng.normal(size=(2, 9, 2, 8)).astype("float32")

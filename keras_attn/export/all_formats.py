@@ -35,6 +35,7 @@ def export_all(
     opset=17,
     on_error="raise",
     verbose=True,
+    check_ids=None,
 ):
     """Exports `model` to SavedModel, TFLite and ONNX, each verified against Keras.
 
@@ -75,6 +76,11 @@ def export_all(
             prints the error and goes on with the other formats (the failed
             key is then missing from the result).
         verbose: print one line per export (path, size, max abs error).
+        check_ids: what every format does with an out-of-range id of an
+            input that feeds an embedding (docs/guides/serving_validation.md):
+            None uses each format's default ("assert" for SavedModel, "clamp"
+            for TFLite and ONNX, which cannot raise); "clamp" or "flag" (a
+            boolean `valid` output per row) applies to every format.
 
     Returns:
         `{key: ExportReport}` in export order, keys as for `atol`.
@@ -86,6 +92,8 @@ def export_all(
     """
     model_io.input_specs(model)
     verify.check_formats(formats)
+    if check_ids is not None:
+        saved_model_lib.resolve_check_ids(check_ids, (None, "clamp", "flag"))
     if isinstance(tflite_quantizations, str) or not tflite_quantizations or any(
         q not in tflite_lib.QUANTIZATIONS for q in tflite_quantizations
     ):
@@ -146,6 +154,8 @@ def export_all(
     for (fmt, quantization), key in zip(jobs, keys):
         label = _label(fmt, quantization)
         kwargs = {"sample_inputs": samples}
+        if check_ids is not None:
+            kwargs["check_ids"] = check_ids
         if atols[key] is not None:
             kwargs["atol"] = atols[key]
         try:

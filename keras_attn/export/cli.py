@@ -40,6 +40,7 @@ def run(args):
                 reports = export.export_all(
                     model, args.out, name=name, formats=(fmt,), tflite_quantizations=(quant,),
                     atol=args.atol, min_agreement=args.min_agreement, version=args.version, opset=args.opset, verbose=False,
+                    check_ids=args.check_ids,
                 )
             except (export.ExportError, ValueError, OSError) as error:
                 failed += 1

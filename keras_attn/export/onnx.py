@@ -34,11 +34,17 @@ def unsupported_onnx_ops(model_proto):
     return sorted(bad)
 
 
-def convert(model, *, opset=17):
+# onnxruntime has no assert op: an out-of-range id is clamped (and optionally
+# flagged), as in TFLite (saved_model.ID_CHECKS).
+ONNX_ID_CHECKS = (None, "clamp", "flag")
+
+
+def convert(model, *, opset=17, check_ids="clamp"):
     """Converts `model` to an ONNX ModelProto named like the Keras model.
 
-    Inputs keep the `keras.Input` names, outputs the model's output names;
-    dynamic axes are named `batch` (axis 0) and `<input>_dim<k>`.
+    Inputs keep the `keras.Input` names, outputs the model's output names
+    (plus `valid` with `check_ids="flag"`, see `export_onnx`); dynamic axes
+    are named `batch` (axis 0) and `<input>_dim<k>`.
     """
     if opset not in OPSETS:
         raise ValueError(
@@ -47,9 +53,10 @@ def convert(model, *, opset=17):
         )
     import tf2onnx
 
+    check_ids = saved_model_lib.resolve_check_ids(check_ids, ONNX_ID_CHECKS)
     specs = model_io.input_specs(model)
-    names = model_io.output_names(model)
-    serve, _ = saved_model_lib.serving_function(model)
+    names = saved_model_lib.checked_output_names(model, check_ids)
+    serve, _ = saved_model_lib.serving_function(model, check_ids)
     signature = [tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs]
 
     @tf.function(input_signature=signature, autograph=False)
@@ -90,7 +97,9 @@ def run_onnx(model_bytes, sample, output_names):
     return [np.asarray(x) for x in session.run(output_names, sample)]
 
 
-def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True):
+def export_onnx(
+    model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp"
+):
     """Exports `model` to ONNX with tf2onnx and verifies it in onnxruntime.
 
     Args:
@@ -100,6 +109,12 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
         sample_inputs: inputs to verify with (see `export_saved_model`).
         atol: max abs difference allowed between onnxruntime and Keras.
         overwrite: replace an existing file.
+        check_ids: an integer input fed into an embedding layer, given an id
+            outside `[0, vocabulary_size)`: "clamp" (default) clips it into
+            range before both the lookup and the padding mask (the answer is
+            the clamped id's); "flag" also adds a boolean output `valid`
+            `(batch,)`; None leaves the ids as they are (onnxruntime then
+            fails or reads an unspecified row, depending on the provider).
 
     Returns:
         An `ExportReport` with the ONNX op types used.
@@ -114,7 +129,7 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
-        model_proto = convert(model, opset=opset)
+        model_proto = convert(model, opset=opset, check_ids=check_ids)
         content = model_proto.SerializeToString()
         with open(tmp, "wb") as f:
             f.write(content)
@@ -125,6 +140,7 @@ def export_onnx(model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwri
         ops = sorted({node.op_type for node in model_proto.graph.node})
     details = {
         "opset": opset,
+        "check_ids": check_ids,
         "inputs": [i.name for i in model_proto.graph.input],
         "outputs": [o.name for o in model_proto.graph.output],
     }

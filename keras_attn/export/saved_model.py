@@ -37,19 +37,60 @@ def embedded_inputs(model):
     return found
 
 
-def _checked_ids(inputs, vocabularies):
-    """`inputs` with each embedded input ordered after an assert on its id range."""
+# What an exported graph does with an integer id outside `[0, vocabulary_size)`
+# of an input that feeds an embedding (docs/guides/serving_validation.md):
+#   "assert": the request fails (tf.debugging.Assert; SavedModel only, since
+#             builtins-only TFLite and onnxruntime have no such op);
+#   "clamp":  the id is clipped into range before the model sees it, so the
+#             lookup and the padding mask read the same id and the answer is
+#             that of the clamped id;
+#   "flag":   "clamp", plus a boolean output `valid` (batch,) that is False
+#             for each row that held an out-of-range id;
+#   None:     the ids go to the model unchanged.
+ID_CHECKS = (None, "assert", "clamp", "flag")
+VALID_OUTPUT = "valid"
+
+
+def resolve_check_ids(check_ids, allowed=ID_CHECKS):
+    """`check_ids` as one of `allowed` (True means "assert", False None)."""
+    if check_ids is True:
+        check_ids = "assert"
+    elif check_ids is False:
+        check_ids = None
+    if check_ids not in allowed:
+        raise ValueError(
+            "Received an invalid value for argument `check_ids`, expected one of "
+            f"{list(allowed)}. Received: check_ids={check_ids!r}"
+        )
+    return check_ids
+
+
+def _checked_ids(inputs, vocabularies, mode):
+    """`(inputs, valid)`: the embedded inputs checked, clamped or left as they are
+    (see ID_CHECKS), and the `(batch,)` row validity for "flag" (else None)."""
     out = dict(inputs)
+    valid = None
     for name, vocab in vocabularies.items():
         ids = inputs[name]
-        low, high = tf.reduce_min(ids), tf.reduce_max(ids)
-        ok = tf.logical_or(tf.equal(tf.size(ids), 0), tf.logical_and(low >= 0, high < vocab))
-        check = tf.debugging.Assert(ok, [
-            f"serving_default: `{name}` must hold token ids in [0, vocabulary_size={vocab}). "
-            f"Received min, max of `{name}`:", low, high])
-        with tf.control_dependencies([check]):
-            out[name] = tf.identity(ids)
-    return out
+        if mode == "assert":
+            low, high = tf.reduce_min(ids), tf.reduce_max(ids)
+            ok = tf.logical_or(tf.equal(tf.size(ids), 0), tf.logical_and(low >= 0, high < vocab))
+            check = tf.debugging.Assert(ok, [
+                f"serving_default: `{name}` must hold token ids in [0, vocabulary_size={vocab}). "
+                f"Received min, max of `{name}`:", low, high])
+            with tf.control_dependencies([check]):
+                out[name] = tf.identity(ids)
+            continue
+        out[name] = tf.clip_by_value(ids, tf.zeros([], ids.dtype), tf.cast(vocab - 1, ids.dtype))
+        if mode == "flag":
+            in_range = tf.cast(tf.equal(out[name], ids), "int32")
+            # Reduced as int32 (REDUCE_MIN): builtins-only TFLite and every
+            # onnxruntime run it; an empty row reduces to INT32_MAX, i.e. valid.
+            row = tf.reduce_min(tf.reshape(in_range, [tf.shape(ids)[0], -1]), axis=1)
+            valid = row if valid is None else tf.minimum(valid, row)
+    if valid is not None:
+        valid = tf.greater(valid, 0)
+    return out, valid
 
 
 def serving_function(model, check_ids=False):
@@ -57,24 +98,42 @@ def serving_function(model, check_ids=False):
 
     Inputs and outputs are keyed by the names of the model's `keras.Input`s
     and outputs; the batch axis (and every axis the model leaves as None, e.g.
-    the sequence) is dynamic. With `check_ids`, every integer input fed into
-    an embedding is checked against its vocabulary at run time (see
-    `export_saved_model`).
+    the sequence) is dynamic. `check_ids` says what happens to an integer
+    input fed into an embedding that holds an id outside its vocabulary
+    (ID_CHECKS; True is "assert"); "flag" adds the output `valid`.
     """
+    mode = resolve_check_ids(check_ids)
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
     signature = {s.name: tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs}
-    vocabularies = embedded_inputs(model) if check_ids else {}
+    vocabularies = embedded_inputs(model) if mode else {}
+    if mode == "flag" and VALID_OUTPUT in names:
+        raise ValueError(
+            f"check_ids='flag' adds an output named '{VALID_OUTPUT}', and the model "
+            f"already has one. Rename the model's output. Received outputs: {names}"
+        )
 
     def serve(inputs):
+        valid = None
         if vocabularies:
-            inputs = _checked_ids(inputs, vocabularies)
+            inputs, valid = _checked_ids(inputs, vocabularies, mode)
         args = [inputs[s.name] for s in specs]
         outputs = model(args if len(args) > 1 else args[0], training=False)
         flat = keras.tree.flatten(outputs)
-        return {name: tensor for name, tensor in zip(names, flat)}
+        result = {name: tensor for name, tensor in zip(names, flat)}
+        if mode == "flag":
+            if valid is None:  # no embedded input: every row is valid
+                valid = tf.fill(tf.shape(args[0])[:1], True)
+            result[VALID_OUTPUT] = valid
+        return result
 
     return serve, [signature]
+
+
+def checked_output_names(model, check_ids):
+    """The exported signature's output names: the model's, plus `valid` for "flag"."""
+    names = model_io.output_names(model)
+    return names + [VALID_OUTPUT] if resolve_check_ids(check_ids) == "flag" else names
 
 
 # A model's SavedModel is also reloaded to fine-tune or to take gradients
@@ -154,13 +213,15 @@ def export_saved_model(
             sizes and sequence lengths from the model's input specs.
         atol: max abs difference allowed between SavedModel and Keras.
         overwrite: replace an existing version directory.
-        check_ids: every integer input fed straight into an embedding layer
-            is checked at run time against `[0, vocabulary_size)`: a
-            request with a negative id (which the embedding would wrap
-            around, Python-style, to a valid one) or an id past the
-            vocabulary raises InvalidArgumentError naming the input (TF
-            Serving answers INVALID_ARGUMENT). The inputs checked are
-            `details["checked_ids"]`. False leaves the check out
+        check_ids: what an integer input fed straight into an embedding
+            layer does with an id outside `[0, vocabulary_size)`. True (or
+            "assert", the default): a request with a negative id (which the
+            embedding would wrap around, Python-style, to a valid one) or an
+            id past the vocabulary raises InvalidArgumentError naming the
+            input (TF Serving answers INVALID_ARGUMENT). "clamp": the id is
+            clipped into range (the answer is the clamped id's); "flag":
+            clamped, plus a boolean output `valid` per row. The inputs
+            checked are `details["checked_ids"]`. False leaves the check out
             (benchmarks/bench_serving.py measures its cost).
 
     Returns:
@@ -183,6 +244,7 @@ def export_saved_model(
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     path = os.path.join(os.fspath(export_dir), model_name, str(version))
+    check_ids = resolve_check_ids(check_ids)
     names = model_io.output_names(model)
 
     with verify.staged(path, "export_dir", overwrite) as tmp:
@@ -205,6 +267,7 @@ def export_saved_model(
         "inputs": [s.name for s in specs],
         "outputs": names,
         "checked_ids": embedded_inputs(model) if check_ids else {},
+        "check_ids": check_ids,
     }
     if float32_note is not None:
         details["float32_copy"] = float32_note

@@ -13,6 +13,9 @@ from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
+# Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
+# optionally flagged), see saved_model.ID_CHECKS.
+TFLITE_ID_CHECKS = (None, "clamp", "flag")
 # float32 must match Keras to 1e-4. A quantized model's logits move with its
 # weights' rounding (by more on a trained model with large logits), so it is
 # checked by what it answers: the fraction of argmax positions (top-1 class,
@@ -95,8 +98,11 @@ def convert(
     quantization=None,
     representative_dataset=None,
     builtin_ops_only=True,
+    check_ids="clamp",
 ):
     """Converts `model` to TFLite bytes (no file written, no verification).
+
+    `check_ids`: "clamp", "flag" or None (see `export_tflite`).
 
     Returns:
         `(bytes, details)`.
@@ -111,11 +117,12 @@ def convert(
             "`representative_dataset` is only used with quantization='int8'. "
             f"Received: quantization={quantization!r}"
         )
+    check_ids = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
     specs = model_io.input_specs(model)
-    details = {"quantization": quantization or "none"}
+    details = {"quantization": quantization or "none", "check_ids": check_ids}
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         saved = os.path.join(tmp, "saved_model")
-        saved_model_lib.write_saved_model(model, saved)
+        saved_model_lib.write_saved_model(model, saved, check_ids)
 
         def make_converter(ops_sets):
             converter = tf.lite.TFLiteConverter.from_saved_model(
@@ -174,6 +181,7 @@ def export_tflite(
     min_agreement=None,
     builtin_ops_only=True,
     overwrite=True,
+    check_ids="clamp",
 ):
     """Exports `model` to a `.tflite` file (LiteRT) and verifies it against Keras.
 
@@ -206,6 +214,13 @@ def export_tflite(
         builtin_ops_only: False allows Flex ops (needs the Flex delegate on
             device); the default refuses them.
         overwrite: replace an existing file.
+        check_ids: an integer input fed into an embedding layer, given an id
+            outside `[0, vocabulary_size)`: "clamp" (default) clips it into
+            range in the graph, before both the lookup and the padding mask,
+            so the answer is the clamped id's; "flag" also adds a boolean
+            output `valid` `(batch,)`, False for rows that held such an id;
+            None leaves the ids as they are (the lookup then reads an
+            unspecified row). Builtins-only TFLite cannot raise.
 
     Returns:
         An `ExportReport` with the builtin ops used.
@@ -238,6 +253,7 @@ def export_tflite(
             quantization=quantization,
             representative_dataset=representative_dataset,
             builtin_ops_only=builtin_ops_only,
+            check_ids=check_ids,
         )
         with open(tmp, "wb") as f:
             f.write(content)

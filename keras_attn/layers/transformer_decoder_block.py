@@ -1,6 +1,7 @@
 """Transformer decoder block: causal self-attention, cross-attention, feed-forward."""
 
 import keras
+from keras import ops
 
 from keras_attn.layers import _common
 from keras_attn.layers import _hub_convert
@@ -40,10 +41,21 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             "cross_attention": (k, v) or None}` with `(B, max_length, H_kv,
             head_dim)` self-attention caches (see `keras_attn.generation`).
         cache_index: position of the first token of `decoder_sequence`.
+        self_attention_cache, self_attention_cache_update_index,
+        cross_attention_cache, cross_attention_cache_update_index:
+            KerasHub's `TransformerDecoder` cache arguments, for code written
+            against it: stacked caches `(B, 2, max_length, H_kv, head_dim)`
+            (keys, values). The self-attention cache is written at
+            `self_attention_cache_update_index`; the cross-attention cache is
+            computed from `encoder_sequence` and written at
+            `cross_attention_cache_update_index` (usually 0), or used as it
+            is when that index is None. Not combined with `cache=`.
 
     Returns:
         `(B, T_dec, D)`, or `(output, scores_dict)`; with a cache the updated
-        cache dict is appended.
+        cache dict is appended. With KerasHub's cache arguments, as KerasHub:
+        `(output, self_attention_cache)`, plus `cross_attention_cache` when the
+        block has cross-attention (scores, if asked for, come after `output`).
 
     Example:
 
@@ -105,7 +117,32 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         return_attention_scores=False,
         cache=None,
         cache_index=None,
+        self_attention_cache=None,
+        self_attention_cache_update_index=None,
+        cross_attention_cache=None,
+        cross_attention_cache_update_index=None,
     ):
+        hub_cache = (
+            self_attention_cache,
+            self_attention_cache_update_index,
+            cross_attention_cache,
+            cross_attention_cache_update_index,
+        )
+        if any(arg is not None for arg in hub_cache):
+            return self._call_with_keras_hub_cache(
+                decoder_sequence,
+                encoder_sequence,
+                *hub_cache,
+                cache=cache,
+                cache_index=cache_index,
+                decoder_padding_mask=decoder_padding_mask,
+                encoder_padding_mask=encoder_padding_mask,
+                decoder_attention_mask=decoder_attention_mask,
+                encoder_attention_mask=encoder_attention_mask,
+                use_causal_mask=use_causal_mask,
+                training=training,
+                return_attention_scores=return_attention_scores,
+            )
         cached = cache is not None
         if cached:
             cross_cache = self._check_cache(cache, cache_index, encoder_sequence)
@@ -182,6 +219,72 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         if cached:
             outputs += (new_cache,)
         return outputs if len(outputs) > 1 else x
+
+    def _call_with_keras_hub_cache(
+        self,
+        decoder_sequence,
+        encoder_sequence,
+        self_cache,
+        self_index,
+        cross_cache,
+        cross_index,
+        *,
+        cache,
+        cache_index,
+        **kwargs,
+    ):
+        """KerasHub's stacked-cache call, run as a `cache=` / `cache_index=` call."""
+        if cache is not None or cache_index is not None:
+            raise ValueError(
+                "Pass either `cache`/`cache_index` or KerasHub's "
+                "`self_attention_cache`/`cross_attention_cache` arguments, not both."
+            )
+        if self_cache is None or self_index is None:
+            raise ValueError(
+                "KerasHub-style cached calls need `self_attention_cache` "
+                "`(batch, 2, max_length, num_key_value_heads, head_dim)` and "
+                "`self_attention_cache_update_index` (where the new tokens are "
+                f"written). Received: self_attention_cache="
+                f"{None if self_cache is None else tuple(self_cache.shape)}, "
+                f"self_attention_cache_update_index={self_index!r}"
+            )
+        has_cross = self.cross_attention is not None
+        if has_cross != (cross_cache is not None):
+            raise ValueError(
+                "A block with cross-attention needs both `self_attention_cache` "
+                "and `cross_attention_cache`; one without needs no "
+                "`cross_attention_cache`. Received: cross_attention_cache="
+                f"{None if cross_cache is None else tuple(cross_cache.shape)} "
+                f"for a block {'with' if has_cross else 'without'} cross-attention"
+            )
+        for name, stacked in (("self_attention_cache", self_cache), ("cross_attention_cache", cross_cache)):
+            if stacked is not None and (len(stacked.shape) != 5 or stacked.shape[1] != 2):
+                raise ValueError(
+                    f"Received an invalid `{name}`: expected shape (batch, 2, "
+                    "length, num_key_value_heads, head_dim) (keys, values). "
+                    f"Received: {name}.shape={tuple(stacked.shape)}"
+                )
+        ours = {"self_attention": (self_cache[:, 0], self_cache[:, 1])}
+        if has_cross:
+            keys, values = cross_cache[:, 0], cross_cache[:, 1]
+            if cross_index is not None:
+                if encoder_sequence is None:
+                    raise ValueError(
+                        "`cross_attention_cache_update_index` writes the encoder's "
+                        "keys and values into the cache: pass `encoder_sequence`."
+                    )
+                new_k, new_v = self.cross_attention.project_key_value(encoder_sequence)
+                start = [0, cross_index, 0, 0]
+                keys = ops.slice_update(keys, start, ops.cast(new_k, keys.dtype))
+                values = ops.slice_update(values, start, ops.cast(new_v, values.dtype))
+            ours["cross_attention"] = (keys, values)
+        *result, new_cache = self.call(
+            decoder_sequence, encoder_sequence, cache=ours, cache_index=self_index, **kwargs
+        )
+        stacked = [ops.stack(new_cache["self_attention"], axis=1)]
+        if has_cross:
+            stacked.append(ops.stack(new_cache["cross_attention"], axis=1))
+        return tuple(result) + tuple(stacked)
 
     def _check_encoder(self, encoder_sequence, cache_index):
         if cache_index is not None:
