@@ -29,6 +29,7 @@ BACKEND_AGNOSTIC_FILES = {
     "test_peers.py",
     "test_position_layers.py",
     "test_serialization.py",
+    "test_upstream_suites.py",
 }
 
 

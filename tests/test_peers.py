@@ -10,6 +10,7 @@ import pytest
 from keras import ops
 
 from keras_attn import layers as kal
+from tests import tolerance
 
 keras_hub = pytest.importorskip("keras_hub")
 torch = pytest.importorskip("torch")
@@ -105,6 +106,61 @@ def test_decoder_from_keras_hub_matches(rng, normalize_first, cross):
         kwargs["encoder_padding_mask"] = np.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)
     got, want = C(ours(dec, enc, **kwargs)), C(hub(dec, enc, **kwargs))
     np.testing.assert_allclose(got[dec_pad], want[dec_pad], atol=1e-5)
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["decoder_only", "cross_attention"])
+def test_keras_hub_cache_keywords_match_keras_hub(rng, cross):
+    """Code written against KerasHub's cached decoder runs unchanged: prefill
+    then one token per step with `self_attention_cache(_update_index)` /
+    `cross_attention_cache(_update_index)`, outputs and stacked caches equal
+    KerasHub's own layer with the same weights, step by step."""
+    hub = keras_hub.layers.TransformerDecoder(FFN, HEADS)
+    hub.build((None, 5, HIDDEN), (None, 6, HIDDEN) if cross else None)
+    _randomize(hub, rng)
+    ours = kal.TransformerDecoderBlock.from_keras_hub(hub)
+    dec = rng.standard_normal((2, 5, HIDDEN)).astype("float32")
+    enc = rng.standard_normal((2, 6, HIDDEN)).astype("float32") if cross else None
+    empty = np.zeros((2, 2, 7, HEADS, HIDDEN // HEADS), "float32")
+    empty_cross = np.zeros((2, 2, 6, HEADS, HIDDEN // HEADS), "float32")
+
+    def run(layer):
+        kwargs = {"self_attention_cache": empty, "self_attention_cache_update_index": 0}
+        if cross:
+            kwargs.update(cross_attention_cache=empty_cross, cross_attention_cache_update_index=0)
+        out, *caches = layer(dec[:, :3], enc, **kwargs)
+        steps = [C(out)]
+        for i in range(3, 5):
+            kwargs = {"self_attention_cache": caches[0], "self_attention_cache_update_index": i}
+            if cross:
+                kwargs["cross_attention_cache"] = caches[1]
+            out, *caches = layer(dec[:, i:i + 1], enc, **kwargs)
+            steps.append(C(out))
+        return steps, [C(c) for c in caches]
+
+    (got, got_caches), (want, want_caches) = run(ours), run(hub)
+    assert len(got_caches) == len(want_caches) == (2 if cross else 1)
+    for g, w in zip(got + got_caches, want + want_caches):
+        tolerance.assert_close(g, w, terms=HIDDEN)
+    # And the cached steps equal one uncached causal call over all 5 tokens.
+    tolerance.assert_close(np.concatenate(got, axis=1), C(hub(dec, enc)), terms=HIDDEN)
+
+
+def test_keras_hub_cache_keywords_are_checked(rng):
+    block = kal.TransformerDecoderBlock(num_heads=HEADS, intermediate_dim=FFN)
+    dec = rng.standard_normal((2, 3, HIDDEN)).astype("float32")
+    enc = rng.standard_normal((2, 4, HIDDEN)).astype("float32")
+    block(dec, enc)
+    cache = np.zeros((2, 2, 5, HEADS, HIDDEN // HEADS), "float32")
+    with pytest.raises(ValueError, match="cross_attention_cache"):
+        block(dec, enc, self_attention_cache=cache, self_attention_cache_update_index=0)
+    with pytest.raises(ValueError, match=r"self_attention_cache_update_index=None"):
+        block(dec, enc, self_attention_cache=cache, cross_attention_cache=cache[:, :, :4])
+    with pytest.raises(ValueError, match=r"shape \(batch, 2, length.*\(2, 5, 2, 4\)"):
+        block(dec, enc, self_attention_cache=cache[:, 0], self_attention_cache_update_index=0,
+              cross_attention_cache=cache[:, :, :4])
+    with pytest.raises(ValueError, match="not both"):
+        block(dec, enc, self_attention_cache=cache, self_attention_cache_update_index=0,
+              cross_attention_cache=cache[:, :, :4], cache={"self_attention": None}, cache_index=0)
 
 
 def test_from_keras_hub_rejects_other_layers():

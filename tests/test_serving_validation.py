@@ -163,23 +163,13 @@ def test_checks_argument_is_validated():
         gen_export.tflite_bytes(lm, max_length=8, batch_size=1, prompt_length=2, checks="assert")
 
 
-def test_model_signature_checks_ids_against_each_embedding(tmp_path):
+def test_model_signature_checks_ids_against_each_embedding(dates_model, tmp_path):
     """Each embedded input is checked against its own vocabulary (73 and 13 for
     the dates model); `check_ids=False` shows the wrap the check prevents."""
-    import argparse
-
-    import keras
-
-    from keras_attn.data.pipelines import dates_tokenizers
     from keras_attn.export import export_saved_model
-    from keras_attn.training import quickstart
 
-    keras.utils.set_random_seed(0)
-    args = argparse.Namespace(embedding_dim=16, num_heads=2, intermediate_dim=32, num_layers=1,
-                              epochs=1, num_train=64, batch_size=32, learning_rate=1e-3)
-    source, target = dates_tokenizers()
-    model, _ = quickstart.build_dates_model(args, source, target, dynamic_length=True)
-    enc_vocab, dec_vocab = source.vocabulary_size, target.vocabulary_size
+    model, vocabularies = dates_model
+    enc_vocab, dec_vocab = vocabularies["encoder_inputs"], vocabularies["decoder_inputs"]
     good = {"encoder_inputs": np.array([[3, 4, 5, 0]], np.int32),
             "decoder_inputs": np.array([[1, 2, 3]], np.int32)}
     report = export_saved_model(model, tmp_path / "checked", sample_inputs=good)
@@ -202,3 +192,96 @@ def test_model_signature_checks_ids_against_each_embedding(tmp_path):
                   decoder_inputs=tf.constant(good["decoder_inputs"]))["logits"].numpy()
     want = np.asarray(model({**good, "encoder_inputs": np.array([[3, enc_vocab - 4, 5, 0]])}))
     np.testing.assert_allclose(wrapped, want, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def dates_model():
+    """The demo's dates translator (untrained): two embedded inputs with their
+    own vocabularies (encoder 73 ids, decoder 13), both with padding id 0."""
+    import argparse
+
+    import keras
+
+    from keras_attn.data.pipelines import dates_tokenizers
+    from keras_attn.training import quickstart
+
+    keras.utils.set_random_seed(0)
+    args = argparse.Namespace(embedding_dim=16, num_heads=2, intermediate_dim=32, num_layers=1,
+                              epochs=1, num_train=64, batch_size=32, learning_rate=1e-3)
+    source, target = dates_tokenizers()
+    model, _ = quickstart.build_dates_model(args, source, target, dynamic_length=True)
+    return model, {"encoder_inputs": source.vocabulary_size,
+                   "decoder_inputs": target.vocabulary_size}
+
+
+def _bad_id_requests(vocabularies):
+    """Rows: in range; a negative id; an id past the vocabulary (per input)."""
+    enc_vocab, dec_vocab = vocabularies["encoder_inputs"], vocabularies["decoder_inputs"]
+    encoder = np.array([[3, 4, 5, 0], [3, -3, 5, 0], [3, 4, 5, 0]], np.int32)
+    decoder = np.array([[1, 2, 3], [1, 2, 3], [1, dec_vocab + 5, 3]], np.int32)
+    assert enc_vocab > 5
+    return {"encoder_inputs": encoder, "decoder_inputs": decoder}
+
+
+@pytest.mark.parametrize("fmt", ["saved_model", "tflite", "onnx"])
+def test_model_exports_clamp_and_flag_out_of_range_ids(fmt, dates_model, tmp_path):
+    """TFLite and ONNX cannot raise: an out-of-range id is clamped before both
+    the embedding lookup and the padding mask, so the answer is exactly the
+    clamped id's (id -3 -> 0, the padding id, here), and `check_ids="flag"`
+    reports the row as not valid. The default ("clamp") has no extra output."""
+    import onnxruntime as ort
+    from ai_edge_litert import interpreter as litert
+
+    from keras_attn import export
+    from tests import tolerance
+
+    model, vocabularies = dates_model
+    feed = _bad_id_requests(vocabularies)
+    clamped = {k: np.clip(v, 0, vocabularies[k] - 1) for k, v in feed.items()}
+    want_logits = np.asarray(model(clamped))
+    want_valid = np.array([True, False, False])
+    good = {k: v[:1] for k, v in feed.items()}
+
+    def run(path, names):
+        if fmt == "saved_model":
+            fn = tf.saved_model.load(path).signatures["serving_default"]
+            out = {k: v.numpy() for k, v in fn(**{k: tf.constant(v) for k, v in feed.items()}).items()}
+            assert sorted(out) == sorted(names)
+            return out
+        if fmt == "onnx":
+            session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+            assert sorted(o.name for o in session.get_outputs()) == sorted(names)
+            return dict(zip(names, session.run(names, feed)))
+        runner = litert.Interpreter(model_path=path).get_signature_runner("serving_default")
+        out = runner(**feed)
+        assert sorted(out) == sorted(names)
+        return out
+
+    exporter = {"onnx": export.export_onnx, "tflite": export.export_tflite,
+                "saved_model": export.export_saved_model}[fmt]
+    flagged = exporter(model, str(tmp_path / f"flag.{fmt}"), sample_inputs=good, check_ids="flag")
+    assert flagged.details["check_ids"] == "flag"
+    got = run(flagged.path, ["logits", "valid"])
+    np.testing.assert_array_equal(got["valid"], want_valid)
+    tolerance.assert_close(got["logits"], want_logits, terms=16, err_msg=f"{fmt} flag")
+    # Not the raw ids' answer: the negative id would wrap around in Keras.
+    wrapped = np.asarray(model({k: v[1:2] for k, v in feed.items()}))[0]
+    assert not np.allclose(wrapped, want_logits[1], atol=1e-3)
+
+    default = exporter(model, str(tmp_path / f"default.{fmt}"), sample_inputs=good,
+                       **({"check_ids": "clamp"} if fmt == "saved_model" else {}))
+    assert default.details["check_ids"] == "clamp"
+    got = run(default.path, ["logits"])
+    tolerance.assert_close(got["logits"], want_logits, terms=16, err_msg=f"{fmt} clamp")
+
+
+def test_check_ids_values_are_validated(dates_model, tmp_path):
+    from keras_attn import export
+
+    model, _ = dates_model
+    with pytest.raises(ValueError, match=r"check_ids.*\[None, 'clamp', 'flag'\].*'assert'"):
+        export.export_tflite(model, str(tmp_path / "m.tflite"), check_ids="assert")
+    with pytest.raises(ValueError, match=r"check_ids.*'maybe'"):
+        export.export_onnx(model, str(tmp_path / "m.onnx"), check_ids="maybe")
+    with pytest.raises(ValueError, match=r"check_ids.*'assert'"):
+        export.export_all(model, tmp_path, check_ids="assert")
