@@ -13,6 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+# The tests' float32 bounds (rounding of the summed terms, not a constant that
+# held on one CPU) check the benchmarks' own parity claims too.
+from tests import tolerance  # noqa: E402,F401
+
 
 def matmul_ceiling_gflops(n=2048, repeats=7):
     """Median GFLOP/s of an `n^3` float32 matmul in TensorFlow (graph mode): the ceiling."""

@@ -101,7 +101,7 @@ def run(repeats, calls):
         tflite_bytes, onnx_bytes = convert(model)
         sizes[impl] = {"tflite_kib": len(tflite_bytes) / 1024, "onnx_kib": len(onnx_bytes) / 1024}
         for fmt, runner in (("tflite", _TFLiteRunner(tflite_bytes)), ("onnx", _OnnxRunner(onnx_bytes))):
-            np.testing.assert_allclose(runner(tokens), expected, atol=1e-4, err_msg=f"{impl} {fmt}")
+            _common.tolerance.assert_close(runner(tokens), expected, terms=256, err_msg=f"{impl} {fmt}")
             runners[(impl, fmt)] = runner
     rows = []
     for fmt in ("tflite", "onnx"):

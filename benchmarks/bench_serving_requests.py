@@ -135,8 +135,11 @@ def probe(runtime, path, name):
     if name == "negative id":
         wrapped = PROMPT_IDS.copy()
         wrapped[0, 1] = VOCAB - 3
-        same = np.allclose(runners["prefill"](token_ids=wrapped)["logits"], out["logits"],
-                           atol=1e-6)
+        # The same graph on the same effective ids: equal up to the rounding
+        # of a re-run (scaled by the logits' magnitude, not a fixed 1e-6).
+        want = runners["prefill"](token_ids=wrapped)["logits"]
+        same = np.max(np.abs(want - out["logits"])) <= 64 * np.finfo(np.float32).eps * max(
+            np.abs(want).max(), np.finfo(np.float32).tiny)
         detail += f"; logits {'equal' if same else 'differ from'} those of id {VOCAB - 3}"
     return {"outcome": "garbage", "detail": detail}
 

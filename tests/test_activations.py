@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras_attn import export as kx
 from keras_attn.layers import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_attn.layers import activations
+from tests import tolerance
 
 torch = pytest.importorskip("torch")
 hf_activations = pytest.importorskip("transformers.activations")
@@ -82,7 +83,7 @@ def test_block_resolves_hugging_face_names(name):
     dense_in = block.feedforward_intermediate_dense
     pre = x @ np.asarray(dense_in.kernel) + np.asarray(dense_in.bias)
     want = torch_fn(torch.from_numpy(pre)).numpy()
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize("activation", ["gelu_new", activations.quick_gelu, keras.activations.gelu])

@@ -7,6 +7,7 @@ import pytest
 import keras_attn
 from keras_attn import layers as kal
 from tests import reference as ref
+from tests import tolerance
 
 
 def _mha_weights(layer):
@@ -50,8 +51,8 @@ def test_dot_product_attention_layer(rng, scale):
     want, probs = ref.attention(
         q[:, :, None], k[:, :, None], v[:, :, None], mask=value_mask[:, None, None, :], scale=s
     )
-    np.testing.assert_allclose(out, want[:, :, 0], atol=1e-5)
-    np.testing.assert_allclose(scores, probs[:, 0], atol=1e-6)
+    tolerance.assert_close(out, want[:, :, 0], terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(scores, probs[:, 0], terms=tolerance.LAYER_TERMS)
 
 
 # --- AdditiveAttention -----------------------------------------------------------
@@ -79,8 +80,8 @@ def test_additive_attention_matches_bahdanau(rng):
             a /= a.sum()
             want_scores[b, i] = a
             want[b, i] = a @ v[b]
-    np.testing.assert_allclose(out, want, atol=1e-5)
-    np.testing.assert_allclose(scores, want_scores, atol=1e-6)
+    tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(scores, want_scores, terms=tolerance.LAYER_TERMS)
 
 
 # --- MultiHeadAttention ----------------------------------------------------------
@@ -98,8 +99,8 @@ def test_mha_matches_reference_with_explicit_weights(rng, num_kv_heads, causal):
     if causal:
         full = full & ref.causal(6)[None, None]
     want, probs = ref.mha(x, x, x, _mha_weights(layer), 4, num_kv_heads or 4, mask=full)
-    np.testing.assert_allclose(out, want, atol=1e-4)
-    np.testing.assert_allclose(scores, probs, atol=1e-5)
+    tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(scores, probs, terms=tolerance.LAYER_TERMS)
     hkv = num_kv_heads or 4
     assert tuple(layer._key_dense.kernel.shape) == (8, hkv, 3)
 
@@ -137,9 +138,9 @@ def test_from_keras_parity(rng, case, scores):
     a = ours(q, v, **kwargs)
     b = theirs(q, v, **kwargs)
     if scores:
-        np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+        tolerance.assert_close(a[1], b[1], terms=tolerance.LAYER_TERMS)
         a, b = a[0], b[0]
-    np.testing.assert_allclose(np.asarray(a)[valid_q], np.asarray(b)[valid_q], atol=1e-5)
+    tolerance.assert_close(np.asarray(a)[valid_q], np.asarray(b)[valid_q], terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize("use_gate", [False, True])
@@ -151,7 +152,7 @@ def test_from_keras_gqa_and_errors(rng, use_gate):
     theirs(x, x)
     _randomize(theirs, rng)
     ours = kal.MultiHeadAttention.from_keras(theirs)
-    np.testing.assert_allclose(ours(x, x, use_causal_mask=True), theirs(x, x, use_causal_mask=True), atol=1e-5)
+    tolerance.assert_close(ours(x, x, use_causal_mask=True), theirs(x, x, use_causal_mask=True), terms=tolerance.LAYER_TERMS)
     with pytest.raises(ValueError, match="built"):
         kal.MultiHeadAttention.from_keras(keras.layers.MultiHeadAttention(2, 4))
     with pytest.raises(TypeError, match="MultiHeadAttention"):
@@ -172,10 +173,10 @@ def test_keras_masks_propagate_like_keras(rng):
     our_model = keras.Model(inp, [y, pooled])
     out, pooled_out = our_model(tokens)
     valid = tokens != 0
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(keras_model(tokens))[valid], atol=1e-5)
+    tolerance.assert_close(np.asarray(out)[valid], np.asarray(keras_model(tokens))[valid], terms=tolerance.LAYER_TERMS)
     # The mask reaches the pooling layer: pooled = mean over valid positions.
     want = np.stack([np.asarray(out)[b][valid[b]].mean(0) for b in range(2)])
-    np.testing.assert_allclose(pooled_out, want, atol=1e-5)
+    tolerance.assert_close(pooled_out, want, terms=tolerance.LAYER_TERMS)
 
 
 def test_fully_masked_query_rows_output_bias_only(rng):
@@ -187,7 +188,7 @@ def test_fully_masked_query_rows_output_bias_only(rng):
     mask[0, 1] = False
     out, scores = layer(x, x, attention_mask=mask, return_attention_scores=True)
     # Zero attention output, so only the output projection's bias remains.
-    np.testing.assert_allclose(out[0, 1], layer._output_dense.bias.numpy(), atol=1e-6)
+    tolerance.assert_close(out[0, 1], layer._output_dense.bias.numpy(), terms=tolerance.LAYER_TERMS)
     np.testing.assert_array_equal(np.asarray(scores)[0, :, 1], 0.0)
 
 
@@ -200,7 +201,7 @@ def test_causality(rng):
     x2 = x.copy()
     x2[0, 4:] += 5.0
     changed = np.asarray(layer(x2, x2, use_causal_mask=True))
-    np.testing.assert_allclose(changed[0, :4], base[0, :4], atol=1e-6)
+    tolerance.assert_close(changed[0, :4], base[0, :4], terms=tolerance.LAYER_TERMS)
     assert not np.allclose(changed[0, 4:], base[0, 4:])
 
 
@@ -211,22 +212,20 @@ def test_padding_invariance(rng):
     base = np.asarray(layer(x, x, query_mask=mask, value_mask=mask))
     x2 = x.copy()
     x2[0, 4:] = rng.standard_normal((2, 8))
-    np.testing.assert_allclose(np.asarray(layer(x2, x2, query_mask=mask, value_mask=mask))[0, :4], base[0, :4], atol=1e-6)
+    tolerance.assert_close(np.asarray(layer(x2, x2, query_mask=mask, value_mask=mask))[0, :4], base[0, :4], terms=tolerance.LAYER_TERMS)
 
 
 def test_scores_rows_sum_to_one(rng):
     x = rng.standard_normal((2, 5, 8)).astype("float32")
     _, scores = kal.MultiHeadAttention(4, 2)(x, x, use_causal_mask=True, return_attention_scores=True)
-    np.testing.assert_allclose(np.asarray(scores).sum(-1), 1.0, atol=1e-5)
+    tolerance.assert_close(np.asarray(scores).sum(-1), 1.0, terms=tolerance.LAYER_TERMS)
 
 
 def test_permutation_equivariance_without_positions(rng):
     layer = kal.MultiHeadAttention(2, 4)
     x = rng.standard_normal((1, 6, 8)).astype("float32")
     perm = rng.permutation(6)
-    np.testing.assert_allclose(
-        np.asarray(layer(x, x))[:, perm], np.asarray(layer(x[:, perm], x[:, perm])), atol=1e-5
-    )
+    tolerance.assert_close(np.asarray(layer(x, x))[:, perm], np.asarray(layer(x[:, perm], x[:, perm])), terms=tolerance.LAYER_TERMS)
 
 
 def test_causal_flag_equals_explicit_lower_triangular_mask(rng):
@@ -234,7 +233,7 @@ def test_causal_flag_equals_explicit_lower_triangular_mask(rng):
     q = rng.standard_normal((2, 4, 8)).astype("float32")
     v = rng.standard_normal((2, 6, 8)).astype("float32")
     tri = ref.causal(4, 6)
-    np.testing.assert_allclose(layer(q, v, use_causal_mask=True), layer(q, v, attention_mask=tri[None]), atol=1e-6)
+    tolerance.assert_close(layer(q, v, use_causal_mask=True), layer(q, v, attention_mask=tri[None]), terms=tolerance.LAYER_TERMS)
 
 
 def test_sliding_window_matches_keras(rng):
@@ -242,7 +241,7 @@ def test_sliding_window_matches_keras(rng):
     x = rng.standard_normal((2, 6, 8)).astype("float32")
     theirs(x, x)
     ours = kal.MultiHeadAttention.from_keras(theirs)
-    np.testing.assert_allclose(ours(x, x, use_causal_mask=True), theirs(x, x, use_causal_mask=True), atol=1e-5)
+    tolerance.assert_close(ours(x, x, use_causal_mask=True), theirs(x, x, use_causal_mask=True), terms=tolerance.LAYER_TERMS)
 
 
 def test_rotary_inside_attention(rng):
@@ -255,7 +254,7 @@ def test_rotary_inside_attention(rng):
     k = ref.rotary(np.einsum("btd,dhk->bthk", x, w["wk"]))
     v = np.einsum("btd,dhk->bthk", x, w["wv"])
     o, _ = ref.attention(q, k, v)
-    np.testing.assert_allclose(out, np.einsum("bthk,hkd->btd", o, w["wo"]), atol=1e-5)
+    tolerance.assert_close(out, np.einsum("bthk,hkd->btd", o, w["wo"]), terms=tolerance.LAYER_TERMS)
 
 
 def test_attention_bias_from_alibi(rng):
@@ -264,7 +263,7 @@ def test_attention_bias_from_alibi(rng):
     bias = kal.AlibiBias(4)(x)
     out = layer(x, x, attention_bias=bias, use_causal_mask=True)
     want, _ = ref.mha(x, x, x, _mha_weights(layer), 4, 4, mask=ref.causal(5)[None, None], bias=np.asarray(bias))
-    np.testing.assert_allclose(out, want, atol=1e-5)
+    tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
 
 
 def test_compute_output_shape_and_spec_with_tq_ne_tk():

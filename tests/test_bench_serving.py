@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "bench_serving.py")
@@ -28,7 +29,7 @@ def test_eight_threads_give_sequential_results(served, runtime):
     identical, diff, _ = bench.concurrency(run, reqs, threads=8, calls=4)
     assert identical, diff
     # And the shared results are the model's (not, say, all one cached answer).
-    np.testing.assert_allclose(run(reqs[5]), np.asarray(model(reqs[5])), atol=1e-4)
+    tolerance.assert_close(run(reqs[5]), np.asarray(model(reqs[5])), terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 from keras_attn import layers as kal
 from tests import reference as ref
 from tests.test_attention_layers import _mha_weights
+from tests import tolerance
 
 
 def _randomize(layer, rng):
@@ -58,7 +59,7 @@ def test_encoder_block_matches_reference(rng, normalize_first, activation, act):
     out = np.asarray(block(x, padding_mask=mask))
     want = encoder_reference(block, x, mask, act)
     valid = mask
-    np.testing.assert_allclose(out[valid], want[valid], atol=1e-4)
+    tolerance.assert_close(out[valid], want[valid], terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize("normalize_first", [False, True])
@@ -81,7 +82,7 @@ def test_decoder_block_matches_reference(rng, normalize_first):
     x = _sublayer(block, dec, block.self_attention_layer_norm, self_attend)
     x = _sublayer(block, x, block.cross_attention_layer_norm, cross_attend)
     want = _sublayer(block, x, block.feedforward_layer_norm, lambda h: _ffn(block, h, ref.relu))
-    np.testing.assert_allclose(out, want, atol=1e-4)
+    tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
     assert tuple(scores["self_attention"].shape) == (2, 2, 4, 4)
     assert tuple(scores["cross_attention"].shape) == (2, 2, 4, 6)
     np.testing.assert_array_equal(np.asarray(scores["cross_attention"])[0, :, :, 4:], 0.0)
@@ -93,7 +94,7 @@ def test_decoder_only_block_is_causal(rng):
     base = np.asarray(block(x))
     x2 = x.copy()
     x2[0, 3:] += 1.0
-    np.testing.assert_allclose(np.asarray(block(x2))[0, :3], base[0, :3], atol=1e-5)
+    tolerance.assert_close(np.asarray(block(x2))[0, :3], base[0, :3], terms=tolerance.LAYER_TERMS)
     with pytest.raises(ValueError, match="built without an `encoder_sequence`"):
         block(x, x)
 
@@ -108,14 +109,14 @@ def test_blocks_consume_and_propagate_keras_masks(rng):
     tokens = np.array([[4, 5, 6, 0, 0], [7, 8, 9, 10, 11]])
     out, pooled_out = (np.asarray(t) for t in model(tokens))
     want = np.stack([out[b][tokens[b] != 0].mean(0) for b in range(2)])
-    np.testing.assert_allclose(pooled_out, want, atol=1e-5)
+    tolerance.assert_close(pooled_out, want, terms=tolerance.LAYER_TERMS)
     # Same result as an explicit padding mask, and padded tokens change nothing.
     x = np.asarray(emb(tokens))
     explicit = np.asarray(enc_block(x, padding_mask=tokens != 0))
-    np.testing.assert_allclose(explicit[tokens != 0], out[tokens != 0], atol=1e-5)
+    tolerance.assert_close(explicit[tokens != 0], out[tokens != 0], terms=tolerance.LAYER_TERMS)
     tokens2 = tokens.copy()
     tokens2[0, 3:] = 0
-    np.testing.assert_allclose(np.asarray(model(tokens2)[0])[0, :3], out[0, :3], atol=1e-6)
+    tolerance.assert_close(np.asarray(model(tokens2)[0])[0, :3], out[0, :3], terms=tolerance.LAYER_TERMS)
 
 
 def test_block_output_specs_with_different_lengths():

@@ -8,6 +8,7 @@ from keras_attn.generation.cache import check_cache_write
 from keras_attn.layers import MultiHeadAttention, RotaryEmbedding, TransformerDecoderBlock
 from keras_attn.layers._kv_cache import write_cache
 from tests import reference as ref
+from tests import tolerance
 
 
 def _np_write(cache, new, index, ring=False):
@@ -75,7 +76,7 @@ def test_mha_cached_gqa_rotary_matches_numpy(rng):
     got, (k_cache, _) = _run_chunks(layer, x, cache, [4, 1, 2, 1, 1])
     assert tuple(k_cache.shape) == (2, 12, 2, 4)  # only the key/value heads are stored
     expected = _np_mha(layer, x, mask=ref.causal(9)[None, None], rotary=True)
-    np.testing.assert_allclose(got, expected, atol=1e-5)
+    tolerance.assert_close(got, expected, terms=tolerance.LAYER_TERMS)
     # Cached positions beyond the written ones stay zero.
     np.testing.assert_array_equal(np.asarray(k_cache)[:, 9:], 0.0)
 
@@ -91,7 +92,7 @@ def test_mha_ring_buffer_matches_sliding_window(rng):
     i, j = np.arange(12)[:, None], np.arange(12)[None, :]
     mask = (j <= i) & (i - j < window)
     expected = _np_mha(layer, x, mask=mask[None, None], rotary=True)
-    np.testing.assert_allclose(got, expected, atol=1e-5)
+    tolerance.assert_close(got, expected, terms=tolerance.LAYER_TERMS)
 
 
 def test_mha_cache_key_mask_for_left_padding(rng):
@@ -104,7 +105,7 @@ def test_mha_cache_key_mask_for_left_padding(rng):
     got, _ = _run_chunks(layer, x, cache, [3, 1, 1, 1], value_mask=key_mask)
     mask = ref.causal(6)[None, None] & key_mask[:, None, None, :6]
     expected = _np_mha(layer, x, mask=mask)
-    np.testing.assert_allclose(got, expected, atol=1e-5)
+    tolerance.assert_close(got, expected, terms=tolerance.LAYER_TERMS)
 
 
 def test_cross_attention_cache_is_computed_once(rng):
@@ -118,7 +119,7 @@ def test_cross_attention_cache_is_computed_once(rng):
     out, same = layer(x, None, value_mask=enc_mask, cache=cache)
     assert same[0] is cache[0] and same[1] is cache[1]
     expected = _np_mha(layer, x, enc=enc, mask=enc_mask[:, None, None, :])
-    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
+    tolerance.assert_close(np.asarray(out), expected, terms=tolerance.LAYER_TERMS)
 
 
 def test_decoder_block_cached_equals_full(rng):
@@ -137,7 +138,7 @@ def test_decoder_block_cached_equals_full(rng):
                            cache_index=i)
         assert cache["cross_attention"][0] is cross[0]  # reused, not recomputed
         outs.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
+    tolerance.assert_close(np.concatenate(outs, axis=1), full, terms=tolerance.LAYER_TERMS)
 
 
 def test_cache_argument_errors(rng):

@@ -11,6 +11,7 @@ import pytest
 from keras_attn.layers import MultiHeadAttention, TransformerDecoderBlock
 from tests import reference as ref
 from tests.test_cache import _np_mha, _run_chunks
+from tests import tolerance
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_keras_mask_of_new_tokens_in_prefill(layer, rng):
     valid = ids > 0
     mask = ref.causal(3)[None, None] & valid[:, None, None, :]
     expected = _np_mha(layer, np.asarray(x), mask=mask)
-    np.testing.assert_allclose(np.asarray(got)[valid], expected[valid], atol=1e-5)
+    tolerance.assert_close(np.asarray(got)[valid], expected[valid], terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize("name", ["value_mask", "key_mask"])
@@ -48,7 +49,7 @@ def test_cache_axis_key_masks_are_applied(layer, rng, name):
     key_valid[0, 1] = key_valid[1, 4] = False
     got, _ = _run_chunks(layer, x, _cache(), [3, 1, 2], **{name: key_valid})
     mask = ref.causal(6)[None, None] & key_valid[:, None, None, :6]
-    np.testing.assert_allclose(got, _np_mha(layer, x, mask=mask), atol=1e-5)
+    tolerance.assert_close(got, _np_mha(layer, x, mask=mask), terms=tolerance.LAYER_TERMS)
 
 
 def _steps(layer, x, cache, step_valid):
@@ -80,7 +81,7 @@ def test_new_token_mask_in_decode_steps(layer, rng):
                   np.array([[True, False], [True, True]])]
     got, mask = _steps(layer, x, _cache(), step_valid)
     expected = _np_mha(layer, x, mask=mask & ref.causal(5)[None, None])
-    np.testing.assert_allclose(got, expected, atol=1e-5)
+    tolerance.assert_close(got, expected, terms=tolerance.LAYER_TERMS)
     # Without the masks the same steps differ: the masks were used.
     unmasked, _ = _run_chunks(layer, x, _cache(), [2, 1, 2])
     assert np.abs(unmasked - expected).max() > 1e-3
@@ -97,7 +98,7 @@ def test_new_token_mask_with_ring_buffer(rng):
     got, mask = _steps(layer, x, cache, step_valid)
     i, j = np.arange(6)[:, None], np.arange(6)[None, :]
     mask = mask & (j <= i) & (i - j < window)
-    np.testing.assert_allclose(got, _np_mha(layer, x, mask=mask), atol=1e-5)
+    tolerance.assert_close(got, _np_mha(layer, x, mask=mask), terms=tolerance.LAYER_TERMS)
     with pytest.raises(ValueError, match="value_mask"):
         layer(x[:, :2], x[:, :2], use_causal_mask=True, cache=cache, cache_index=6,
               value_mask=np.ones((1, window), bool))
@@ -122,4 +123,4 @@ def test_decoder_block_prefill_with_keras_mask(rng):
     cache = {"self_attention": _cache(), "cross_attention": None}
     got, _ = block(x, cache=cache, cache_index=0)
     valid = ids > 0
-    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(full)[valid], atol=1e-5)
+    tolerance.assert_close(np.asarray(got)[valid], np.asarray(full)[valid], terms=tolerance.LAYER_TERMS)

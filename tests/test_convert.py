@@ -12,9 +12,15 @@ transformers = pytest.importorskip("transformers")
 
 from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
+from tests import tolerance  # noqa: E402
 
-ATOL = 1e-5
 VOCAB = 60
+
+
+def assert_matches(got, want):
+    """Ours (TensorFlow) against `transformers` (torch), both float32: two
+    layers of sums over the hidden size, in different orders (tests/tolerance.py)."""
+    tolerance.assert_close(got, want, terms=2 * 16)
 
 
 def tiny_bert_config(cls=None, **overrides):
@@ -87,8 +93,8 @@ def test_bert_hidden_states_and_pooler(initializer_range, hidden_act):
     want = torch_run(hf, ids, mask, types)
     got = run(model, ids, mask, types)
     # Every position, padded ones included (BERT computes them).
-    np.testing.assert_allclose(got["last_hidden_state"], want.last_hidden_state.numpy(), atol=ATOL)
-    np.testing.assert_allclose(got["pooler_output"], want.pooler_output.numpy(), atol=ATOL)
+    assert_matches(got["last_hidden_state"], want.last_hidden_state.numpy())
+    assert_matches(got["pooler_output"], want.pooler_output.numpy())
 
 
 def mean_max_attention(initializer_range):
@@ -116,9 +122,8 @@ def test_bert_classifier_logits():
     model = from_huggingface(hf)
     assert model.output_names == ["logits"]
     ids, mask, types = batch(seed=1)
-    np.testing.assert_allclose(
-        run(model, ids, mask, types)["logits"], torch_run(hf, ids, mask, types).logits.numpy(), atol=ATOL
-    )
+    assert_matches(
+        run(model, ids, mask, types)["logits"], torch_run(hf, ids, mask, types).logits.numpy())
 
 
 @pytest.mark.parametrize("cls_name", ["RobertaModel", "RobertaForSequenceClassification", "XLMRobertaModel"])
@@ -134,14 +139,13 @@ def test_roberta_family(cls_name):
     want = torch_run(hf, ids, mask)
     got = run(model, ids, mask)
     if "Classification" in cls_name:
-        np.testing.assert_allclose(got["logits"], want.logits.numpy(), atol=ATOL)
+        assert_matches(got["logits"], want.logits.numpy())
     else:
         # RoBERTa gives padded tokens position pad_token_id: compare the real tokens.
         valid = mask.astype(bool)
-        np.testing.assert_allclose(
-            got["last_hidden_state"][valid], want.last_hidden_state.numpy()[valid], atol=ATOL
-        )
-        np.testing.assert_allclose(got["pooler_output"], want.pooler_output.numpy(), atol=ATOL)
+        assert_matches(
+            got["last_hidden_state"][valid], want.last_hidden_state.numpy()[valid])
+        assert_matches(got["pooler_output"], want.pooler_output.numpy())
 
 
 # ---------------------------------------------------------------------------
@@ -172,7 +176,7 @@ def test_gpt2_logits_with_padding(gpt2):
     want = torch_run(hf, ids, mask).logits.numpy()
     got = np.asarray(lm(ids, padding_mask=mask.astype(bool)))
     valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], want[valid], atol=ATOL)
+    assert_matches(got[valid], want[valid])
     assert lm.tie_embeddings == bool(hf.config.tie_word_embeddings)
 
 
@@ -197,7 +201,7 @@ def test_gpt2_base_model_converts_to_a_tied_lm():
     ids, mask, _ = batch(seed=5, padded=(9, 9))
     hidden = torch_run(hf, ids, mask).last_hidden_state.numpy()
     want = hidden @ hf.wte.weight.detach().numpy().T
-    np.testing.assert_allclose(np.asarray(lm(ids)), want, atol=ATOL)
+    assert_matches(np.asarray(lm(ids)), want)
 
 
 # ---------------------------------------------------------------------------
@@ -211,12 +215,11 @@ def test_local_directory_uses_the_same_call(tmp_path):
     gpt.save_pretrained(tmp_path / "gpt2")
     ids, mask, types = batch(seed=6)
     model = from_huggingface(tmp_path / "bert")
-    np.testing.assert_allclose(
-        run(model, ids, mask, types)["logits"], torch_run(bert, ids, mask, types).logits.numpy(), atol=ATOL
-    )
+    assert_matches(
+        run(model, ids, mask, types)["logits"], torch_run(bert, ids, mask, types).logits.numpy())
     lm = from_huggingface(str(tmp_path / "gpt2"))
     ids, mask, _ = batch(seed=6, padded=(9, 9))
-    np.testing.assert_allclose(np.asarray(lm(ids)), torch_run(gpt, ids, mask).logits.numpy(), atol=ATOL)
+    assert_matches(np.asarray(lm(ids)), torch_run(gpt, ids, mask).logits.numpy())
 
 
 def test_converted_encoder_saves_and_loads(tmp_path):
@@ -283,14 +286,14 @@ def test_converted_bert_exports_with_hf_parity(tmp_path):
     want = torch_run(hf, ids, mask, types).logits.numpy()
     feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
     session = ort.InferenceSession(onx.path, providers=["CPUExecutionProvider"])
-    np.testing.assert_allclose(session.run(["logits"], feed)[0], want, atol=1e-4)
+    assert_matches(session.run(["logits"], feed)[0], want)
     interpreter = Interpreter(model_path=tfl.path)
     details = {d["name"]: d for d in interpreter.get_input_details()}
     for name, value in feed.items():
         interpreter.resize_tensor_input(details[f"serving_default_{name}:0"]["index"], value.shape)
     interpreter.allocate_tensors()
     got = interpreter.get_signature_runner("serving_default")(**feed)["logits"]
-    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert_matches(got, want)
 
 
 def test_fully_padded_rows_and_empty_batches_stay_finite():

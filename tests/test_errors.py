@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from keras_attn import layers as kal
+from tests import tolerance
 
 X = np.zeros((2, 5, 16), "float32")
 IDS = np.array([[1, 2, 3]])
@@ -152,9 +153,5 @@ def test_masks_as_python_lists_match_keras(rng):
     mask = [[[1, 1, 0], [1, 0, 0], [1, 1, 1]], [[1, 0, 0], [1, 1, 0], [0, 1, 1]]]
     expected = peer(x, x, attention_mask=np.array(mask, bool))
     ours = kal.MultiHeadAttention.from_keras(peer)
-    np.testing.assert_allclose(ours(x, x, attention_mask=mask), expected, atol=1e-6)
-    np.testing.assert_allclose(
-        ours(x, x, value_mask=[[1, 1, 0], [1, 0, 1]]),
-        peer(x, x, attention_mask=np.array([[1, 1, 0], [1, 0, 1]], bool)[:, None, :]),
-        atol=1e-6,
-    )
+    tolerance.assert_close(ours(x, x, attention_mask=mask), expected, terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(ours(x, x, value_mask=[[1, 1, 0], [1, 0, 1]]), peer(x, x, attention_mask=np.array([[1, 1, 0], [1, 0, 1]], bool)[:, None, :]), terms=tolerance.LAYER_TERMS)

@@ -7,6 +7,7 @@ import keras
 
 import keras_attn as ka
 from keras_attn import export
+from tests import tolerance
 
 
 @pytest.fixture(scope="module")
@@ -42,4 +43,4 @@ def test_reloaded_saved_model_gradients_match_keras(classifier, tmp_path):
                    for v, g in zip(loaded.trainable_variables, grads)}
     assert sorted(got_by_name) == sorted(reference)
     for name, want_grad in reference.items():
-        np.testing.assert_allclose(got_by_name[name], want_grad, atol=1e-5, err_msg=name)
+        tolerance.assert_close(got_by_name[name], want_grad, terms=tolerance.LAYER_TERMS, err_msg=name)

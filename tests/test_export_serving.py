@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from keras_attn import export as kx
 from tests import model_zoo
+from tests import tolerance
 
 SAVED_MODEL_CLI = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
 
@@ -107,7 +108,7 @@ def test_saved_model_cli_show_and_run(served, tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     got = np.load(tmp_path / "out" / "logits.npy")
-    np.testing.assert_allclose(got, keras_out(model, feed), atol=1e-4)
+    tolerance.assert_close(got, keras_out(model, feed), terms=tolerance.LAYER_TERMS)
 
 
 def test_rest_and_grpc_requests_from_signature(served):
@@ -120,7 +121,7 @@ def test_rest_and_grpc_requests_from_signature(served):
     body = json.loads(json.dumps(kx.rest_predict_body(feed)))
     assert body["signature_name"] == "serving_default" and set(body["inputs"]) == set(spec)
     rest_feed = {k: tf.constant(v, dtype=spec[k].dtype) for k, v in body["inputs"].items()}
-    np.testing.assert_allclose(fn(**rest_feed)["logits"].numpy(), want, atol=1e-4)
+    tolerance.assert_close(fn(**rest_feed)["logits"].numpy(), want, terms=tolerance.LAYER_TERMS)
     rows = kx.rest_predict_body(feed, layout="row")["instances"]
     assert len(rows) == 2 and set(rows[0]) == set(spec)
 
@@ -134,7 +135,7 @@ def test_rest_and_grpc_requests_from_signature(served):
         tensor.ParseFromString(proto.SerializeToString())
         grpc_feed[name] = tf.constant(tf.make_ndarray(tensor), dtype=spec[name].dtype)
     assert set(grpc_feed) == set(spec)
-    np.testing.assert_allclose(fn(**grpc_feed)["logits"].numpy(), want, atol=1e-4)
+    tolerance.assert_close(fn(**grpc_feed)["logits"].numpy(), want, terms=tolerance.LAYER_TERMS)
 
 
 def test_cli_export(tmp_path, capsys):

@@ -13,6 +13,7 @@ from keras_attn.generation import (
     random_sampling,
 )
 from tests import reference as ref
+from tests import tolerance
 
 VOCAB = 23
 MAX_LEN = 12
@@ -101,7 +102,7 @@ def test_cached_logits_equal_full_recomputation_every_step(request, fixture):
             if index <= lengths[b] - 1:
                 continue  # still inside this row's prompt
             full = _full_last_logits(lm, seqs[b])
-            np.testing.assert_allclose(logits[b], full, atol=1e-5)
+            tolerance.assert_close(logits[b], full, terms=tolerance.LAYER_TERMS)
             assert np.argmax(logits[b]) == np.argmax(full)
         for b in range(batch):
             if index >= lengths[b]:
@@ -118,7 +119,7 @@ def test_seq2seq_cached_logits_equal_full_recomputation(seq2seq):
                                           encoder_outputs=encoded, encoder_padding_mask=mask)
     for index in range(1, 8):
         full = np.stack([_full_last_logits(model, dec[b], enc[b:b + 1]) for b in range(2)])
-        np.testing.assert_allclose(np.asarray(logits)[:, -1], full, atol=1e-5)
+        tolerance.assert_close(np.asarray(logits)[:, -1], full, terms=tolerance.LAYER_TERMS)
         for b in range(2):
             dec[b].append(int(np.argmax(full[b])))
         step = np.array([[d[-1]] for d in dec], np.int32)
@@ -248,7 +249,7 @@ def test_beam_search_matches_numpy_reference(sinusoidal_lm):
     for b in range(2):
         seq, score = _reference_beam(lm, prompts[b], 8, 3)
         np.testing.assert_array_equal(tokens.numpy()[b], seq)
-        np.testing.assert_allclose(scores.numpy()[b], score, atol=1e-4)
+        tolerance.assert_close(scores.numpy()[b], score, terms=tolerance.LAYER_TERMS)
     one = beam_search(lm, PROMPTS, MAX_LEN, num_beams=1).numpy()
     np.testing.assert_array_equal(one, greedy_search(lm, PROMPTS, MAX_LEN).numpy())
 
@@ -278,7 +279,7 @@ def test_call_with_cache_rejects_writes_past_the_cache(sinusoidal_lm):
     _, cache = lm.call_with_cache(ids[:, :3], lm.init_cache(1, 4), 0)
     logits, _ = lm.call_with_cache(ids[:, 3:4], cache, 3)
     full = np.asarray(lm(ids[:, :4]))[0, 3]
-    np.testing.assert_allclose(np.asarray(logits)[0, 0], full, atol=1e-5)
+    tolerance.assert_close(np.asarray(logits)[0, 0], full, terms=tolerance.LAYER_TERMS)
 
 
 def test_ring_buffer_cache_may_be_written_past_its_length():
@@ -290,7 +291,7 @@ def test_ring_buffer_cache_may_be_written_past_its_length():
     assert cache[0]["self_attention"][0].shape[1] == 3
     for index in range(7):
         logits, cache = lm.call_with_cache(ids[:, index:index + 1], cache, index)
-        np.testing.assert_allclose(np.asarray(logits)[0, 0], full[index], atol=1e-5)
+        tolerance.assert_close(np.asarray(logits)[0, 0], full[index], terms=tolerance.LAYER_TERMS)
 
 
 def test_learned_positions_bound_max_length_up_front(learned_lm):

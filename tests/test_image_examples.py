@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from keras_attn.data import digits as digits_data
+from tests import tolerance
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -169,7 +170,7 @@ def _check_artifacts(model, feeds, paths):
     ):
         got = run(paths[fmt], feeds)
         for name, ref in zip(names, want):
-            np.testing.assert_allclose(got[name], ref, atol=1e-4, err_msg=f"{fmt} {name}")
+            tolerance.assert_close(got[name], ref, terms=tolerance.LAYER_TERMS, err_msg=f"{fmt} {name}")
 
 
 def test_classifier_reports_both_accuracies(classifier_run):
@@ -192,7 +193,7 @@ def test_classifier_png_and_attention_rows(classifier_run):
     _, scores = model(split.x_test[:3, ..., None], training=False)
     scores = np.asarray(scores)
     assert scores.shape == (3, 4, 64, 64)
-    np.testing.assert_allclose(scores.sum(-1), 1.0, atol=1e-5)
+    tolerance.assert_close(scores.sum(-1), 1.0, terms=tolerance.LAYER_TERMS)
 
 
 def test_classifier_export_parity(classifier_run):
@@ -276,7 +277,7 @@ def test_caption_attention_maps_and_centroids(caption_run, caption_example):
     _, attention = model([test.images[:8, ..., None], inputs[:8]], training=False)
     attention = np.asarray(attention)
     assert attention.shape == (8, 6, rows * cols)
-    np.testing.assert_allclose(attention.sum(-1), 1.0, atol=1e-5)
+    tolerance.assert_close(attention.sum(-1), 1.0, terms=tolerance.LAYER_TERMS)
     np.testing.assert_allclose(
         caption_example.centroids_x(attention, (rows, cols)),
         _numpy_centroids(attention, rows, cols),

@@ -10,6 +10,7 @@ import pytest
 from keras import ops
 
 from keras_attn import layers as kal
+from tests import tolerance
 
 C = ops.convert_to_numpy
 
@@ -48,9 +49,9 @@ def test_nd_attention_axes_match_keras(rng, case, use_gate):
     v = rng.standard_normal(v_shape).astype("float32")
     want, want_scores = theirs(q, v, return_attention_scores=True)
     got, got_scores = ours(q, v, return_attention_scores=True)
-    np.testing.assert_allclose(C(got), C(want), atol=1e-5)
-    np.testing.assert_allclose(C(got_scores), C(want_scores), atol=1e-5)
-    np.testing.assert_allclose(C(ours(q, v)), C(want), atol=1e-5)
+    tolerance.assert_close(C(got), C(want), terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(C(got_scores), C(want_scores), terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(C(ours(q, v)), C(want), terms=tolerance.LAYER_TERMS)
     assert ours.compute_output_shape(q_shape, v_shape) == tuple(got.shape)
 
 
@@ -65,7 +66,7 @@ def test_nd_attention_masks_match_keras(rng):
     mask[..., 0] = True
     for kwargs in ({"attention_mask": mask}, {"use_causal_mask": True}):
         want = theirs(q, q, **kwargs)
-        np.testing.assert_allclose(C(ours(q, q, **kwargs)), C(want), atol=1e-5)
+        tolerance.assert_close(C(ours(q, q, **kwargs)), C(want), terms=tolerance.LAYER_TERMS)
 
 
 def test_nd_attention_in_a_functional_model_saves_and_reloads(rng, tmp_path):
@@ -76,11 +77,11 @@ def test_nd_attention_in_a_functional_model_saves_and_reloads(rng, tmp_path):
     path = str(tmp_path / "nd.keras")
     model.save(path)
     restored = keras.saving.load_model(path)
-    np.testing.assert_allclose(C(restored(data)), C(model(data)), atol=1e-6)
+    tolerance.assert_close(C(restored(data)), C(model(data)), terms=tolerance.LAYER_TERMS)
     peer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, attention_axes=(1, 2))
     peer.build(data.shape, data.shape)
     peer.set_weights(layer.get_weights())
-    np.testing.assert_allclose(C(model(data)), C(peer(data, data)), atol=1e-5)
+    tolerance.assert_close(C(model(data)), C(peer(data, data)), terms=tolerance.LAYER_TERMS)
 
 
 # --- Keras's public properties, LoRA, shape checks ----------------------------
@@ -104,7 +105,7 @@ def test_public_sublayer_properties_and_lora_recipe(rng):
             a.assign(value)
             b.assign(value)
     x = rng.standard_normal((2, 5, 8)).astype("float32")
-    np.testing.assert_allclose(C(ours(x, x)), C(theirs(x, x)), atol=1e-5)
+    tolerance.assert_close(C(ours(x, x)), C(theirs(x, x)), terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +156,7 @@ def test_flash_attention_argument_behaves_as_keras(rng):
         layer(x, x, return_attention_scores=True)
     theirs, ours = _keras_and_ours(rng, (2, 3, 8), num_heads=2, key_dim=4, flash_attention=False)
     assert not ours._flash_attention and not theirs._flash_attention
-    np.testing.assert_allclose(C(ours(x, x)), C(theirs(x, x)), atol=1e-5)
+    tolerance.assert_close(C(ours(x, x)), C(theirs(x, x)), terms=tolerance.LAYER_TERMS)
 
 
 def test_flash_attention_true_works_or_fails_where_keras_does(rng):
@@ -176,7 +177,8 @@ def test_flash_attention_true_works_or_fails_where_keras_does(rng):
     if isinstance(want, type):
         assert got is want
     else:
-        np.testing.assert_allclose(got, want, atol=1e-2)
+        # Both in float16: a few roundings of the inputs' magnitude.
+        tolerance.assert_close(got, want, scale=tolerance.magnitude(x), ulps=10, dtype="float16")
 
 
 # --- the _compute_attention override point ------------------------------------
@@ -215,7 +217,7 @@ def test_override_sees_the_causal_mask_and_matches_keras(rng):
     sub.set_weights(theirs.get_weights())
     x = rng.standard_normal((2, 5, 8)).astype("float32")
     got = sub(x, x, use_causal_mask=True)
-    np.testing.assert_allclose(C(got), C(theirs(x, x, use_causal_mask=True)), atol=1e-5)
+    tolerance.assert_close(C(got), C(theirs(x, x, use_causal_mask=True)), terms=tolerance.LAYER_TERMS)
     mask = sub.calls[-1][2]
     assert mask is not None
     np.testing.assert_array_equal(np.broadcast_to(mask, (2, 5, 5))[0], np.tril(np.ones((5, 5), bool)))
@@ -229,15 +231,15 @@ def test_override_is_used_uncached_and_cached(rng):
     w_o = C(layer.output_dense.kernel)
     v = np.einsum("btf,fhd->bthd", x, w_v)
     want = np.einsum("bhd,hdo->bo", v.mean(1), w_o)[:, None, :]
-    np.testing.assert_allclose(out, np.broadcast_to(want, out.shape), atol=1e-5)
+    tolerance.assert_close(out, np.broadcast_to(want, out.shape), terms=tolerance.LAYER_TERMS)
     # Cached: the cache (4 slots) holds the projected values; the override
     # averages over every slot (zeros included), as it was written to.
     cache = (np.zeros((1, 4, 2, 4), "float32"), np.zeros((1, 4, 2, 4), "float32"))
     out_c, new_cache = layer(x[:, :1], x[:, :1], cache=cache, cache_index=0, use_causal_mask=True)
     v1 = np.einsum("btf,fhd->bthd", x[:, :1], w_v)
-    np.testing.assert_allclose(C(new_cache[1])[:, :1], v1, atol=1e-5)
+    tolerance.assert_close(C(new_cache[1])[:, :1], v1, terms=tolerance.LAYER_TERMS)
     want_c = np.einsum("bhd,hdo->bo", v1[:, 0] / 4, w_o)[:, None, :]
-    np.testing.assert_allclose(C(out_c), want_c, atol=1e-5)
+    tolerance.assert_close(C(out_c), want_c, terms=tolerance.LAYER_TERMS)
 
 
 def test_recording_override_matches_base_layer_with_cache(rng):
@@ -251,10 +253,10 @@ def test_recording_override_matches_base_layer_with_cache(rng):
     cache = (np.zeros((1, 6, 2, 4), "float32"),) * 2
     want, _ = base(x, x, cache=cache, cache_index=0, use_causal_mask=True)
     got, _ = sub(x, x, cache=cache, cache_index=0, use_causal_mask=True)
-    np.testing.assert_allclose(C(got), C(want), atol=1e-6)
+    tolerance.assert_close(C(got), C(want), terms=tolerance.LAYER_TERMS)
     assert len(sub.calls) == 1 and sub.calls[0][1] == (1, 6, 2, 4)
     # Equal to uncached causal attention over the 3 tokens.
-    np.testing.assert_allclose(C(got), C(base(x, x, use_causal_mask=True)), atol=1e-5)
+    tolerance.assert_close(C(got), C(base(x, x, use_causal_mask=True)), terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize("use_gate", [False, True])
@@ -267,4 +269,4 @@ def test_set_weights_from_keras_get_weights(rng, use_gate):
     ours.set_weights(theirs.get_weights())
     q = rng.standard_normal((2, 5, 8)).astype("float32")
     v = rng.standard_normal((2, 3, 6)).astype("float32")
-    np.testing.assert_allclose(C(ours(q, v)), C(theirs(q, v)), atol=1e-5)
+    tolerance.assert_close(C(ours(q, v)), C(theirs(q, v)), terms=tolerance.LAYER_TERMS)

@@ -53,14 +53,10 @@ def test_encoder_from_keras_hub_matches(rng, normalize_first):
     _randomize(hub, rng)
     ours = kal.TransformerEncoderBlock.from_keras_hub(hub)
     x = rng.standard_normal((2, 5, HIDDEN)).astype("float32")
-    np.testing.assert_allclose(C(ours(x)), C(hub(x)), atol=1e-5)
+    tolerance.assert_close(C(ours(x)), C(hub(x)), terms=tolerance.LAYER_TERMS)
     attention_mask = rng.random((2, 5, 5)) > 0.4
     attention_mask[:, :, 0] = True
-    np.testing.assert_allclose(
-        C(ours(x, attention_mask=attention_mask)),
-        C(hub(x, attention_mask=attention_mask)),
-        atol=1e-5,
-    )
+    tolerance.assert_close(C(ours(x, attention_mask=attention_mask)), C(hub(x, attention_mask=attention_mask)), terms=tolerance.LAYER_TERMS)
 
 
 def test_encoder_padding_mask_differs_only_at_padded_queries(rng, normalize_first):
@@ -72,7 +68,7 @@ def test_encoder_padding_mask_differs_only_at_padded_queries(rng, normalize_firs
     padding = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
     got = C(ours(x, padding_mask=padding))
     want = C(hub(x, padding_mask=padding))
-    np.testing.assert_allclose(got[padding], want[padding], atol=1e-5)
+    tolerance.assert_close(got[padding], want[padding], terms=tolerance.LAYER_TERMS)
     # Padded queries: our attention output there is zero before the output
     # projection, so the block sees only the projection's bias. Rebuilt
     # from KerasHub's own sublayers:
@@ -86,7 +82,7 @@ def test_encoder_padding_mask_differs_only_at_padded_queries(rng, normalize_firs
     else:
         h = C(ln1(pad + b_o))
         expected = C(ln2(h + C(ffn2(ffn1(h)))))
-    np.testing.assert_allclose(got[0, 3:], expected, atol=1e-5)
+    tolerance.assert_close(got[0, 3:], expected, terms=tolerance.LAYER_TERMS)
     assert not np.allclose(got[0, 3:], want[0, 3:], atol=1e-3)
 
 
@@ -98,14 +94,14 @@ def test_decoder_from_keras_hub_matches(rng, normalize_first, cross):
     ours = kal.TransformerDecoderBlock.from_keras_hub(hub)
     dec = rng.standard_normal((2, 4, HIDDEN)).astype("float32")
     enc = rng.standard_normal((2, 6, 6)).astype("float32") if cross else None
-    np.testing.assert_allclose(C(ours(dec, enc)), C(hub(dec, enc)), atol=1e-5)
+    tolerance.assert_close(C(ours(dec, enc)), C(hub(dec, enc)), terms=tolerance.LAYER_TERMS)
     # Masks: decoder padding (valid query rows compared), encoder padding.
     dec_pad = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)
     kwargs = {"decoder_padding_mask": dec_pad}
     if cross:
         kwargs["encoder_padding_mask"] = np.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)
     got, want = C(ours(dec, enc, **kwargs)), C(hub(dec, enc, **kwargs))
-    np.testing.assert_allclose(got[dec_pad], want[dec_pad], atol=1e-5)
+    tolerance.assert_close(got[dec_pad], want[dec_pad], terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize("cross", [False, True], ids=["decoder_only", "cross_attention"])
@@ -208,8 +204,8 @@ def test_from_torch_matches(rng, batch_first, bias, kv_dims):
     want, want_w = torch_call(key_padding_mask=torch.from_numpy(key_padding))
     # Torch order (query, key, value) is ours (query, value, key).
     got, got_w = ours(q, v, k, value_mask=~key_padding, return_attention_scores=True)
-    np.testing.assert_allclose(C(got), want, atol=1e-5)
-    np.testing.assert_allclose(C(got_w), want_w, atol=1e-5)
+    tolerance.assert_close(C(got), want, terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(C(got_w), want_w, terms=tolerance.LAYER_TERMS)
 
 
 def test_from_torch_rejects_unsupported():

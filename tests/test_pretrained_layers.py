@@ -14,6 +14,7 @@ from keras_attn.layers import (
     TransformerDecoderBlock,
     TransformerEncoderBlock,
 )
+from tests import tolerance
 
 
 def np_layer_norm(x, gamma, beta, eps):
@@ -43,7 +44,7 @@ def test_token_types_and_layer_norm_match_numpy():
     typ = np.asarray(layer.token_type_embedding.embeddings)
     summed = tok[ids] + pos[None, :4] + typ[types]
     want = np_layer_norm(summed, np.linspace(0.5, 2, 8), np.linspace(-1, 1, 8), 1e-12)
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS)
     # Default token types are 0; the mask still comes from id 0.
     np.testing.assert_allclose(
         np.asarray(layer(ids)), np.asarray(layer(ids, token_type_ids=np.zeros_like(ids))), atol=0
@@ -73,7 +74,7 @@ def test_tied_head_through_token_and_position_embedding(tmp_path):
     feed = np.array([[4, 5, 6, 0]])
     hidden = np.asarray(layer(feed))
     table = np.asarray(layer.token_embedding.embeddings)
-    np.testing.assert_allclose(np.asarray(model(feed)), hidden @ table.T, atol=1e-5)
+    tolerance.assert_close(np.asarray(model(feed)), hidden @ table.T, terms=tolerance.LAYER_TERMS)
     model.save(tmp_path / "tied.keras")
     loaded = keras.saving.load_model(tmp_path / "tied.keras")
     np.testing.assert_array_equal(np.asarray(loaded(feed)), np.asarray(model(feed)))
@@ -99,7 +100,7 @@ def test_reversible_embedding_reverse_is_the_transposed_table(tmp_path):
     np.testing.assert_array_equal(np.asarray(h), np.asarray(emb.embeddings)[[[1, 2, 3]]])
     hidden = np.random.default_rng(0).standard_normal((2, 5, 6)).astype("float32")
     got = np.asarray(emb(hidden, reverse=True))
-    np.testing.assert_allclose(got, hidden @ np.asarray(emb.embeddings).T, atol=1e-5)
+    tolerance.assert_close(got, hidden @ np.asarray(emb.embeddings).T, terms=tolerance.LAYER_TERMS)
     assert emb.compute_output_shape((2, 5, 6), reverse=True) == (2, 5, 20)
     assert len(emb.weights) == 1  # tied: no extra kernel, no bias
     with pytest.raises(ValueError, match="6 features"):
@@ -136,7 +137,7 @@ def test_key_only_padding_matches_numpy_at_every_position(normalize_first):
     block(x)
     block.set_weights([rng.standard_normal(w.shape).astype("float32") * 0.3 for w in block.weights])
     got = np.asarray(block(x, padding_mask=mask))
-    np.testing.assert_allclose(got, encoder_reference(block, x, mask, ref.gelu), atol=1e-5)
+    tolerance.assert_close(got, encoder_reference(block, x, mask, ref.gelu), terms=tolerance.LAYER_TERMS)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,7 @@ def test_key_only_padding_matches_keras_hub_encoder_everywhere(keras_hub):
     ours.set_weights(weights)
     hub.set_weights(weights)
     want = np.asarray(hub(x, padding_mask=mask))
-    np.testing.assert_allclose(np.asarray(ours(x, padding_mask=mask)), want, atol=1e-5)
+    tolerance.assert_close(np.asarray(ours(x, padding_mask=mask)), want, terms=tolerance.LAYER_TERMS)
     # The default zeroes the attention of padded rows: valid rows unchanged, padded ones differ.
     default = TransformerEncoderBlock.from_config(
         {**ours.get_config(), "mask_padded_queries": True}
@@ -168,7 +169,7 @@ def test_key_only_padding_matches_keras_hub_encoder_everywhere(keras_hub):
     default(x)
     default.set_weights(weights)
     got = np.asarray(default(x, padding_mask=mask))
-    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5)
+    tolerance.assert_close(got[mask], want[mask], terms=tolerance.LAYER_TERMS)
     assert np.max(np.abs(got[~mask] - want[~mask])) > 1e-3
 
 
@@ -183,12 +184,12 @@ def test_key_only_padding_in_the_decoder_block():
     )
     want = np.asarray(ours(x, decoder_attention_mask=mask[:, None, :]))
     got = np.asarray(ours(x, decoder_padding_mask=mask))
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS)
     zeroing = TransformerDecoderBlock.from_config({**ours.get_config(), "mask_padded_queries": True})
     zeroing(x)
     zeroing.set_weights(ours.get_weights())
     other = np.asarray(zeroing(x, decoder_padding_mask=mask))
-    np.testing.assert_allclose(other[mask], want[mask], atol=1e-5)
+    tolerance.assert_close(other[mask], want[mask], terms=tolerance.LAYER_TERMS)
     assert np.max(np.abs(other[~mask] - want[~mask])) > 1e-3
     config = ours.get_config()
     assert config["mask_padded_queries"] is False
@@ -216,11 +217,11 @@ def test_decoder_only_lm_options(tmp_path):
         x = block(x)
     hidden = np.asarray(lm.final_norm(x))
     table = np.asarray(lm.embedding.token_embedding.embeddings)
-    np.testing.assert_allclose(logits, hidden @ table.T, atol=1e-5)
+    tolerance.assert_close(logits, hidden @ table.T, terms=tolerance.LAYER_TERMS)
     # Cached decoding agrees with the full forward pass.
     cache = lm.init_cache(1, 8)
     step, _ = lm.call_with_cache(ids, cache, 0)
-    np.testing.assert_allclose(np.asarray(step), logits, atol=1e-5)
+    tolerance.assert_close(np.asarray(step), logits, terms=tolerance.LAYER_TERMS)
     tokens = np.asarray(greedy_search(lm, ids, max_length=8))
     assert tokens.shape == (1, 8)
     # Serialization.
@@ -248,7 +249,7 @@ def test_seq2seq_lm_tied_head():
     for block in lm.blocks:
         x = block(x, encoded, encoder_padding_mask=mask)
     hidden = np.asarray(lm.final_norm(x))
-    np.testing.assert_allclose(logits, hidden @ np.asarray(lm.decoder_embedding.embeddings).T, atol=1e-5)
+    tolerance.assert_close(logits, hidden @ np.asarray(lm.decoder_embedding.embeddings).T, terms=tolerance.LAYER_TERMS)
     assert Seq2SeqLM.from_config(lm.get_config()).get_config() == lm.get_config()
 
 

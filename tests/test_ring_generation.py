@@ -15,6 +15,7 @@ from keras_attn.generation import DecoderOnlyLM, greedy_search
 from keras_attn.generation import export as gen_export
 from keras_attn.layers import TransformerDecoderBlock, TransformerEncoderBlock
 from tests import reference as ref
+from tests import tolerance
 
 VOCAB, WINDOW, MAX_LEN = 29, 4, 15
 HEADS, KV_HEADS, HIDDEN = 4, 2, 16
@@ -79,7 +80,7 @@ def test_ring_cache_logits_equal_windowed_recomputation_every_step(ring_lm):
     # The window matters: without it the logits differ.
     assert np.abs(_np_logits(lm, ids, length) - expected)[:, WINDOW:].max() > 1e-2
     # The plain (uncached) Keras pass applies the window too.
-    np.testing.assert_allclose(np.asarray(lm(ids)), expected, atol=1e-5)
+    tolerance.assert_close(np.asarray(lm(ids)), expected, terms=tolerance.LAYER_TERMS)
 
     step = tf.function(lambda t, c, i: lm.call_with_cache(t, c, i), reduce_retracing=True)
     cache = lm.init_cache(2, length)
@@ -95,7 +96,7 @@ def test_ring_cache_logits_equal_windowed_recomputation_every_step(ring_lm):
             for part in layer["self_attention"]:
                 assert tuple(part.shape) == (2, WINDOW, KV_HEADS, HIDDEN // HEADS)
     assert index == length
-    np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-5)
+    tolerance.assert_close(np.concatenate(got, axis=1), expected, terms=tolerance.LAYER_TERMS)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_attn.generation import DecoderOnlyLM, Seq2SeqLM
 from keras_attn.generation import export as gen_export
+from tests import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,7 +178,7 @@ def test_model_signature_checks_ids_against_each_embedding(dates_model, tmp_path
                                              "decoder_inputs": dec_vocab}
     fn = tf.saved_model.load(report.path).signatures["serving_default"]
     call = lambda **kw: fn(**{k: tf.constant(v) for k, v in {**good, **kw}.items()})  # noqa: E731
-    np.testing.assert_allclose(call()["logits"].numpy(), np.asarray(model(good)), atol=1e-4)
+    tolerance.assert_close(call()["logits"].numpy(), np.asarray(model(good)), terms=tolerance.LAYER_TERMS)
     # An id the encoder table has but the decoder's does not.
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"`decoder_inputs` must hold token ids in \[0, vocabulary_size={dec_vocab}\)"):
@@ -191,7 +192,7 @@ def test_model_signature_checks_ids_against_each_embedding(dates_model, tmp_path
     wrapped = raw(encoder_inputs=tf.constant([[3, -4, 5, 0]]),
                   decoder_inputs=tf.constant(good["decoder_inputs"]))["logits"].numpy()
     want = np.asarray(model({**good, "encoder_inputs": np.array([[3, enc_vocab - 4, 5, 0]])}))
-    np.testing.assert_allclose(wrapped, want, atol=1e-4)
+    tolerance.assert_close(wrapped, want, terms=tolerance.LAYER_TERMS)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +234,6 @@ def test_model_exports_clamp_and_flag_out_of_range_ids(fmt, dates_model, tmp_pat
     from ai_edge_litert import interpreter as litert
 
     from keras_attn import export
-    from tests import tolerance
 
     model, vocabularies = dates_model
     feed = _bad_id_requests(vocabularies)

@@ -23,8 +23,11 @@ def test_mixed_precision_matches_float32(policy, name):
     for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
         a = np.asarray(keras.ops.cast(a, "float32"))
         assert np.all(np.isfinite(a))
-        tol = 5e-2 if policy == "mixed_bfloat16" else 1e-2
-        np.testing.assert_allclose(a, np.asarray(b), atol=tol * max(1.0, np.abs(b).max()))
+        # A model computed in 16 bits against float32: a few roundings of the
+        # activations, which the models' normalisation keeps of order 1.
+        dtype = "bfloat16" if policy == "mixed_bfloat16" else "float16"
+        tolerance.assert_close(a, np.asarray(b), scale=max(1.0, tolerance.magnitude(b)),
+                               ulps=10 if dtype == "float16" else 8, dtype=dtype)
 
 
 def test_mixed_float16_huge_activations_do_not_overflow():
@@ -33,7 +36,7 @@ def test_mixed_float16_huge_activations_do_not_overflow():
     x = np.full((1, 4, 32), 30.0, "float32")  # q.k ~ 30*30*32*32*32 >> float16 max
     out, scores = layer(x, x, return_attention_scores=True, use_causal_mask=True)
     assert np.all(np.isfinite(np.asarray(out, "float32")))
-    np.testing.assert_allclose(np.asarray(scores, "float32").sum(-1), 1.0, atol=1e-2)
+    tolerance.assert_close(np.asarray(scores, "float32").sum(-1), 1.0, ulps=10, terms=4, dtype="float16")
 
 
 def _copy_task(n, length, rng):

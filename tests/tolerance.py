@@ -20,7 +20,13 @@ Comparisons against a float64 NumPy reference use the same bound: the
 reference's own error is negligible, so the budget is the float32 side's.
 """
 
+import os
+
 import numpy as np
+
+# Set to a file path to log `error / bound` of every check (one line each),
+# e.g. to see the margin under TF_ENABLE_ONEDNN_OPTS=0 or one thread.
+REPORT = os.environ.get("KERAS_ATTN_TOLERANCE_REPORT")
 
 EPS32 = float(np.finfo(np.float32).eps)  # 1.19e-7
 EPS16 = float(np.finfo(np.float16).eps)  # 9.8e-4
@@ -28,6 +34,11 @@ EPS16 = float(np.finfo(np.float16).eps)  # 9.8e-4
 EPS_BF16 = 2.0**-7
 
 EPS = {"float32": EPS32, "float16": EPS16, "bfloat16": EPS_BF16}
+
+# The rounding budget of one attention layer or block on the test sizes: a
+# projection, a dot product over the head size, a softmax and a weighted sum
+# over the keys, an output projection (feature sizes and lengths up to ~64).
+LAYER_TERMS = 64
 
 
 def magnitude(*arrays):
@@ -50,6 +61,8 @@ def assert_close(got, want, *, scale=None, ulps=64, terms=1, dtype="float32", er
     """
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
+    if want.ndim == 0 or want.shape != got.shape and np.ndim(want) < got.ndim:
+        want = np.broadcast_to(want, got.shape)  # e.g. probabilities summing to 1.0
     assert got.shape == want.shape, f"{err_msg}: shapes {got.shape} != {want.shape}"
     if scale is None:
         scale = magnitude(got, want)
@@ -57,6 +70,9 @@ def assert_close(got, want, *, scale=None, ulps=64, terms=1, dtype="float32", er
     err = np.abs(got - want)
     worst = float(err.max()) if err.size else 0.0
     assert np.all(np.isfinite(got) == np.isfinite(want)), f"{err_msg}: non-finite values differ"
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(f"{worst / tol if tol else 0.0:.4f}\t{err_msg}\n")
     assert worst <= tol, (
         f"{err_msg}: max |got - want| = {worst:.3g} > {tol:.3g} "
         f"({ulps} ulps x sqrt({terms}) of scale {scale:.3g}, {dtype})"
@@ -79,3 +95,15 @@ def _leaves(x):
             yield from _leaves(item)
     else:
         yield x
+
+
+def assert_outputs_and_grads(got, want, *, n_out=1, ulps=64, terms=1, dtype="float32", err_msg=""):
+    """The first `n_out` tensors (outputs) each against its own magnitude; the
+    rest (gradients) against the largest magnitude among them (see
+    `assert_all_close`)."""
+    assert len(got) == len(want), f"{err_msg}: {len(got)} tensors vs {len(want)}"
+    for i in range(n_out):
+        assert_close(got[i], want[i], ulps=ulps, terms=terms, dtype=dtype, err_msg=f"{err_msg} output {i}")
+    if len(got) > n_out:
+        assert_all_close(got[n_out:], want[n_out:], ulps=ulps, terms=terms, dtype=dtype,
+                         err_msg=f"{err_msg} gradient")
