@@ -30,6 +30,9 @@ MATRIX = [
     "swish",
 ]
 HF_NAMES = [n for n in MATRIX if n != "gelu_tanh"]
+# An elementwise function (erf, tanh, exp inside) in float32: a few ulps of
+# the largest value (tests/tolerance.py).
+ELEMENTWISE_ULPS = 16
 X = np.concatenate(
     [np.linspace(-12, 12, 2001), np.random.default_rng(0).standard_normal(500) * 3]
 ).astype("float32")
@@ -39,20 +42,20 @@ X = np.concatenate(
 def test_matches_hugging_face_activation(name):
     want = hf_activations.ACT2FN[name](torch.from_numpy(X)).numpy()
     got = np.asarray(activations.get(name)(X))
-    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0, err_msg=name)
+    tolerance.assert_close(got, want, ulps=ELEMENTWISE_ULPS, err_msg=name)
 
 
 def test_exact_gelu_matches_keras_and_torch_to_1e6():
     got = np.asarray(activations.gelu(X))
-    np.testing.assert_allclose(got, np.asarray(keras.activations.gelu(X, approximate=False)), atol=1e-6, rtol=0)
+    tolerance.assert_close(got, np.asarray(keras.activations.gelu(X, approximate=False)), ulps=ELEMENTWISE_ULPS)
     want = torch.nn.functional.gelu(torch.from_numpy(X).double()).numpy()
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    tolerance.assert_close(got, want, ulps=ELEMENTWISE_ULPS)
 
 
 def test_tanh_gelu_matches_torch():
     got = np.asarray(activations.gelu_tanh(X))
     want = torch.nn.functional.gelu(torch.from_numpy(X).double(), approximate="tanh").numpy()
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    tolerance.assert_close(got, want, ulps=ELEMENTWISE_ULPS)
 
 
 def test_no_nan_in_low_precision():

@@ -212,7 +212,9 @@ def test_low_precision_inputs_keep_dtype(rng):
     assert out.dtype == "float16"
     q32 = q.astype("float32")
     ref = np_attention(q32, q32, q32, np.ones((1, 2, 16, 16), bool), None, 1 / np.sqrt(8), q32)[0]
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=5e-3)
+    # float16 inputs and output, float32 inside: the output's rounding dominates.
+    tolerance.assert_close(np.asarray(out, np.float32), ref, scale=tolerance.magnitude(q32),
+                           ulps=8, dtype="float16")
 
 
 def test_layers_accept_chunk_size_and_match_unblocked(rng):
@@ -328,9 +330,8 @@ def test_large_blocks_run_in_head_groups(monkeypatch, rng):
     out = dot_product_attention(q, k, v, chunk_size=1024)
     assert len(heads) > 1 and sum(heads) == 8
     mask4 = np.ones((1, 8, 1100, 1100), bool)
-    np.testing.assert_allclose(
-        out, np_attention(q, k, v, mask4, None, 0.5, np.zeros_like(q))[0], atol=1e-5, rtol=1e-4
-    )
+    tolerance.assert_close(out, np_attention(q, k, v, mask4, None, 0.5, np.zeros_like(q))[0],
+                           terms=1100 * 4)
     heads.clear()
     dot_product_attention(q[:, :300], k[:, :300], v[:, :300], chunk_size=64)
     assert heads == [8]

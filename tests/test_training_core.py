@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from keras_attn import layers as kal
 from tests import model_zoo
+from tests import tolerance
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
