@@ -88,23 +88,6 @@ def quiet(verbose=None, import_tensorflow=True):
     return False
 
 
-def quiet_tfds():
-    """A context in which tfds prints nothing (no bars, no "Downloading and preparing").
-
-    tfds writes its progress bars and messages to stdout itself; the caller
-    prints its own progress line instead. Verbose mode leaves them.
-    """
-    import contextlib
-    import io
-
-    if is_verbose():
-        return contextlib.nullcontext()
-    import tensorflow_datasets as tfds
-
-    tfds.disable_progress_bar()
-    return contextlib.redirect_stdout(io.StringIO())
-
-
 def _add_export_arguments(parser):
     """`keras-attn export` flags; `keras_attn.export.cli.run` reads them."""
     parser.add_argument("model", help="path to a .keras file (loaded with safe_mode=True "

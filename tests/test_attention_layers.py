@@ -12,17 +12,17 @@ from tests import tolerance
 
 def _mha_weights(layer):
     w = {
-        "wq": layer._query_dense.kernel.numpy(),
-        "wk": layer._key_dense.kernel.numpy(),
-        "wv": layer._value_dense.kernel.numpy(),
-        "wo": layer._output_dense.kernel.numpy(),
+        "wq": layer.query_dense.kernel.numpy(),
+        "wk": layer.key_dense.kernel.numpy(),
+        "wv": layer.value_dense.kernel.numpy(),
+        "wo": layer.output_dense.kernel.numpy(),
     }
     if layer.use_bias:
         w.update(
-            bq=layer._query_dense.bias.numpy(),
-            bk=layer._key_dense.bias.numpy(),
-            bv=layer._value_dense.bias.numpy(),
-            bo=layer._output_dense.bias.numpy(),
+            bq=layer.query_dense.bias.numpy(),
+            bk=layer.key_dense.bias.numpy(),
+            bv=layer.value_dense.bias.numpy(),
+            bo=layer.output_dense.bias.numpy(),
         )
     return w
 
@@ -102,7 +102,7 @@ def test_mha_matches_reference_with_explicit_weights(rng, num_kv_heads, causal):
     tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
     tolerance.assert_close(scores, probs, terms=tolerance.LAYER_TERMS)
     hkv = num_kv_heads or 4
-    assert tuple(layer._key_dense.kernel.shape) == (8, hkv, 3)
+    assert tuple(layer.key_dense.kernel.shape) == (8, hkv, 3)
 
 
 KERAS_CASES = {
@@ -188,7 +188,7 @@ def test_fully_masked_query_rows_output_bias_only(rng):
     mask[0, 1] = False
     out, scores = layer(x, x, attention_mask=mask, return_attention_scores=True)
     # Zero attention output, so only the output projection's bias remains.
-    tolerance.assert_close(out[0, 1], layer._output_dense.bias.numpy(), terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(out[0, 1], layer.output_dense.bias.numpy(), terms=tolerance.LAYER_TERMS)
     np.testing.assert_array_equal(np.asarray(scores)[0, :, 1], 0.0)
 
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from keras_attn.generation.cache import check_cache_write
 from keras_attn.layers import MultiHeadAttention, RotaryEmbedding, TransformerDecoderBlock
-from keras_attn.layers._kv_cache import write_cache
+from keras_attn.ops import write_cache
 from tests import reference as ref
 from tests import tolerance
 
@@ -37,8 +37,8 @@ def test_write_cache_matches_numpy(rng, length, t, index, ring):
 
 def _mha_weights(layer):
     w = {}
-    for name, dense in (("q", layer._query_dense), ("k", layer._key_dense),
-                        ("v", layer._value_dense), ("o", layer._output_dense)):
+    for name, dense in (("q", layer.query_dense), ("k", layer.key_dense),
+                        ("v", layer.value_dense), ("o", layer.output_dense)):
         w["w" + name], w["b" + name] = (np.asarray(x, np.float64) for x in dense.get_weights())
     return w
 

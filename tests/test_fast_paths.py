@@ -197,7 +197,7 @@ def test_query_padding_mask_matches_keras_mha(cross, rng):
     keras_out, keras_grads = run(keras_mha)
     rows = q_valid
     tolerance.assert_close(np.asarray(ours_out)[rows], np.asarray(keras_out)[rows], terms=tolerance.LAYER_TERMS)
-    bias = np.asarray(ours._output_dense.bias)
+    bias = np.asarray(ours.output_dense.bias)
     tolerance.assert_close(np.asarray(ours_out)[~rows], np.broadcast_to(bias, (int((~rows).sum()), dim)), terms=tolerance.LAYER_TERMS)
     for g_ours, g_keras in zip(ours_grads, keras_grads):
         # Keras lets padded queries attend; their rows carry no loss here, so
@@ -338,13 +338,13 @@ def test_fused_projections_with_lora_quantized_and_mixed_precision(rng):
     query, _, _, ours = _mha_pair(rng, cross=False)
 
     def by_sublayers(layer, x):
-        q, k, v = (d(x) for d in (layer._query_dense, layer._key_dense, layer._value_dense))
+        q, k, v = (d(x) for d in (layer.query_dense, layer.key_dense, layer.value_dense))
         out = dot_product_attention(q, k, v)
-        return layer._output_dense(out)
+        return layer.output_dense(out)
 
-    ours._query_dense.enable_lora(2, b_initializer="ones")
+    ours.query_dense.enable_lora(2, b_initializer="ones")
     tolerance.assert_close(np.asarray(ours(query, query)), np.asarray(by_sublayers(ours, query)), terms=tolerance.LAYER_TERMS)
-    for dense in (ours._key_dense, ours._value_dense, ours._output_dense):
+    for dense in (ours.key_dense, ours.value_dense, ours.output_dense):
         dense.quantize("int8")
     tolerance.assert_close(np.asarray(ours(query, query)), np.asarray(by_sublayers(ours, query)), terms=tolerance.LAYER_TERMS)
 

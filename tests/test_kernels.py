@@ -159,11 +159,13 @@ def test_select_kernel_on_a_gpu_never_picks_cpu_kernels():
                 for needs in ((False, False), (True, False), (False, True)):
                     if chunk == (64, 64) and any(needs):
                         continue  # rejected by dot_product_attention
-                    kernel = dispatch.select_kernel(
+                    plan = dispatch.select_kernel(
                         query_length=lengths[0], key_length=lengths[1], chunk_size=chunk,
                         dropout_active=needs[0], return_attention_scores=needs[1],
                         implementation="auto", backend=backend, device="gpu",
                     )
+                    kernel = plan.attention
+                    assert not plan.cpu_kernels
                     assert kernel != "tf_cpu"
                     if backend in ("jax", "torch") and kernel != "blocked" and not any(needs):
                         assert kernel == "keras"
@@ -171,10 +173,10 @@ def test_select_kernel_on_a_gpu_never_picks_cpu_kernels():
                         assert kernel == "reference"
     assert dispatch.select_kernel(
         query_length=8, key_length=8, implementation="auto", backend="tensorflow", device="cpu"
-    ) == "tf_cpu"
+    ) == dispatch.KernelPlan("tf_cpu", cpu_kernels=True, fused_projections=True)
     assert dispatch.select_kernel(
         query_length=8, key_length=8, implementation="auto", backend="jax", device="cpu"
-    ) == "reference"
+    ) == dispatch.KernelPlan("reference", cpu_kernels=False, fused_projections=True)
 
 
 @pytest.mark.usefixtures("auto_kernels")
@@ -187,10 +189,10 @@ def test_device_override_drives_dot_product_attention_and_layer_norm(rng):
     cpu_block = np.asarray(block(x))
     cpu_out = ka_ops.dot_product_attention(q, q, q, is_causal=True)
     assert ka_ops.last_kernel() == "tf_cpu"
-    assert dispatch.cpu_kernels_enabled()
+    assert dispatch.select_kernel().cpu_kernels
     with config.device_type("gpu"):
         assert config.get_device_type() == "gpu"
-        assert not dispatch.cpu_kernels_enabled()
+        assert not dispatch.select_kernel().cpu_kernels
         gpu_out = ka_ops.dot_product_attention(q, q, q, is_causal=True)
         assert ka_ops.last_kernel() == "reference"
         assert ka_ops.explain_kernel(q, q, q) == "reference"

@@ -49,12 +49,12 @@ def _np_logits(lm, ids, window):
         att = block.self_attention
         h = ref.layer_norm(x, w(block.self_attention_layer_norm.gamma),
                            w(block.self_attention_layer_norm.beta), 1e-5)
-        q = np.einsum("btd,dhk->bthk", h, w(att._query_dense.kernel)) + w(att._query_dense.bias)
-        k = np.einsum("btd,dhk->bthk", h, w(att._key_dense.kernel)) + w(att._key_dense.bias)
-        v = np.einsum("btd,dhk->bthk", h, w(att._value_dense.kernel)) + w(att._value_dense.bias)
+        q = np.einsum("btd,dhk->bthk", h, w(att.query_dense.kernel)) + w(att.query_dense.bias)
+        k = np.einsum("btd,dhk->bthk", h, w(att.key_dense.kernel)) + w(att.key_dense.bias)
+        v = np.einsum("btd,dhk->bthk", h, w(att.value_dense.kernel)) + w(att.value_dense.bias)
         out, _ = ref.attention(ref.rotary(q), ref.rotary(k), v, mask=mask)
-        x = x + np.einsum("bthk,hkd->btd", out, w(att._output_dense.kernel)) + w(
-            att._output_dense.bias)
+        x = x + np.einsum("bthk,hkd->btd", out, w(att.output_dense.kernel)) + w(
+            att.output_dense.bias)
         h = ref.layer_norm(x, w(block.feedforward_layer_norm.gamma),
                            w(block.feedforward_layer_norm.beta), 1e-5)
         h = ref.relu(ref.linear(h, w(block.feedforward_intermediate_dense.kernel),

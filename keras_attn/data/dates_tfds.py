@@ -10,7 +10,9 @@ build it offline (nothing is downloaded) and read it back like any tfds set.
 Each example is `{"text": tf.string, "iso": tf.string}`.
 """
 
+import contextlib
 import dataclasses
+import io
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -97,3 +99,15 @@ def load_dates(
     )
     return builder.as_dataset(split=list(split) if not isinstance(split, str) else split,
                               as_supervised=as_supervised, shuffle_files=False)
+
+
+def quiet_tfds(verbose=False):
+    """A context in which tfds prints nothing (no bars, no "Downloading and preparing").
+
+    tfds writes its progress bars and messages to stdout itself; the caller
+    prints its own progress line instead. `verbose` leaves them.
+    """
+    if verbose:
+        return contextlib.nullcontext()
+    tfds.disable_progress_bar()
+    return contextlib.redirect_stdout(io.StringIO())

@@ -5,7 +5,7 @@ A model's cache is a list with one dict per `TransformerDecoderBlock`:
 each tensor `(batch, max_length, num_key_value_heads, head_dim)` (grouped-query
 models store only the key/value heads). The cache is written in place by
 `MultiHeadAttention(cache=..., cache_index=...)` with a comparison/gather/where
-update (`keras_attn.layers._kv_cache.write_cache`), which lowers to
+update (`keras_attn.ops.write_cache`), which lowers to
 TFLite builtins and ONNX, unlike a scatter or `XlaDynamicUpdateSlice`.
 
 For export the cache travels as one tensor per model,
@@ -15,8 +15,8 @@ For export the cache travels as one tensor per model,
 
 from keras import ops
 
-from keras_attn.layers._kv_cache import check_cache_write  # noqa: F401
-from keras_attn.layers._kv_cache import write_cache  # noqa: F401
+from keras_attn.ops.cache import check_cache_write  # noqa: F401  (used by generation)
+from keras_attn.ops.cache import write_cache  # noqa: F401
 
 
 def empty_cache(batch_size, max_length, num_layers, num_key_value_heads, head_dim,

@@ -19,7 +19,7 @@ import keras
 from keras import ops
 
 from keras_attn.generation import cache as cache_lib
-from keras_attn.layers import _common
+from keras_attn.layers import checks as _checks
 from keras_attn.layers import activations
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
@@ -48,25 +48,25 @@ class _LMBase(keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = _common.check_positive_int("vocabulary_size", vocabulary_size)
-        self.sequence_length = _common.check_positive_int("sequence_length", sequence_length)
-        self.hidden_dim = _common.check_positive_int("hidden_dim", hidden_dim)
-        self.num_layers = _common.check_positive_int("num_layers", num_layers)
-        self.num_heads = _common.check_positive_int("num_heads", num_heads)
-        self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)
+        self.vocabulary_size = _checks.check_positive_int("vocabulary_size", vocabulary_size)
+        self.sequence_length = _checks.check_positive_int("sequence_length", sequence_length)
+        self.hidden_dim = _checks.check_positive_int("hidden_dim", hidden_dim)
+        self.num_layers = _checks.check_positive_int("num_layers", num_layers)
+        self.num_heads = _checks.check_positive_int("num_heads", num_heads)
+        self.intermediate_dim = _checks.check_positive_int("intermediate_dim", intermediate_dim)
         self.num_key_value_heads = num_key_value_heads or num_heads
-        self.position = _common.check_choice("position", position, ("sinusoidal", "learned", "rotary"))
+        self.position = _checks.check_choice("position", position, ("sinusoidal", "learned", "rotary"))
         self.pad_token_id = pad_token_id
-        self.sliding_window = _common.check_positive_int(
+        self.sliding_window = _checks.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
         activations.get(activation)  # raises a ValueError naming `activation`
         self.activation = activation
-        self.layer_norm_epsilon = _common.check_positive_float(
+        self.layer_norm_epsilon = _checks.check_positive_float(
             "layer_norm_epsilon", layer_norm_epsilon
         )
-        self.tie_embeddings = _common.check_bool("tie_embeddings", tie_embeddings)
-        self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
+        self.tie_embeddings = _checks.check_bool("tie_embeddings", tie_embeddings)
+        self.mask_padded_queries = _checks.check_bool("mask_padded_queries", mask_padded_queries)
         if hidden_dim % num_heads:
             raise ValueError(
                 f"`hidden_dim` must be divisible by `num_heads`. Received: "
@@ -175,7 +175,7 @@ class _LMBase(keras.Model):
         return config
 
 
-@_common.register
+@_checks.register
 class DecoderOnlyLM(_LMBase):
     """A pre-norm GPT-style language model of `TransformerDecoderBlock`s.
 
@@ -233,7 +233,7 @@ class DecoderOnlyLM(_LMBase):
         return self._logits(self.embedding, self.final_norm(x)), new_cache
 
 
-@_common.register
+@_checks.register
 class Seq2SeqLM(_LMBase):
     """An encoder-decoder Transformer (`TransformerEncoderBlock`s + decoder blocks).
 

@@ -2,16 +2,17 @@
 
 import keras
 
+from keras_attn.layers import _dtype_checks
+from keras_attn.layers.checks import PACKAGE  # noqa: F401
+from keras_attn.layers.checks import check_bool  # noqa: F401
+from keras_attn.layers.checks import check_choice  # noqa: F401
+from keras_attn.layers.checks import check_positive_float  # noqa: F401
+from keras_attn.layers.checks import check_positive_int  # noqa: F401
+from keras_attn.layers.checks import register  # noqa: F401
 from keras_attn.ops import dispatch
 from keras_attn.ops import masking
+from keras_attn.ops import shapes
 from keras_attn.ops.attention import check_dropout  # noqa: F401  (re-export)
-
-PACKAGE = "keras_attn"
-
-
-def register(cls):
-    """Registers `cls` for serialization as `keras_attn>ClassName`."""
-    return keras.saving.register_keras_serializable(package=PACKAGE)(cls)
 
 
 def clone_initializer(initializer):
@@ -23,32 +24,6 @@ def clone_initializer(initializer):
     gets its own copy; an explicitly seeded initializer stays deterministic.
     """
     return initializer.__class__.from_config(initializer.get_config())
-
-
-def check_positive_int(name, value, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        expected = "a positive integer" + (" or None" if allow_none else "")
-        error = TypeError if not isinstance(value, (int, float)) else ValueError
-        raise error(
-            f"Received an invalid value for argument `{name}`, expected "
-            f"{expected}. Received: {name}={value!r}"
-        )
-    return value
-
-
-def check_positive_float(name, value):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value < float("inf")
-    ):
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected a "
-            f"positive finite number. Received: {name}={value!r}"
-        )
-    return float(value)
 
 
 def check_chunk_size(chunk_size, dropout):
@@ -85,44 +60,11 @@ def check_num_key_value_heads(num_key_value_heads, num_heads):
     return num_key_value_heads
 
 
-def check_rotary_embedding(rotary_embedding):
-    """None or a `RotaryEmbedding` (also from its serialized config)."""
-    from keras_attn.layers.rotary_embedding import RotaryEmbedding
-
-    if isinstance(rotary_embedding, dict):
-        rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
-    if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
-        raise TypeError(
-            "Received an invalid value for argument `rotary_embedding`, "
-            "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
-            f"rotary_embedding={rotary_embedding!r}"
-        )
-    return rotary_embedding
-
-
 def mask_tensors(*masks):
     """Masks given as Python lists or tuples, as tensors (as Keras accepts them)."""
     return tuple(
         keras.ops.convert_to_tensor(m) if isinstance(m, (list, tuple)) else m for m in masks
     )
-
-
-def check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected one of "
-            f"{list(choices)}. Received: {name}={value!r}"
-        )
-    return value
-
-
-def check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"Received an invalid value for argument `{name}`, expected a bool. "
-            f"Received: {name}={value!r}"
-        )
-    return value
 
 
 def check_activation(name, value):
@@ -194,6 +136,31 @@ def check_attention_inputs(query, value, key, feature_checks=()):
             )
 
 
+def attention_call_preamble(layer_name, query, value, key, **masks):
+    """The start of every attention layer's call: floating-point features
+    (a TypeError naming the argument otherwise), and the masks given as
+    Python lists as tensors. Returns the masks in the order given."""
+    _dtype_checks.check_float_features(layer_name, query=query, value=value, key=key)
+    return mask_tensors(*masks.values())
+
+
+def single_head_call_masks(layer_name, query, value, key, *, use_causal_mask=False,
+                           feature_checks=(), **masks):
+    """The preamble of `DotProductAttention` and `AdditiveAttention`:
+    `(key_or_value, mask)` after `attention_call_preamble`, the batch,
+    length and feature checks, and `merge_attention_masks`."""
+    query_mask, value_mask, key_mask, attention_mask = attention_call_preamble(
+        layer_name, query, value, key, **masks
+    )
+    key_or_value = value if key is None else key
+    check_attention_inputs(query, value, key_or_value, feature_checks=feature_checks)
+    mask = merge_attention_masks(
+        query, value, key, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+        attention_mask=attention_mask, use_causal_mask=use_causal_mask, num_heads=1,
+    )
+    return key_or_value, mask
+
+
 def merge_attention_masks(
     query,
     value,
@@ -206,9 +173,9 @@ def merge_attention_masks(
     use_causal_mask=False,
     num_heads=None,
     sliding_window=None,
-    start_index=0,
 ):
-    """One `(B|1, H|1, T_q, T_k)` boolean mask from every mask source.
+    """One `(B|1, H|1, T_q, T_k)` boolean mask from every mask source of an
+    uncached call (`keras_attn.ops.masking.mask_from_positions`).
 
     Padding masks (Keras masks of the inputs, or given), the explicit
     `attention_mask` and the causal / sliding-window masks combine by
@@ -225,19 +192,18 @@ def merge_attention_masks(
     check_padding_mask("query_mask", query_mask, query, "query")
     check_padding_mask("value_mask", value_mask, value, "value")
     check_padding_mask("key_mask", key_mask, key, "key")
-    padding = masking.padding_mask_to_attention_mask(query_mask, value_mask, key_mask)
-    explicit = masking.normalize_attention_mask(
-        attention_mask,
-        batch_size=query.shape[0],
-        query_length=query.shape[1],
-        key_length=value.shape[1],
-        num_heads=num_heads,
-    )
-    positions = masking.position_mask(
-        keras.ops.shape(query)[1],
-        keras.ops.shape(value)[1],
+    return masking.mask_from_positions(
+        keras.ops.arange(shapes.dim(query, 1), dtype="int32"),
+        keras.ops.arange(shapes.dim(value, 1), dtype="int32"),
         is_causal=bool(use_causal_mask),
         sliding_window=sliding_window,
-        start_index=start_index,
+        query_valid=query_mask,
+        key_valid=masking.combine_masks(value_mask, key_mask),
+        attention_mask=masking.normalize_attention_mask(
+            attention_mask,
+            batch_size=query.shape[0],
+            query_length=query.shape[1],
+            key_length=value.shape[1],
+            num_heads=num_heads,
+        ),
     )
-    return masking.combine_masks(padding, explicit, positions)

@@ -10,7 +10,7 @@ from keras_attn.ops import tf_kernels
 
 class LastAxisLayerNorm(keras.layers.LayerNormalization):
     """`keras.layers.LayerNormalization(axis=-1)` (same weights, same numbers),
-    computed by `tf_kernels.layer_norm` when `dispatch.cpu_kernels_enabled()`.
+    computed by `tf_kernels.layer_norm` when `dispatch.select_kernel().cpu_kernels`.
 
     Internal to the Transformer blocks; elsewhere it is Keras' own call.
     """
@@ -19,8 +19,7 @@ class LastAxisLayerNorm(keras.layers.LayerNormalization):
         rank = len(inputs.shape)
         axes = self.axis if isinstance(self.axis, (list, tuple)) else [self.axis]
         if (
-            keras.backend.backend() != "tensorflow"
-            or not dispatch.cpu_kernels_enabled()
+            not dispatch.select_kernel().cpu_kernels
             or self.rms_scaling
             or not (self.center and self.scale)
             or [a % rank for a in axes] != [rank - 1]

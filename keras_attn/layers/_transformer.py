@@ -7,6 +7,8 @@ from keras_attn.layers import _common
 from keras_attn.layers import activations
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
+from keras_attn.layers.rotary_embedding import check_rotary_embedding
+from keras_attn.ops import dispatch
 
 
 class BlockBase(keras.layers.Layer):
@@ -57,7 +59,7 @@ class BlockBase(keras.layers.Layer):
         )
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        rotary_embedding = _common.check_rotary_embedding(rotary_embedding)
+        rotary_embedding = check_rotary_embedding(rotary_embedding)
         self.rotary_embedding = rotary_embedding
         # Self-attention only: each query sees keys fewer than `sliding_window`
         # positions away (causal in the decoder, so a ring-buffer cache of
@@ -148,15 +150,17 @@ class BlockBase(keras.layers.Layer):
         return x, extra
 
     def _feedforward(self, x, training):
+        flat = dispatch.select_kernel().fused_projections
+
         def ffn(h):
             # On `(B * T, features)`: Dense runs one 2-D matmul (+ bias,
             # activation) instead of a batched one, measurably faster on
             # TensorFlow's CPU kernels (benchmarks/README.md).
             shape = ops.shape(h)
-            h2 = ops.reshape(h, (-1, h.shape[-1]))
+            h2 = ops.reshape(h, (-1, h.shape[-1])) if flat else h
             h2 = self.feedforward_intermediate_dense(h2)
             h2 = self.feedforward_output_dense(h2)
-            return ops.reshape(h2, shape), None
+            return (ops.reshape(h2, shape) if flat else h2), None
 
         x, _ = self._residual(
             x, self.feedforward_layer_norm, self.feedforward_dropout, ffn, training

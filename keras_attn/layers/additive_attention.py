@@ -106,27 +106,13 @@ class AdditiveAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
     ):
-        query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
-            query_mask, value_mask, key_mask, attention_mask
-        )
-        key_or_value = value if key is None else key
         d_q, d_v, d_k = self._feature_dims
-        _common.check_attention_inputs(
-            query,
-            value,
-            key_or_value,
+        key_or_value = value if key is None else key
+        key_or_value, mask = _common.single_head_call_masks(
+            "AdditiveAttention", query, value, key, use_causal_mask=use_causal_mask,
             feature_checks=(("query", query, d_q), ("value", value, d_v), ("key", key_or_value, d_k)),
-        )
-        mask = _common.merge_attention_masks(
-            query,
-            value,
-            key,
-            query_mask=query_mask,
-            value_mask=value_mask,
-            key_mask=key_mask,
+            query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
             attention_mask=attention_mask,
-            use_causal_mask=use_causal_mask,
-            num_heads=1,
         )
         with masking.hidden_keras_masks(query, key_or_value):
             query_projection = self.query_dense(query)

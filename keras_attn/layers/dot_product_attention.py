@@ -85,11 +85,11 @@ class DotProductAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
     ):
-        query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
-            query_mask, value_mask, key_mask, attention_mask
+        key_or_value, mask = _common.single_head_call_masks(
+            "DotProductAttention", query, value, key, use_causal_mask=use_causal_mask,
+            query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask,
         )
-        key_or_value = value if key is None else key
-        _common.check_attention_inputs(query, value, key_or_value)
         if query.shape[-1] is not None and key_or_value.shape[-1] is not None and (
             query.shape[-1] != key_or_value.shape[-1]
         ):
@@ -98,17 +98,6 @@ class DotProductAttention(keras.layers.Layer):
                 f"same number of features. Received: query.shape={tuple(query.shape)}, "
                 f"key.shape={tuple(key_or_value.shape)}"
             )
-        mask = _common.merge_attention_masks(
-            query,
-            value,
-            key,
-            query_mask=query_mask,
-            value_mask=value_mask,
-            key_mask=key_mask,
-            attention_mask=attention_mask,
-            use_causal_mask=use_causal_mask,
-            num_heads=1,
-        )
         bias = None
         if attention_bias is not None:
             bias = attention_bias

@@ -6,12 +6,14 @@ from keras import ops
 from keras_attn.layers import _common
 from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _kv_cache
-from keras_attn.layers import _mha_attention
-from keras_attn.layers import _mha_convert
-from keras_attn.layers import _mha_projections as proj
+from keras_attn.layers import _nd_layout
+from keras_attn.layers import _peer_weights
+from keras_attn.layers import _projections as proj
+from keras_attn.layers.rotary_embedding import check_rotary_embedding
 from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import dispatch
 from keras_attn.ops import masking
-from keras_attn.layers._mha_projections import project_output
+from keras_attn.ops import shapes
 
 
 @_common.register
@@ -167,7 +169,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
-        rotary_embedding = _common.check_rotary_embedding(rotary_embedding)
+        rotary_embedding = check_rotary_embedding(rotary_embedding)
         if rotary_embedding is not None and self.key_dim % 2:
             raise ValueError(
                 f"`rotary_embedding` needs an even `key_dim`. Received: key_dim={key_dim}"
@@ -209,7 +211,7 @@ class MultiHeadAttention(keras.layers.Layer):
                     f"The last axis of `{name}` must be known. Received: {name}_shape={tuple(shape)}"
                 )
         rank = len(query_shape)
-        self._attention_axes = proj.normalize_attention_axes(self._attention_axes, rank)
+        self._attention_axes = _nd_layout.normalize_attention_axes(self._attention_axes, rank)
         self._nd = None
         if rank > 3:
             if self.rotary_embedding is not None:
@@ -217,10 +219,46 @@ class MultiHeadAttention(keras.layers.Layer):
                     "`rotary_embedding` needs (batch, seq, features) inputs. Received: "
                     f"query_shape={tuple(query_shape)}"
                 )
-            self._nd = proj.NDLayout(rank + 1, self._attention_axes)
-        proj.build_sublayers(self, query_shape, value_shape, key_shape)
+            self._nd = _nd_layout.NDLayout(rank + 1, self._attention_axes)
+        self._build_projections(query_shape, value_shape, key_shape)
         self._feature_dims = (query_shape[-1], value_shape[-1], key_shape[-1])
         self.built = True
+
+    def _build_projections(self, query_shape, value_shape, key_shape):
+        """The EinsumDense sublayers, in Keras's order (gate before value) so
+        that `get_weights()` lists match."""
+        rank = len(query_shape)
+        heads, kv_heads = self.num_heads, self.num_key_value_heads
+
+        def dense(name, shape, bound_dims, out_dims, activation=None):
+            # As Keras: the input's non-feature axes are free, `bound_dims` contracted.
+            equation, bias_axes = proj.projection_equation(rank - 1, bound_dims, len(out_dims))
+            sublayer = keras.layers.EinsumDense(
+                equation,
+                output_shape=proj.output_shape_arg(rank - 2 + len(out_dims), out_dims),
+                bias_axes=bias_axes if self.use_bias else None,
+                activation=activation,
+                name=name,
+                kernel_initializer=_common.clone_initializer(self.kernel_initializer),
+                bias_initializer=_common.clone_initializer(self.bias_initializer),
+                kernel_regularizer=self.kernel_regularizer,
+                bias_regularizer=self.bias_regularizer,
+                kernel_constraint=self.kernel_constraint,
+                bias_constraint=self.bias_constraint,
+                dtype=self.dtype_policy,
+            )
+            sublayer.build(shape)
+            return sublayer
+
+        self._query_dense = dense("query", query_shape, 1, (heads, self.key_dim))
+        self._key_dense = dense("key", key_shape, 1, (kv_heads, self.key_dim))
+        if self.use_gate:
+            self._gate_dense = dense("gate", query_shape, 1, (heads, self.value_dim), "sigmoid")
+        self._value_dense = dense("value", value_shape, 1, (kv_heads, self.value_dim))
+        self._output_dense = dense(
+            "attention_output", tuple(query_shape[:-1]) + (heads, self.value_dim), 2,
+            self._output_shape or (query_shape[-1],),
+        )
 
     def call(
         self,
@@ -240,32 +278,42 @@ class MultiHeadAttention(keras.layers.Layer):
         cache=None,
         cache_index=None,
     ):
-        _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
-        query_mask, value_mask, key_mask, attention_mask = _common.mask_tensors(
-            query_mask, value_mask, key_mask, attention_mask
+        masks = _common.attention_call_preamble(
+            "MultiHeadAttention", query, value, key,
+            query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask,
         )
-        overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
-        rows, kwargs = None, {}
-        if cache is not None:
-            q, k, v, gate, mask, new_cache = _kv_cache.prepare_cached(
-                self, query, value, key, cache=cache, cache_index=cache_index,
-                query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-                attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-                start_index=start_index,
-            )
-        elif cache_index is not None:
+        if cache is None and cache_index is not None:
             raise ValueError(
                 "`cache_index` was given without a `cache`. Received: "
                 f"cache_index={cache_index!r}, cache=None"
             )
-        else:
-            q, k, v, gate, mask, rows, kwargs = _mha_attention.prepare_uncached(
-                self, query, value, key, query_mask=query_mask, value_mask=value_mask,
-                key_mask=key_mask, attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask,
-                return_attention_scores=return_attention_scores, overridden=overridden,
-                start_index=start_index,
+        self._check_inputs(query, value, key, cached=cache is not None)
+        overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
+        # Only a cached call with `cache_index` writes new keys; a call with a
+        # complete (cross-attention) cache projects the query alone.
+        new_keys = cache is None or cache_index is not None
+        key_or_value = value if key is None else key
+        # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
+        q, k, v, gate = self._project(
+            query, key_or_value if new_keys else None, value if new_keys else None,
+            start_index=start_index if cache_index is None else cache_index,
+        )
+        query_positions = ops.arange(shapes.dim(query, 1), dtype="int32")
+        keys = None
+        if cache is not None:
+            if cache_index is not None:
+                query_positions = query_positions + ops.cast(cache_index, "int32")
+            keys = _kv_cache.attend_to_cache(
+                cache, cache_index, k, v, query_positions, self.sliding_window, use_causal_mask
             )
+            k, v = keys.key, keys.value
+        mask, rows, kwargs = self._attention_mask(
+            query, value, key, masks, query_positions, keys, cache_index,
+            use_causal_mask=use_causal_mask,
+            rows_on_output=not (overridden or return_attention_scores),
+            band_in_kernel=not overridden and keys is None,
+        )
         if attention_bias is not None:
             if self._nd is not None:
                 raise ValueError(
@@ -276,8 +324,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 attention_bias, (q.shape[0], self.num_heads, q.shape[1], k.shape[1]),
                 "attention_bias",
             )
-        if mask is not None and len(mask.shape) == 4 and mask.shape[1] == 1:
-            mask = ops.squeeze(mask, 1)  # Keras's (B, T_q, T_k) layout
+        if overridden and self._nd is None and mask is not None and mask.shape[1] == 1:
+            mask = ops.squeeze(mask, 1)  # Keras's (B, T_q, T_k) layout for the override
         output, scores = self._compute_attention(
             q, k, v, mask, training, return_attention_scores, **kwargs
         )
@@ -286,11 +334,143 @@ class MultiHeadAttention(keras.layers.Layer):
             output = output * ops.cast(masking._expand_bool(rows, (2, 3)), output.dtype)
         if gate is not None:
             output = output * gate
-        output = project_output(output, self._output_dense)
+        output = self._project_output(output)
         result = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
-            result += (new_cache,)
+            result += (keys.new_cache,)
         return result if len(result) > 1 else output
+
+    def _check_inputs(self, query, value, key, cached):
+        """Ranks and feature sizes of a call against what the layer was built for."""
+        d_q, d_v, d_k = self._feature_dims
+        if cached:
+            if len(query.shape) != 3 or query.shape[-1] not in (None, d_q):
+                raise ValueError(
+                    f"Expected `query` of shape (batch, seq, {d_q}). Received: "
+                    f"query.shape={tuple(query.shape)}"
+                )
+            return
+        key = value if key is None else key
+        checks = (("query", query, d_q), ("value", value, d_v), ("key", key, d_k))
+        if self._nd is None:
+            _common.check_attention_inputs(query, value, key, feature_checks=checks)
+            return
+        proj.check_shapes(query.shape, value.shape, key.shape)
+        for name, x, expected in checks:
+            if len(x.shape) != len(query.shape) or x.shape[-1] not in (None, expected):
+                raise ValueError(
+                    f"The layer was built for `{name}` of rank {len(query.shape)} with "
+                    f"{expected} features. Received: {name}.shape={tuple(x.shape)}"
+                )
+
+    def _project(self, query, key, value, start_index=0):
+        """`(q, k, v, gate)` (None for an input given as None, and for the
+        gate without `use_gate`), rotary positions from `start_index`.
+
+        With `KernelPlan.fused_projections`, the projections of each input
+        tensor are computed together (`proj.project`): one matmul for
+        self-attention, query and gate in one and key and value in another
+        for cross-attention.
+        """
+        denses = (
+            self._query_dense,
+            self._key_dense,
+            self._value_dense,
+            self._gate_dense if self.use_gate else None,
+        )
+        inputs = (query, key, value, query)
+        fused = dispatch.select_kernel().fused_projections
+        with masking.hidden_keras_masks(query, key, value):
+            groups = {}
+            for x, dense in zip(inputs, denses):
+                if x is not None and dense is not None:
+                    groups.setdefault(id(x), (x, []))[1].append(dense)
+            results = {}
+            for x, group in groups.values():
+                outputs = proj.project(x, group) if fused else [d(x) for d in group]
+                results.update(zip(map(id, group), outputs))
+        q, k, v, gate = (results.get(id(dense)) for dense in denses)
+        if self.rotary_embedding is not None:
+            if q is not None:
+                q = self.rotary_embedding(q, start_index=start_index)
+            if k is not None:
+                k = self.rotary_embedding(k, start_index=start_index)
+        return q, k, v, gate
+
+    def _project_output(self, output):
+        if dispatch.select_kernel().fused_projections:
+            return proj.project_output(output, self._output_dense)
+        return self._output_dense(output)
+
+    def _attention_mask(self, query, value, key, masks, query_positions, keys, cache_index, *,
+                        use_causal_mask, rows_on_output, band_in_kernel):
+        """`(mask, rows, kwargs)`: the call's one boolean mask, built from
+        positions (`masking.mask_from_positions`).
+
+        With `rows_on_output`, `rows` is the `(B, T_q)` query padding mask,
+        applied to the output instead (a row mask only zeroes whole output
+        rows, which leaves a key-only mask that the kernel folds into the
+        logits for free); with
+        `band_in_kernel`, `kwargs` carry the causal / window band to the
+        kernel (built block by block on the blocked path), else it is part
+        of `mask`. `keys`: the `CachedKeys` of a cached call, which supply
+        the keys' positions and which slots hold one.
+        """
+        query_mask, value_mask, key_mask, attention_mask = masks
+        window = self.sliding_window
+        if self._nd is not None:
+            mask = _nd_layout.nd_mask(
+                query, value, query_mask, value_mask, key_mask, attention_mask,
+                use_causal_mask, window,
+            )
+            return mask, None, {}
+        rows, kwargs = None, {}
+        if query_mask is not None:
+            _common.check_padding_mask("query_mask", query_mask, query, "query")
+            if rows_on_output:
+                rows, query_mask = masking._as_bool(query_mask), None
+        if keys is None:
+            if key is None or key is value:
+                key_mask, key = None, value
+            _common.check_padding_mask("value_mask", value_mask, value, "value")
+            _common.check_padding_mask("key_mask", key_mask, key, "key")
+            key_valid = masking.combine_masks(value_mask, key_mask)
+            key_length = value.shape[1]
+            key_positions = ops.arange(shapes.dim(value, 1), dtype="int32")
+        else:
+            t_q = shapes.dim(query, 1)
+            key_valid = masking.combine_masks(keys.valid, *(
+                _kv_cache.key_padding(name, m, keys, t_q, cache_index)
+                for name, m in (("value_mask", value_mask), ("key_mask", key_mask))
+                if m is not None
+            ))
+            if keys.ring and attention_mask is not None:
+                raise ValueError(
+                    "`attention_mask` is not supported with a ring-buffer cache (its "
+                    "slots hold changing positions); a `(B, T_q)` padding mask of "
+                    "the new tokens is. Received: attention_mask.shape="
+                    f"{tuple(attention_mask.shape)}"
+                )
+            key_length = keys.new_cache[0].shape[1]
+            key_positions = keys.positions
+        is_causal = bool(use_causal_mask)
+        if keys is not None and cache_index is None:
+            is_causal, window = False, None  # a complete cross-attention cache has no band
+        if band_in_kernel:
+            if is_causal:
+                kwargs["use_causal_mask"] = True
+            if window is not None:
+                kwargs["sliding_window"] = window
+            is_causal, window = False, None
+        mask = masking.mask_from_positions(
+            query_positions, key_positions, is_causal=is_causal, sliding_window=window,
+            query_valid=query_mask, key_valid=key_valid,
+            attention_mask=masking.normalize_attention_mask(
+                attention_mask, batch_size=query.shape[0], query_length=query.shape[1],
+                key_length=key_length, num_heads=self.num_heads,
+            ),
+        )
+        return mask, rows, kwargs
 
     def _compute_attention(
         self,
@@ -316,10 +496,58 @@ class MultiHeadAttention(keras.layers.Layer):
         path); `attention_bias` is added to the logits. For
         rank > 3 inputs, tensors have Keras's N-D layouts.
         """
-        return _mha_attention.compute_attention(
-            self, query, key, value, attention_mask, training, return_attention_scores,
-            use_causal_mask, attention_bias, sliding_window,
+        if self._flash_attention and return_attention_scores:
+            raise ValueError(
+                "Returning attention scores is not supported when flash "
+                "attention is enabled. Please disable flash attention to access"
+                " attention scores."
+            )
+        # Called directly (an override calling super()), inputs may be NumPy.
+        query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+        if attention_mask is not None:
+            attention_mask = ops.convert_to_tensor(attention_mask)
+            masking._check_mask_dtype("attention_mask", attention_mask)
+            attention_mask = masking._as_bool(attention_mask)
+        if len(query.shape) > 4:
+            return self._compute_nd_attention(
+                query, key, value, attention_mask, training, return_attention_scores,
+                use_causal_mask,
+            )
+        if attention_mask is not None:
+            while len(attention_mask.shape) < 4:  # Keras's layout, from an override
+                attention_mask = ops.expand_dims(attention_mask, -3)
+        result = attention_ops.dot_product_attention(
+            query,
+            key,
+            value,
+            attention_mask=attention_mask,
+            bias=attention_bias,
+            is_causal=bool(use_causal_mask),
+            dropout_rate=self.dropout,
+            training=bool(training),
+            seed=self.seed_generator,
+            return_attention_scores=return_attention_scores,
+            chunk_size=self.chunk_size,
+            sliding_window=sliding_window,
+            flash_attention=self._flash_attention or None,
         )
+        return result if return_attention_scores else (result, None)
+
+    def _compute_nd_attention(self, query, key, value, mask, training, return_scores, causal):
+        # Folded to (B', T_q', H, D) with the attention axes flattened, then back.
+        layout = self._nd or _nd_layout.NDLayout(len(query.shape), self._attention_axes)
+        if causal:
+            mask = _nd_layout.nd_mask(query, value, None, None, None, mask, True, None)
+        q, batch, q_seq = layout.fold(query)
+        k, _, k_seq = layout.fold(key)
+        v, _, _ = layout.fold(value)
+        if mask is not None:
+            mask = layout.fold_mask(mask, batch, q_seq, k_seq)
+        output, scores = self._compute_attention(q, k, v, mask, training, return_scores)
+        output = layout.unfold_output(output, batch, q_seq)
+        if scores is not None:
+            scores = layout.unfold_scores(scores, batch, q_seq, k_seq)
+        return output, scores
 
     def project_key_value(self, value, key=None):
         """Projected `(key, value)` of `value` (and `key`), for a cross-attention cache.
@@ -329,11 +557,7 @@ class MultiHeadAttention(keras.layers.Layer):
         `call(query, None, cache=..., cache_index=None)`. Rotary positions
         (if any) start at 0.
         """
-        key_or_value = value if key is None else key
-        with masking.hidden_keras_masks(value, key_or_value):
-            _, k, v, _ = _mha_attention.project_inputs(self, None, key_or_value, value)
-        if self.rotary_embedding is not None:
-            k = self.rotary_embedding(k)
+        _, k, v, _ = self._project(None, value if key is None else key, value)
         return k, v
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
@@ -347,7 +571,18 @@ class MultiHeadAttention(keras.layers.Layer):
         cache_index=None, **kwargs
     ):
         _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
-        return _mha_attention.output_spec(self, query, value, key, return_attention_scores, cache)
+        shapes_in = [None if x is None else x.shape for x in (query, value, key)]
+        result = (keras.KerasTensor(self.compute_output_shape(*shapes_in), dtype=self.compute_dtype),)
+        if return_attention_scores:
+            shape = _nd_layout.scores_shape(
+                query.shape, None if cache is not None else value.shape,
+                self._attention_axes, self.num_heads,
+                None if cache is None else cache[0].shape[1],
+            )
+            result += (keras.KerasTensor(shape, dtype=self.compute_dtype),)
+        if cache is not None:
+            result += (tuple(keras.KerasTensor(c.shape, dtype=c.dtype) for c in cache),)
+        return result if len(result) > 1 else result[0]
 
     @classmethod
     def from_keras(cls, layer):
@@ -356,7 +591,7 @@ class MultiHeadAttention(keras.layers.Layer):
         Accepts a built `keras.layers.MultiHeadAttention` (any input rank and
         `attention_axes`) or `keras.layers.GroupQueryAttention`.
         """
-        return _mha_convert.from_keras(cls, layer)
+        return _peer_weights.mha_from_keras(cls, layer)
 
     @classmethod
     def from_torch(cls, module, **kwargs):
@@ -378,7 +613,7 @@ class MultiHeadAttention(keras.layers.Layer):
         >>> ours.num_heads, ours.key_dim
         (4, 4)
         """
-        return _mha_convert.from_torch(cls, module, **kwargs)
+        return _peer_weights.mha_from_torch(cls, module, **kwargs)
 
     def get_config(self):
         config = super().get_config()

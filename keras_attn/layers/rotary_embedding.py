@@ -85,3 +85,16 @@ class RotaryEmbedding(keras.layers.Layer):
             }
         )
         return config
+
+
+def check_rotary_embedding(rotary_embedding):
+    """None or a `RotaryEmbedding` (also from its serialized config)."""
+    if isinstance(rotary_embedding, dict):
+        rotary_embedding = keras.saving.deserialize_keras_object(rotary_embedding)
+    if rotary_embedding is not None and not isinstance(rotary_embedding, RotaryEmbedding):
+        raise TypeError(
+            "Received an invalid value for argument `rotary_embedding`, "
+            "expected a keras_attn.layers.RotaryEmbedding or None. Received: "
+            f"rotary_embedding={rotary_embedding!r}"
+        )
+    return rotary_embedding

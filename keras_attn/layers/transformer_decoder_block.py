@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from keras_attn.layers import _common
-from keras_attn.layers import _hub_convert
+from keras_attn.layers import _peer_weights
 from keras_attn.layers import _transformer
 from keras_attn.ops import masking
 
@@ -79,7 +79,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         KerasHub's `TransformerDecoder(intermediate_dim, num_heads)` is ours
         `(num_heads, intermediate_dim=...)`; and pass masks by keyword.
         """
-        return _hub_convert.decoder_from_keras_hub(cls, layer)
+        return _peer_weights.decoder_from_keras_hub(cls, layer)
 
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         layout = "(batch, seq, features)"

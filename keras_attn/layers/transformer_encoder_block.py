@@ -3,7 +3,7 @@
 import keras
 
 from keras_attn.layers import _common
-from keras_attn.layers import _hub_convert
+from keras_attn.layers import _peer_weights
 from keras_attn.layers import _transformer
 from keras_attn.ops import masking
 
@@ -79,7 +79,7 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         KerasHub's `TransformerEncoder(intermediate_dim, num_heads)` is ours
         `(num_heads, intermediate_dim=...)`.
         """
-        return _hub_convert.encoder_from_keras_hub(cls, layer)
+        return _peer_weights.encoder_from_keras_hub(cls, layer)
 
     def build(self, inputs_shape):
         _common.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")

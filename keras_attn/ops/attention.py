@@ -56,7 +56,7 @@ def attend_from_logits(
         probabilities when `return_attention_scores`. Query rows with no
         visible key give zeros (outputs, scores and gradients).
     """
-    fused = tf_kernels.softmax_weighted_sum if dispatch.cpu_kernels_enabled() else None
+    fused = tf_kernels.softmax_weighted_sum if dispatch.select_kernel().cpu_kernels else None
     return reference.attend_with_bias(
         ops.cast(logits, "float32"),
         value,
@@ -71,8 +71,9 @@ def attend_from_logits(
     )
 
 
-def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_attention_scores):
-    """Validates the call's sizes and options; returns `(kernel, chunks)`."""
+def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_attention_scores,
+          flash_attention=None):
+    """Validates the call's sizes and options; returns `(plan, chunks, dropout_rate)`."""
     check_heads_and_sizes(query, key, value)
     dropout_rate = check_dropout("dropout_rate", dropout_rate)
     dropout_active = bool(training) and dropout_rate > 0.0
@@ -85,16 +86,17 @@ def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_atten
             f"chunk_size={chunk_size!r}, return_attention_scores="
             f"{return_attention_scores}, dropout active={dropout_active}"
         )
-    kernel = dispatch.select_kernel(
+    plan = dispatch.select_kernel(
         query_length=query.shape[1],
         key_length=key.shape[1],
         chunk_size=chunks,
         dropout_active=dropout_active,
         return_attention_scores=return_attention_scores,
+        flash_attention=flash_attention,
     )
-    if kernel == "blocked" and not isinstance(chunks, tuple):
+    if plan.attention == "blocked" and not isinstance(chunks, tuple):
         chunks = (dispatch.DEFAULT_CHUNK_SIZE,) * 2
-    return kernel, chunks, dropout_rate
+    return plan, chunks, dropout_rate
 
 
 def explain_kernel(
@@ -125,7 +127,7 @@ def explain_kernel(
     return _plan(
         query, key, value, chunk_size=chunk_size, dropout_rate=dropout_rate,
         training=training, return_attention_scores=return_attention_scores,
-    )[0]
+    )[0].attention
 
 
 def dot_product_attention(
@@ -145,6 +147,7 @@ def dot_product_attention(
     start_index=0,
     sliding_window=None,
     chunk_size=None,
+    flash_attention=None,
 ):
     """Scaled dot-product attention, `softmax(q k^T * scale + bias) v`.
 
@@ -178,6 +181,9 @@ def dot_product_attention(
             `(q_chunk, k_chunk)` of forward block sizes. None lets
             `keras_attn.ops.dispatch.select_kernel` block long static
             sequences by itself; 0 never blocks.
+        flash_attention: True runs `keras.ops.dot_product_attention(
+            flash_attention=True)` (as `keras.layers.MultiHeadAttention`'s
+            argument; an error where Keras has no flash kernel).
 
     Which kernel runs: `keras_attn.ops.dispatch.select_kernel`, under the
     setting `keras_attn.config.set_attention_implementation`;
@@ -198,10 +204,12 @@ def dot_product_attention(
     """
     # NumPy inputs as tensors: on torch, `ndarray * Tensor` is an error.
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
-    kernel, chunks, dropout_rate = _plan(
+    plan, chunks, dropout_rate = _plan(
         query, key, value, chunk_size=chunk_size, dropout_rate=dropout_rate,
         training=training, return_attention_scores=return_attention_scores,
+        flash_attention=flash_attention,
     )
+    kernel = plan.attention
     check_start_index(start_index)
     sliding_window = check_sliding_window(sliding_window)
     scores_shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
@@ -223,7 +231,7 @@ def dot_product_attention(
             start_index=start_index, sliding_window=sliding_window, chunk_size=chunks,
         )
         groups = 1
-        if dispatch.cpu_kernels_enabled():
+        if plan.cpu_kernels:
             blocks_shape = (
                 scores_shape[0], scores_shape[1],
                 None if scores_shape[2] is None else min(chunks[0], scores_shape[2]),
@@ -254,26 +262,29 @@ def dot_product_attention(
         return_attention_scores=return_attention_scores,
     )
     if kernel == "keras":
-        return _keras_attention(query, key, value, is_causal=keras_causal, **common)
+        return _keras_attention(query, key, value, is_causal=keras_causal, flash=plan.flash,
+                                **common)
     if kernel == "tf_cpu":
         return tf_kernels.tf_cpu_attention(query, key, value, **common)
     return reference.reference_attention(query, key, value, **common)
 
 
 def _keras_attention(query, key, value, *, mask, bias, scale, every_row_sees_a_key, is_causal,
-                     **unused):
+                     flash=None, **unused):
     """The `"keras"` kernel: `keras.ops.dot_product_attention` (cuDNN or
     flash attention where Keras has them), plus keras_attn's semantics: a
     float32 softmax for float32 inputs, and zeros for rows that see no key
     (Keras gives them uniform weights)."""
     del unused
-    if key.shape[2] == 1 and query.shape[2] > 1:
+    groups = query.shape[2] // key.shape[2]
+    if groups > 1 and (flash or key.shape[2] == 1):
         # Multi-query: Keras' TensorFlow version repeats key/value heads only
-        # for more than one of them.
-        key = ops.repeat(key, query.shape[2], axis=2)
-        value = ops.repeat(value, query.shape[2], axis=2)
+        # for more than one of them; its flash kernels take equal head counts.
+        key = ops.repeat(key, groups, axis=2)
+        value = ops.repeat(value, groups, axis=2)
     out = ops.dot_product_attention(
-        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal
+        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+        flash_attention=flash,
     )
     if mask is not None and not every_row_sees_a_key:
         visible = ops.transpose(reference.rows_with_a_key(mask), (0, 2, 1, 3))

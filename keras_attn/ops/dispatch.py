@@ -1,9 +1,10 @@
 """The one place that chooses an attention kernel: `select_kernel`.
 
 `keras_attn.ops.dot_product_attention` validates its inputs, asks
-`select_kernel` for a kernel name, and runs that kernel (see
-`keras_attn.config` for the names and the user setting). `select_kernel`
-decides from static facts only (backend, device type, the setting, static
+`select_kernel` for a `KernelPlan`, and runs its kernel (see
+`keras_attn.config` for the names and the user setting); the layers ask it
+too, for the fused projections and the LayerNorm kernel, and nothing else
+decides by backend or device. `select_kernel` decides from static facts only (backend, device type, the setting, static
 sequence lengths, whether dropout or the scores are needed), so the choice is
 made once per trace and can be checked in tests without the device.
 
@@ -11,6 +12,8 @@ made once per trace and can be checked in tests without the device.
 `keras_attn.ops.explain_kernel(query, key, value, ...)` the kernel a call
 would use.
 """
+
+from typing import NamedTuple
 
 import keras
 
@@ -47,47 +50,39 @@ def check_chunk_size(chunk_size, name="chunk_size"):
     return (int(pair[0]), int(pair[1]))
 
 
-def cpu_kernels_enabled(implementation=None, backend=None, device=None):
-    """Whether the TensorFlow CPU optimisations (`keras_attn.ops.tf_kernels`)
-    may run: TensorFlow backend, a CPU, and the setting `"auto"` or `"tf_cpu"`."""
-    implementation = implementation or config.get_attention_implementation()
-    backend = backend or keras.backend.backend()
-    device = device or config.get_device_type()
+class KernelPlan(NamedTuple):
+    """Everything that depends on the backend, device, dtype and setting.
+
+    Attributes:
+        attention: the attention kernel, `"reference"`, `"tf_cpu"`,
+            `"blocked"` or `"keras"`.
+        cpu_kernels: the TensorFlow CPU optimisations of
+            `keras_attn.ops.tf_kernels` may run: the fused softmax and
+            weighted sum, head groups on the blocked path, the Transformer
+            blocks' LayerNorm with its written-out backward pass.
+        fused_projections: a `(batch, seq, features)` input's query, key,
+            value (and gate) projections run as one 2-D matmul, the output
+            and feed-forward projections on `(batch * seq, features)`.
+        flash: `keras.ops.dot_product_attention(flash_attention=...)` for
+            the `"keras"` kernel (None: Keras decides).
+    """
+
+    attention: str
+    cpu_kernels: bool
+    fused_projections: bool
+    flash: object = None
+
+
+def _cpu_kernels(implementation, backend, device):
     if implementation == "tf_cpu":
         return True
     return implementation == "auto" and backend == "tensorflow" and device == "cpu"
 
 
-def select_kernel(
-    *,
-    query_length,
-    key_length,
-    chunk_size=None,
-    dropout_active=False,
-    return_attention_scores=False,
-    implementation=None,
-    backend=None,
-    device=None,
-):
-    """The name of the kernel that runs one attention call.
-
-    Args:
-        query_length, key_length: static sequence lengths (None if unknown).
-        chunk_size: the call's `chunk_size` (validated): a pair asks for the
-            blocked path, 0 forbids it, None lets the sizes decide.
-        dropout_active: dropout on the probabilities in training.
-        return_attention_scores: the caller wants the probabilities.
-        implementation, backend, device: default to
-            `config.get_attention_implementation()`, the Keras backend and
-            `config.get_device_type()`.
-
-    Returns:
-        `"reference"`, `"tf_cpu"`, `"blocked"` or `"keras"`.
-    """
-    implementation = implementation or config.get_attention_implementation()
-    backend = backend or keras.backend.backend()
-    device = device or config.get_device_type()
-    needs_scores = dropout_active or return_attention_scores
+def _attention_kernel(implementation, backend, device, query_length, key_length, chunk_size,
+                      needs_scores, flash):
+    if flash:
+        return "keras"
     if implementation == "reference":
         return "reference"
     if implementation in ("blocked", "keras"):
@@ -111,6 +106,52 @@ def select_kernel(
     if device == "gpu" and backend in ("jax", "torch") and not needs_scores:
         return "keras"
     return "reference"
+
+
+def select_kernel(
+    *,
+    query_length=None,
+    key_length=None,
+    chunk_size=None,
+    dropout_active=False,
+    return_attention_scores=False,
+    flash_attention=None,
+    implementation=None,
+    backend=None,
+    device=None,
+):
+    """The `KernelPlan` of one attention call, or (without sizes) of a layer.
+
+    Args:
+        query_length, key_length: static sequence lengths (None if unknown).
+        chunk_size: the call's `chunk_size` (validated): a pair asks for the
+            blocked path, 0 forbids it, None lets the sizes decide.
+        dropout_active: dropout on the probabilities in training.
+        return_attention_scores: the caller wants the probabilities.
+        flash_attention: a layer's `flash_attention=True` runs
+            `keras.ops.dot_product_attention(flash_attention=True)`, as Keras.
+        implementation, backend, device: default to
+            `config.get_attention_implementation()`, the Keras backend and
+            `config.get_device_type()`.
+
+    Returns:
+        A `KernelPlan`; its `attention` is `"reference"`, `"tf_cpu"`,
+        `"blocked"` or `"keras"`. The setting `"reference"` turns every
+        optimisation off (the plain path that defines the numbers).
+    """
+    implementation = implementation or config.get_attention_implementation()
+    backend = backend or keras.backend.backend()
+    device = device or config.get_device_type()
+    kernel = _attention_kernel(
+        implementation, backend, device, query_length, key_length, chunk_size,
+        dropout_active or return_attention_scores, flash_attention,
+    )
+    return KernelPlan(
+        attention=kernel,
+        cpu_kernels=_cpu_kernels(implementation, backend, device),
+        fused_projections=implementation != "reference",
+        flash=flash_attention if kernel == "keras" else None,
+    )
 
 
 def record(kernel):

@@ -91,6 +91,60 @@ def padding_mask_to_attention_mask(query_mask=None, value_mask=None, key_mask=No
     return combine_masks(*masks)
 
 
+def band(query_positions, key_positions, *, is_causal=False, sliding_window=None):
+    """The causal / sliding-window band between positions, or None.
+
+    The one place these masks are written: the layers' masks, the cache's
+    masks and the blocked kernel's per-block masks all come from here.
+
+    Args:
+        query_positions: int `(..., T_q)`, the absolute position of each query.
+        key_positions: int `(..., T_k)`, the absolute position of each key.
+        is_causal: query at position `p` sees keys at positions `<= p`.
+        sliding_window: query at `p` sees keys at `k` with `|p - k| < window`
+            (with `is_causal`, the last `window` positions).
+
+    Returns:
+        Boolean `(..., T_q, T_k)` (True = attend), or None when neither
+        `is_causal` nor `sliding_window` is set.
+    """
+    if not is_causal and sliding_window is None:
+        return None
+    diff = ops.expand_dims(ops.cast(query_positions, "int32"), -1) - ops.expand_dims(
+        ops.cast(key_positions, "int32"), -2
+    )
+    mask = ops.greater_equal(diff, 0) if is_causal else None
+    if sliding_window is not None:
+        near = ops.less(ops.abs(diff), sliding_window)
+        mask = near if mask is None else ops.logical_and(mask, near)
+    return mask
+
+
+def mask_from_positions(query_positions, key_positions, *, is_causal=False, sliding_window=None,
+                        query_valid=None, key_valid=None, attention_mask=None):
+    """One boolean `(B|1, H|1, T_q, T_k)` attention mask from positions, or None.
+
+    What the attention layers turn every mask source into: the band of
+    `band` between `query_positions` `(T_q,)` and `key_positions` `(T_k,)`,
+    the validity of each query row `(B, T_q)` and of each key `(B|1, T_k)`
+    (padding, empty cache slots), and an explicit rank-4 `attention_mask`,
+    combined by logical AND.
+    """
+    positional = band(query_positions, key_positions, is_causal=is_causal,
+                      sliding_window=sliding_window)
+    parts = [None if positional is None else _expand_bool(positional, (0, 1))]
+    if query_valid is not None:
+        parts.append(_expand_bool(_as_bool(query_valid), (1, 3)))
+    if key_valid is not None:
+        parts.append(_expand_bool(_as_bool(key_valid), (1, 2)))
+    parts.append(attention_mask)
+    return combine_masks(*parts)
+
+
+def _positions(length, start_index=0):
+    return ops.arange(length, dtype="int32") + ops.cast(start_index, "int32")
+
+
 def causal_mask(query_length, key_length=None, start_index=0, sliding_window=None):
     """Lower-triangular `(T_q, T_k)` mask: query `i` sees keys `j <= i + start_index`.
 
@@ -106,13 +160,8 @@ def causal_mask(query_length, key_length=None, start_index=0, sliding_window=Non
     [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     """
     key_length = query_length if key_length is None else key_length
-    q_pos = ops.arange(query_length, dtype="int32") + ops.cast(start_index, "int32")
-    k_pos = ops.arange(key_length, dtype="int32")
-    diff = q_pos[:, None] - k_pos[None, :]
-    mask = ops.greater_equal(diff, 0)
-    if sliding_window is not None:
-        mask = ops.logical_and(mask, ops.less(diff, sliding_window))
-    return mask
+    return band(_positions(query_length, start_index), _positions(key_length),
+                is_causal=True, sliding_window=sliding_window)
 
 
 def sliding_window_mask(query_length, key_length=None, window=1, start_index=0):
@@ -123,21 +172,16 @@ def sliding_window_mask(query_length, key_length=None, window=1, start_index=0):
     the last `window` keys, as in the ring-buffer generation caches.
     """
     key_length = query_length if key_length is None else key_length
-    q_pos = ops.arange(query_length, dtype="int32") + ops.cast(start_index, "int32")
-    k_pos = ops.arange(key_length, dtype="int32")
-    return ops.less(ops.abs(q_pos[:, None] - k_pos[None, :]), window)
+    return band(_positions(query_length, start_index), _positions(key_length),
+                sliding_window=window)
 
 
 def position_mask(query_length, key_length, *, is_causal=False, sliding_window=None,
                   start_index=0):
     """The `(1, 1, T_q, T_k)` causal and/or sliding-window mask, or None."""
-    if is_causal:
-        mask = causal_mask(query_length, key_length, start_index, sliding_window)
-    elif sliding_window is not None:
-        mask = sliding_window_mask(query_length, key_length, sliding_window, start_index)
-    else:
-        return None
-    return _expand_bool(mask, (0, 1))
+    mask = band(_positions(query_length, start_index), _positions(key_length),
+                is_causal=is_causal, sliding_window=sliding_window)
+    return None if mask is None else _expand_bool(mask, (0, 1))
 
 
 def combine_masks(*masks):

@@ -10,7 +10,7 @@ decides when they run:
   folded into the logits as an additive bias, and a hand-written softmax +
   weighted-sum gradient (`softmax_weighted_sum`);
 - `layer_norm`, the Transformer blocks' LayerNorm with a written-out
-  backward pass, under the same condition (`dispatch.cpu_kernels_enabled`);
+  backward pass, under the same condition (`dispatch.select_kernel().cpu_kernels`);
 - `loop` and `sequential_map`, the blocked path's loops on TensorFlow (any
   device): one iteration in flight at a time, which bounds its memory.
 

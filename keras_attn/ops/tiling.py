@@ -190,13 +190,8 @@ class Tiling:
                 result = masking._expand_bool(ops.less(k_pos, self.t_k), 0)
             if positional:
                 q_pos = i * self.q_chunk + self.q_offsets + self.start
-                diff = q_pos[:, None] - k_pos[None, :]
-                if self.is_causal:
-                    near = ops.greater_equal(diff, 0)
-                    if self.window is not None:
-                        near = ops.logical_and(near, ops.less(diff, self.window))
-                else:
-                    near = ops.less(ops.abs(diff), self.window)
+                near = masking.band(q_pos, k_pos, is_causal=self.is_causal,
+                                    sliding_window=self.window)
                 result = near if result is None else ops.logical_and(result, near)
             result = masking._expand_bool(result, (0, 1, 2))
         if self.mask_blocks is not None:

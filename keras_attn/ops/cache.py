@@ -1,0 +1,88 @@
+"""Key/value cache writes for incremental decoding (`keras.ops` only).
+
+A cache is `(batch, max_length, num_key_value_heads, head_dim)`. Writes are
+an index comparison, a gather and a `where` over the cache axis, so they
+lower to TFLite builtins and ONNX (no `XlaDynamicUpdateSlice`, no scatter)
+and keep the cache's static shape. Used by `MultiHeadAttention(cache=...)`
+and the generation models (`keras_attn.generation.cache`).
+"""
+
+from keras import ops
+
+from keras_attn.ops.shapes import static_int
+
+
+def write_cache(cache, new, index, ring=False):
+    """Writes `new` `(B, T, H, D)` into `cache` `(B, L, H, D)` at `index`.
+
+    Positions `[index, index + T)` of the cache are replaced (slots modulo `L`
+    when `ring`; of a block longer than `L` only its last `L` positions stay).
+    Written as an index comparison, a gather and a `where` over the cache
+    axis, so the update lowers to TFLite builtins and ONNX (no
+    `XlaDynamicUpdateSlice`, no scatter) and keeps the cache's static shape.
+    """
+    length = cache.shape[1]
+    new = ops.cast(new, cache.dtype)
+    index = ops.cast(index, "int32")
+    slots = ops.arange(length, dtype="int32")
+    t = new.shape[1]
+    if t == 1:
+        hit = ops.equal(slots, index % length if ring else index)
+        return ops.where(ops.reshape(hit, (1, length, 1, 1)), new, cache)
+    t = ops.shape(new)[1] if t is None else t
+    if ring:
+        last = index + t - 1
+        offset = last - ops.mod(last - slots, length) - index
+    else:
+        offset = slots - index
+    inside = ops.logical_and(ops.greater_equal(offset, 0), ops.less(offset, t))
+    placed = ops.take(new, ops.clip(offset, 0, t - 1), axis=1)
+    return ops.where(ops.reshape(inside, (1, length, 1, 1)), placed, cache)
+
+
+def check_cache_write(cache_length, num_new, cache_index, ring=False):
+    """Raises a ValueError when writing positions past the end of a cache is statically known.
+
+    `write_cache` keeps the cache's static shape and drops positions
+    `>= cache_length`, so an oversized write would silently give attention
+    over missing keys. Writing `num_new` positions at `cache_index` must stay
+    within `[0, cache_length)`. Checked when `cache_index` is a Python/NumPy
+    integer and the lengths are static ints; also when `num_new` alone
+    exceeds the cache (whatever the index). A ring buffer (`ring=True`, a
+    sliding window equal to the cache length) wraps and is never checked.
+    Tensor values are left to the caller (e.g. bound `max_length`).
+
+    Args:
+        cache_length: slots of the cache (`cache.shape[1]`), int or None.
+        num_new: number of new positions (`new.shape[1]`), int or None.
+        cache_index: position of the first new token (int or tensor).
+        ring: whether the cache is a ring buffer.
+    """
+    if ring or cache_length is None or num_new is None:
+        return
+    index = static_int(cache_index)
+    if index is not None and index < 0:
+        raise ValueError(
+            "Received an invalid value for argument `cache_index`, expected a "
+            f"non-negative integer. Received: cache_index={index}"
+        )
+    end = num_new if index is None else index + num_new
+    if end > cache_length:
+        where = (f"{num_new} new positions" if index is None
+                 else f"positions [{index}, {end}) (cache_index={index}, {num_new} new token(s))")
+        raise ValueError(
+            f"The key/value cache holds {cache_length} positions, but {where} were "
+            f"to be written into it; positions past its end would be dropped. "
+            f"Create the cache with `max_length` >= {end}. Received: cache "
+            f"length={cache_length}, cache_index={cache_index!r}, new tokens={num_new}"
+        )
+
+
+def ring_positions(length, index):
+    """Absolute position held by each slot of a ring cache before writing at `index`.
+
+    Negative where the slot was never written.
+    """
+    slots = ops.arange(length, dtype="int32")
+    previous = ops.cast(index, "int32") - 1
+    return previous - ops.mod(previous - slots, length)
