@@ -4,7 +4,7 @@ Importing this package registers the `human_dates` builder with tfds.
 """
 
 from keras_attn.data.dates import generate_examples, generate_splits
-from keras_attn.data.dates_tfds import HumanDates, HumanDatesConfig, load_dates, quiet_tfds
+from keras_attn.data.dates_tfds import HumanDates, HumanDatesConfig, load_dates
 from keras_attn.data.pipelines import (
     CharTokenizer,
     batch_and_pad,
@@ -37,6 +37,5 @@ __all__ = [
     "load_dates",
     "load_text_classification",
     "make_vectorizer",
-    "quiet_tfds",
     "text_classification_pipeline",
 ]

@@ -12,6 +12,7 @@ from keras import ops
 
 from keras_attn.ops import cache as cache_ops
 from keras_attn.ops import masking
+from keras_attn.ops import shapes
 
 
 class CachedKeys(NamedTuple):
@@ -64,8 +65,8 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_positions, sli
     key_cache, value_cache = check_cache(cache, static_length=cache_index is not None)
     length = key_cache.shape[1]
     if cache_index is None:
-        return CachedKeys(key_cache, value_cache, ops.arange(length, dtype="int32"), None,
-                          (key_cache, value_cache), False)
+        positions = ops.arange(shapes.dim(key_cache, 1), dtype="int32")
+        return CachedKeys(key_cache, value_cache, positions, None, (key_cache, value_cache), False)
     ring = sliding_window is not None and sliding_window == length
     cache_ops.check_cache_write(length, new_key.shape[1], cache_index, ring=ring)
     if not ring:

@@ -45,10 +45,11 @@ def add_dates_arguments(parser, epochs, num_train, output_dir="outputs/demo"):
 def load_dates_task(args):
     """(train, validation, test) tf.data pipelines and the tokenizers, built through tfds."""
     from keras_attn import data
+    from keras_attn.data.dates_tfds import quiet_tfds
 
     print(f"data: human_dates through tfds ({args.num_train} training pairs; generated "
           f"offline on the first run, then read from {args.data_dir})", flush=True)
-    with data.quiet_tfds(verbose=os.environ.get("KERAS_ATTN_VERBOSE", "") not in ("", "0")):
+    with quiet_tfds(verbose=os.environ.get("KERAS_ATTN_VERBOSE", "") not in ("", "0")):
         train, validation, test = data.load_dates(
             num_train=args.num_train, num_validation=max(1, args.num_test // 2),
             num_test=args.num_test, seed=args.seed, data_dir=os.path.expanduser(args.data_dir),
