@@ -179,6 +179,17 @@ def test_select_kernel_on_a_gpu_never_picks_cpu_kernels():
     ) == dispatch.KernelPlan("reference", cpu_kernels=False, fused_projections=True)
 
 
+def test_kernel_plan_flash_and_reference():
+    """`flash_attention=True` is a plan of the "keras" kernel on any setting; the
+    "reference" setting turns every optimisation off, fused projections too."""
+    for implementation in ("auto", "reference", "blocked"):
+        plan = dispatch.select_kernel(query_length=8, key_length=8, flash_attention=True,
+                                      implementation=implementation)
+        assert (plan.attention, plan.flash) == ("keras", True)
+    plan = dispatch.select_kernel(implementation="reference", backend="tensorflow", device="cpu")
+    assert plan == dispatch.KernelPlan("reference", cpu_kernels=False, fused_projections=False)
+
+
 @pytest.mark.usefixtures("auto_kernels")
 def test_device_override_drives_dot_product_attention_and_layer_norm(rng):
     """TensorFlow with a (forced) GPU: the reference kernel and Keras'

@@ -204,3 +204,33 @@ def test_sliding_window_without_causal_is_the_band(rng):
     tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
     with pytest.raises(ValueError, match="sliding_window=0"):
         ka_ops.dot_product_attention(q, k, v, sliding_window=0)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 2), (True, 3)])
+def test_mask_from_positions_matches_numpy(rng, causal, window):
+    """Arbitrary (ring-buffer-like, unordered, negative) key positions,
+    padding and an explicit mask, against a NumPy mask."""
+    q_pos = np.array([5, 6, 7], "int32")
+    k_pos = np.array([-1, 8, 3, 4, 7, 6, 5], "int32")
+    query_valid = rng.random((2, 3)) > 0.3
+    key_valid = rng.random((2, 7)) > 0.3
+    explicit = rng.random((2, 1, 3, 7)) > 0.2
+    want = np.ones((2, 1, 3, 7), bool)
+    diff = q_pos[:, None] - k_pos[None, :]
+    if causal:
+        want &= diff >= 0
+    if window is not None:
+        want &= np.abs(diff) < window
+    want &= query_valid[:, None, :, None] & key_valid[:, None, None, :] & explicit
+    got = ka_ops.mask_from_positions(
+        q_pos, k_pos, is_causal=causal, sliding_window=window, query_valid=query_valid,
+        key_valid=key_valid, attention_mask=explicit,
+    )
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), want.shape), want)
+    band = ka_ops.band(q_pos, k_pos, is_causal=causal, sliding_window=window)
+    if not causal and window is None:
+        assert band is None
+    else:
+        np.testing.assert_array_equal(
+            np.asarray(band), (diff >= 0 if causal else True) & (
+                np.abs(diff) < window if window else True))
