@@ -83,8 +83,9 @@ def sinusoidal(length, dim, max_wavelength=10000.0, start=0):
     return enc
 
 
-def rotary(x, max_wavelength=10000.0, start=0, scaling_factor=1.0):
-    """x (B, T, ..., D): rotate pairs (i, i + D/2) by pos / w^(2i/D)."""
+def rotary(x, max_wavelength=10000.0, start=0, scaling_factor=1.0, inv_freq=None):
+    """x (B, T, ..., D): rotate pairs (i, i + D/2) by pos / w^(2i/D), or by
+    pos * inv_freq[i] when `inv_freq` (D/2 frequencies) is given."""
     x = np.asarray(x, np.float64)
     t, d = x.shape[1], x.shape[-1]
     half = d // 2
@@ -92,7 +93,8 @@ def rotary(x, max_wavelength=10000.0, start=0, scaling_factor=1.0):
     for p in range(t):
         pos = (start + p) / scaling_factor
         for i in range(half):
-            theta = pos / max_wavelength ** (2 * i / d)
+            freq = max_wavelength ** (-2 * i / d) if inv_freq is None else inv_freq[i]
+            theta = pos * freq
             a, b = x[:, p, ..., i], x[:, p, ..., i + half]
             out[:, p, ..., i] = a * math.cos(theta) - b * math.sin(theta)
             out[:, p, ..., i + half] = b * math.cos(theta) + a * math.sin(theta)

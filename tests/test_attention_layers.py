@@ -17,13 +17,10 @@ def _mha_weights(layer):
         "wv": layer.value_dense.kernel.numpy(),
         "wo": layer.output_dense.kernel.numpy(),
     }
-    if layer.use_bias:
-        w.update(
-            bq=layer.query_dense.bias.numpy(),
-            bk=layer.key_dense.bias.numpy(),
-            bv=layer.value_dense.bias.numpy(),
-            bo=layer.output_dense.bias.numpy(),
-        )
+    for key, dense in (("bq", layer.query_dense), ("bk", layer.key_dense),
+                       ("bv", layer.value_dense), ("bo", layer.output_dense)):
+        if dense.bias is not None:
+            w[key] = dense.bias.numpy()
     return w
 
 

@@ -129,3 +129,68 @@ def test_block_output_specs_with_different_lengths():
     assert block.compute_output_shape((None, 4, 8), (None, 9, 8)) == (None, 4, 8)
     enc_out, enc_scores = kal.TransformerEncoderBlock(2, intermediate_dim=16)(enc, return_attention_scores=True)
     assert tuple(enc_scores.shape) == (None, 2, 9, 9)
+
+
+def _rms_norm(x, scale, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * scale
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+@pytest.mark.parametrize("block_cls", [kal.TransformerDecoderBlock, kal.TransformerEncoderBlock])
+def test_llama_style_block_matches_reference(rng, block_cls):
+    """RMSNorm, SwiGLU, rotary on grouped-query heads of a size that is not
+    hidden/heads, biased q/k/v with an unbiased output (Qwen2), unbiased
+    feed-forward: the switches of today's decoders, against NumPy."""
+    heads, kv_heads, head_dim, hidden = 3, 1, 6, 10
+    causal = block_cls is kal.TransformerDecoderBlock
+    block = block_cls(
+        num_heads=heads, num_key_value_heads=kv_heads, key_dim=head_dim, intermediate_dim=14,
+        normalize_first=True, normalization="rms_norm", use_gated_feedforward=True,
+        activation="silu", attention_use_bias=True, attention_output_use_bias=False,
+        feedforward_use_bias=False, layer_norm_epsilon=1e-5,
+        rotary_embedding=kal.RotaryEmbedding(max_wavelength=100),
+    )
+    x = rng.standard_normal((2, 7, hidden)).astype("float32")
+    block(x)
+    _randomize(block, rng)
+    attn = block.self_attention
+    assert attn.output_dense.bias is None and attn.query_dense.bias is not None
+    assert block.feedforward_gate_dense.bias is None
+    out = np.asarray(block(x))
+    w = _mha_weights(attn)
+
+    def self_attend(h):
+        q = np.einsum("btd,dhk->bthk", h, w["wq"]) + w["bq"]
+        k = np.einsum("btd,dhk->bthk", h, w["wk"]) + w["bk"]
+        v = np.einsum("btd,dhk->bthk", h, w["wv"]) + w["bv"]
+        q, k = ref.rotary(q, 100.0), ref.rotary(k, 100.0)
+        mask = ref.causal(7)[None, None] if causal else None
+        o, _ = ref.attention(q, k, v, mask=mask)
+        return np.einsum("bthk,hkd->btd", o, w["wo"])
+
+    def ffn(h):
+        gate = ref.linear(h, block.feedforward_gate_dense.kernel.numpy())
+        up = ref.linear(h, block.feedforward_intermediate_dense.kernel.numpy())
+        return ref.linear(_silu(gate) * up, block.feedforward_output_dense.kernel.numpy())
+
+    eps = 1e-5
+    h = x + self_attend(_rms_norm(x, block.self_attention_layer_norm.scale.numpy(), eps))
+    want = h + ffn(_rms_norm(h, block.feedforward_layer_norm.scale.numpy(), eps))
+    tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
+    config = block.get_config()
+    again = block_cls.from_config(config)
+    again(x)
+    again.set_weights(block.get_weights())
+    np.testing.assert_array_equal(np.asarray(again(x)), out)
+    assert [w.path.split("/")[-2] for w in block.weights].count("feedforward_gate_dense") == 1
+
+
+def test_block_option_errors():
+    with pytest.raises(ValueError, match="normalization"):
+        kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=8, normalization="batch_norm")
+    with pytest.raises(TypeError, match="use_gated_feedforward"):
+        kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=8, use_gated_feedforward="yes")

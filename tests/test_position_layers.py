@@ -1,5 +1,7 @@
 """Position layers against NumPy references."""
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -137,3 +139,64 @@ def test_learned_positions_past_the_table_raise_when_static():
     tape = kal.TokenAndPositionEmbedding(20, 4, 6, position="learned")
     with pytest.raises(ValueError, match=r"positions \[2, 5\)"):
         tape(np.array([[3, 4, 5]]), start_index=np.int32(2))
+
+
+def _llama3_inv_freq(dim, base, factor, low, high, original):
+    """Llama 3.1's frequency rule, written out per frequency (float64)."""
+    out = []
+    for i in range(dim // 2):
+        freq = base ** (-2 * i / dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:  # short wavelengths: kept
+            out.append(freq)
+        elif wavelength > original / low:  # long wavelengths: interpolated
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("start", [0, 37])
+def test_rotary_scaling_variants_match_numpy(rng, start):
+    dim, length = 16, 11
+    x = rng.standard_normal((2, length, 3, dim)).astype("float32")
+    base = 500.0
+
+    def check(scaling, inv_freq):
+        layer = kal.RotaryEmbedding(max_wavelength=base, rope_scaling=scaling)
+        want = ref.rotary(x, start=start, inv_freq=inv_freq)
+        tolerance.assert_close(layer(x, start_index=start), want, scale=start + length, terms=dim)
+        again = kal.RotaryEmbedding.from_config(layer.get_config())
+        np.testing.assert_array_equal(again(x, start_index=start), layer(x, start_index=start))
+
+    plain = base ** (-np.arange(0, dim, 2) / dim)
+    check({"rope_type": "linear", "factor": 4.0}, plain / 4.0)
+    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=64)
+    inv = _llama3_inv_freq(dim, base, 8.0, 1.0, 4.0, 64)
+    assert (inv == plain).any() and (inv == plain / 8).any() and len(set(inv / plain)) > 2, (
+        "the test frequencies must cover the kept, divided and blended bands")
+    check(llama3, inv)
+    # Dynamic NTK: unchanged up to the original length, a larger base past it.
+    original, factor = 20, 2.0
+    seq = max(start + length, original)
+    dyn_base = base * (factor * seq / original - (factor - 1)) ** (dim / (dim - 2))
+    check({"rope_type": "dynamic", "factor": factor, "original_max_position_embeddings": original},
+          dyn_base ** (-np.arange(0, dim, 2) / dim))
+    check({"rope_type": "default"}, plain)
+
+
+@pytest.mark.parametrize(
+    "scaling, match",
+    [
+        ({"rope_type": "yarn", "factor": 2.0}, "rope_type"),
+        ({"rope_type": "linear"}, "factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+          "original_max_position_embeddings": 64}, "high_freq_factor"),
+        ("linear", "rope_scaling"),
+    ],
+)
+def test_rotary_scaling_errors(scaling, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        kal.RotaryEmbedding(rope_scaling=scaling)

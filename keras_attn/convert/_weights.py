@@ -53,20 +53,37 @@ def set_norm(layer, weights, prefix):
     assign(layer.beta, weights.take(prefix + ".bias"), prefix + ".bias")
 
 
+def set_rms_norm(layer, scale, name):
+    """A `keras.layers.RMSNormalization` (scale only)."""
+    assign(layer.scale, scale, name)
+
+
 def set_dense(layer, kernel, bias, name):
+    """`bias` None for a Dense without one (both sides must agree)."""
     assign(layer.kernel, kernel, name + ".weight")
-    assign(layer.bias, bias, name + ".bias")
+    _assign_bias(layer, bias, name)
 
 
-def set_attention(mha, q, k, v, out, num_heads):
-    """`q, k, v, out`: `(kernel (in, out), bias)` pairs with `in`-major kernels."""
+def _assign_bias(layer, bias, name):
+    if (bias is None) != (layer.bias is None):
+        raise ValueError(
+            f"Checkpoint layer `{name}` has {'no ' if bias is None else 'a '}bias; the "
+            f"keras_attn layer `{layer.path}` {'has' if layer.bias is not None else 'has none'}."
+        )
+    if bias is not None:
+        assign(layer.bias, np.reshape(bias, tuple(layer.bias.shape)), name + ".bias")
+
+
+def set_attention(mha, q, k, v, out):
+    """`q, k, v, out`: `(kernel (in, out), bias or None, name)` with `in`-major
+    kernels; the output axis is head-major (`(heads, head_dim)` flattened),
+    so a reshape gives the EinsumDense layouts, grouped-query heads included."""
     for dense, (kernel, bias, name) in zip(
-        (mha._query_dense, mha._key_dense, mha._value_dense), (q, k, v)
+        (mha.query_dense, mha.key_dense, mha.value_dense), (q, k, v)
     ):
-        d_in, d_out = kernel.shape
-        assign(dense.kernel, kernel.reshape(d_in, num_heads, d_out // num_heads), name)
-        assign(dense.bias, bias.reshape(num_heads, d_out // num_heads), name)
+        assign(dense.kernel, np.reshape(kernel, tuple(dense.kernel.shape)), name)
+        _assign_bias(dense, bias, name)
     kernel, bias, name = out
-    d_in, d_out = kernel.shape
-    assign(mha._output_dense.kernel, kernel.reshape(num_heads, d_in // num_heads, d_out), name)
-    assign(mha._output_dense.bias, bias, name)
+    dense = mha.output_dense
+    assign(dense.kernel, np.reshape(kernel, tuple(dense.kernel.shape)), name)
+    _assign_bias(dense, bias, name)

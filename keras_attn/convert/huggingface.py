@@ -85,6 +85,7 @@ import os
 import keras
 import numpy as np
 
+from keras_attn.convert import _llama
 from keras_attn.convert import _weights
 from keras_attn.generation.models import DecoderOnlyLM
 from keras_attn.layers import activations
@@ -135,9 +136,11 @@ def from_huggingface(model_or_local_dir, *, dropout=None):
         return _convert_encoder(config, state, architecture, hf_model.base_model_prefix, dropout)
     if model_type in DECODER_TYPES:
         return _convert_gpt2(config, state, architecture, hf_model.base_model_prefix)
+    if model_type in _llama.LLAMA_TYPES:
+        return _llama.convert_llama_family(config, state, architecture)
     raise ValueError(
         "Received an unsupported model: `model_type` must be one of "
-        f"{list(ENCODER_TYPES + DECODER_TYPES)}. Received: model_type={model_type!r} "
+        f"{list(ENCODER_TYPES + DECODER_TYPES + _llama.LLAMA_TYPES)}. Received: model_type={model_type!r} "
         f"({architecture})"
     )
 
@@ -293,7 +296,6 @@ def _convert_encoder(config, state, architecture, prefix, dropout):
             linear(p + "attention.self.key"),
             linear(p + "attention.self.value"),
             linear(p + "attention.output.dense"),
-            heads,
         )
         _weights.set_norm(block.self_attention_layer_norm, weights, p + "attention.output.LayerNorm")
         _weights.set_dense(block.feedforward_intermediate_dense, *linear(p + "intermediate.dense"))
@@ -357,7 +359,7 @@ def _convert_gpt2(config, state, architecture, prefix):
         )
         q = (q[0] * factor, q[1] * factor, name)
         out = (weights.take(p + "attn.c_proj.weight"), weights.take(p + "attn.c_proj.bias"), p + "attn.c_proj")
-        _weights.set_attention(block.self_attention, q, k, v, out, heads)
+        _weights.set_attention(block.self_attention, q, k, v, out)
         _weights.set_norm(block.self_attention_layer_norm, weights, p + "ln_1")
         _weights.set_norm(block.feedforward_layer_norm, weights, p + "ln_2")
         _weights.set_dense(block.feedforward_intermediate_dense, weights.take(p + "mlp.c_fc.weight"), weights.take(p + "mlp.c_fc.bias"), p + "mlp.c_fc")

@@ -23,6 +23,7 @@ from keras_attn.layers import checks as _checks
 from keras_attn.layers import activations
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.layers.rotary_embedding import check_rope_scaling
 from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from keras_attn.layers.transformer_decoder_block import TransformerDecoderBlock
 from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
@@ -45,6 +46,16 @@ class _LMBase(keras.Model):
         layer_norm_epsilon=1e-5,
         tie_embeddings=False,
         mask_padded_queries=True,
+        head_dim=None,
+        normalization="layer_norm",
+        use_gated_feedforward=False,
+        attention_use_bias=True,
+        attention_output_use_bias=None,
+        feedforward_use_bias=True,
+        lm_head_use_bias=True,
+        rope_max_wavelength=10000,
+        rope_scaling=None,
+        embedding_scale=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -67,12 +78,44 @@ class _LMBase(keras.Model):
         )
         self.tie_embeddings = _checks.check_bool("tie_embeddings", tie_embeddings)
         self.mask_padded_queries = _checks.check_bool("mask_padded_queries", mask_padded_queries)
-        if hidden_dim % num_heads:
+        if head_dim is None and hidden_dim % num_heads:
             raise ValueError(
-                f"`hidden_dim` must be divisible by `num_heads`. Received: "
-                f"hidden_dim={hidden_dim}, num_heads={num_heads}"
+                f"`hidden_dim` must be divisible by `num_heads` when `head_dim` is None. "
+                f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
             )
-        self.head_dim = hidden_dim // num_heads
+        self.head_dim = _checks.check_positive_int("head_dim", head_dim, allow_none=True) or (
+            hidden_dim // num_heads
+        )
+        self.explicit_head_dim = head_dim is not None
+        self.normalization = _checks.check_choice(
+            "normalization", normalization, ("layer_norm", "rms_norm")
+        )
+        self.use_gated_feedforward = _checks.check_bool(
+            "use_gated_feedforward", use_gated_feedforward
+        )
+        self.attention_use_bias = _checks.check_bool("attention_use_bias", attention_use_bias)
+        self.attention_output_use_bias = _checks.check_bool(
+            "attention_output_use_bias",
+            attention_use_bias if attention_output_use_bias is None else attention_output_use_bias,
+        )
+        self.feedforward_use_bias = _checks.check_bool("feedforward_use_bias", feedforward_use_bias)
+        self.lm_head_use_bias = _checks.check_bool("lm_head_use_bias", lm_head_use_bias)
+        self.rope_max_wavelength = _checks.check_positive_float(
+            "rope_max_wavelength", rope_max_wavelength
+        )
+        self.rope_scaling = check_rope_scaling(rope_scaling)
+        if (rope_scaling is not None or rope_max_wavelength != 10000) and position != "rotary":
+            raise ValueError(
+                "`rope_max_wavelength` and `rope_scaling` need position='rotary'. Received: "
+                f"position={position!r}, rope_max_wavelength={rope_max_wavelength}, "
+                f"rope_scaling={rope_scaling!r}"
+            )
+        # Token embeddings are multiplied by it before the first block (Gemma:
+        # sqrt(hidden_dim)); the tied output head uses the unscaled table.
+        self.embedding_scale = (
+            None if embedding_scale is None
+            else _checks.check_positive_float("embedding_scale", embedding_scale)
+        )
 
     def _embedding(self, name):
         if self.position == "rotary":
@@ -84,17 +127,25 @@ class _LMBase(keras.Model):
 
     def _embed(self, layer, ids, start_index=0):
         if self.position == "rotary":
-            return layer(ids)
-        return layer(ids, start_index=start_index)
+            x = layer(ids)
+        else:
+            x = layer(ids, start_index=start_index)
+        if self.embedding_scale is not None:
+            x = x * ops.cast(self.embedding_scale, x.dtype)
+        return x
 
     def _norm(self, name):
+        if self.normalization == "rms_norm":
+            return keras.layers.RMSNormalization(epsilon=self.layer_norm_epsilon, name=name)
         return keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon, name=name)
 
     def _head(self):
-        """The output projection: a Dense with bias, or None when tied."""
+        """The output projection: a Dense (bias per `lm_head_use_bias`), or None when tied."""
         if self.tie_embeddings:
             return None
-        return keras.layers.Dense(self.vocabulary_size, name="lm_head")
+        return keras.layers.Dense(
+            self.vocabulary_size, use_bias=self.lm_head_use_bias, name="lm_head"
+        )
 
     def _logits(self, embedding, x):
         if self.lm_head is not None:
@@ -107,10 +158,21 @@ class _LMBase(keras.Model):
             activation=self.activation,
             layer_norm_epsilon=self.layer_norm_epsilon,
             mask_padded_queries=self.mask_padded_queries,
+            key_dim=self.head_dim,
+            normalization=self.normalization,
+            use_gated_feedforward=self.use_gated_feedforward,
+            attention_use_bias=self.attention_use_bias,
+            attention_output_use_bias=self.attention_output_use_bias,
+            feedforward_use_bias=self.feedforward_use_bias,
         )
 
+    def _rotary(self):
+        if self.position != "rotary":
+            return None
+        return RotaryEmbedding(self.rope_max_wavelength, rope_scaling=self.rope_scaling)
+
     def _decoder_blocks(self):
-        rotary = RotaryEmbedding() if self.position == "rotary" else None
+        rotary = self._rotary()
         return [
             TransformerDecoderBlock(
                 self.num_heads, intermediate_dim=self.intermediate_dim,
@@ -170,6 +232,16 @@ class _LMBase(keras.Model):
                 layer_norm_epsilon=self.layer_norm_epsilon,
                 tie_embeddings=self.tie_embeddings,
                 mask_padded_queries=self.mask_padded_queries,
+                head_dim=self.head_dim if self.explicit_head_dim else None,
+                normalization=self.normalization,
+                use_gated_feedforward=self.use_gated_feedforward,
+                attention_use_bias=self.attention_use_bias,
+                attention_output_use_bias=self.attention_output_use_bias,
+                feedforward_use_bias=self.feedforward_use_bias,
+                lm_head_use_bias=self.lm_head_use_bias,
+                rope_max_wavelength=self.rope_max_wavelength,
+                rope_scaling=self.rope_scaling,
+                embedding_scale=self.embedding_scale,
             )
         )
         return config
@@ -244,7 +316,7 @@ class Seq2SeqLM(_LMBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.encoder_embedding = self._embedding("encoder_embedding")
-        rotary = RotaryEmbedding() if self.position == "rotary" else None
+        rotary = self._rotary()
         self.encoder_blocks = [
             TransformerEncoderBlock(
                 self.num_heads, intermediate_dim=self.intermediate_dim,

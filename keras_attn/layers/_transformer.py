@@ -31,6 +31,11 @@ class BlockBase(keras.layers.Layer):
         sliding_window=None,
         chunk_size=None,
         mask_padded_queries=True,
+        normalization="layer_norm",
+        use_gated_feedforward=False,
+        attention_use_bias=True,
+        attention_output_use_bias=None,
+        feedforward_use_bias=True,
         **kwargs,
     ):
         name = type(self).__name__
@@ -71,6 +76,21 @@ class BlockBase(keras.layers.Layer):
         # like any token (BERT, GPT-2 and KerasHub semantics); True also
         # zeroes the attention output of padded query rows.
         self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
+        # "rms_norm": Keras's RMSNormalization (scale only; Llama, Gemma, T5).
+        self.normalization = _common.check_choice(
+            "normalization", normalization, ("layer_norm", "rms_norm")
+        )
+        # True: `output(activation(gate(x)) * intermediate(x))` (SwiGLU with
+        # "silu", GeGLU with a GELU; Shazeer, 2020).
+        self.use_gated_feedforward = _common.check_bool(
+            "use_gated_feedforward", use_gated_feedforward
+        )
+        self.attention_use_bias = _common.check_bool("attention_use_bias", attention_use_bias)
+        self.attention_output_use_bias = _common.check_bool(
+            "attention_output_use_bias",
+            attention_use_bias if attention_output_use_bias is None else attention_output_use_bias,
+        )
+        self.feedforward_use_bias = _common.check_bool("feedforward_use_bias", feedforward_use_bias)
         self.supports_masking = True
 
     def _query_padding(self, padding_mask):
@@ -109,11 +129,17 @@ class BlockBase(keras.layers.Layer):
             rotary_embedding=rotary,
             sliding_window=sliding_window,
             chunk_size=self.chunk_size,
+            use_bias=self.attention_use_bias,
+            output_use_bias=self.attention_output_use_bias,
             name=name,
             **self._dense_kwargs(),
         )
 
     def _norm(self, name):
+        if self.normalization == "rms_norm":
+            return keras.layers.RMSNormalization(
+                epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
+            )
         return LastAxisLayerNorm(
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
@@ -125,15 +151,25 @@ class BlockBase(keras.layers.Layer):
         hidden = sequence_shape[-1]
         self.feedforward_layer_norm = self._norm("feedforward_layer_norm")
         self.feedforward_layer_norm.build(sequence_shape)
+        activation = activations.get(self.activation)
+        bias = self.feedforward_use_bias
+        self.feedforward_gate_dense = None
+        if self.use_gated_feedforward:
+            self.feedforward_gate_dense = keras.layers.Dense(
+                self.intermediate_dim, activation=activation, use_bias=bias,
+                name="feedforward_gate_dense", **self._dense_kwargs(),
+            )
+            self.feedforward_gate_dense.build(sequence_shape)
         self.feedforward_intermediate_dense = keras.layers.Dense(
             self.intermediate_dim,
-            activation=activations.get(self.activation),
+            activation=None if self.use_gated_feedforward else activation,
+            use_bias=bias,
             name="feedforward_intermediate_dense",
             **self._dense_kwargs(),
         )
         self.feedforward_intermediate_dense.build(sequence_shape)
         self.feedforward_output_dense = keras.layers.Dense(
-            hidden, name="feedforward_output_dense", **self._dense_kwargs()
+            hidden, use_bias=bias, name="feedforward_output_dense", **self._dense_kwargs()
         )
         self.feedforward_output_dense.build(tuple(sequence_shape[:-1]) + (self.intermediate_dim,))
         self.feedforward_dropout = self._dropout("feedforward_dropout")
@@ -158,7 +194,10 @@ class BlockBase(keras.layers.Layer):
             # TensorFlow's CPU kernels (benchmarks/README.md).
             shape = ops.shape(h)
             h2 = ops.reshape(h, (-1, h.shape[-1])) if flat else h
-            h2 = self.feedforward_intermediate_dense(h2)
+            if self.feedforward_gate_dense is None:
+                h2 = self.feedforward_intermediate_dense(h2)
+            else:
+                h2 = self.feedforward_gate_dense(h2) * self.feedforward_intermediate_dense(h2)
             h2 = self.feedforward_output_dense(h2)
             return (ops.reshape(h2, shape) if flat else h2), None
 
@@ -194,6 +233,11 @@ class BlockBase(keras.layers.Layer):
                 "sliding_window": self.sliding_window,
                 "chunk_size": self.chunk_size,
                 "mask_padded_queries": self.mask_padded_queries,
+                "normalization": self.normalization,
+                "use_gated_feedforward": self.use_gated_feedforward,
+                "attention_use_bias": self.attention_use_bias,
+                "attention_output_use_bias": self.attention_output_use_bias,
+                "feedforward_use_bias": self.feedforward_use_bias,
             }
         )
         return config

@@ -42,6 +42,9 @@ class MultiHeadAttention(keras.layers.Layer):
         value_dim: size of each value head; defaults to `key_dim`.
         dropout: dropout rate on the attention probabilities.
         use_bias: whether the projections have biases.
+        output_use_bias: whether the output projection has a bias; None
+            follows `use_bias` (False with `use_bias=True` is Qwen2's layout:
+            biased query/key/value, unbiased output).
         output_shape: last dims of the output; defaults to the query's features.
         attention_axes: axes of rank > 3 inputs attended over, as in Keras
             (e.g. `(1, 2)` for the `(H, W)` of `(B, H, W, C)` images); None
@@ -135,6 +138,7 @@ class MultiHeadAttention(keras.layers.Layer):
         num_key_value_heads=None,
         rotary_embedding=None,
         chunk_size=None,
+        output_use_bias=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -147,6 +151,9 @@ class MultiHeadAttention(keras.layers.Layer):
         self.dropout = _common.check_dropout("dropout", dropout)
         self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
         self.use_bias = _common.check_bool("use_bias", use_bias)
+        self.output_use_bias = _common.check_bool(
+            "output_use_bias", self.use_bias if output_use_bias is None else output_use_bias
+        )
         self.use_gate = _common.check_bool("use_gate", use_gate)
         output_shape = proj.check_output_shape(output_shape)
         self._output_shape = output_shape
@@ -230,13 +237,13 @@ class MultiHeadAttention(keras.layers.Layer):
         rank = len(query_shape)
         heads, kv_heads = self.num_heads, self.num_key_value_heads
 
-        def dense(name, shape, bound_dims, out_dims, activation=None):
+        def dense(name, shape, bound_dims, out_dims, activation=None, use_bias=self.use_bias):
             # As Keras: the input's non-feature axes are free, `bound_dims` contracted.
             equation, bias_axes = proj.projection_equation(rank - 1, bound_dims, len(out_dims))
             sublayer = keras.layers.EinsumDense(
                 equation,
                 output_shape=proj.output_shape_arg(rank - 2 + len(out_dims), out_dims),
-                bias_axes=bias_axes if self.use_bias else None,
+                bias_axes=bias_axes if use_bias else None,
                 activation=activation,
                 name=name,
                 kernel_initializer=_common.clone_initializer(self.kernel_initializer),
@@ -257,7 +264,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self._value_dense = dense("value", value_shape, 1, (kv_heads, self.value_dim))
         self._output_dense = dense(
             "attention_output", tuple(query_shape[:-1]) + (heads, self.value_dim), 2,
-            self._output_shape or (query_shape[-1],),
+            self._output_shape or (query_shape[-1],), use_bias=self.output_use_bias,
         )
 
     def call(
@@ -619,7 +626,7 @@ class MultiHeadAttention(keras.layers.Layer):
         config = super().get_config()
         for name in (
             "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "sliding_window",
-            "use_gate", "seed", "num_key_value_heads", "chunk_size",
+            "use_gate", "seed", "num_key_value_heads", "chunk_size", "output_use_bias",
         ):
             config[name] = getattr(self, name)
         for name in ("kernel_initializer", "bias_initializer"):

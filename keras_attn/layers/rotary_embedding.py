@@ -1,5 +1,7 @@
 """Rotary position embedding (RoPE, Su et al., 2021)."""
 
+import math
+
 import keras
 from keras import ops
 
@@ -22,6 +24,20 @@ class RotaryEmbedding(keras.layers.Layer):
         scaling_factor: positions are divided by it (linear position
             interpolation for longer contexts).
         sequence_axis: the sequence axis of the inputs (default 1).
+        rope_scaling: None, or a dict choosing how the frequencies are
+            stretched for contexts longer than training, as Hugging Face's
+            `rope_scaling` / `rope_parameters` (same keys, same numbers):
+            - `{"rope_type": "linear", "factor": f}`: positions divided by
+              `f` (the same as `scaling_factor=f`);
+            - `{"rope_type": "dynamic", "factor": f,
+              "original_max_position_embeddings": n}`: dynamic NTK scaling;
+              once a call reaches position `L > n`, the base becomes
+              `max_wavelength * (f * L / n - (f - 1)) ** (D / (D - 2))`,
+              with `L` = the last position of the call + 1 (as Hugging Face
+              does while a generation grows);
+            - `{"rope_type": "llama3", "factor", "low_freq_factor",
+              "high_freq_factor", "original_max_position_embeddings"}`:
+              Llama 3.1's frequency-dependent interpolation.
 
     Call arguments:
         inputs: `(B, T, H, D)` or `(B, T, D)`, with an even `D`.
@@ -35,10 +51,14 @@ class RotaryEmbedding(keras.layers.Layer):
     (2, 5, 4, 8)
     """
 
-    def __init__(self, max_wavelength=10000, scaling_factor=1.0, sequence_axis=1, **kwargs):
+    def __init__(
+        self, max_wavelength=10000, scaling_factor=1.0, sequence_axis=1, rope_scaling=None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.max_wavelength = _common.check_positive_float("max_wavelength", max_wavelength)
         self.scaling_factor = _common.check_positive_float("scaling_factor", scaling_factor)
+        self.rope_scaling = check_rope_scaling(rope_scaling)
         if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
             raise TypeError(f"`sequence_axis` must be an int. Received: sequence_axis={sequence_axis!r}")
         self.sequence_axis = sequence_axis
@@ -58,10 +78,9 @@ class RotaryEmbedding(keras.layers.Layer):
             )
         x = ops.cast(inputs, "float32")
         length = ops.shape(inputs)[axis]
-        pos = _positions.positions(length, start_index) / self.scaling_factor
-        exponent = ops.arange(0, dim, 2, dtype="float32") / float(dim)
-        inv_freq = ops.power(ops.cast(self.max_wavelength, "float32"), -exponent)
-        freqs = pos[:, None] * inv_freq[None, :]
+        pos = _positions.positions(length, start_index)
+        inv_freq = self._inverse_frequencies(dim, pos[-1] + 1.0)
+        freqs = (pos[:, None] / self.scaling_factor) * inv_freq[None, :]
         angles = ops.concatenate([freqs, freqs], axis=-1)  # (T, D)
         shape = [1] * rank
         shape[axis] = -1
@@ -71,6 +90,25 @@ class RotaryEmbedding(keras.layers.Layer):
         x1, x2 = ops.split(x, 2, axis=-1)
         rotated = ops.concatenate([-x2, x1], axis=-1)
         return ops.cast(x * cos + rotated * sin, self.compute_dtype)
+
+    def _inverse_frequencies(self, dim, seq_len):
+        """`(D/2,)` float32 frequencies; `seq_len` (a float32 scalar tensor)
+        matters only for dynamic scaling."""
+        exponent = ops.arange(0, dim, 2, dtype="float32") / float(dim)
+        scaling = self.rope_scaling or {"rope_type": "default"}
+        kind = scaling["rope_type"]
+        base = ops.cast(self.max_wavelength, "float32")
+        if kind == "dynamic":
+            factor = float(scaling["factor"])
+            original = float(scaling["original_max_position_embeddings"])
+            seq_len = ops.maximum(ops.cast(seq_len, "float32"), original)
+            base = base * ops.power(factor * seq_len / original - (factor - 1.0), dim / (dim - 2.0))
+        inv_freq = ops.power(base, -exponent)
+        if kind == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "llama3":
+            inv_freq = _llama3_frequencies(inv_freq, scaling)
+        return inv_freq
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape)
@@ -82,6 +120,7 @@ class RotaryEmbedding(keras.layers.Layer):
                 "max_wavelength": self.max_wavelength,
                 "scaling_factor": self.scaling_factor,
                 "sequence_axis": self.sequence_axis,
+                "rope_scaling": self.rope_scaling,
             }
         )
         return config
@@ -98,3 +137,64 @@ def check_rotary_embedding(rotary_embedding):
             f"rotary_embedding={rotary_embedding!r}"
         )
     return rotary_embedding
+
+
+def _llama3_frequencies(inv_freq, scaling):
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a
+    smooth blend in between (the numbers of `transformers`'
+    `_compute_llama3_parameters`)."""
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    low_wavelength = original / low
+    high_wavelength = original / high
+    wavelength = 2.0 * math.pi / inv_freq
+    scaled = ops.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1.0 - smooth) * scaled / factor + smooth * scaled
+    medium = ops.logical_and(wavelength >= high_wavelength, wavelength <= low_wavelength)
+    return ops.where(medium, blended, scaled)
+
+
+_ROPE_SCALING_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(rope_scaling):
+    """None or a normalised `rope_scaling` dict (plain floats), else a ValueError."""
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, dict):
+        raise TypeError(
+            "Received an invalid value for argument `rope_scaling`, expected None or a "
+            f"dict with a `rope_type`. Received: rope_scaling={rope_scaling!r}"
+        )
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind not in _ROPE_SCALING_KEYS:
+        raise ValueError(
+            "Received an unsupported `rope_scaling`: `rope_type` must be one of "
+            f"{sorted(_ROPE_SCALING_KEYS)} (attention scaling of 'yarn'/'longrope' is not "
+            f"represented). Received: rope_scaling={rope_scaling!r}"
+        )
+    if kind == "default":
+        return None
+    normalized = {"rope_type": kind}
+    for key in _ROPE_SCALING_KEYS[kind]:
+        value = rope_scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(
+                f"`rope_scaling` of type {kind!r} needs a positive number `{key}`. "
+                f"Received: rope_scaling={rope_scaling!r}"
+            )
+        normalized[key] = float(value)
+    if kind == "llama3" and normalized["high_freq_factor"] <= normalized["low_freq_factor"]:
+        raise ValueError(
+            "`rope_scaling` of type 'llama3' needs high_freq_factor > low_freq_factor. "
+            f"Received: rope_scaling={rope_scaling!r}"
+        )
+    return normalized
