@@ -265,6 +265,20 @@ class DecoderOnlyLM(_LMBase):
       table, without bias (GPT-2); else a `Dense` with bias (`lm_head`);
     - `mask_padded_queries`: passed to the blocks (False: padding masks keys
       only, as Hugging Face models do).
+    - `head_dim`: size of each attention head (default
+      `hidden_dim // num_heads`; Gemma's is independent of it);
+    - `normalization`, `use_gated_feedforward`, `attention_use_bias`,
+      `attention_output_use_bias`, `feedforward_use_bias`: passed to the
+      blocks (see `TransformerEncoderBlock`); `normalization` also sets the
+      final norm;
+    - `lm_head_use_bias`: bias of an untied head (Llama's has none);
+    - `rope_max_wavelength`, `rope_scaling`: of the `RotaryEmbedding`
+      (`position="rotary"`);
+    - `embedding_scale`: multiplies the token embeddings before the first
+      block (Gemma: `sqrt(hidden_dim)`); a tied head uses the unscaled table.
+
+    `keras_attn.convert.from_huggingface` builds one from a Llama, Mistral,
+    Qwen2 or Gemma `*ForCausalLM` with these options.
 
     Example:
 

@@ -46,6 +46,17 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             other token (their outputs are not used, but they are finite and
             equal to what BERT, GPT-2 or KerasHub's blocks give there).
             Unpadded positions are the same either way.
+        normalization: `"layer_norm"` (default) or `"rms_norm"` (Keras's
+            `RMSNormalization`, scale only, as Llama, Mistral, Qwen2, Gemma
+            and T5; `layer_norm_epsilon` is its epsilon).
+        use_gated_feedforward: False (default): `output(act(intermediate(x)))`.
+            True: `output(act(gate(x)) * intermediate(x))` with a third dense
+            `feedforward_gate_dense` (SwiGLU with `activation="silu"`, GeGLU
+            with a GELU; Shazeer, 2020).
+        attention_use_bias: biases on the query/key/value projections.
+        attention_output_use_bias: bias on the attention output projection;
+            None follows `attention_use_bias` (Qwen2: True, False).
+        feedforward_use_bias: biases on the feed-forward denses.
 
     Call arguments:
         inputs: `(B, T, D)`.
@@ -66,6 +77,18 @@ class TransformerEncoderBlock(_transformer.BlockBase):
     >>> block = TransformerEncoderBlock(num_heads=2, intermediate_dim=32)
     >>> tuple(block(np.random.rand(2, 5, 16).astype("float32")).shape)
     (2, 5, 16)
+
+    A Llama-style pre-norm block (RMSNorm, SwiGLU, no biases, rotary GQA):
+
+    >>> from keras_attn.layers import RotaryEmbedding
+    >>> llama = TransformerEncoderBlock(
+    ...     num_heads=4, num_key_value_heads=2, intermediate_dim=48, normalize_first=True,
+    ...     normalization="rms_norm", use_gated_feedforward=True, activation="silu",
+    ...     attention_use_bias=False, feedforward_use_bias=False,
+    ...     rotary_embedding=RotaryEmbedding(), layer_norm_epsilon=1e-6)
+    >>> y = llama(np.random.rand(2, 5, 16).astype("float32"), use_causal_mask=True)
+    >>> sorted({w.path.split("/")[-2] for w in llama.weights if "feedforward" in w.path})
+    ['feedforward_gate_dense', 'feedforward_intermediate_dense', 'feedforward_layer_norm', 'feedforward_output_dense']
     """
 
     @classmethod
