@@ -193,6 +193,82 @@ class _LMBase(keras.Model):
         """
         return self.sequence_length if self.position == "learned" else None
 
+    def enable_lora(self, rank, target_names=("query", "value"), lora_alpha=None):
+        """Low-rank adapters (Hu et al., 2021) on the named projections, all
+        other weights frozen (KerasHub's `Backbone.enable_lora` recipe).
+
+        Every built `Dense`/`EinsumDense` sublayer whose name is in
+        `target_names` (the attention's `"query"`, `"key"`, `"value"`,
+        `"attention_output"`, the blocks' `"feedforward_gate_dense"`,
+        `"feedforward_intermediate_dense"`, `"feedforward_output_dense"`)
+        gets Keras's own LoRA: its kernel becomes
+        `kernel + lora_kernel_a @ lora_kernel_b * (lora_alpha / rank)`, with
+        `lora_kernel_b` starting at zero (outputs unchanged until trained).
+        Exports see the merged kernel. Returns the adapted layers.
+        """
+        rank = _checks.check_positive_int("rank", rank)
+        if isinstance(target_names, str):
+            target_names = (target_names,)
+        targets = [
+            layer for layer in self._flatten_layers(include_self=False)
+            if layer.name in target_names and hasattr(layer, "enable_lora")
+        ]
+        known = sorted({layer.name for layer in self._flatten_layers(include_self=False)
+                        if hasattr(layer, "enable_lora")})
+        missing = sorted(set(target_names) - {layer.name for layer in targets})
+        if missing:
+            raise ValueError(
+                f"`target_names` has names of no projection of this model: {missing}. "
+                f"Expected some of {known}."
+            )
+        if not self.built:
+            raise ValueError("Call the model once (or build it) before `enable_lora`.")
+        # Top-down: the model trainable, every sublayer frozen, then Keras's
+        # LoRA variables (created trainable) on the targets.
+        self.trainable = True
+        for layer in self._flatten_layers(include_self=False):
+            layer.trainable = False
+        for layer in targets:
+            layer.trainable = True
+            layer.enable_lora(rank, lora_alpha=lora_alpha)
+        return targets
+
+    def get_layout_map(self, device_mesh, model_axis="model", data_axis="data"):
+        """A `keras.distribution.LayoutMap` that shards this model over
+        `device_mesh` (Megatron-style tensor parallelism): attention heads
+        and the feed-forward's intermediate features split over
+        `model_axis`, everything else replicated; use it with
+        `keras.distribution.ModelParallel(layout_map=..., batch_dim_name=data_axis)`.
+
+        The sharded sizes (`num_heads`, `num_key_value_heads`,
+        `intermediate_dim`, `vocabulary_size`) must be divisible by the
+        mesh's `model_axis` size.
+        """
+        names = tuple(device_mesh.axis_names)
+        if model_axis not in names:
+            raise ValueError(
+                f"`model_axis` must be an axis of `device_mesh`. Received: model_axis="
+                f"{model_axis!r}, device_mesh.axis_names={names}"
+            )
+        size = device_mesh.shape[names.index(model_axis)]
+        for name in ("num_heads", "num_key_value_heads", "intermediate_dim", "vocabulary_size"):
+            if getattr(self, name) % size:
+                raise ValueError(
+                    f"`{name}`={getattr(self, name)} is not divisible by the {size} devices "
+                    f"of mesh axis {model_axis!r}."
+                )
+        m = model_axis
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+        layout_map[r".*embedding.*/embeddings"] = (m, None)
+        layout_map[r".*attention/(query|key|value)/kernel"] = (None, m, None)
+        layout_map[r".*attention/(query|key|value)/bias"] = (m, None)
+        layout_map[r".*attention/attention_output/kernel"] = (m, None, None)
+        layout_map[r".*feedforward_(gate|intermediate)_dense/kernel"] = (None, m)
+        layout_map[r".*feedforward_(gate|intermediate)_dense/bias"] = (m,)
+        layout_map[r".*feedforward_output_dense/kernel"] = (m, None)
+        layout_map[r".*lm_head/kernel"] = (None, m)
+        return layout_map
+
     def _check_cache_write(self, token_ids, cache, cache_index):
         # Writes past a plain cache's end are dropped by `write_cache`: reject
         # them when the sizes are static (a ring buffer wraps by design).
