@@ -195,6 +195,22 @@ def test_gpt2_greedy_tokens_equal_hf_generate(gpt2):
     assert len(np.unique(got[:, 5:])) > 3
 
 
+def test_gpt2_left_padded_batch_equals_hf_generate(gpt2):
+    hf, lm = gpt2
+    rng = np.random.default_rng(6)
+    ids = np.zeros((3, 5), "int32")
+    mask = np.zeros_like(ids)
+    for row, n in enumerate((2, 5, 4)):
+        ids[row, 5 - n:] = rng.integers(3, VOCAB, size=n)
+        mask[row, 5 - n:] = 1
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_length=16, pad_token_id=0,
+                           eos_token_id=None).numpy()
+    got = np.asarray(greedy_search(lm, ids, max_length=16, attention_mask=mask))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_gpt2_base_model_converts_to_a_tied_lm():
     hf = hf_model(transformers.GPT2Model, tiny_gpt2_config(initializer_range=0.3))
     lm = from_huggingface(hf)

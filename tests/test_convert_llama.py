@@ -227,3 +227,27 @@ def test_saves_and_loads(tmp_path):
 def test_refuses_what_it_cannot_represent(build, match):
     with pytest.raises(ValueError, match=match):
         from_huggingface(build())
+
+
+def left_padded_prompts(seed=6, lengths=(3, 6, 5), width=6):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), width), "int32")
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = rng.integers(3, VOCAB, size=n)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", GREEDY, indirect=True)
+def test_left_padded_batch_equals_hf_generate(family):
+    """Hugging Face's batched generation: left padding, positions per row from
+    the attention mask; ours takes the same `attention_mask`."""
+    name, hf, lm = family
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_length=16, pad_token_id=0,
+                           eos_token_id=None).numpy()
+    got = np.asarray(greedy_search(lm, ids, max_length=16, attention_mask=mask))
+    np.testing.assert_array_equal(got, want)

@@ -343,3 +343,40 @@ def test_prompt_and_top_k_errors_name_the_argument(sinusoidal_lm):
     # A model without `vocabulary_size` is checked from its logits while tracing.
     with pytest.raises(ValueError, match=r"top_k.*vocabulary size \(7\)"):
         random_sampling(_FixedLogits(np.zeros(7)), np.ones((2, 1), np.int32), 3, seed=0, top_k=8)
+
+
+def test_attention_mask_gives_hugging_face_layout_for_every_search(gqa_rotary_lm):
+    """Left-padded prompts with a mask: each row continues its own prompt, by
+    full recomputation (greedy), as a lone row (sampling) and as the NumPy
+    beam reference (beam search); the result keeps the prompt as given and
+    adds `max_length - width` tokens."""
+    lm = gqa_rotary_lm
+    ids = np.array([[0, 0, 5, 6], [3, 4, 7, 8], [0, 9, 2, 4]], np.int32)
+    mask = (ids != 0).astype("int32")
+    width, new = ids.shape[1], MAX_LEN - ids.shape[1]
+    got = greedy_search(lm, ids, MAX_LEN, attention_mask=mask).numpy()
+    for row in range(3):
+        prompt = ids[row][mask[row] == 1]
+        seq = _reference_greedy(lambda s: _full_last_logits(lm, s), prompt, MAX_LEN)
+        np.testing.assert_array_equal(got[row, :width], ids[row])
+        np.testing.assert_array_equal(got[row, width:], seq[len(prompt):len(prompt) + new])
+    sampled = random_sampling(lm, ids, MAX_LEN, seed=3, attention_mask=mask).numpy()
+    lone = random_sampling(lm, ids[:1, 2:], MAX_LEN, seed=3).numpy()
+    np.testing.assert_array_equal(sampled[0, width:], lone[0, 2:2 + new])
+    beams = beam_search(lm, ids[:1], MAX_LEN, num_beams=2, attention_mask=mask[:1]).numpy()
+    seq, _ = _reference_beam(lm, [5, 6], MAX_LEN - 2, 2)
+    np.testing.assert_array_equal(beams[0, width:], seq[2:])
+    with pytest.raises(ValueError, match="attention_mask"):
+        greedy_search(lm, ids, MAX_LEN, attention_mask=mask[:, :2])
+    with pytest.raises(ValueError, match="at least one token"):
+        greedy_search(lm, ids, MAX_LEN, attention_mask=np.zeros_like(mask))
+
+
+def test_beam_search_first_call_with_one_row():
+    """A first (non-relaxed) trace with a static batch of one kept the cache's
+    static shape only until the first beam reordering."""
+    lm = DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=4, intermediate_dim=32,
+                       num_key_value_heads=2, position="rotary")
+    prompt = np.array([[5, 6, 7]], np.int32)
+    tokens = beam_search(lm, prompt, 8, num_beams=1).numpy()
+    np.testing.assert_array_equal(tokens, greedy_search(lm, prompt, 8).numpy())

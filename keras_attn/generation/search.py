@@ -111,6 +111,42 @@ def _check(model, max_length, prompt_ids, encoder_ids, stop_token_ids):
     return prompt_ids, encoder_ids, tuple(int(t) for t in stop_token_ids)
 
 
+def _left_padded(prompt_ids, attention_mask, max_length, pad_token_id):
+    """Hugging Face's padded batches (`attention_mask`, 1 = token, usually
+    left-padded) onto the searches' right-padded rows.
+
+    Returns `(compact_ids, restore)`: each row's tokens moved to the front
+    (so every row decodes from its own position 0, which is what Hugging
+    Face's per-row `position_ids` from the mask achieve), and `restore(tokens)`
+    giving the Hugging Face layout: the prompt as given, then
+    `max_length - prompt_width` new tokens per row.
+    """
+    mask = as_token_ids("attention_mask", attention_mask)
+    if tuple(mask.shape) != tuple(prompt_ids.shape):
+        raise ValueError(
+            "`attention_mask` must have the shape of `prompt_ids`. Received: "
+            f"attention_mask.shape={tuple(mask.shape)}, prompt_ids.shape={tuple(prompt_ids.shape)}"
+        )
+    mask = tf.not_equal(tf.cast(mask, tf.int32), 0)
+    lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    if tf.executing_eagerly() and bool(tf.reduce_any(lengths == 0)):
+        raise ValueError(
+            "Every row of `attention_mask` needs at least one token (a 1). Received rows "
+            f"without any: {np.flatnonzero(lengths.numpy() == 0).tolist()}"
+        )
+    prompt_ids = tf.cast(prompt_ids, tf.int32)
+    order = tf.argsort(tf.cast(tf.logical_not(mask), tf.int32), axis=1, stable=True)
+    compact = tf.gather(prompt_ids, order, batch_dims=1)
+    compact = tf.where(tf.gather(mask, order, batch_dims=1), compact, pad_token_id)
+    width = prompt_ids.shape[1]
+
+    def restore(tokens):
+        new = lengths[:, None] + tf.range(max_length - width)[None, :]
+        return tf.concat([prompt_ids, tf.gather(tokens, new, batch_dims=1)], axis=1)
+
+    return compact, restore
+
+
 def _check_top_k(top_k, vocabulary_size):
     # Not clamped: like KerasHub's `TopKSampler` (whose `top_k` call fails),
     # a `top_k` larger than the vocabulary is an error, reported clearly.
@@ -286,7 +322,7 @@ def _run(model, key, loop, prompt_ids, encoder_ids, jit_compile, *extra):
 
 
 def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token_ids=(),
-                  pad_token_id=0, jit_compile=False):
+                  pad_token_id=0, jit_compile=False, attention_mask=None):
     """Greedy cached decoding.
 
     Args:
@@ -302,24 +338,36 @@ def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token
         stop_token_ids: generation stops in a row after one of these.
         pad_token_id: padding id of the prompt and of finished rows.
         jit_compile: compile the whole loop with XLA.
+        attention_mask: optional `(B, P)`, 1 = token, 0 = padding, for
+            Hugging Face-style batches (left-padded, as `generate` takes
+            them; any padding side works). Each row then decodes from its
+            own first token (positions per row, as Hugging Face derives them
+            from the mask), and the result has Hugging Face's layout: the
+            prompt as given, then `max_length - P` new tokens per row. The
+            prompt's real tokens must differ from `pad_token_id` (it fills
+            finished rows).
 
     Returns:
         `(B, max_length)` int32 tokens (a tf.Tensor).
     """
     prompt_ids, encoder_ids, stops = _check(model, max_length, prompt_ids, encoder_ids,
                                             stop_token_ids)
+    restore = None
+    if attention_mask is not None:
+        prompt_ids, restore = _left_padded(prompt_ids, attention_mask, max_length, pad_token_id)
 
     def loop(prompt_ids, encoder_ids):
         return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
                             lambda logits, index: tf.argmax(logits, axis=-1))
 
-    return _run(model, ("greedy", max_length, stops, pad_token_id), loop, prompt_ids,
-                encoder_ids, jit_compile)
+    tokens = _run(model, ("greedy", max_length, stops, pad_token_id), loop, prompt_ids,
+                  encoder_ids, jit_compile)
+    return tokens if restore is None else restore(tokens)
 
 
 def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top_k=None,
                     top_p=None, encoder_ids=None, stop_token_ids=(), pad_token_id=0,
-                    jit_compile=False):
+                    jit_compile=False, attention_mask=None):
     """Cached sampling with temperature, top-k and top-p, reproducible from `seed`.
 
     Each step draws by the Gumbel-max trick from `counter_uniform(seed,
@@ -336,6 +384,9 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
     if top_k is not None:
         filter_logits(tf.zeros((1, top_k)), temperature, top_k, None)
         _check_top_k(top_k, getattr(model, "vocabulary_size", None))
+    restore = None
+    if attention_mask is not None:
+        prompt_ids, restore = _left_padded(prompt_ids, attention_mask, max_length, pad_token_id)
 
     def select(logits, index, seed):
         filtered = filter_logits(logits, temperature, top_k, top_p)
@@ -350,21 +401,27 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
                             lambda logits, index: select(logits, index, seed))
 
     key = ("sample", max_length, stops, pad_token_id, temperature, top_k, top_p)
-    return _run(model, key, loop, prompt_ids, encoder_ids, jit_compile,
-                tf.constant(seed, tf.int64))
+    tokens = _run(model, key, loop, prompt_ids, encoder_ids, jit_compile,
+                  tf.constant(seed, tf.int64))
+    return tokens if restore is None else restore(tokens)
 
 
 def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
-                stop_token_ids=(), pad_token_id=0, jit_compile=False, return_scores=False):
+                stop_token_ids=(), pad_token_id=0, jit_compile=False, return_scores=False,
+                attention_mask=None):
     """Cached beam search (sum of log-probabilities, no length penalty).
 
     Keeps `num_beams` hypotheses per row; the cache is stored per hypothesis
     `(B * num_beams, ...)` and reordered with a gather when beams change.
     A finished hypothesis is extended only by `pad_token_id` at no cost.
     Returns the best `(B, max_length)` sequences (and their scores).
+    `attention_mask`: as `greedy_search`.
     """
     prompt_ids, encoder_ids, stops = _check(model, max_length, prompt_ids, encoder_ids,
                                             stop_token_ids)
+    restore = None
+    if attention_mask is not None:
+        prompt_ids, restore = _left_padded(prompt_ids, attention_mask, max_length, pad_token_id)
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"`num_beams` must be a positive int. Received: num_beams={num_beams!r}")
     k = num_beams
@@ -372,7 +429,9 @@ def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
     def loop(prompt_ids, encoder_ids):
         from keras_attn.generation import cache as cache_lib
 
-        batch = tf.shape(prompt_ids)[0]
+        # The static batch size when known: a dynamic one would turn the loop
+        # variables' static shapes into None after one iteration.
+        batch = prompt_ids.shape[0] if prompt_ids.shape[0] is not None else tf.shape(prompt_ids)[0]
         tiled = tf.repeat(tf.cast(prompt_ids, tf.int32), k, axis=0)
         enc = None if encoder_ids is None else tf.repeat(encoder_ids, k, axis=0)
         tokens, prompt_mask, start = _buffers(tiled, max_length, pad_token_id)
@@ -413,4 +472,5 @@ def beam_search(model, prompt_ids, max_length, *, num_beams=4, encoder_ids=None,
 
     tokens, scores = _run(model, ("beam", max_length, stops, pad_token_id, k), loop, prompt_ids,
                           encoder_ids, jit_compile)
+    tokens = tokens if restore is None else restore(tokens)
     return (tokens, scores) if return_scores else tokens
