@@ -31,6 +31,14 @@ Supported families and what they become:
   are folded into the query projection (its kernel and bias are scaled),
   which leaves the attention scores exactly as Hugging Face computes them.
 
+- **Llama, Mistral, Qwen2, Gemma** (`*ForCausalLM`): a `DecoderOnlyLM`
+  with RMSNorm, gated feed-forward, rotary positions (with the config's
+  `rope_scaling`), grouped-query heads, the family's biases and window
+  (`keras_attn/convert/_llama.py` has the mapping).
+- **T5** (`T5ForConditionalGeneration`, `T5EncoderModel`): a `Seq2SeqLM`
+  with relative position buckets, or a functional encoder
+  (`keras_attn/convert/_t5.py` has the mapping).
+
 What the converter cannot represent, it refuses with a ValueError naming
 the config field (e.g. `position_embedding_type="relative_key"`,
 `add_cross_attention=True`, an unknown `hidden_act`). Every tensor of the
@@ -86,6 +94,7 @@ import keras
 import numpy as np
 
 from keras_attn.convert import _llama
+from keras_attn.convert import _t5
 from keras_attn.convert import _weights
 from keras_attn.generation.models import DecoderOnlyLM
 from keras_attn.layers import activations
@@ -97,7 +106,7 @@ DECODER_TYPES = ("gpt2",)
 
 
 def from_huggingface(model_or_local_dir, *, dropout=None):
-    """Converts a Hugging Face BERT-, RoBERTa- or GPT-2-style model.
+    """Converts a Hugging Face BERT-, RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- or T5-style model.
 
     Args:
         model_or_local_dir: a `transformers.PreTrainedModel` (PyTorch) or the
@@ -109,8 +118,9 @@ def from_huggingface(model_or_local_dir, *, dropout=None):
             the config's `hidden_dropout_prob`. Decoders have none.
 
     Returns:
-        A functional `keras.Model` for encoders, a `DecoderOnlyLM` for
-        decoders (see the module docstring for inputs and outputs).
+        A functional `keras.Model` for encoders (BERT family,
+        `T5EncoderModel`), a `DecoderOnlyLM` for decoders, a `Seq2SeqLM` for
+        `T5ForConditionalGeneration` (see the module docstring).
 
     Raises:
         ValueError: a model type, head or config field that keras_attn
@@ -138,9 +148,11 @@ def from_huggingface(model_or_local_dir, *, dropout=None):
         return _convert_gpt2(config, state, architecture, hf_model.base_model_prefix)
     if model_type in _llama.LLAMA_TYPES:
         return _llama.convert_llama_family(config, state, architecture)
+    if model_type in _t5.T5_TYPES:
+        return _t5.convert_t5(config, state, architecture)
     raise ValueError(
         "Received an unsupported model: `model_type` must be one of "
-        f"{list(ENCODER_TYPES + DECODER_TYPES + _llama.LLAMA_TYPES)}. Received: model_type={model_type!r} "
+        f"{list(ENCODER_TYPES + DECODER_TYPES + _llama.LLAMA_TYPES + _t5.T5_TYPES)}. Received: model_type={model_type!r} "
         f"({architecture})"
     )
 

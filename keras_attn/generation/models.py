@@ -21,6 +21,7 @@ from keras import ops
 from keras_attn.generation import cache as cache_lib
 from keras_attn.layers import checks as _checks
 from keras_attn.layers import activations
+from keras_attn.layers.relative_position_bias import RelativePositionBias
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.layers.rotary_embedding import check_rope_scaling
@@ -56,6 +57,10 @@ class _LMBase(keras.Model):
         rope_max_wavelength=10000,
         rope_scaling=None,
         embedding_scale=None,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        share_embeddings=False,
+        num_decoder_layers=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -63,10 +68,16 @@ class _LMBase(keras.Model):
         self.sequence_length = _checks.check_positive_int("sequence_length", sequence_length)
         self.hidden_dim = _checks.check_positive_int("hidden_dim", hidden_dim)
         self.num_layers = _checks.check_positive_int("num_layers", num_layers)
+        # Seq2SeqLM: the decoder's depth when it differs from the encoder's (T5).
+        self.num_decoder_layers = _checks.check_positive_int(
+            "num_decoder_layers", num_decoder_layers or num_layers
+        )
         self.num_heads = _checks.check_positive_int("num_heads", num_heads)
         self.intermediate_dim = _checks.check_positive_int("intermediate_dim", intermediate_dim)
         self.num_key_value_heads = num_key_value_heads or num_heads
-        self.position = _checks.check_choice("position", position, ("sinusoidal", "learned", "rotary"))
+        self.position = _checks.check_choice(
+            "position", position, ("sinusoidal", "learned", "rotary", "relative")
+        )
         self.pad_token_id = pad_token_id
         self.sliding_window = _checks.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
@@ -110,6 +121,21 @@ class _LMBase(keras.Model):
                 f"position={position!r}, rope_max_wavelength={rope_max_wavelength}, "
                 f"rope_scaling={rope_scaling!r}"
             )
+        # position="relative": T5's bucketed bias, one table per stack (the
+        # first layer's in Hugging Face's T5, shared by the others).
+        self.relative_attention_num_buckets = _checks.check_positive_int(
+            "relative_attention_num_buckets", relative_attention_num_buckets
+        )
+        self.relative_attention_max_distance = _checks.check_positive_int(
+            "relative_attention_max_distance", relative_attention_max_distance
+        )
+        if self.position == "relative" and self.sliding_window is not None:
+            raise ValueError(
+                "position='relative' cannot be combined with `sliding_window` (its ring-buffer "
+                f"cache has no fixed key positions). Received: sliding_window={sliding_window}"
+            )
+        # Seq2SeqLM: one token table for the encoder, the decoder and a tied head (T5).
+        self.share_embeddings = _checks.check_bool("share_embeddings", share_embeddings)
         # Token embeddings are multiplied by it before the first block (Gemma:
         # sqrt(hidden_dim)); the tied output head uses the unscaled table.
         self.embedding_scale = (
@@ -118,7 +144,7 @@ class _LMBase(keras.Model):
         )
 
     def _embedding(self, name):
-        if self.position == "rotary":
+        if self.position in ("rotary", "relative"):
             return ReversibleEmbedding(self.vocabulary_size, self.hidden_dim, name=name)
         return TokenAndPositionEmbedding(
             self.vocabulary_size, self.sequence_length, self.hidden_dim,
@@ -126,7 +152,7 @@ class _LMBase(keras.Model):
         )
 
     def _embed(self, layer, ids, start_index=0):
-        if self.position == "rotary":
+        if self.position in ("rotary", "relative"):
             x = layer(ids)
         else:
             x = layer(ids, start_index=start_index)
@@ -150,7 +176,7 @@ class _LMBase(keras.Model):
     def _logits(self, embedding, x):
         if self.lm_head is not None:
             return self.lm_head(x)
-        table = embedding if self.position == "rotary" else embedding.token_embedding
+        table = embedding if self.position in ("rotary", "relative") else embedding.token_embedding
         return table(x, reverse=True)
 
     def _block_kwargs(self):
@@ -171,6 +197,24 @@ class _LMBase(keras.Model):
             return None
         return RotaryEmbedding(self.rope_max_wavelength, rope_scaling=self.rope_scaling)
 
+    def _relative_bias(self, name, bidirectional):
+        if self.position != "relative":
+            return None
+        return RelativePositionBias(
+            self.num_heads, self.relative_attention_num_buckets,
+            self.relative_attention_max_distance, bidirectional=bidirectional, name=name,
+        )
+
+    @staticmethod
+    def _self_bias(layer, x, cache=None, cache_index=0):
+        """The relative bias of self-attention (None without one): over the
+        sequence itself, or from the new tokens to every cached position."""
+        if layer is None:
+            return None
+        if cache is None:
+            return layer(x)
+        return layer(x, cache[0]["self_attention"][0], start_index=cache_index)
+
     def _decoder_blocks(self):
         rotary = self._rotary()
         return [
@@ -181,7 +225,7 @@ class _LMBase(keras.Model):
                 sliding_window=self.sliding_window, name=f"decoder_{i}",
                 **self._block_kwargs(),
             )
-            for i in range(self.num_layers)
+            for i in range(self.num_decoder_layers)
         ]
 
     @property
@@ -289,7 +333,7 @@ class _LMBase(keras.Model):
         if self.sliding_window is not None:
             max_length = min(max_length, self.sliding_window)
         return cache_lib.empty_cache(
-            batch_size, max_length, self.num_layers, self.num_key_value_heads,
+            batch_size, max_length, self.num_decoder_layers, self.num_key_value_heads,
             self.head_dim, dtype,
         )
 
@@ -318,6 +362,10 @@ class _LMBase(keras.Model):
                 rope_max_wavelength=self.rope_max_wavelength,
                 rope_scaling=self.rope_scaling,
                 embedding_scale=self.embedding_scale,
+                relative_attention_num_buckets=self.relative_attention_num_buckets,
+                relative_attention_max_distance=self.relative_attention_max_distance,
+                share_embeddings=self.share_embeddings,
+                num_decoder_layers=self.num_decoder_layers,
             )
         )
         return config
@@ -366,15 +414,23 @@ class DecoderOnlyLM(_LMBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.num_decoder_layers != self.num_layers:
+            raise ValueError(
+                "`num_decoder_layers` is for Seq2SeqLM; a DecoderOnlyLM has `num_layers` "
+                f"blocks. Received: num_layers={self.num_layers}, "
+                f"num_decoder_layers={self.num_decoder_layers}"
+            )
         self.embedding = self._embedding("embedding")
+        self.position_bias = self._relative_bias("relative_position_bias", bidirectional=False)
         self.blocks = self._decoder_blocks()
         self.final_norm = self._norm("final_norm")
         self.lm_head = self._head()
 
     def call(self, token_ids, padding_mask=None):
         x = self._embed(self.embedding, token_ids)
+        bias = self._self_bias(self.position_bias, x)
         for block in self.blocks:
-            x = block(x, decoder_padding_mask=padding_mask)
+            x = block(x, decoder_padding_mask=padding_mask, decoder_attention_bias=bias)
         return self._logits(self.embedding, self.final_norm(x))
 
     def call_with_cache(self, token_ids, cache, cache_index, padding_mask=None):
@@ -386,10 +442,12 @@ class DecoderOnlyLM(_LMBase):
         token_ids = ops.convert_to_tensor(token_ids)
         self._check_cache_write(token_ids, cache, cache_index)
         x = self._embed(self.embedding, token_ids, start_index=cache_index)
+        bias = self._self_bias(self.position_bias, x, cache, cache_index)
         new_cache = []
         for block, layer_cache in zip(self.blocks, cache):
             x, layer_cache = block(
-                x, decoder_padding_mask=padding_mask, cache=layer_cache, cache_index=cache_index
+                x, decoder_padding_mask=padding_mask, cache=layer_cache, cache_index=cache_index,
+                decoder_attention_bias=bias,
             )
             new_cache.append(layer_cache)
         return self._logits(self.embedding, self.final_norm(x)), new_cache
@@ -417,7 +475,16 @@ class Seq2SeqLM(_LMBase):
             for i in range(self.num_layers)
         ]
         self.encoder_norm = self._norm("encoder_norm")
-        self.decoder_embedding = self._embedding("decoder_embedding")
+        self.encoder_position_bias = self._relative_bias(
+            "encoder_relative_position_bias", bidirectional=True
+        )
+        self.decoder_embedding = (
+            self.encoder_embedding if self.share_embeddings
+            else self._embedding("decoder_embedding")
+        )
+        self.position_bias = self._relative_bias(
+            "decoder_relative_position_bias", bidirectional=False
+        )
         self.blocks = self._decoder_blocks()
         self.final_norm = self._norm("final_norm")
         self.lm_head = self._head()
@@ -425,16 +492,18 @@ class Seq2SeqLM(_LMBase):
     def encode(self, encoder_ids):
         mask = ops.not_equal(encoder_ids, self.pad_token_id)
         x = self._embed(self.encoder_embedding, encoder_ids)
+        bias = self._self_bias(self.encoder_position_bias, x)
         for block in self.encoder_blocks:
-            x = block(x, padding_mask=mask)
+            x = block(x, padding_mask=mask, attention_bias=bias)
         return self.encoder_norm(x), mask
 
     def call(self, inputs):
         encoder_ids, decoder_ids = inputs
         encoded, mask = self.encode(encoder_ids)
         x = self._embed(self.decoder_embedding, decoder_ids)
+        bias = self._self_bias(self.position_bias, x)
         for block in self.blocks:
-            x = block(x, encoded, encoder_padding_mask=mask)
+            x = block(x, encoded, encoder_padding_mask=mask, decoder_attention_bias=bias)
         return self._logits(self.decoder_embedding, self.final_norm(x))
 
     def call_with_cache(self, token_ids, cache, cache_index, encoder_outputs=None,
@@ -445,11 +514,12 @@ class Seq2SeqLM(_LMBase):
         token_ids = ops.convert_to_tensor(token_ids)
         self._check_cache_write(token_ids, cache, cache_index)
         x = self._embed(self.decoder_embedding, token_ids, start_index=cache_index)
+        bias = self._self_bias(self.position_bias, x, cache, cache_index)
         new_cache = []
         for block, layer_cache in zip(self.blocks, cache):
             x, layer_cache = block(
                 x, encoder_outputs, encoder_padding_mask=encoder_padding_mask,
-                cache=layer_cache, cache_index=cache_index,
+                cache=layer_cache, cache_index=cache_index, decoder_attention_bias=bias,
             )
             new_cache.append(layer_cache)
         return self._logits(self.decoder_embedding, self.final_norm(x)), new_cache

@@ -32,6 +32,9 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         encoder_padding_mask: `(B, T_enc)`; from the Keras mask when None.
         decoder_attention_mask: explicit self-attention mask.
         encoder_attention_mask: explicit cross-attention mask.
+        decoder_attention_bias: additive self-attention logits bias
+            `(B|1, H|1, T_dec, T_keys)` (e.g. a causal `RelativePositionBias`;
+            with a cache, `T_keys` is the cache length).
         use_causal_mask: causal self-attention (default True).
         training: dropout on/off.
         return_attention_scores: also return a dict of scores:
@@ -112,6 +115,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         encoder_padding_mask=None,
         decoder_attention_mask=None,
         encoder_attention_mask=None,
+        decoder_attention_bias=None,
         use_causal_mask=True,
         training=None,
         return_attention_scores=False,
@@ -139,6 +143,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 encoder_padding_mask=encoder_padding_mask,
                 decoder_attention_mask=decoder_attention_mask,
                 encoder_attention_mask=encoder_attention_mask,
+                decoder_attention_bias=decoder_attention_bias,
                 use_causal_mask=use_causal_mask,
                 training=training,
                 return_attention_scores=return_attention_scores,
@@ -187,6 +192,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             query_mask=None if cached else self._query_padding(decoder_padding_mask),
             value_mask=decoder_padding_mask,
             attention_mask=decoder_attention_mask,
+            attention_bias=decoder_attention_bias,
             use_causal_mask=use_causal_mask,
             **({"cache_index": cache_index} if cached else {}),
         )

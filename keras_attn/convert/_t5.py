@@ -1,0 +1,202 @@
+"""T5 (v1.0 and v1.1) onto keras_attn: `T5ForConditionalGeneration` into a
+`Seq2SeqLM`, `T5EncoderModel` into a functional encoder.
+
+T5 is a pre-norm encoder-decoder with RMSNorm (no bias), no biases anywhere,
+one token table shared by encoder, decoder and (v1.0) the head, and a
+bucketed relative position bias owned by the first layer of each stack and
+used by all of them. Its attention does not scale logits by 1/sqrt(d_kv);
+keras_attn always does, so the query kernels are multiplied by sqrt(d_kv).
+A tied head multiplies the decoder output by d_model**-0.5 first: folded
+into the decoder's final norm scale.
+
+| Hugging Face tensor                                         | keras_attn variable                                |
+|-------------------------------------------------------------|----------------------------------------------------|
+| `shared.weight` (= `{encoder,decoder}.embed_tokens.weight`)  | `encoder_embedding/embeddings` (shared)           |
+| `encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight` | `encoder_relative_position_bias/embeddings` |
+| `encoder.block.i.layer.0.layer_norm.weight`                 | `encoder_i/self_attention_layer_norm/scale`        |
+| `encoder.block.i.layer.0.SelfAttention.{q,k,v,o}.weight`    | `encoder_i/self_attention/{query (x sqrt d_kv),key,value,attention_output}/kernel` |
+| `encoder.block.i.layer.1.layer_norm.weight`                 | `encoder_i/feedforward_layer_norm/scale`           |
+| `encoder.block.i.layer.1.DenseReluDense.wi.weight` (v1.0)   | `encoder_i/feedforward_intermediate_dense/kernel`  |
+| `...DenseReluDense.wi_0` / `wi_1` (gated, v1.1)             | `feedforward_gate_dense` / `feedforward_intermediate_dense` |
+| `...DenseReluDense.wo.weight`                               | `feedforward_output_dense/kernel`                  |
+| `encoder.final_layer_norm.weight`                           | `encoder_norm/scale`                               |
+| `decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight` | `decoder_relative_position_bias/embeddings` |
+| `decoder.block.i.layer.0.*` / `layer.1.EncDecAttention.*` + `layer.1.layer_norm` / `layer.2.*` | `decoder_i/self_attention*` / `cross_attention*` / `feedforward*` |
+| `decoder.final_layer_norm.weight`                           | `final_norm/scale` (x d_model**-0.5 when the head is scaled) |
+| `lm_head.weight`                                            | tied: checked equal to `shared`; else `lm_head/kernel` |
+"""
+
+import math
+
+import keras
+import numpy as np
+
+from keras_attn.convert import _weights
+from keras_attn.generation.models import Seq2SeqLM
+from keras_attn.layers import activations
+from keras_attn.layers.relative_position_bias import RelativePositionBias
+from keras_attn.layers.reversible_embedding import ReversibleEmbedding
+from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
+
+T5_TYPES = ("t5",)
+
+
+def _refuse(field, value, why):
+    raise ValueError(f"Cannot convert this model: config field `{field}`={value!r} {why}.")
+
+
+def _feedforward(config):
+    """`(activation, gated)` from `feed_forward_proj` ("relu", "gated-gelu", ...)."""
+    gated = bool(getattr(config, "is_gated_act", False))
+    act = getattr(config, "dense_act_fn", None) or config.feed_forward_proj.split("-")[-1]
+    if act == "gelu" and gated:
+        act = "gelu_new"  # T5 v1.1's "gated-gelu" is the tanh approximation
+    if act not in activations.ALIASES and act != "relu":
+        _refuse("feed_forward_proj", config.feed_forward_proj, "has an activation keras_attn does not map")
+    return act, gated
+
+
+def _block_options(config):
+    act, gated = _feedforward(config)
+    return dict(
+        num_heads=config.num_heads, key_dim=config.d_kv, intermediate_dim=config.d_ff,
+        activation=act, use_gated_feedforward=gated, normalize_first=True,
+        normalization="rms_norm", layer_norm_epsilon=config.layer_norm_epsilon,
+        attention_use_bias=False, feedforward_use_bias=False, mask_padded_queries=False,
+    )
+
+
+def _linear(weights, name):
+    return weights.take(name + ".weight").T, None, name
+
+
+def _set_attention(attention, weights, prefix, d_kv):
+    q = _linear(weights, prefix + ".q")
+    # T5 does not scale logits: undo keras_attn's 1/sqrt(d_kv) in the query.
+    q = (q[0] * math.sqrt(d_kv), None, q[2])
+    _weights.set_attention(
+        attention, q, _linear(weights, prefix + ".k"), _linear(weights, prefix + ".v"),
+        _linear(weights, prefix + ".o"),
+    )
+
+
+def _set_feedforward(block, weights, prefix, gated):
+    _weights.set_rms_norm(block.feedforward_layer_norm, weights.take(prefix + ".layer_norm.weight"), prefix)
+    dense = prefix + ".DenseReluDense"
+    if gated:
+        _weights.set_dense(block.feedforward_gate_dense, *_linear(weights, dense + ".wi_0"))
+        _weights.set_dense(block.feedforward_intermediate_dense, *_linear(weights, dense + ".wi_1"))
+    else:
+        _weights.set_dense(block.feedforward_intermediate_dense, *_linear(weights, dense + ".wi"))
+    _weights.set_dense(block.feedforward_output_dense, *_linear(weights, dense + ".wo"))
+
+
+def _set_encoder(blocks, bias_layer, final_norm, weights, config):
+    gated = _feedforward(config)[1]
+    bias_name = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    _weights.assign(bias_layer.embeddings, weights.take(bias_name), bias_name)
+    for i, block in enumerate(blocks):
+        p = f"encoder.block.{i}.layer."
+        _weights.set_rms_norm(block.self_attention_layer_norm, weights.take(p + "0.layer_norm.weight"), p + "0")
+        _set_attention(block.self_attention, weights, p + "0.SelfAttention", config.d_kv)
+        _set_feedforward(block, weights, p + "1", gated)
+    _weights.set_rms_norm(final_norm, weights.take("encoder.final_layer_norm.weight"), "encoder.final_layer_norm")
+
+
+def _check_config(config, architecture):
+    if architecture not in ("T5ForConditionalGeneration", "T5EncoderModel"):
+        raise ValueError(
+            f"Cannot convert {architecture}: for model_type='t5' supported are "
+            f"T5ForConditionalGeneration and T5EncoderModel. Received: architecture={architecture!r}"
+        )
+    if getattr(config, "is_decoder", False):
+        _refuse("is_decoder", True, "is not supported")
+
+
+def _shared_table(weights, stacks):
+    table = weights.take("shared.weight")
+    for stack in stacks:
+        name = f"{stack}.embed_tokens.weight"
+        if name in weights and not np.array_equal(weights.take(name), table):
+            _refuse(f"{stack}.embed_tokens", "untied", "(a table other than `shared`) is not represented")
+    return table
+
+
+def convert_t5(config, state, architecture):
+    _check_config(config, architecture)
+    if architecture == "T5EncoderModel":
+        return _convert_encoder(config, state, architecture)
+    weights = _weights.Weights(state, "")
+    options = _block_options(config)
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    scaled = bool(getattr(config, "scale_decoder_outputs", tied))
+    lm = Seq2SeqLM(
+        config.vocab_size, 512, config.d_model, num_layers=config.num_layers,
+        num_decoder_layers=config.num_decoder_layers or config.num_layers,
+        num_heads=config.num_heads, intermediate_dim=config.d_ff, head_dim=config.d_kv,
+        position="relative", share_embeddings=True, tie_embeddings=tied,
+        relative_attention_num_buckets=config.relative_attention_num_buckets,
+        relative_attention_max_distance=config.relative_attention_max_distance,
+        activation=options["activation"], use_gated_feedforward=options["use_gated_feedforward"],
+        normalization="rms_norm", layer_norm_epsilon=config.layer_norm_epsilon,
+        attention_use_bias=False, feedforward_use_bias=False, lm_head_use_bias=False,
+        mask_padded_queries=False, pad_token_id=config.pad_token_id or 0,
+        name="t5_keras_attn",
+    )
+    lm((np.ones((1, 2), "int32"), np.ones((1, 1), "int32")))
+    table = _shared_table(weights, ("encoder", "decoder"))
+    _weights.assign(lm.encoder_embedding.embeddings, table, "shared.weight")
+    _set_encoder(lm.encoder_blocks, lm.encoder_position_bias, lm.encoder_norm, weights, config)
+    gated = options["use_gated_feedforward"]
+    bias_name = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    _weights.assign(lm.position_bias.embeddings, weights.take(bias_name), bias_name)
+    for i, block in enumerate(lm.blocks):
+        p = f"decoder.block.{i}.layer."
+        _weights.set_rms_norm(block.self_attention_layer_norm, weights.take(p + "0.layer_norm.weight"), p + "0")
+        _set_attention(block.self_attention, weights, p + "0.SelfAttention", config.d_kv)
+        _weights.set_rms_norm(block.cross_attention_layer_norm, weights.take(p + "1.layer_norm.weight"), p + "1")
+        _set_attention(block.cross_attention, weights, p + "1.EncDecAttention", config.d_kv)
+        _set_feedforward(block, weights, p + "2", gated)
+    final = weights.take("decoder.final_layer_norm.weight")
+    # T5 scales the decoder output by d_model**-0.5 before the head (tied
+    # models): a scalar, folded into the final norm's scale.
+    if scaled:
+        final = final * config.d_model**-0.5
+    _weights.set_rms_norm(lm.final_norm, final, "decoder.final_layer_norm.weight")
+    if "lm_head.weight" in weights:
+        head = weights.take("lm_head.weight")
+        if tied:
+            if not np.array_equal(head, table):
+                _refuse("tie_word_embeddings", True, "but lm_head.weight differs from shared.weight")
+        else:
+            _weights.assign(lm.lm_head.kernel, head.T, "lm_head.weight")
+    weights.check_all_used(architecture)
+    return lm
+
+
+def _convert_encoder(config, state, architecture):
+    weights = _weights.Weights(state, "")
+    input_ids = keras.Input((None,), dtype="int32", name="input_ids")
+    attention_mask = keras.Input((None,), dtype="int32", name="attention_mask")
+    embedding = ReversibleEmbedding(config.vocab_size, config.d_model, name="embedding")
+    bias_layer = RelativePositionBias(
+        config.num_heads, config.relative_attention_num_buckets,
+        config.relative_attention_max_distance, bidirectional=True,
+        name="encoder_relative_position_bias",
+    )
+    x = embedding(input_ids)
+    bias = bias_layer(x)
+    padding_mask = keras.ops.not_equal(attention_mask, 0)
+    blocks = []
+    for i in range(config.num_layers):
+        block = TransformerEncoderBlock(name=f"encoder_{i}", **_block_options(config))
+        x = block(x, padding_mask=padding_mask, attention_bias=bias)
+        blocks.append(block)
+    norm = keras.layers.RMSNormalization(epsilon=config.layer_norm_epsilon, name="encoder_norm")
+    output = keras.layers.Identity(name="last_hidden_state")(norm(x))
+    model = keras.Model([input_ids, attention_mask], output, name="t5_encoder_keras_attn")
+    table = _shared_table(weights, ("encoder",))
+    _weights.assign(embedding.embeddings, table, "shared.weight")
+    _set_encoder(blocks, bias_layer, norm, weights, config)
+    weights.check_all_used(architecture)
+    return model
