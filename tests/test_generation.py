@@ -37,6 +37,21 @@ def sinusoidal_lm():
 
 
 @pytest.fixture(scope="module")
+def relative_llama_lm():
+    """T5-style relative bias (randomised: it starts at zero) with today's
+    decoder switches and a head size unrelated to hidden/heads."""
+    lm = DecoderOnlyLM(VOCAB, 32, 16, num_layers=2, num_heads=4, intermediate_dim=24,
+                       num_key_value_heads=2, head_dim=6, position="relative",
+                       relative_attention_num_buckets=8, relative_attention_max_distance=6,
+                       normalization="rms_norm", use_gated_feedforward=True, activation="silu",
+                       attention_use_bias=False, feedforward_use_bias=False)
+    lm(PROMPTS)
+    table = lm.position_bias.embeddings
+    table.assign(np.random.default_rng(0).standard_normal(table.shape).astype("float32") * 3)
+    return lm
+
+
+@pytest.fixture(scope="module")
 def learned_lm():
     lm = DecoderOnlyLM(VOCAB, 16, 16, num_layers=1, num_heads=2, intermediate_dim=32,
                        position="learned")
@@ -85,7 +100,8 @@ def _reference_greedy(next_logits, prompt, max_length, stops=(), pad=0):
     return seq
 
 
-@pytest.mark.parametrize("fixture", ["gqa_rotary_lm", "sinusoidal_lm", "learned_lm"])
+@pytest.mark.parametrize("fixture", ["gqa_rotary_lm", "sinusoidal_lm", "learned_lm",
+                                     "relative_llama_lm"])
 def test_cached_logits_equal_full_recomputation_every_step(request, fixture):
     lm = request.getfixturevalue(fixture)
     batch = len(PROMPTS)
@@ -380,3 +396,17 @@ def test_beam_search_first_call_with_one_row():
     prompt = np.array([[5, 6, 7]], np.int32)
     tokens = beam_search(lm, prompt, 8, num_beams=1).numpy()
     np.testing.assert_array_equal(tokens, greedy_search(lm, prompt, 8).numpy())
+
+
+def test_lm_option_errors():
+    with pytest.raises(ValueError, match="sliding_window"):
+        DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=2, intermediate_dim=8,
+                      position="relative", sliding_window=4)
+    with pytest.raises(ValueError, match="num_decoder_layers"):
+        DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=2, intermediate_dim=8,
+                      num_decoder_layers=2)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=2, intermediate_dim=8,
+                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="head_dim"):
+        DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=3, intermediate_dim=8)
