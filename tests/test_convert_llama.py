@@ -183,6 +183,14 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
     interpreter = litert.Interpreter(model_content=content)
     ops = {d["op_name"] for d in interpreter._get_ops_details()}
     assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
+    # The exported cache holds the key/value heads only: its bytes per token.
+    config = hf.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache_in = interpreter.get_signature_runner("decode").get_input_details()["cache"]
+    layers_, kv_, batch_, slots, *_ = cache_in["shape"]  # (layers, k/v, B, slots, H_kv, d)
+    per_token = np.prod(cache_in["shape"]) * cache_in["dtype"]().itemsize / (batch_ * slots)
+    want_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert per_token == want_bytes, (cache_in["shape"], per_token, want_bytes)
     got = _artifact_greedy(interpreter.get_signature_runner("prefill"),
                            interpreter.get_signature_runner("decode"), prompts, max_length)
     np.testing.assert_array_equal(got, want)
