@@ -388,14 +388,22 @@ def test_attention_mask_gives_hugging_face_layout_for_every_search(gqa_rotary_lm
         greedy_search(lm, ids, MAX_LEN, attention_mask=np.zeros_like(mask))
 
 
-def test_beam_search_first_call_with_one_row():
-    """A first (non-relaxed) trace with a static batch of one kept the cache's
-    static shape only until the first beam reordering."""
+@pytest.mark.parametrize("search", ["greedy", "beam", "stop_tokens"])
+def test_searches_first_call_with_one_row(search):
+    """First (non-relaxed) traces with a static batch of one: the loop keeps
+    the cache's static shape through the beam reordering and the token
+    buffer (tests/test_onnx_genai.py hit the latter with an exported model)."""
     lm = DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=4, intermediate_dim=32,
                        num_key_value_heads=2, position="rotary")
     prompt = np.array([[5, 6, 7]], np.int32)
-    tokens = beam_search(lm, prompt, 8, num_beams=1).numpy()
-    np.testing.assert_array_equal(tokens, greedy_search(lm, prompt, 8).numpy())
+    if search == "beam":
+        tokens = beam_search(lm, prompt, 8, num_beams=1).numpy()
+    else:
+        stops = (VOCAB - 1,) if search == "stop_tokens" else ()
+        tokens = greedy_search(lm, prompt, 8, stop_token_ids=stops).numpy()
+    want = _reference_greedy(lambda s: _full_last_logits(lm, s), prompt[0], 8,
+                             stops=(VOCAB - 1,) if search == "stop_tokens" else ())
+    np.testing.assert_array_equal(tokens[0], want)
 
 
 def test_lm_option_errors():

@@ -47,6 +47,7 @@ from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import request_checks
 from keras_attn.generation import search
+from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: F401  (public here too)
 from keras_attn.generation.runtime_loop import greedy_loop  # noqa: F401  (public here too)
 
 

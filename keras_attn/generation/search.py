@@ -273,9 +273,12 @@ def _buffers(prompt_ids, max_length, pad_token_id):
     padding = [[0, 0], [0, max_length - width]]
     tokens = tf.pad(prompt_ids, padding, constant_values=pad_token_id)
     mask = tf.pad(mask, padding, constant_values=False)
-    # Static (batch, max_length) shapes for the loop, whatever the prompt width.
-    tokens = tf.reshape(tokens, (-1, max_length))
-    mask = tf.reshape(mask, (-1, max_length))
+    # Static (batch, max_length) shapes for the loop, whatever the prompt
+    # width; a batch of one must stay 1, not None, or the cache written from
+    # these tokens loses its static batch after one iteration.
+    batch = -1 if prompt_ids.shape[0] is None else prompt_ids.shape[0]
+    tokens = tf.reshape(tokens, (batch, max_length))
+    mask = tf.reshape(mask, (batch, max_length))
     start = tf.maximum(tf.reduce_min(tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)), 1)
     return tokens, mask, start
 

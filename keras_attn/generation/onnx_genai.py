@@ -1,0 +1,247 @@
+"""A model folder that ONNX Runtime GenAI runs: `model.onnx`, `genai_config.json`
+and the tokenizer files.
+
+ONNX Runtime GenAI (`onnxruntime_genai.Model` / `Generator`) drives its own
+decoding loop over one graph used for prefill and decode, with Hugging Face's
+I/O names: int64 `input_ids` `(B, T)` and `attention_mask` `(B, total)` (1 =
+token; `total` = tokens so far, this call's included), per-layer
+`past_key_values.%d.key|value` inputs and `present.%d.key|value` outputs
+`(B, num_key_value_heads, S, head_dim)`, and `logits` `(B, T, V)`.
+
+The cache is keras_attn's fixed-size one: `S = max_length`, static in the
+graph, which GenAI detects and runs with `past_present_share_buffer` (the
+same buffer is past and present; the graph writes this call's keys and
+values at `[total - T, total)`, `keras_attn.ops.write_cache`). GenAI allows
+greedy search and sampling on such a graph, not beam search.
+
+Positions are `total - T + [0, T)` for every row: exact for batch 1 and for
+rows of equal length. A left-padded batch is exact for rotary models (their
+attention depends on position differences only) and not for learned
+positions (GPT-2), whose padded rows Hugging Face numbers from the mask.
+
+The graph is converted with tf2onnx from `call_with_cache`, so anything
+`keras_attn.generation.export` exports exports here (GQA, rotary, RMSNorm,
+gated feed-forward, relative bias); not a sliding-window ring buffer (GenAI
+would need its windowed cache layout) and not encoder-decoder models.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import tensorflow as tf
+
+
+def _check_model(model):
+    if hasattr(model, "encode"):
+        raise ValueError(
+            "export_onnx_genai supports decoder-only models (ONNX Runtime GenAI's "
+            f"encoder-decoder layout is Whisper's). Received: {type(model).__name__}"
+        )
+    for name in ("init_cache", "call_with_cache", "num_layers", "num_key_value_heads", "head_dim"):
+        if not hasattr(model, name):
+            raise ValueError(
+                "`model` must be a keras_attn decoder such as `DecoderOnlyLM` (it needs "
+                f"`{name}`). Received: {type(model).__name__}"
+            )
+    if getattr(model, "sliding_window", None) is not None:
+        raise ValueError(
+            "A sliding-window model's ring-buffer cache has no ONNX Runtime GenAI layout "
+            f"here. Received: sliding_window={model.sliding_window}"
+        )
+
+
+def genai_function(model, max_length):
+    """The `tf.function` of the GenAI graph and its input signature."""
+    layers, heads, size = model.num_layers, model.num_key_value_heads, model.head_dim
+    length = max_length
+    specs = [
+        tf.TensorSpec((None, None), tf.int64, name="input_ids"),
+        tf.TensorSpec((None, None), tf.int64, name="attention_mask"),
+    ]
+    for i in range(layers):
+        for kind in ("key", "value"):
+            specs.append(tf.TensorSpec((None, heads, length, size), tf.float32,
+                                       name=f"past_{kind}_{i}"))
+
+    def run(input_ids, attention_mask, *past):
+        ids = tf.cast(input_ids, tf.int32)
+        new = tf.shape(ids)[1]
+        total = tf.shape(attention_mask)[1]
+        index = total - new
+        cache = []
+        for i in range(layers):
+            # (B, H_kv, S, d) -> keras_attn's (B, S, H_kv, d)
+            k, v = (tf.transpose(t, (0, 2, 1, 3)) for t in past[2 * i: 2 * i + 2])
+            cache.append({"self_attention": (k, v), "cross_attention": None})
+        mask = tf.not_equal(attention_mask, 0)
+        mask = tf.pad(mask, [[0, 0], [0, length - total]], constant_values=False)
+        logits, cache = model.call_with_cache(ids, cache, index, padding_mask=mask)
+        outputs = [tf.cast(logits, tf.float32)]
+        for layer in cache:
+            outputs += [tf.transpose(t, (0, 2, 1, 3)) for t in layer["self_attention"]]
+        return outputs
+
+    return tf.function(run, input_signature=specs, autograph=False), specs
+
+
+def onnx_genai_model(model, *, max_length, opset=17):
+    """The GenAI graph as an ONNX `ModelProto` (Hugging Face I/O names)."""
+    import onnx
+    import tf2onnx
+
+    _check_model(model)
+    fn, specs = genai_function(model, max_length)
+    proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
+    bad = sorted({n.op_type for n in proto.graph.node if not onnx.defs.has(n.op_type, n.domain or "")})
+    if bad:
+        raise ValueError(f"tf2onnx left non-ONNX ops in the GenAI graph: {bad}")
+    names = ["input_ids", "attention_mask"]
+    outputs = ["logits"]
+    for i in range(model.num_layers):
+        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    for graph_input, name in zip(list(proto.graph.input), names):
+        _rename(proto.graph, graph_input.name, name)
+    for graph_output, name in zip(list(proto.graph.output), outputs):
+        _rename(proto.graph, graph_output.name, name)
+    return proto
+
+
+def _rename(graph, old, new):
+    if old == new:
+        return
+    for node in graph.node:
+        node.input[:] = [new if x == old else x for x in node.input]
+        node.output[:] = [new if x == old else x for x in node.output]
+    for value in list(graph.output) + list(graph.input):
+        if value.name == old:
+            value.name = new
+
+
+def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
+                 pad_token_id=None, filename="model.onnx"):
+    """The `genai_config.json` dict for `model`'s graph (greedy search by default)."""
+    pad = getattr(model, "pad_token_id", 0) if pad_token_id is None else pad_token_id
+    eos = pad if eos_token_id is None else eos_token_id
+    decoder = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": filename,
+        "head_size": int(model.head_dim),
+        "hidden_size": int(model.hidden_dim),
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
+        "num_attention_heads": int(model.num_heads),
+        "num_hidden_layers": int(model.num_layers),
+        "num_key_value_heads": int(model.num_key_value_heads),
+    }
+    return {
+        "model": {
+            "bos_token_id": int(eos if bos_token_id is None else bos_token_id),
+            "context_length": int(max_length),
+            "decoder": decoder,
+            "eos_token_id": [int(t) for t in np.atleast_1d(eos)],
+            "pad_token_id": int(pad),
+            "type": "llama",
+            "vocab_size": int(model.vocabulary_size),
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True,
+            "length_penalty": 1.0, "max_length": int(max_length), "min_length": 0,
+            "no_repeat_ngram_size": 0, "num_beams": 1, "num_return_sequences": 1,
+            "past_present_share_buffer": True, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }
+
+
+def _write_tokenizer(tokenizer, folder):
+    """`tokenizer.json` (+ `tokenizer_config.json`) from a path, a
+    `tokenizers.Tokenizer` or a `transformers` fast tokenizer."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        source = os.path.dirname(path) if os.path.isfile(path) else path
+        if not os.path.isfile(os.path.join(source, "tokenizer.json")) and not path.endswith(".json"):
+            raise ValueError(
+                "`tokenizer` must name a tokenizer.json file or a folder holding one. "
+                f"Received: tokenizer={path!r}"
+            )
+        shutil.copy(path if os.path.isfile(path) else os.path.join(source, "tokenizer.json"),
+                    os.path.join(folder, "tokenizer.json"))
+        config = os.path.join(source, "tokenizer_config.json")
+        if os.path.isfile(config):
+            shutil.copy(config, os.path.join(folder, "tokenizer_config.json"))
+    elif hasattr(tokenizer, "save_pretrained"):  # transformers
+        tokenizer.save_pretrained(folder)
+    elif hasattr(tokenizer, "to_str"):  # tokenizers.Tokenizer
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            f.write(tokenizer.to_str())
+    else:
+        raise TypeError(
+            "`tokenizer` must be a tokenizer.json path, a `tokenizers.Tokenizer` or a "
+            f"transformers tokenizer. Received: {type(tokenizer).__name__}"
+        )
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        # GenAI's tokenizer picks its algorithm from the class name; a
+        # byte-level BPE tokenizer.json is GPT-2's.
+        with open(config_path, "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)
+
+
+def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17):
+    """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
+
+    Args:
+        model: a `DecoderOnlyLM` (built), e.g. from `keras_attn.convert`.
+        folder: output directory (created).
+        max_length: the longest sequence (prompt + generated) GenAI may ask
+            for: the cache length.
+        tokenizer: `tokenizer.json` path (or its folder), a
+            `tokenizers.Tokenizer` or a transformers fast tokenizer; None
+            writes no tokenizer (token ids only).
+        bos_token_id, eos_token_id, pad_token_id: for `genai_config.json`
+            (eos may be a list); default the model's `pad_token_id`.
+        opset: ONNX opset.
+
+    Returns:
+        The folder's path.
+
+    Example (needs `onnxruntime-genai`):
+
+        export_onnx_genai(lm, "lm_genai", max_length=64, tokenizer="tokenizer.json")
+        import onnxruntime_genai as og
+        og_model = og.Model("lm_genai")
+        params = og.GeneratorParams(og_model)
+        params.set_search_options(max_length=32)
+        generator = og.Generator(og_model, params)
+        generator.append_tokens([[5, 6, 7]])
+        while not generator.is_done():
+            generator.generate_next_token()
+        tokens = generator.get_sequence(0)
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
+    proto = onnx_genai_model(model, max_length=max_length, opset=opset)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.onnx"), "wb") as f:
+        f.write(proto.SerializeToString())
+    config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                          pad_token_id=pad_token_id)
+    with open(os.path.join(folder, "genai_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    _write_tokenizer(tokenizer, folder)
+    return folder

@@ -1,0 +1,158 @@
+"""ONNX Runtime GenAI runs our exported folders: from text (its own
+tokenizer over our tokenizer.json) to the tokens Keras's greedy search gives,
+for a keras_attn decoder and for converted GPT-2 and Llama models."""
+
+import json
+
+import numpy as np
+import pytest
+
+og = pytest.importorskip("onnxruntime_genai")
+tokenizers = pytest.importorskip("tokenizers")
+
+from keras_attn.generation import DecoderOnlyLM, greedy_search  # noqa: E402
+from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: E402
+
+WORDS = ("the a cat dog sat ran on in under over mat box red blue small big and then it was "
+         "very quite happy sad one two three four five six seven eight nine ten day night").split()
+EOS = 1
+MAX_LEN = 40
+
+
+def word_tokenizer():
+    """A GPT-2-style byte-level BPE tokenizer.json, trained offline here on
+    sentences of `WORDS` (ONNX Runtime GenAI's tokenizer reads BPE, WordPiece
+    and Unigram models; not WordLevel)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(rng.choice(WORDS, 8)) for _ in range(400)]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+VOCAB = 320
+
+
+def scaled_lm(**kwargs):
+    lm = DecoderOnlyLM(VOCAB, 64, 32, num_layers=2, num_heads=4, intermediate_dim=48,
+                       pad_token_id=0, **kwargs)
+    lm(np.array([[2, 3]], np.int32))
+    rng = np.random.default_rng(0)
+    for w in lm.weights:  # spread logits: generations that vary
+        w.assign(w.numpy() * 3 + rng.standard_normal(w.shape).astype("float32") * 0.05)
+    # Never the stop token: generations run to max_length (the converted
+    # models below stop on theirs).
+    bias = lm.lm_head.bias.numpy()
+    bias[EOS] = -1e4
+    lm.lm_head.bias.assign(bias)
+    return lm
+
+
+def keras_tokens(lm, prompt, max_length, eos=EOS):
+    """Keras greedy tokens after the prompt, up to (not including) the stop token."""
+    tokens = greedy_search(lm, np.array([prompt], np.int32), max_length, stop_token_ids=(eos,))
+    new = list(np.asarray(tokens)[0, len(prompt):])
+    return new[:new.index(eos)] if eos in new else new
+
+
+def genai_tokens(folder, prompt_ids, max_length):
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt_ids], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return list(np.asarray(generator.get_sequence(0))[len(prompt_ids):]), model
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    lm = scaled_lm(num_key_value_heads=2, position="rotary", normalization="rms_norm",
+                   use_gated_feedforward=True, activation="silu")
+    folder = tmp_path_factory.mktemp("genai")
+    export_onnx_genai(lm, folder, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
+    return lm, folder
+
+
+def test_folder_layout(exported):
+    lm, folder = exported
+    config = json.loads((folder / "genai_config.json").read_text())
+    decoder = config["model"]["decoder"]
+    assert decoder["num_key_value_heads"] == 2 and decoder["head_size"] == lm.head_dim
+    assert config["search"]["past_present_share_buffer"] is True
+    import onnx
+
+    graph = onnx.load(str(folder / "model.onnx")).graph
+    names = [i.name for i in graph.input]
+    assert names[:2] == ["input_ids", "attention_mask"]
+    assert "past_key_values.1.value" in names and "present.1.key" in [o.name for o in graph.output]
+    dims = [d.dim_value for d in graph.input[2].type.tensor_type.shape.dim[1:]]
+    assert dims == [2, MAX_LEN, lm.head_dim]  # key/value heads only, fixed length
+
+
+def test_generates_keras_greedy_from_text(exported):
+    lm, folder = exported
+    for text in ("the cat sat on", "a small dog ran in the big box then"):
+        want_prompt = word_tokenizer().encode(text).ids
+        model = og.Model(str(folder))
+        prompt = list(og.Tokenizer(model).encode(text))
+        assert prompt == want_prompt
+        got, _ = genai_tokens(folder, prompt, MAX_LEN)
+        want = keras_tokens(lm, prompt, MAX_LEN)
+        assert got == want
+        assert len(want) >= 8 and len(set(want)) >= 3, "degenerate generation tests nothing"
+        # Text back: GenAI's decoder over our tokenizer.json (the random
+        # model's own tokens are arbitrary bytes, not always valid UTF-8).
+        assert og.Tokenizer(model).decode(np.array(prompt, np.int32)) == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_converted_models_generate_hf_tokens(tmp_path, family):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from keras_attn.convert import from_huggingface
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            initializer_range=0.3, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, intermediate_size=64, initializer_range=0.2,
+            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
+    hf.eval()
+    lm = from_huggingface(hf)
+    export_onnx_genai(lm, tmp_path, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
+    prompt = word_tokenizer().encode("the red cat sat on the").ids
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                             do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
+    want = list(hf_out.numpy()[0, len(prompt):])
+    want = want[:want.index(EOS)] if EOS in want else want
+    got, _ = genai_tokens(tmp_path, prompt, MAX_LEN)
+    assert got == want == keras_tokens(lm, prompt, MAX_LEN)
+
+
+def test_refuses_what_genai_cannot_carry(tmp_path):
+    from keras_attn.generation import Seq2SeqLM
+
+    s2s = Seq2SeqLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
+    with pytest.raises(ValueError, match="decoder-only"):
+        export_onnx_genai(s2s, tmp_path, max_length=8)
+    windowed = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
+                             sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window"):
+        export_onnx_genai(windowed, tmp_path, max_length=8)
+    with pytest.raises(ValueError, match="max_length"):
+        export_onnx_genai(scaled_lm(), tmp_path, max_length=0)
