@@ -1,0 +1,170 @@
+"""ONNX Runtime GenAI: our exported folder vs the GenAI model builder's, same model.
+
+One Hugging Face Llama (random weights, seeded; a real tokenizer trained here),
+exported twice: `keras_attn.convert.from_huggingface` + `export_onnx_genai`,
+and `python -m onnxruntime_genai.models.builder` (fp32, CPU). Both folders run
+in `onnxruntime_genai` in this process, in alternating rounds: prefill time of a
+`--prompt`-token prompt and decode tokens/s over `--new` greedy tokens; the
+generated tokens of the two must agree. Prints a table and ratios (ours / peer
+for tokens/s: > 1 is faster).
+
+    python benchmarks/bench_genai.py                  # 8 layers, hidden 512, vocab 32000
+    python benchmarks/bench_genai.py --quick          # 2 layers, hidden 128, vocab 4000
+
+Needs `onnxruntime-genai` (test extra) and, for the builder, `onnx-ir`
+(`pip install onnx-ir`; the `genai-peers` extra).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def trained_tokenizer(vocab_size):
+    """A byte-level BPE tokenizer trained on generated English-like text."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"]
+    words = ["".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(5000)]
+    corpus = [" ".join(rng.choice(words, 12)) for _ in range(4000)]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def build_hf(folder, args):
+    import torch
+    import transformers
+
+    tok = trained_tokenizer(args.vocab)
+    # The model's vocabulary is --vocab (the output layer's cost); the small
+    # training corpus gives the tokenizer fewer merges, i.e. the first ids.
+    config = transformers.LlamaConfig(
+        vocab_size=max(args.vocab, tok.get_vocab_size()), hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64 or args.hidden * 2,
+        max_position_embeddings=args.prompt + args.new, bos_token_id=1, eos_token_id=1,
+        pad_token_id=0, initializer_range=0.05, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(folder)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                                                pad_token="<pad>", bos_token="<eos>")
+    fast.save_pretrained(folder)
+    return hf, tok
+
+
+def run_genai(folder, prompt, max_length):
+    """(prefill seconds, decode seconds per token, tokens) in onnxruntime_genai."""
+    import onnxruntime_genai as og
+
+    model = og.Model(folder)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length, do_sample=False)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(np.array([prompt], np.int32))
+    prefill = time.perf_counter() - start
+    steps = 0
+    start = time.perf_counter()
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps += 1
+    decode = (time.perf_counter() - start) / max(steps, 1)
+    return prefill, decode, list(np.asarray(generator.get_sequence(0))[len(prompt):])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.hidden, args.heads, args.kv_heads = 2, 128, 4, 2
+        args.vocab, args.prompt, args.new, args.rounds = 4000, 32, 32, 3
+
+    from keras_attn.convert import from_huggingface
+    from keras_attn.generation.export import export_onnx_genai
+
+    work = tempfile.mkdtemp(prefix="bench_genai_")
+    hf_dir, ours, peer = (os.path.join(work, n) for n in ("hf", "ours", "builder"))
+    hf, tok = build_hf(hf_dir, args)
+    max_length = args.prompt + args.new
+    start = time.perf_counter()
+    lm = from_huggingface(hf_dir)
+    export_onnx_genai(lm, ours, max_length=max_length, tokenizer=hf_dir, eos_token_id=1)
+    ours_export = time.perf_counter() - start
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir,
+                    "-o", peer, "-p", "fp32", "-e", "cpu", "-c", os.path.join(work, "cache")],
+                   check=True, capture_output=True)
+    peer_export = time.perf_counter() - start
+    with open(os.path.join(peer, "genai_config.json")) as f:  # same generation length
+        config = json.load(f)
+    config["search"]["max_length"] = max_length
+    with open(os.path.join(peer, "genai_config.json"), "w") as f:
+        json.dump(config, f)
+
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(2, tok.get_vocab_size(), args.prompt)]
+    folders = {"keras_attn": ours, "genai builder": peer}
+    times = {name: {"prefill": [], "decode": []} for name in folders}
+    tokens = {}
+    for name, folder in folders.items():  # warm-up
+        run_genai(folder, prompt, max_length)
+    for r in range(args.rounds):
+        order = list(folders) if r % 2 == 0 else list(reversed(folders))
+        for name in order:
+            prefill, decode, tokens[name] = run_genai(folders[name], prompt, max_length)
+            times[name]["prefill"].append(prefill)
+            times[name]["decode"].append(decode)
+    agree = np.mean([a == b for a, b in zip(tokens["keras_attn"], tokens["genai builder"])])
+    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
+    rows = []
+    print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+          f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())} "
+          f"(tokenizer {tok.get_vocab_size()}), prompt {args.prompt}, "
+          f"{args.new} new tokens, batch 1, fp32, CPU; medians of {args.rounds} alternating rounds\n")
+    print("| export | prefill ms | prefill tok/s | decode ms/token | decode tok/s | export s |")
+    print("|---|---|---|---|---|---|")
+    for name, export_s in (("keras_attn", ours_export), ("genai builder", peer_export)):
+        m = med[name]
+        row = dict(name=name, prefill_ms=m["prefill"] * 1e3, prefill_tps=args.prompt / m["prefill"],
+                   decode_ms=m["decode"] * 1e3, decode_tps=1 / m["decode"], export_s=export_s)
+        rows.append(row)
+        print(f"| {name} | {row['prefill_ms']:.1f} | {row['prefill_tps']:.0f} | "
+              f"{row['decode_ms']:.2f} | {row['decode_tps']:.1f} | {export_s:.1f} |")
+    ratio_prefill = rows[0]["prefill_tps"] / rows[1]["prefill_tps"]
+    ratio_decode = rows[0]["decode_tps"] / rows[1]["decode_tps"]
+    print(f"\nours / builder tokens/s: prefill {ratio_prefill:.2f}x, decode {ratio_decode:.2f}x; "
+          f"greedy tokens equal at {agree:.0%} of {args.new} positions")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, prefill_ratio=ratio_prefill, decode_ratio=ratio_decode,
+                           token_agreement=agree, args=vars(args)), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
