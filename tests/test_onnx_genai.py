@@ -156,3 +156,51 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
         export_onnx_genai(windowed, tmp_path, max_length=8)
     with pytest.raises(ValueError, match="max_length"):
         export_onnx_genai(scaled_lm(), tmp_path, max_length=0)
+
+
+def test_character_tokenizer_ids_are_the_characters():
+    from keras_attn.data.dates import INPUT_ALPHABET
+    from keras_attn.generation.tokenizers import character_tokenizer
+
+    tok = character_tokenizer(INPUT_ALPHABET)
+    assert any(ord(c) > 127 for c in INPUT_ALPHABET)  # multi-byte characters included
+    for text in ("Mercredi, 3 Février 1999", "ÉTÉ 12.03.1999", "march 3"):
+        ids = tok.encode(text).ids
+        assert ids == [2 + INPUT_ALPHABET.index(c) for c in text]
+        assert tok.decode(ids) == text
+    with pytest.raises(ValueError, match="must not repeat"):
+        character_tokenizer("abca")
+
+
+@pytest.mark.slow
+def test_model_trained_with_keras_attn_generates_from_text(tmp_path):
+    """A decoder-only date translator trained here (character vocabulary of
+    the dates data): GenAI, from text, gives Keras's greedy characters."""
+    import keras
+
+    from keras_attn.data.dates import INPUT_ALPHABET, generate_examples
+    from keras_attn.generation.tokenizers import character_tokenizer
+
+    tok = character_tokenizer(INPUT_ALPHABET + "=")
+    pairs = generate_examples(1500, seed=0)
+    seqs = [tok.encode(f"{human}={iso}").ids + [EOS] for human, iso in pairs]
+    width = max(map(len, seqs))
+    data = np.zeros((len(seqs), width), np.int32)
+    for row, seq in enumerate(seqs):
+        data[row, :len(seq)] = seq
+    keras.utils.set_random_seed(0)
+    lm = DecoderOnlyLM(len(INPUT_ALPHABET) + 3, 64, 48, num_layers=2, num_heads=4,
+                       intermediate_dim=96, num_key_value_heads=2, position="rotary")
+    lm.compile(keras.optimizers.Adam(3e-3),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    history = lm.fit(data[:, :-1], data[:, 1:], epochs=3, batch_size=64, verbose=0)
+    assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
+    export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS)
+    model = og.Model(str(tmp_path))
+    for human, _ in generate_examples(3, seed=99):
+        text = f"{human}="
+        prompt = [int(t) for t in og.Tokenizer(model).encode(text)]
+        assert prompt == tok.encode(text).ids
+        got, _ = genai_tokens(tmp_path, prompt, width)
+        assert got == keras_tokens(lm, prompt, width)
+        assert len(got) >= 3
