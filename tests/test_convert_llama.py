@@ -259,3 +259,21 @@ def test_left_padded_batch_equals_hf_generate(family):
                            eos_token_id=None).numpy()
     got = np.asarray(greedy_search(lm, ids, max_length=16, attention_mask=mask))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama3_bias", "qwen2_mqa"], indirect=True)
+def test_beam_search_equals_hf_beam_search(family):
+    """Hugging Face's beam search with `length_penalty=0` ranks beams by the
+    sum of log-probabilities, as ours does."""
+    from keras_attn.generation import beam_search
+
+    name, hf, lm = family
+    prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
+    with torch.no_grad():
+        want = hf.generate(
+            torch.tensor(prompts, dtype=torch.long),
+            attention_mask=torch.ones(prompts.shape, dtype=torch.long), do_sample=False,
+            num_beams=3, length_penalty=0.0, max_length=14, pad_token_id=0, eos_token_id=None,
+        ).numpy()
+    got = np.asarray(beam_search(lm, prompts, 14, num_beams=3))
+    np.testing.assert_array_equal(got, want)
