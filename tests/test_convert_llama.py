@@ -209,6 +209,13 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
                            prompts, max_length)
     np.testing.assert_array_equal(got, want)
 
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(gen_export.export_saved_model(lm, str(tmp_path / "sm"),
+                                                               max_length=max_length))
+    generated = loaded.signatures["generate"](prompt_ids=tf.constant(prompts))["tokens"]
+    np.testing.assert_array_equal(generated.numpy(), want)
+
 
 def test_saves_and_loads(tmp_path):
     hf = hf_family("gemma")

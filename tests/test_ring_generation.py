@@ -150,3 +150,15 @@ def test_blocks_sliding_window_config_and_errors():
         with pytest.raises(ValueError, match="sliding_window"):
             DecoderOnlyLM(VOCAB, 16, 8, num_layers=1, num_heads=2, intermediate_dim=16,
                           sliding_window=bad)
+
+
+@pytest.mark.slow
+def test_ring_saved_model_generate_signature(ring_lm, tmp_path):
+    """The SavedModel `generate` signature takes prompts of any width (a
+    dynamic width in the ring-buffer prefill choice), full or right-padded."""
+    loaded = tf.saved_model.load(gen_export.export_saved_model(ring_lm, str(tmp_path / "ring"),
+                                                               max_length=MAX_LEN))
+    for prompts in (PROMPTS, FULL):
+        got = loaded.signatures["generate"](prompt_ids=tf.constant(prompts))["tokens"].numpy()
+        expected = [_np_greedy(ring_lm, row, MAX_LEN, WINDOW) for row in prompts]
+        np.testing.assert_array_equal(got, np.array(expected))

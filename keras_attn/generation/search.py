@@ -257,7 +257,8 @@ def _prefill(model, prompt_ids, max_length, encoder_ids, start):
         traced.append(prefill(ids))
         return [t for t in tf.nest.flatten(traced[-1]) if t is not None]
 
-    full = tf.equal(start, width)
+    # A serving signature's prompt width is dynamic.
+    full = tf.equal(start, width if width is not None else tf.shape(prompt_ids)[1])
     tensors = iter(tf.cond(full, lambda: branch(prompt_ids), lambda: branch(prompt_ids[:, :1])))
     leaves = tf.nest.flatten(traced[0])
     cache = tf.nest.pack_sequence_as(
