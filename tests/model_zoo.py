@@ -145,3 +145,14 @@ def sample_inputs(model, batch=2, length=7, seed=0):
             x = rng.standard_normal((batch, length, inp.shape[-1])).astype("float32")
         out.append(x)
     return out if len(out) > 1 else out[0]
+
+
+def ort_runner(session):
+    """An onnxruntime session as a callable over NumPy dicts, named as the
+    signatures (an output named like an input carries `_out`, dropped here)."""
+
+    def run(**kwargs):
+        names = [o.name for o in session.get_outputs()]
+        return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, kwargs))}
+
+    return run

@@ -20,6 +20,7 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from keras_attn.generation import export as gen_export  # noqa: E402
 from tests import tolerance  # noqa: E402
+from tests.model_zoo import ort_runner  # noqa: E402
 
 VOCAB = 71
 COMMON = dict(vocab_size=VOCAB, hidden_size=36, num_hidden_layers=2, intermediate_size=52,
@@ -199,13 +200,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
     sessions = {k: ort.InferenceSession(p, providers=["CPUExecutionProvider"])
                 for k, p in paths.items()}
 
-    def runner(session):
-        def run(**kwargs):
-            names = [o.name for o in session.get_outputs()]
-            return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, kwargs))}
-        return run
-
-    got = _artifact_greedy(runner(sessions["prefill"]), runner(sessions["decode"]),
+    got = _artifact_greedy(ort_runner(sessions["prefill"]), ort_runner(sessions["decode"]),
                            prompts, max_length)
     np.testing.assert_array_equal(got, want)
 

@@ -15,6 +15,7 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from keras_attn.generation import export as gen_export  # noqa: E402
 from tests import tolerance  # noqa: E402
+from tests.model_zoo import ort_runner  # noqa: E402
 
 VOCAB = 53
 VARIANTS = {
@@ -130,13 +131,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path):
     sessions = {k: ort.InferenceSession(p, providers=["CPUExecutionProvider"])
                 for k, p in paths.items()}
 
-    def runner(session):
-        def run(**kwargs):
-            names = [o.name for o in session.get_outputs()]
-            return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, kwargs))}
-        return run
-
-    got = _artifact_greedy(runner(sessions["prefill"]), runner(sessions["decode"]), enc, 10)
+    got = _artifact_greedy(ort_runner(sessions["prefill"]), ort_runner(sessions["decode"]), enc, 10)
     np.testing.assert_array_equal(got, want)
 
 

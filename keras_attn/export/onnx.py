@@ -13,8 +13,8 @@ from keras_attn.export import verify
 OPSETS = (17, 18)
 
 
-def _rename_value(graph, old, new):
-    """Renames a tensor everywhere in an ONNX graph."""
+def rename_value(graph, old, new):
+    """Renames a tensor everywhere in an ONNX graph (nodes, inputs, outputs, value infos)."""
     for node in graph.node:
         node.input[:] = [new if name == old else name for name in node.input]
         node.output[:] = [new if name == old else name for name in node.output]
@@ -79,10 +79,10 @@ def convert(model, *, opset=17, check_ids="clamp"):
     graph = model_proto.graph
     for output, name in zip(list(graph.output), names):
         if output.name != name:
-            _rename_value(graph, output.name, name)
+            rename_value(graph, output.name, name)
     for graph_input, spec in zip(graph.input, specs):
         if graph_input.name != spec.name:
-            _rename_value(graph, graph_input.name, spec.name)
+            rename_value(graph, graph_input.name, spec.name)
         dims = graph_input.type.tensor_type.shape.dim
         for axis, dim in enumerate(dims):
             if not dim.HasField("dim_value"):

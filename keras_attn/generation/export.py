@@ -44,6 +44,7 @@ import tempfile
 import tensorflow as tf
 
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
+from keras_attn.export.onnx import rename_value
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import request_checks
 from keras_attn.generation import search
@@ -274,15 +275,6 @@ def export_tflite(model, path, **kwargs):
     return path
 
 
-def _rename(graph, old, new):
-    for node in graph.node:
-        node.input[:] = [new if x == old else x for x in node.input]
-        node.output[:] = [new if x == old else x for x in node.output]
-    for value in list(graph.output) + list(graph.input):
-        if value.name == old:
-            value.name = new
-
-
 def _flattened(fn, out_names):
     def flat(*args):
         outputs = fn(*args)
@@ -325,11 +317,11 @@ def onnx_models(model, *, max_length, opset=17, checks="flag"):
         input_names = {spec.name for spec in specs}
         for output, out_name in zip(list(proto.graph.output), out_names):
             # ONNX names are unique per graph: `cache` in, `cache_out` out.
-            _rename(proto.graph, output.name, out_name + "_out" if out_name in input_names
+            rename_value(proto.graph, output.name, out_name + "_out" if out_name in input_names
                     else out_name)
         for graph_input, spec in zip(list(proto.graph.input), specs):
             if graph_input.name != spec.name:
-                _rename(proto.graph, graph_input.name, spec.name)
+                rename_value(proto.graph, graph_input.name, spec.name)
         protos[name] = proto
     return protos
 

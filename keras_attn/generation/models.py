@@ -98,18 +98,11 @@ class _LMBase(keras.Model):
             hidden_dim // num_heads
         )
         self.explicit_head_dim = head_dim is not None
-        self.normalization = _checks.check_choice(
-            "normalization", normalization, ("layer_norm", "rms_norm")
-        )
-        self.use_gated_feedforward = _checks.check_bool(
-            "use_gated_feedforward", use_gated_feedforward
-        )
-        self.attention_use_bias = _checks.check_bool("attention_use_bias", attention_use_bias)
-        self.attention_output_use_bias = _checks.check_bool(
-            "attention_output_use_bias",
-            attention_use_bias if attention_output_use_bias is None else attention_output_use_bias,
-        )
-        self.feedforward_use_bias = _checks.check_bool("feedforward_use_bias", feedforward_use_bias)
+        for name, value in _checks.check_block_switches(
+            normalization, use_gated_feedforward, attention_use_bias,
+            attention_output_use_bias, feedforward_use_bias,
+        ).items():
+            setattr(self, name, value)
         self.lm_head_use_bias = _checks.check_bool("lm_head_use_bias", lm_head_use_bias)
         self.rope_max_wavelength = _checks.check_positive_float(
             "rope_max_wavelength", rope_max_wavelength

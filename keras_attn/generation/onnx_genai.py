@@ -32,6 +32,8 @@ import shutil
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export.onnx import rename_value
+
 
 def _check_model(model):
     if hasattr(model, "encode"):
@@ -103,21 +105,10 @@ def onnx_genai_model(model, *, max_length, opset=17):
         names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         outputs += [f"present.{i}.key", f"present.{i}.value"]
     for graph_input, name in zip(list(proto.graph.input), names):
-        _rename(proto.graph, graph_input.name, name)
+        rename_value(proto.graph, graph_input.name, name)
     for graph_output, name in zip(list(proto.graph.output), outputs):
-        _rename(proto.graph, graph_output.name, name)
+        rename_value(proto.graph, graph_output.name, name)
     return proto
-
-
-def _rename(graph, old, new):
-    if old == new:
-        return
-    for node in graph.node:
-        node.input[:] = [new if x == old else x for x in node.input]
-        node.output[:] = [new if x == old else x for x in node.output]
-    for value in list(graph.output) + list(graph.input):
-        if value.name == old:
-            value.name = new
 
 
 def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,

@@ -5,6 +5,7 @@ import keras
 from keras_attn.layers import _dtype_checks
 from keras_attn.layers.checks import PACKAGE  # noqa: F401
 from keras_attn.layers.checks import check_bool  # noqa: F401
+from keras_attn.layers.checks import check_block_switches  # noqa: F401
 from keras_attn.layers.checks import check_choice  # noqa: F401
 from keras_attn.layers.checks import check_positive_float  # noqa: F401
 from keras_attn.layers.checks import check_positive_int  # noqa: F401

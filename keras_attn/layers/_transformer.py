@@ -76,21 +76,14 @@ class BlockBase(keras.layers.Layer):
         # like any token (BERT, GPT-2 and KerasHub semantics); True also
         # zeroes the attention output of padded query rows.
         self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
-        # "rms_norm": Keras's RMSNormalization (scale only; Llama, Gemma, T5).
-        self.normalization = _common.check_choice(
-            "normalization", normalization, ("layer_norm", "rms_norm")
-        )
-        # True: `output(activation(gate(x)) * intermediate(x))` (SwiGLU with
-        # "silu", GeGLU with a GELU; Shazeer, 2020).
-        self.use_gated_feedforward = _common.check_bool(
-            "use_gated_feedforward", use_gated_feedforward
-        )
-        self.attention_use_bias = _common.check_bool("attention_use_bias", attention_use_bias)
-        self.attention_output_use_bias = _common.check_bool(
-            "attention_output_use_bias",
-            attention_use_bias if attention_output_use_bias is None else attention_output_use_bias,
-        )
-        self.feedforward_use_bias = _common.check_bool("feedforward_use_bias", feedforward_use_bias)
+        # "rms_norm": Keras's RMSNormalization (scale only; Llama, Gemma, T5);
+        # use_gated_feedforward: `output(activation(gate(x)) * intermediate(x))`
+        # (SwiGLU with "silu", GeGLU with a GELU; Shazeer, 2020).
+        for name, value in _common.check_block_switches(
+            normalization, use_gated_feedforward, attention_use_bias,
+            attention_output_use_bias, feedforward_use_bias,
+        ).items():
+            setattr(self, name, value)
         self.supports_masking = True
 
     def _query_padding(self, padding_mask):

@@ -53,3 +53,26 @@ def check_bool(name, value):
             f"Received: {name}={value!r}"
         )
     return value
+
+
+def check_block_switches(
+    normalization,
+    use_gated_feedforward,
+    attention_use_bias,
+    attention_output_use_bias,
+    feedforward_use_bias,
+):
+    """The Transformer blocks' architecture switches (also taken by the
+    generation models), validated; `attention_output_use_bias=None` follows
+    `attention_use_bias`. Returns them as a dict of constructor arguments."""
+    attention_use_bias = check_bool("attention_use_bias", attention_use_bias)
+    return {
+        "normalization": check_choice("normalization", normalization, ("layer_norm", "rms_norm")),
+        "use_gated_feedforward": check_bool("use_gated_feedforward", use_gated_feedforward),
+        "attention_use_bias": attention_use_bias,
+        "attention_output_use_bias": check_bool(
+            "attention_output_use_bias",
+            attention_use_bias if attention_output_use_bias is None else attention_output_use_bias,
+        ),
+        "feedforward_use_bias": check_bool("feedforward_use_bias", feedforward_use_bias),
+    }
