@@ -128,6 +128,21 @@ def build_parser():
         description="Export a .keras model to SavedModel, TFLite and ONNX, each verified "
         "against Keras.",
     ))
+    attention = sub.add_parser(
+        "attention", help="draw every attention map of a .keras model for one input (PNG + HTML)",
+        description="Run a .keras model once on the given tokens and write every attention "
+        "map: attention_heads.png (layers x heads) and attention.html (offline explorer).",
+    )
+    attention.add_argument("model", help="path of a .keras model built with keras_attn layers")
+    source = attention.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ids", help="token ids, e.g. 5,17,42")
+    source.add_argument("--text", help="text, mapped to ids with --vocab")
+    attention.add_argument("--vocab", help="with --text: a file with one token per line (line i = id i)")
+    attention.add_argument("--split", choices=("words", "chars"), default="words",
+                           help="with --text: split on whitespace or into characters")
+    attention.add_argument("--out", default="outputs/attention", help="output folder")
+    attention.add_argument("--unsafe-deserialization", action="store_true",
+                           help="allow Lambda layers and other code in the model file (trusted files only)")
     sub.add_parser(
         "demo", add_help=False,
         help="the quickstart: train the dates Transformer, show attention, export "
@@ -163,6 +178,10 @@ def main(argv=None):
         print(_version())
         return 0
     quiet(args.verbose or None)
+    if args.command == "attention":
+        from keras_attn.visualize import cli as attention_cli
+
+        return attention_cli.run(args)
     from keras_attn.export import cli as export_cli
 
     return export_cli.run(args)

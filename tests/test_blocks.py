@@ -194,3 +194,24 @@ def test_block_option_errors():
         kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=8, normalization="batch_norm")
     with pytest.raises(TypeError, match="use_gated_feedforward"):
         kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=8, use_gated_feedforward="yes")
+
+
+def test_attention_maps_record_every_block_on_this_backend(rng):
+    """keras_attn.visualize reads keras.ops tensors on every backend: the maps
+    of a two-block functional encoder equal each block's own scores."""
+    from keras_attn.visualize import attention_maps
+
+    x_in = keras.Input((None, 8))
+    h = kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=12, name="b0")(x_in)
+    h = kal.TransformerEncoderBlock(num_heads=2, intermediate_dim=12, name="b1",
+                                    normalize_first=True)(h, use_causal_mask=True)
+    model = keras.Model(x_in, h)
+    x = rng.standard_normal((2, 5, 8)).astype("float32")
+    maps = attention_maps(model, x)
+    assert [m.name for m in maps] == ["b0/self_attention", "b1/self_attention"]
+    h0, s0 = model.get_layer("b0")(x, return_attention_scores=True)
+    _, s1 = model.get_layer("b1")(h0, use_causal_mask=True, return_attention_scores=True)
+    np.testing.assert_array_equal(maps[0].scores, keras.ops.convert_to_numpy(s0))
+    np.testing.assert_array_equal(maps[1].scores, keras.ops.convert_to_numpy(s1))
+    assert np.all(maps[1].scores[:, :, np.triu(np.ones((5, 5), bool), 1)] == 0.0)
+    assert maps[1].mask is not None and not maps[1].mask[0, 0, 0, 1]

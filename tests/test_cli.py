@@ -28,7 +28,7 @@ def test_help_and_version_do_not_import_tensorflow():
         "print('HEAVY', heavy)\n"
     )
     assert done.returncode == 0, done.stderr
-    assert "usage: keras-attn" in done.stdout and "{version,export,demo}" in done.stdout
+    assert "usage: keras-attn" in done.stdout and "{version,export,attention,demo}" in done.stdout
     assert "HEAVY []" in done.stdout, done.stdout
     assert done.stderr == "", done.stderr  # nothing but our own lines
 

@@ -21,7 +21,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PUBLIC = ["keras_attn.layers", "keras_attn.ops", "keras_attn.data", "keras_attn.training",
-          "keras_attn.export", "keras_attn.generation", "keras_attn.convert"]
+          "keras_attn.export", "keras_attn.generation", "keras_attn.convert",
+          "keras_attn.visualize"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -105,6 +106,7 @@ DOCSTRING_MODULES = [
     "keras_attn.layers.token_and_position_embedding", "keras_attn.layers.transformer_decoder_block",
     "keras_attn.layers.transformer_encoder_block", "keras_attn.ops.attention",
     "keras_attn.ops.masking", "keras_attn.generation.models", "keras_attn.export.check",
+    "keras_attn.visualize.maps",
 ]
 
 

@@ -13,6 +13,7 @@ from keras_attn.layers.rotary_embedding import check_rotary_embedding
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import dispatch
 from keras_attn.ops import masking
+from keras_attn.ops import recording
 from keras_attn.ops import shapes
 
 
@@ -296,6 +297,11 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"cache_index={cache_index!r}, cache=None"
             )
         self._check_inputs(query, value, key, cached=cache is not None)
+        # keras_attn.visualize: the probabilities are computed (and recorded)
+        # only inside `ops.recording.recording()`.
+        # Flash attention never forms them: such a layer is not recorded.
+        record = recording.active() and not self._flash_attention
+        want_scores = return_attention_scores or record
         overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
         # Only a cached call with `cache_index` writes new keys; a call with a
         # complete (cross-attention) cache projects the query alone.
@@ -318,8 +324,9 @@ class MultiHeadAttention(keras.layers.Layer):
         mask, rows, kwargs = self._attention_mask(
             query, value, key, masks, query_positions, keys, cache_index,
             use_causal_mask=use_causal_mask,
-            rows_on_output=not (overridden or return_attention_scores),
-            band_in_kernel=not overridden and keys is None,
+            rows_on_output=not (overridden or want_scores),
+            # Recording keeps the band in `mask`, so that the recorded mask is whole.
+            band_in_kernel=not overridden and keys is None and not record,
         )
         if attention_bias is not None:
             if self._nd is not None:
@@ -333,9 +340,9 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         if overridden and self._nd is None and mask is not None and mask.shape[1] == 1:
             mask = ops.squeeze(mask, 1)  # Keras's (B, T_q, T_k) layout for the override
-        output, scores = self._compute_attention(
-            q, k, v, mask, training, return_attention_scores, **kwargs
-        )
+        output, scores = self._compute_attention(q, k, v, mask, training, want_scores, **kwargs)
+        if record and scores is not None:
+            recording.add(self, scores, mask)
         if rows is not None:
             # expand_dims, not None-indexing (TFLite runs the latter only with Flex).
             output = output * ops.cast(masking._expand_bool(rows, (2, 3)), output.dtype)

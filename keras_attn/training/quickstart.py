@@ -153,6 +153,7 @@ def save_attention_heatmap(attention_model, source, target, text, path):
     from keras_attn.data import dates
     from keras_attn.data.pipelines import START_TOKEN, dates_arrays
     from keras_attn.generation.greedy import greedy_decode
+    from keras_attn.visualize import plot_attention
 
     enc, _, _ = dates_arrays([(text, "0000-00-00")])
     start_id = target.token_to_id[START_TOKEN]
@@ -166,12 +167,12 @@ def save_attention_heatmap(attention_model, source, target, text, path):
     weights = weights[:, :n]  # (T_out, T_in)
     output = target.decode(predicted[0])
     fig, ax = plt.subplots(figsize=(max(6, 0.32 * n), 4))
-    ax.imshow(weights, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(n), list(text[:n]))
-    ax.set_yticks(range(len(output)), list(output))
+    plot_attention(weights, list(output), list(text[:n]), ax=ax,
+                   title=f"cross-attention: {text!r} -> {output}")
     ax.set_xlabel("input characters")
     ax.set_ylabel("output characters")
-    ax.set_title(f"cross-attention: {text!r} -> {output}")
+    ax.tick_params(labelsize=10)
+    plt.setp(ax.get_xticklabels(), rotation=0)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
