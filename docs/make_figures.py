@@ -4,7 +4,11 @@
     python docs/make_figures.py --only memory architecture
 
 - `dates_attention.png`: cross-attention of the demo's date translator, trained
-  here with the demo's code (`keras_attn.training.quickstart`).
+  here with the demo's code (`keras_attn.training.quickstart`), drawn by
+  `keras_attn.visualize.plot_attention`.
+- `dates_heads.png`: every attention map of the same model for the same input
+  (`attention_maps` + `plot_heads`): encoder self-attention, decoder self- and
+  cross-attention, per head.
 - `architecture.png`: the encoder-decoder the demo builds, layer by layer.
 - `long_sequence_memory.png`: peak memory against sequence length, read from the
   long-sequence table of `benchmarks/RESULTS.md` (`benchmarks/bench_long.py`).
@@ -128,9 +132,31 @@ def draw_attention(path, num_train=20_000, epochs=3):
     (train, validation, _), _, (source, target) = quickstart.load_dates_task(args)
     model, attention_model = quickstart.build_dates_model(args, source, target)
     model.fit(train, validation_data=validation, epochs=args.epochs, verbose=2, shuffle=False)
-    output, _ = quickstart.save_attention_heatmap(
-        attention_model, source, target, quickstart.EXAMPLE_TEXTS[2], str(path))
-    print(f"{quickstart.EXAMPLE_TEXTS[2]!r} -> {output}")
+    text = quickstart.EXAMPLE_TEXTS[2]
+    output, _ = quickstart.save_attention_heatmap(attention_model, source, target, text, str(path))
+    print(f"{text!r} -> {output}")
+    draw_heads(path.parent / "dates_heads.png", model, target, text, output)
+
+
+def draw_heads(path, model, target, text, output):
+    """Every attention map of the trained translator for `text` (plot_heads)."""
+    import numpy as np
+
+    from keras_attn.data import dates
+    from keras_attn.data.pipelines import START_TOKEN, dates_arrays
+    from keras_attn.visualize import attention_maps, plot_heads
+
+    enc, _, _ = dates_arrays([(text, "0000-00-00")])
+    start = target.token_to_id[START_TOKEN]
+    dec = np.array([[start] + [target.token_to_id[c] for c in output[:-1]]], "int32")
+    maps = attention_maps(model, [enc, dec])
+    n = min(len(text), dates.MAX_INPUT_LENGTH)
+    enc_tokens = list(text[:n]) + [""] * (enc.shape[1] - n)
+    dec_tokens = ["<s>"] + list(output[:-1])
+    fig = plot_heads([m for m in maps if "encoder" not in m.name], dec_tokens,
+                     key_tokens=enc_tokens, cell_size=2.2)
+    fig.savefig(path, dpi=90)
+    print(f"{len(maps)} maps -> {path}")
 
 
 def main(argv=None):
