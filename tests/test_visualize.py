@@ -251,3 +251,24 @@ def test_cli_writes_png_and_html(encoder, tmp_path):
                           "--text", "w5 zz", "--vocab", str(vocab)], capture_output=True,
                          text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "not in --vocab" in bad.stderr
+
+
+def test_maps_during_cached_decoding():
+    """A decoding step's maps (over the cache slots) are the last row of the
+    full call's maps; slots not yet written are masked (exactly 0)."""
+    from keras_attn.generation import DecoderOnlyLM
+
+    keras.utils.set_random_seed(2)
+    lm = DecoderOnlyLM(30, 16, 16, num_layers=2, num_heads=2, intermediate_dim=16,
+                       position="rotary")
+    prompt = np.array([[3, 4, 5]], np.int32)
+    lm(prompt)
+    _, cache = lm.call_with_cache(prompt, lm.init_cache(1, 8), 0)
+    step = attention_maps(lambda t: lm.call_with_cache(t, cache, 3), np.array([[7]], np.int32))
+    full = attention_maps(lm, np.array([[3, 4, 5, 7]], np.int32))
+    assert len(step) == len(full) == 2
+    for s, f in zip(step, full):
+        assert s.scores.shape == (1, 2, 1, 8)
+        tolerance.assert_close(s.scores[0, :, 0, :4], f.scores[0, :, 3, :4],
+                               terms=tolerance.LAYER_TERMS)
+        assert np.all(s.scores[..., 4:] == 0.0) and not s.mask[..., 4:].any()
