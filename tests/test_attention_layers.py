@@ -313,3 +313,24 @@ def test_sublayers_start_from_different_random_weights(make, inputs):
         twin(np.zeros((1, 3, 8), "float32"), np.zeros((1, 3, 8), "float32"))
     for a, b in zip(twins[0].weights, twins[1].weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("layer_cls", [kal.DotProductAttention, kal.AdditiveAttention])
+def test_single_head_layers_are_recorded_for_visualize(rng, layer_cls):
+    """keras_attn.visualize also reads the one-head layers: their maps equal
+    `return_attention_scores`, with a head axis, masked positions exactly 0."""
+    from keras_attn.visualize import attention_maps
+
+    layer = layer_cls() if layer_cls is kal.DotProductAttention else layer_cls(6)
+    q = rng.standard_normal((2, 4, 6)).astype("float32")
+    v = rng.standard_normal((2, 5, 6)).astype("float32")
+    value_mask = np.array([[1, 1, 1, 0, 0], [1] * 5], bool)
+    out, scores = layer(q, v, value_mask=value_mask, return_attention_scores=True)
+    maps = attention_maps(lambda x: layer(x, v, value_mask=value_mask), q)
+    assert len(maps) == 1 and maps[0].scores.shape == (2, 1, 4, 5)
+    np.testing.assert_array_equal(maps[0].scores[:, 0], keras.ops.convert_to_numpy(scores))
+    assert np.all(maps[0].scores[0, :, :, 3:] == 0.0)
+    np.testing.assert_array_equal(maps[0].key_padding(), ~value_mask)
+    # Outside a recording the call is unchanged.
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layer(q, v, value_mask=value_mask)),
+                                  keras.ops.convert_to_numpy(out))

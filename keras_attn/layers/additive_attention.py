@@ -5,6 +5,7 @@ import keras
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import masking
+from keras_attn.ops import recording
 
 
 @_common.register
@@ -117,7 +118,9 @@ class AdditiveAttention(keras.layers.Layer):
         with masking.hidden_keras_masks(query, key_or_value):
             query_projection = self.query_dense(query)
             key_projection = self.key_dense(key_or_value)
-        return attention_ops.additive_attention(
+        # keras_attn.visualize: probabilities only inside ops.recording.recording().
+        record = recording.active()
+        result = attention_ops.additive_attention(
             query_projection,
             key_projection,
             value,
@@ -126,8 +129,12 @@ class AdditiveAttention(keras.layers.Layer):
             dropout_rate=self.dropout,
             training=bool(training),
             seed=self.seed_generator,
-            return_attention_scores=return_attention_scores,
+            return_attention_scores=return_attention_scores or record,
         )
+        if not record:
+            return result
+        recording.add(self, keras.ops.expand_dims(result[1], 1), mask)  # one head
+        return result if return_attention_scores else result[0]
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         return tuple(query_shape[:-1]) + (value_shape[-1],)

@@ -4,6 +4,7 @@ import keras
 
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
+from keras_attn.ops import recording
 
 
 @_common.register
@@ -98,6 +99,9 @@ class DotProductAttention(keras.layers.Layer):
                 f"same number of features. Received: query.shape={tuple(query.shape)}, "
                 f"key.shape={tuple(key_or_value.shape)}"
             )
+        # keras_attn.visualize: probabilities only inside ops.recording.recording().
+        record = recording.active()
+        want_scores = return_attention_scores or record
         bias = None
         if attention_bias is not None:
             bias = attention_bias
@@ -114,13 +118,15 @@ class DotProductAttention(keras.layers.Layer):
             dropout_rate=self.dropout,
             training=bool(training),
             seed=self.seed_generator,
-            return_attention_scores=return_attention_scores,
+            return_attention_scores=want_scores,
             chunk_size=self.chunk_size,
         )
-        if return_attention_scores:
-            output, scores = result
-            return output[:, :, 0, :], scores[:, 0]
-        return result[:, :, 0, :]
+        if not want_scores:
+            return result[:, :, 0, :]
+        output, scores = result
+        if record:
+            recording.add(self, scores, mask)  # (B, 1, T_q, T_k): one head
+        return (output[:, :, 0, :], scores[:, 0]) if return_attention_scores else output[:, :, 0, :]
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         return tuple(query_shape[:-1]) + (value_shape[-1],)

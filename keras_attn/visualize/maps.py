@@ -94,11 +94,21 @@ def attention_maps(model, inputs, **call_kwargs):
         if counts[name] > 1:
             seen[name] = seen.get(name, 0) + 1
             name = f"{name}#{seen[name]}"
-        if mask is not None:
-            mask = np.broadcast_to(mask.astype(bool), mask.shape[:1] + mask.shape[1:2] + scores.shape[2:])
-            mask = np.broadcast_to(mask, (scores.shape[0],) + mask.shape[1:])
-        result.append(AttentionMap(name, scores.astype(np.float32), mask))
+        result.append(AttentionMap(name, scores.astype(np.float32), _full_mask(mask, scores)))
     return result
+
+
+def _full_mask(mask, scores):
+    """The recorded mask as `(B, H|1, T_q, T_k)` bool (a subclass overriding
+    `_compute_attention` gets Keras's `(B, T_q, T_k)`), or None."""
+    if mask is None:
+        return None
+    mask = mask.astype(bool)
+    if mask.ndim == scores.ndim - 1:
+        mask = mask[:, None]
+    if mask.ndim != scores.ndim:
+        return None  # N-D attention axes: scores carry the layout, the mask another
+    return np.broadcast_to(mask, (scores.shape[0], mask.shape[1]) + scores.shape[2:])
 
 
 def _name(layer, model):
