@@ -49,7 +49,8 @@ def test_core_is_keras_ops_only_and_imports_nothing_above_it():
 # TensorFlow-only packages, and in `generation` the searches, their export and
 # the exported signatures' request checks.
 TENSORFLOW_MODULES = ("data", "training", "export", "generation/search.py", "generation/export.py",
-                      "generation/request_checks.py", "generation/onnx_genai.py")
+                      "generation/request_checks.py", "generation/onnx_genai.py",
+                      "generation/litertlm.py", "generation/tflite_convert.py")
 
 
 def test_tensorflow_in_ops_only_behind_the_backend_check():

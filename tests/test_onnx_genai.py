@@ -10,56 +10,10 @@ import pytest
 og = pytest.importorskip("onnxruntime_genai")
 tokenizers = pytest.importorskip("tokenizers")
 
-from keras_attn.generation import DecoderOnlyLM, greedy_search  # noqa: E402
+from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: E402
-
-WORDS = ("the a cat dog sat ran on in under over mat box red blue small big and then it was "
-         "very quite happy sad one two three four five six seven eight nine ten day night").split()
-EOS = 1
-MAX_LEN = 40
-
-
-def word_tokenizer():
-    """A GPT-2-style byte-level BPE tokenizer.json, trained offline here on
-    sentences of `WORDS` (ONNX Runtime GenAI's tokenizer reads BPE, WordPiece
-    and Unigram models; not WordLevel)."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(WORDS, 8)) for _ in range(400)]
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
-
-
-VOCAB = 320
-
-
-def scaled_lm(**kwargs):
-    lm = DecoderOnlyLM(VOCAB, 64, 32, num_layers=2, num_heads=4, intermediate_dim=48,
-                       pad_token_id=0, **kwargs)
-    lm(np.array([[2, 3]], np.int32))
-    rng = np.random.default_rng(0)
-    for w in lm.weights:  # spread logits: generations that vary
-        w.assign(w.numpy() * 3 + rng.standard_normal(w.shape).astype("float32") * 0.05)
-    # Never the stop token: generations run to max_length (the converted
-    # models below stop on theirs).
-    bias = lm.lm_head.bias.numpy()
-    bias[EOS] = -1e4
-    lm.lm_head.bias.assign(bias)
-    return lm
-
-
-def keras_tokens(lm, prompt, max_length, eos=EOS):
-    """Keras greedy tokens after the prompt, up to (not including) the stop token."""
-    tokens = greedy_search(lm, np.array([prompt], np.int32), max_length, stop_token_ids=(eos,))
-    new = list(np.asarray(tokens)[0, len(prompt):])
-    return new[:new.index(eos)] if eos in new else new
+from tests.llm_runtime_models import (  # noqa: E402
+    EOS, MAX_LEN, VOCAB, keras_tokens, scaled_lm, word_tokenizer)
 
 
 def genai_tokens(folder, prompt_ids, max_length):
@@ -156,6 +110,11 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
         export_onnx_genai(windowed, tmp_path, max_length=8)
     with pytest.raises(ValueError, match="max_length"):
         export_onnx_genai(scaled_lm(), tmp_path, max_length=0)
+    from keras_attn.generation.tokenizers import word_tokenizer as words_to_tokenizer
+
+    with pytest.raises(ValueError, match="not WordPiece"):
+        export_onnx_genai(scaled_lm(), tmp_path / "words", max_length=8,
+                          tokenizer=words_to_tokenizer(["", "[UNK]", "cat", "dog"]))
 
 
 def test_character_tokenizer_ids_are_the_characters():

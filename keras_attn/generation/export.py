@@ -39,7 +39,6 @@ Bad requests (docs/guides/serving_validation.md has the measured table):
 """
 
 import os
-import tempfile
 
 import tensorflow as tf
 
@@ -49,7 +48,9 @@ from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import request_checks
 from keras_attn.generation import search
 from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: F401  (public here too)
+from keras_attn.generation.litertlm import export_litertlm  # noqa: F401  (public here too)
 from keras_attn.generation.runtime_loop import greedy_loop  # noqa: F401  (public here too)
+from keras_attn.generation.tflite_convert import signatures_to_tflite
 
 
 def _is_seq2seq(model):
@@ -212,18 +213,6 @@ def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_
     return path
 
 
-def _frozen_call(frozen, concrete):
-    names = sorted(concrete.structured_outputs)
-
-    def call(*args):
-        outputs = frozen(*args)
-        if isinstance(outputs, dict):
-            return outputs
-        return dict(zip(names, outputs))
-
-    return call
-
-
 def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None,
                  checks="flag"):
     """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only.
@@ -246,25 +235,7 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
                               prompt_length=prompt_length, encoder_length=encoder_length,
                               checks=checks)
     fns.pop("generate")
-    # With several signatures the converter keeps the weights as resource
-    # variables (VAR_HANDLE/READ_VARIABLE) that the interpreter never
-    # initialises, so each signature is frozen to constants first.
-    from tensorflow.python.framework import convert_to_constants
-
-    module = tf.Module()
-    for name, fn in fns.items():
-        concrete = fn.get_concrete_function()
-        frozen = convert_to_constants.convert_variables_to_constants_v2(concrete)
-        setattr(module, name, tf.function(_frozen_call(frozen, concrete),
-                                          input_signature=fn.input_signature))
-    with tempfile.TemporaryDirectory(prefix="keras_attn_gen_tflite_") as tmp:
-        signatures = {name: getattr(module, name).get_concrete_function() for name in fns}
-        tf.saved_model.save(module, tmp, signatures=signatures, options=SERVING_SAVE_OPTIONS)
-        converter = tf.lite.TFLiteConverter.from_saved_model(
-            tmp, signature_keys=["prefill", "decode"]
-        )
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
-        return converter.convert()
+    return signatures_to_tflite(fns)
 
 
 def export_tflite(model, path, **kwargs):

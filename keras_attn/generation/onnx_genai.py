@@ -35,11 +35,13 @@ import tensorflow as tf
 from keras_attn.export.onnx import rename_value
 
 
-def _check_model(model):
+def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
+    """`model` must be a keras_attn decoder-only LM with a plain (not ring-buffer)
+    cache: what the LLM runtimes (ONNX Runtime GenAI, LiteRT-LM) drive."""
     if hasattr(model, "encode"):
         raise ValueError(
-            "export_onnx_genai supports decoder-only models (ONNX Runtime GenAI's "
-            f"encoder-decoder layout is Whisper's). Received: {type(model).__name__}"
+            f"{runtime} exports support decoder-only models (`DecoderOnlyLM`); "
+            f"encoder-decoder models have no layout there. Received: {type(model).__name__}"
         )
     for name in ("init_cache", "call_with_cache", "num_layers", "num_key_value_heads", "head_dim"):
         if not hasattr(model, name):
@@ -49,7 +51,7 @@ def _check_model(model):
             )
     if getattr(model, "sliding_window", None) is not None:
         raise ValueError(
-            "A sliding-window model's ring-buffer cache has no ONNX Runtime GenAI layout "
+            f"A sliding-window model's ring-buffer cache has no {runtime} layout "
             f"here. Received: sliding_window={model.sliding_window}"
         )
 
@@ -93,7 +95,7 @@ def onnx_genai_model(model, *, max_length, opset=17):
     import onnx
     import tf2onnx
 
-    _check_model(model)
+    check_runtime_decoder(model)
     fn, specs = genai_function(model, max_length)
     proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
     bad = sorted({n.op_type for n in proto.graph.node if not onnx.defs.has(n.op_type, n.domain or "")})
@@ -156,7 +158,7 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
     }
 
 
-def _write_tokenizer(tokenizer, folder):
+def write_tokenizer(tokenizer, folder):
     """`tokenizer.json` (+ `tokenizer_config.json`) from a path, a
     `tokenizers.Tokenizer` or a `transformers` fast tokenizer."""
     if tokenizer is None:
@@ -226,13 +228,28 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
-    proto = onnx_genai_model(model, max_length=max_length, opset=opset)
+    check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
+    write_tokenizer(tokenizer, folder)
+    if _tokenizer_kind(folder) == "WordPiece":
+        raise ValueError(
+            "ONNX Runtime GenAI's tokenizer reads BPE and SentencePiece tokenizers, not "
+            "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
+            "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
+            "`export_litertlm`.)")
+    proto = onnx_genai_model(model, max_length=max_length, opset=opset)
     with open(os.path.join(folder, "model.onnx"), "wb") as f:
         f.write(proto.SerializeToString())
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                           pad_token_id=pad_token_id)
     with open(os.path.join(folder, "genai_config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    _write_tokenizer(tokenizer, folder)
     return folder
+
+
+def _tokenizer_kind(folder):
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("model", {}).get("type")

@@ -81,3 +81,68 @@ def character_tokenizer(characters, special_tokens=("<pad>", "<eos>")):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(special_tokens))
     return tok
+
+
+# TextVectorization's default `standardize="lower_and_strip_punctuation"`.
+_PUNCTUATION = r'[!"#$%&()\*\+,\-\./:;<=>?@\[\\\]^_`{|}~\']'
+
+
+def word_tokenizer(vocabulary, *, unk_token="[UNK]", pad_token="[PAD]",
+                   standardize="lower_and_strip_punctuation"):
+    """A `tokenizers.Tokenizer` for a word vocabulary (e.g. `TextVectorization`'s).
+
+    Word-level tables are not a model the LLM runtimes read (ONNX Runtime
+    GenAI implements BPE, WordPiece and Unigram), so the words become a
+    WordPiece vocabulary with no `##` pieces: a word in the vocabulary is one
+    token with its id, any other word is `unk_token` (WordPiece gives up on
+    a word whose pieces are not all in the vocabulary), as in
+    TextVectorization. Words are split on whitespace.
+
+    Args:
+        vocabulary: the words in id order, e.g.
+            `TextVectorization.get_vocabulary()`; its empty string (id 0,
+            padding) is named `pad_token`. Must contain `unk_token`.
+        unk_token: the out-of-vocabulary token (TextVectorization's `[UNK]`).
+        pad_token: the name given to the empty string.
+        standardize: "lower_and_strip_punctuation" (TextVectorization's
+            default), "lower", "strip_punctuation" or None.
+
+    Returns:
+        A WordPiece `tokenizers.Tokenizer`; `decode` joins words with spaces.
+
+    Example:
+
+        vectorize = keras.layers.TextVectorization(max_tokens=1000)
+        vectorize.adapt(texts)
+        tok = word_tokenizer(vectorize.get_vocabulary())
+        export_litertlm(lm, "lm.litertlm", tokenizer=tok, max_length=64)
+    """
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    words = [pad_token if w == "" else w for w in vocabulary]
+    if any(not isinstance(w, str) for w in words):
+        raise TypeError(f"`vocabulary` must hold strings. Received: {list(vocabulary)[:5]}")
+    if len(set(words)) != len(words) or any(" " in w or not w for w in words):
+        raise ValueError(
+            "`vocabulary` must hold distinct words without spaces (the empty string "
+            f"becomes {pad_token!r}). Received: {list(vocabulary)[:10]}...")
+    if unk_token not in words:
+        raise ValueError(f"`vocabulary` must contain unk_token={unk_token!r}.")
+    steps = {
+        "lower_and_strip_punctuation": [normalizers.Lowercase(),
+                                        normalizers.Replace(tokenizers.Regex(_PUNCTUATION), "")],
+        "lower": [normalizers.Lowercase()],
+        "strip_punctuation": [normalizers.Replace(tokenizers.Regex(_PUNCTUATION), "")],
+        None: [],
+    }
+    if standardize not in steps:
+        raise ValueError(f"`standardize` must be one of {list(steps)}. Received: {standardize!r}")
+    tok = tokenizers.Tokenizer(models.WordPiece(
+        {w: i for i, w in enumerate(words)}, unk_token=unk_token, max_input_chars_per_word=200))
+    tok.normalizer = normalizers.Sequence(steps[standardize])
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    specials = [w for w in (pad_token, unk_token) if w in words]
+    tok.add_special_tokens(specials)
+    return tok

@@ -1,0 +1,225 @@
+"""LiteRT-LM runs our `.litertlm` bundles: from text (its own tokenizer and
+loop over our prefill/decode signatures) to the tokens Keras's greedy search
+gives, for a keras_attn decoder and for converted GPT-2 and Llama models
+(checked against transformers' `generate`)."""
+
+import numpy as np
+import pytest
+
+litert_lm = pytest.importorskip("litert_lm")
+pytest.importorskip("litert_lm_builder")
+pytest.importorskip("tokenizers")
+
+from keras_attn.generation import DecoderOnlyLM  # noqa: E402
+from keras_attn.generation import litertlm  # noqa: E402
+from keras_attn.generation.export import export_litertlm  # noqa: E402
+
+from tests.llm_runtime_models import EOS, VOCAB, keras_tokens, scaled_lm, word_tokenizer  # noqa: E402
+
+MAX_LEN = 40
+CHUNKS = (4, 16)
+
+
+def runtime_text(path, text, engine=None):
+    return litertlm.generate(path, text, engine=engine)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    lm = scaled_lm(num_key_value_heads=2, position="rotary", normalization="rms_norm",
+                   use_gated_feedforward=True, activation="silu")
+    path = tmp_path_factory.mktemp("litertlm") / "lm.litertlm"
+    lm.tflite_content = litertlm.litertlm_tflite(lm, max_length=MAX_LEN, prefill_lengths=CHUNKS)
+    report = export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
+                             prefill_lengths=CHUNKS, bos_token_id=EOS, stop_token_ids=[EOS])
+    engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
+    yield lm, path, report, engine
+    engine.close()
+
+
+def test_bundle_follows_the_runtime_contract(bundle):
+    lm, _, report, _ = bundle
+    assert sorted(report.signatures) == ["decode", "prefill_16", "prefill_4"]
+    decode = report.signatures["decode"]
+    caches = [f"kv_cache_{kv}_{i}" for kv in "kv" for i in range(lm.num_layers)]
+    assert sorted(decode["inputs"]) == sorted(caches + ["input_pos", "tokens"])
+    assert sorted(decode["outputs"]) == sorted(caches + ["logits"])
+    from ai_edge_litert import interpreter as litert
+
+    details = litert.Interpreter(model_content=lm.tflite_content).get_signature_runner(
+        "decode").get_input_details()
+    # Key/value heads only, the sequence on axis 2 (where LiteRT-LM reads the context).
+    assert list(details["kv_cache_k_0"]["shape"]) == [1, 2, MAX_LEN, lm.head_dim]
+    assert list(details["tokens"]["shape"]) == [1, 1]
+    assert report.max_abs_error <= report.atol and report.agreement == 1.0
+
+
+@pytest.mark.parametrize("text", [
+    "the cat sat on",  # one prefill chunk, padded
+    "the red cat sat on the mat then the big dog ran",  # two chunks, the second padded
+])
+def test_generates_keras_greedy_from_text(bundle, text):
+    lm, path, _, engine = bundle
+    prompt = word_tokenizer().encode(text).ids
+    assert engine.tokenize(text) == prompt
+    want = keras_tokens(lm, [EOS] + prompt, MAX_LEN)  # LiteRT-LM puts the start token first
+    assert len(want) >= 8 and len(set(want)) >= 3, "degenerate generation tests nothing"
+    got = runtime_text(path, text, engine)
+    assert got == engine.detokenize([int(t) for t in want])
+
+
+def test_runtime_schedule_in_the_interpreter_matches_keras(bundle):
+    """The chunked prefill (padding at position 0) then decode, run here in the
+    LiteRT interpreter, against Keras's full forward pass (NumPy comparison)."""
+    lm, _, _, _ = bundle
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(2, VOCAB, size=(1, 27)).astype("int32")  # prefill 13 = 4+4+4+1
+    got, first = litertlm.runtime_logits(lm.tflite_content, tokens[0])
+    want = np.asarray(lm(tokens))[0, first:]
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(got - want)) <= 1e-5 * scale
+    assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
+
+
+def test_dynamic_int8_bundle_generates(bundle, tmp_path):
+    lm, _, _, _ = bundle
+    path = tmp_path / "lm_int8.litertlm"
+    report = export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
+                             prefill_lengths=CHUNKS, bos_token_id=EOS, stop_token_ids=[EOS],
+                             quantization="dynamic", min_agreement=0.5)
+    assert report.quantization == "dynamic" and report.agreement >= 0.5
+    # int8 weights: the bundle shrinks by ~3/4 of the float32 weight bytes
+    # (the tokenizer and metadata stay).
+    weights = sum(w.numpy().nbytes for w in lm.weights)
+    assert report.size_bytes < bundle[2].size_bytes - 0.5 * weights
+    text = "the cat sat on"
+    engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
+    try:
+        got = runtime_text(path, text, engine)
+        assert len(engine.tokenize(got)) >= 4
+    finally:
+        engine.close()
+
+
+def test_verification_refuses_a_model_that_is_not_the_keras_one(bundle):
+    lm, _, _, _ = bundle
+    other = scaled_lm(num_key_value_heads=2, position="rotary", normalization="rms_norm",
+                      use_gated_feedforward=True, activation="silu")
+    other.set_weights([w * 1.01 for w in lm.get_weights()])
+    content = litertlm.litertlm_tflite(other, max_length=MAX_LEN, prefill_lengths=CHUNKS)
+    with pytest.raises(ValueError, match="differ from Keras"):
+        litertlm._verify(lm, content, MAX_LEN, None, None, None)
+
+
+def test_refuses_what_litertlm_cannot_carry(tmp_path):
+    from keras_attn.generation import Seq2SeqLM
+
+    tok = word_tokenizer()
+    s2s = Seq2SeqLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
+    with pytest.raises(ValueError, match="decoder-only"):
+        export_litertlm(s2s, tmp_path / "a.litertlm", tokenizer=tok, max_length=8)
+    windowed = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
+                             sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window"):
+        export_litertlm(windowed, tmp_path / "a.litertlm", tokenizer=tok, max_length=8)
+    learned = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
+                            position="learned")
+    with pytest.raises(ValueError, match="max_length \\+ max\\(prefill_lengths\\) - 1 = 23"):
+        export_litertlm(learned, tmp_path / "a.litertlm", tokenizer=tok, max_length=12,
+                        prefill_lengths=(12,))
+    with pytest.raises(ValueError, match="prefill_lengths"):
+        export_litertlm(scaled_lm(), tmp_path / "a.litertlm", tokenizer=tok, max_length=8,
+                        prefill_lengths=(16,))
+    with pytest.raises(ValueError, match="quantization"):
+        export_litertlm(scaled_lm(), tmp_path / "a.litertlm", tokenizer=tok, max_length=8,
+                        quantization="int4")
+    assert not (tmp_path / "a.litertlm").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_converted_models_generate_hf_tokens(tmp_path, family):
+    """GPT-2 (learned positions, no start token) and Llama (rotary, GQA,
+    start token): LiteRT-LM's text = transformers' greedy `generate`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from keras_attn.convert import from_huggingface
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            initializer_range=0.3, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
+        bos = None
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, intermediate_size=64, initializer_range=0.2,
+            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
+        bos = EOS
+    hf.eval()
+    lm = from_huggingface(hf)
+    path = tmp_path / "hf.litertlm"
+    export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
+                    prefill_lengths=(8, 16), bos_token_id=bos, stop_token_ids=[EOS])
+    text = "the red cat sat on the"
+    prompt = ([] if bos is None else [bos]) + word_tokenizer().encode(text).ids
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                             do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
+    want = [int(t) for t in hf_out.numpy()[0, len(prompt):]]
+    want = want[:want.index(EOS)] if EOS in want else want
+    assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 4
+    engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
+    try:
+        assert runtime_text(path, text, engine) == engine.detokenize(want)
+    finally:
+        engine.close()
+
+
+NUMBERS = "one two three four five six seven eight nine ten eleven twelve".split()
+
+
+@pytest.mark.slow
+def test_word_vocabulary_model_trained_with_keras_attn(tmp_path):
+    """A decoder trained here on a TextVectorization word vocabulary (counting
+    sentences): `word_tokenizer` gives the runtime the same ids, and the
+    bundle generates Keras's greedy words from text."""
+    import keras
+
+    from keras_attn.generation.tokenizers import word_tokenizer as words_to_tokenizer
+
+    rng = np.random.default_rng(0)
+    sentences = []
+    for _ in range(600):
+        start, length = rng.integers(0, 6), rng.integers(3, 7)
+        sentences.append(" ".join(NUMBERS[start:start + length]) + " end")
+    vectorize = keras.layers.TextVectorization(standardize="lower_and_strip_punctuation")
+    vectorize.adapt(sentences)
+    vocab = vectorize.get_vocabulary()
+    tok = words_to_tokenizer(vocab)
+    for text in ("Three four, FIVE!", "two zebra nine"):
+        assert tok.encode(text).ids == [int(i) for i in np.asarray(vectorize([text]))[0]]
+    ids = np.asarray(vectorize(sentences)).astype("int32")
+    keras.utils.set_random_seed(0)
+    lm = DecoderOnlyLM(len(vocab), 16, 32, num_layers=1, num_heads=2, intermediate_dim=64,
+                       position="rotary")
+    lm.compile(keras.optimizers.Adam(1e-2),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    history = lm.fit(ids[:, :-1], ids[:, 1:], epochs=8, batch_size=32, verbose=0)
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+    end = vocab.index("end")
+    path = tmp_path / "numbers.litertlm"
+    export_litertlm(lm, path, tokenizer=tok, max_length=12, prefill_lengths=(4,),
+                    stop_token_ids=[end])
+    engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
+    try:
+        for text in ("two three", "five six seven"):
+            prompt = tok.encode(text).ids
+            assert engine.tokenize(text) == prompt
+            want = keras_tokens(lm, prompt, 12, eos=end)
+            assert len(want) >= 2
+            got = runtime_text(path, text, engine)
+            assert got == engine.detokenize(want) == tok.decode(want)
+    finally:
+        engine.close()
