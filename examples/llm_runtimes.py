@@ -7,9 +7,9 @@ GPT-2) into a `keras_attn.generation.DecoderOnlyLM`; this example then
 2. writes an ONNX Runtime GenAI folder (`export_onnx_genai`: `model.onnx`,
    `genai_config.json`, the tokenizer) and generates from the same text with
    `onnxruntime_genai` (its own loop and tokenizer),
-3. writes a LiteRT-LM bundle (`export_litertlm`) and generates with
-   `litert_lm.Engine`, when this keras_attn has `export_litertlm` and
-   `litert-lm-api` is installed,
+3. writes a LiteRT-LM bundle (`export_litertlm`: the TFLite prefill/decode
+   model, `LlmMetadata` and the tokenizer in one `.litertlm` file) and
+   generates with `litert_lm.Engine` (when `litert-lm-api` is installed),
 
 and prints each runtime's text and whether its tokens equal Keras's.
 
@@ -116,25 +116,31 @@ def main(argv=None):
     summary["runtimes"]["onnxruntime_genai"] = {"tokens": tokens, "equal": tokens == keras_new}
     print(f"ORT GenAI:    {text!r}  tokens equal to Keras: {tokens == keras_new}")
 
-    export_litertlm = getattr(gen_export, "export_litertlm", None)
     try:
-        import litert_lm  # noqa: F401
+        import litert_lm
     except ImportError:
-        export_litertlm = None
-    if export_litertlm is None:
-        print("LiteRT-LM:    skipped (no export_litertlm in this keras_attn, or litert-lm-api "
-              "not installed)")
+        litert_lm = None
+    if litert_lm is None:
+        print("LiteRT-LM:    skipped (litert-lm-api is not installed: pip install "
+              "'keras-attn[llm-runtimes]')")
     else:
         from keras_attn.generation import litertlm
 
         bundle = os.path.join(args.output_dir, "model.litertlm")
-        export_litertlm(lm, bundle, tokenizer=hf_dir, max_length=args.max_length)
-        tokens = litertlm.generate_tokens(bundle, args.prompt, args.max_length - len(prompt))
-        if eos is not None and eos in tokens:
-            tokens = tokens[:tokens.index(eos)]
-        equal = tokens == keras_new[:len(tokens)] and len(tokens) == len(keras_new)
-        summary["runtimes"]["litert_lm"] = {"tokens": tokens, "equal": equal}
-        print(f"LiteRT-LM:    {tokenizer.decode(tokens)!r}  tokens equal to Keras: {equal}")
+        # Keras was given the prompt without a start token: the bundle adds none.
+        gen_export.export_litertlm(lm, bundle, tokenizer=hf_dir, max_length=args.max_length,
+                                   bos_token_id=None,
+                                   stop_token_ids=[eos] if eos is not None else None)
+        engine = litert_lm.Engine(bundle, backend=litert_lm.Backend.CPU())
+        try:
+            text = litertlm.generate(bundle, args.prompt, engine=engine)
+            # LiteRT-LM answers text: equal to the detokenized Keras tokens
+            # (through the bundle's own tokenizer) means the same tokens.
+            equal = text == engine.detokenize(keras_new)
+        finally:
+            engine.close()
+        summary["runtimes"]["litert_lm"] = {"text": text, "equal": equal}
+        print(f"LiteRT-LM:    {text!r}  tokens equal to Keras: {equal}")
 
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

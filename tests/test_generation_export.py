@@ -186,3 +186,58 @@ def test_signature_functions_check_learned_positions():
                     position="learned")
     with pytest.raises(ValueError, match=r"encoder_ids.*max_positions=8.*length=10"):
         gen_export.signature_functions(s2s, max_length=8, encoder_length=10)
+
+
+def test_tflite_float16_cache_stores_rounded_keys_and_values(decoder_only):
+    """`cache_dtype="float16"`: the cache travels as float16, and each call is
+    Keras's float32 call on the float16-rounded cache (NumPy rounding here is
+    the reference), so decode logits match Keras given that rounded cache."""
+    from tests import tolerance
+
+    lm, _ = decoder_only
+    content = gen_export.tflite_bytes(lm, max_length=MAX_LEN, batch_size=3, prompt_length=4,
+                                      checks="none", cache_dtype="float16")
+    interpreter, _ = _litert(content)
+    prefill = interpreter.get_signature_runner("prefill")
+    decode = interpreter.get_signature_runner("decode")
+    assert decode.get_input_details()["cache"]["dtype"] == np.float16
+    out = prefill(token_ids=PROMPTS)
+    keras_logits, keras_cache = lm.call_with_cache(PROMPTS, lm.init_cache(3, MAX_LEN), 0)
+    full = np.asarray(gen_export.cache_lib.stack_cache(keras_cache))
+    # Keras's float32 keys/values rounded to float16 (1 float16 ulp: float32
+    # sums in another order may round the other way).
+    ulp16 = np.spacing(np.abs(full).astype(np.float16)).astype(np.float32)
+    assert np.all(np.abs(out["cache"].astype(np.float32) - full) <= ulp16 + 1e-6)
+    rounded = out["cache"].astype(np.float32)
+    step = np.array([[3], [4], [5]], np.int32)
+    got = decode(token_ids=step, cache=out["cache"], index=np.array(4, np.int32))
+    want, _ = lm.call_with_cache(step, gen_export.cache_lib.unstack_cache(rounded), 4)
+    want = np.asarray(want)
+    tolerance.assert_close(got["logits"], want, terms=lm.hidden_dim, scale=np.abs(want).max())
+    assert got["cache"].dtype == np.float16
+
+
+def test_tflite_int8_weights_generation_export():
+    """`quantization="dynamic"`: int8 weights (a smaller flatbuffer, the
+    hybrid FULLY_CONNECTED kernels) and next tokens close to Keras's. (The
+    converter leaves tensors under 1024 values in float: hidden 64 here.)"""
+    lm = DecoderOnlyLM(64, 32, 64, num_layers=1, num_heads=4, intermediate_dim=128,
+                       num_key_value_heads=2, position="rotary")
+    lm(PROMPTS)
+    kwargs = dict(max_length=MAX_LEN, batch_size=3, prompt_length=4, checks="none")
+    float_content = gen_export.tflite_bytes(lm, **kwargs)
+    content = gen_export.tflite_bytes(lm, quantization="dynamic", **kwargs)
+    assert len(content) < len(float_content)
+    from ai_edge_litert import interpreter as litert
+
+    details = litert.Interpreter(model_content=content).get_tensor_details()
+    assert any(d["dtype"] == np.int8 for d in details)
+    interpreter, _ = _litert(content)
+    out = interpreter.get_signature_runner("prefill")(token_ids=PROMPTS)
+    want = np.asarray(lm.call_with_cache(PROMPTS, lm.init_cache(3, MAX_LEN), 0)[0])
+    agree = np.mean(np.argmax(out["logits"], -1) == np.argmax(want, -1))
+    assert agree >= 0.75, agree
+    with pytest.raises(ValueError, match="quantization"):
+        gen_export.tflite_bytes(lm, quantization="int4", **kwargs)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        gen_export.tflite_bytes(lm, cache_dtype="bfloat16", **kwargs)

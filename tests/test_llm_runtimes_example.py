@@ -1,5 +1,5 @@
 """examples/llm_runtimes.py end to end: a converted Llama from text to tokens
-in ONNX Runtime GenAI (and LiteRT-LM when available), equal to Keras's."""
+in ONNX Runtime GenAI and LiteRT-LM, equal to Keras's."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("litert_lm")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "llm_runtimes.py"
@@ -29,3 +30,6 @@ def test_runtimes_generate_the_keras_tokens(tmp_path):
     genai = summary["runtimes"]["onnxruntime_genai"]
     assert genai["equal"] and genai["tokens"] == summary["keras"]
     assert (tmp_path / "onnx_genai" / "genai_config.json").exists()
+    litert = summary["runtimes"]["litert_lm"]
+    assert litert["equal"] and len(litert["text"]) > 0
+    assert (tmp_path / "model.litertlm").exists()

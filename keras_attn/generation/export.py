@@ -57,11 +57,14 @@ def _is_seq2seq(model):
     return hasattr(model, "encode")
 
 
-def _cache_spec(model, batch_size, length, name):
+def _cache_spec(model, batch_size, length, name, dtype=tf.float32):
     one = model.init_cache(1, 1)
     key = one[0]["self_attention"][0]
     shape = (len(one), 2, batch_size, length, key.shape[2], key.shape[3])
-    return tf.TensorSpec(shape, tf.float32, name=name)
+    return tf.TensorSpec(shape, dtype, name=name)
+
+
+CACHE_DTYPES = ("float32", "float16")
 
 
 def _vocabulary_size(model):
@@ -71,7 +74,7 @@ def _vocabulary_size(model):
 
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
                         encoder_length=None, stop_token_ids=(), pad_token_id=0,
-                        checks="none"):
+                        checks="none", cache_dtype="float32"):
     """`{"prefill", "decode", "generate"}` tf.functions with input signatures.
 
     Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
@@ -82,7 +85,22 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     `max_length` (and `encoder_length`) may not exceed `model.max_positions`
     when the model has one (a learned position table): a ValueError here,
     because an exported loop compiled with XLA would clamp the positions.
+    `cache_dtype="float16"` carries the caches (`cache`, `cross_cache`) in
+    float16 between calls: half the memory per token; each call computes in
+    float32 and rounds the keys and values it stores.
     """
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"Received an invalid value for argument `cache_dtype`, expected one of "
+            f"{list(CACHE_DTYPES)}. Received: cache_dtype={cache_dtype!r}")
+    store = tf.as_dtype(cache_dtype)
+
+    def stored(tensor):
+        return tf.cast(tensor, store)
+
+    def loaded(tensor):
+        return None if tensor is None else tf.cast(tensor, tf.float32)
+
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected an "
@@ -103,8 +121,8 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     step = tf.TensorSpec((batch_size, 1), tf.int32, name="token_ids")
     # A sliding-window model's cache is a ring buffer shorter than max_length.
     cache_length = model.init_cache(1, max_length)[0]["self_attention"][0].shape[1]
-    cache = _cache_spec(model, batch_size, cache_length, "cache")
-    cross = _cache_spec(model, batch_size, encoder_length, "cross_cache")
+    cache = _cache_spec(model, batch_size, cache_length, "cache", store)
+    cross = _cache_spec(model, batch_size, encoder_length, "cross_cache", store)
     enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
     index = tf.TensorSpec((), tf.int32, name="index")
     stops = tuple(int(t) for t in stop_token_ids)
@@ -127,7 +145,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         c = model.init_cache(batch, max_length)
         if encoder_ids is None:
             logits, c = model.call_with_cache(token_ids, c, 0)
-            out = {"logits": logits, "cache": cache_lib.stack_cache(c)}
+            out = {"logits": logits, "cache": stored(cache_lib.stack_cache(c))}
         else:
             encoded, mask = model.encode(encoder_ids)
             logits, c = model.call_with_cache(
@@ -135,8 +153,8 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
             )
             out = {
                 "logits": logits,
-                "cache": cache_lib.stack_cache(c),
-                "cross_cache": cache_lib.stack_cache(c, "cross_attention"),
+                "cache": stored(cache_lib.stack_cache(c)),
+                "cross_cache": stored(cache_lib.stack_cache(c, "cross_attention")),
                 "encoder_padding_mask": mask,
             }
         if flag:
@@ -147,10 +165,10 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         check = request_checks.Checks(checks, "decode")
         token_ids = check.token_ids("token_ids", token_ids, vocab)
         index = check.index(index, cache_length, ring)
-        c = cache_lib.unstack_cache(cache, cross_cache)
+        c = cache_lib.unstack_cache(loaded(cache), loaded(cross_cache))
         kwargs = {} if cross_cache is None else {"encoder_padding_mask": encoder_padding_mask}
         logits, c = model.call_with_cache(token_ids, c, index, **kwargs)
-        out = {"logits": logits, "cache": cache_lib.stack_cache(c)}
+        out = {"logits": logits, "cache": stored(cache_lib.stack_cache(c))}
         if flag:
             out["valid"] = check.valid()
         return out
@@ -214,12 +232,16 @@ def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_
 
 
 def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None,
-                 checks="flag"):
+                 checks="flag", quantization=None, cache_dtype="float32"):
     """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only.
 
     With `checks="flag"` (the default) token ids and `index` are clamped into
     range and both signatures have a bool output `valid`, False for a bad
     request (see the module docstring); "none" trusts the caller.
+    `quantization`: None (float32), "float16" (float16 weights) or "dynamic"
+    (int8 weights with LiteRT's hybrid kernels); `cache_dtype`: "float32" or
+    "float16" (see `signature_functions`). benchmarks/bench_decode_quantized.py
+    measures speed, size and greedy agreement of each.
     """
     if checks not in ("flag", "none"):
         raise ValueError(
@@ -233,9 +255,9 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
         )
     fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
                               prompt_length=prompt_length, encoder_length=encoder_length,
-                              checks=checks)
+                              checks=checks, cache_dtype=cache_dtype)
     fns.pop("generate")
-    return signatures_to_tflite(fns)
+    return signatures_to_tflite(fns, quantization)
 
 
 def export_tflite(model, path, **kwargs):
