@@ -48,8 +48,8 @@ def test_bundle_follows_the_runtime_contract(bundle):
 
     details = litert.Interpreter(model_content=lm.tflite_content).get_signature_runner(
         "decode").get_input_details()
-    # Key/value heads only, the sequence on axis 2 (where LiteRT-LM reads the context).
-    assert list(details["kv_cache_k_0"]["shape"]) == [1, 2, MAX_LEN, lm.head_dim]
+    # Key/value heads only, the sequence on axis 1 (the executor metadata says so).
+    assert list(details["kv_cache_k_0"]["shape"]) == [1, MAX_LEN, 2, lm.head_dim]
     assert list(details["tokens"]["shape"]) == [1, 1]
     assert report.max_abs_error <= report.atol and report.agreement == 1.0
 

@@ -10,11 +10,12 @@ executor reads it (`runtime/executor/llm_litert_compiled_model_executor.cc`):
 - inputs `tokens` int32 `(1, T)` and `input_pos` int32 `(T,)`; no `mask`
   input (the model masks by position: key slot <= query position);
 - per layer `kv_cache_k_<i>` / `kv_cache_v_<i>` float32
-  `(1, num_key_value_heads, max_length, head_dim)`, inputs and outputs of
-  the same name: on CPU the runtime passes one buffer as both, so a call
-  updates the cache in place. The runtime reads the context size from the
-  cache's axis 2 (a cache with the sequence on axis 1 is refused as
-  "Exceeding the maximum number of tokens allowed");
+  `(1, max_length, num_key_value_heads, head_dim)` (keras_attn's own cache
+  layout, so no transposes per step), inputs and outputs of the same name:
+  on CPU the runtime passes one buffer as both, so a call updates the cache
+  in place. The runtime takes the sequence axis from the bundle's
+  `ExecutorMetadata` (`sequence_axis: 1` per cache, written here); without
+  it, it assumes axis 2 and reads the head count as the context size;
 - `decode` outputs `logits` `(1, 1, vocabulary_size)`; `prefill_*` output
   only the caches (the runtime samples after `decode`).
 
@@ -43,6 +44,9 @@ from keras_attn.generation.tflite_convert import GENERATION_QUANTIZATIONS
 from keras_attn.generation.tflite_convert import signatures_to_tflite
 
 RUNTIME = "LiteRT-LM"
+# The caches keep keras_attn's layout (1, S, H_kv, d); the bundle's executor
+# metadata tells LiteRT-LM where the sequence is (its default is axis 2).
+SEQUENCE_AXIS = 1
 DEFAULT_PREFILL_LENGTHS = (32, 128)
 # The verification's float32 bound, relative to the largest Keras logit:
 # the TFLite graph reorders float32 sums (XNNPACK), nothing more.
@@ -91,7 +95,7 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None):
                 f"or `prefill_lengths`. Received: max_length={max_length}, "
                 f"prefill_lengths={lengths}")
     layers, heads, size = model.num_layers, model.num_key_value_heads, model.head_dim
-    cache_shape = (1, heads, max_length, size)
+    cache_shape = (1, max_length, heads, size)  # keras_attn's layout: no transposes
 
     def make(length, with_logits):
         specs = [tf.TensorSpec((1, length), tf.int32, name="tokens"),
@@ -101,15 +105,12 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None):
                       tf.TensorSpec(cache_shape, tf.float32, name=f"kv_cache_v_{i}")]
 
         def run(tokens, input_pos, *caches):
-            # (1, H_kv, S, d) <-> keras_attn's (1, S, H_kv, d)
-            cache = [{"self_attention": tuple(tf.transpose(t, (0, 2, 1, 3))
-                                              for t in caches[2 * i: 2 * i + 2]),
-                      "cross_attention": None} for i in range(layers)]
+            cache = [{"self_attention": tuple(caches[2 * i: 2 * i + 2]), "cross_attention": None}
+                     for i in range(layers)]
             logits, cache = model.call_with_cache(tokens, cache, input_pos[0])
             out = {}
             for i, layer in enumerate(cache):
-                key, value = (tf.transpose(t, (0, 2, 1, 3)) for t in layer["self_attention"])
-                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = key, value
+                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = layer["self_attention"]
             if with_logits:
                 out["logits"] = tf.cast(logits, tf.float32)
             return out
@@ -126,6 +127,27 @@ def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=Non
     return signatures_to_tflite(
         litertlm_functions(model, max_length=max_length, prefill_lengths=prefill_lengths),
         quantization)
+
+
+def executor_metadata(*, num_layers, max_length):
+    """LiteRT-LM's `ExecutorMetadata` (serialized): each cache's sequence axis (1)."""
+    from litert_lm_builder.runtime.proto import executor_metadata_pb2
+
+    meta = executor_metadata_pb2.ExecutorMetadata()
+    llm = meta.llm_executor_metadata
+    llm.max_history_size = int(max_length)
+    kinds = (("k", executor_metadata_pb2.StateBuffer.TYPE_GLOBAL_KEY_CACHE),
+             ("v", executor_metadata_pb2.StateBuffer.TYPE_GLOBAL_VALUE_CACHE))
+    for i in range(num_layers):
+        for letter, kind in kinds:
+            name = f"kv_cache_{letter}_{i}"
+            buffer = llm.state_buffers.add()
+            buffer.prefill_input_name = buffer.prefill_output_name = name
+            buffer.decode_input_name = buffer.decode_output_name = name
+            buffer.type = kind
+            buffer.sequence_axis = SEQUENCE_AXIS
+            buffer.maximum_sequence_length = int(max_length)
+    return meta.SerializeToString()
 
 
 def llm_metadata(*, max_length, bos_token_id=None, stop_token_ids=(), prompt_template=None):
@@ -314,9 +336,13 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             f.write(llm_metadata(max_length=max_length, bos_token_id=bos_token_id,
                                  stop_token_ids=stop_token_ids,
                                  prompt_template=prompt_template))
+        executor_path = os.path.join(tmp, "executor_metadata.pb")
+        with open(executor_path, "wb") as f:
+            f.write(executor_metadata(num_layers=model.num_layers, max_length=max_length))
         write_tokenizer(tokenizer, tmp)
         builder = builder_lib.LitertLmFileBuilder()
         builder.add_llm_metadata(meta_path)
+        builder.add_executor_metadata(executor_path)
         builder.add_tflite_model(model_path, builder_lib.TfLiteModelType.PREFILL_DECODE)
         builder.add_hf_tokenizer(os.path.join(tmp, "tokenizer.json"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
