@@ -12,7 +12,7 @@ for tokens/s: > 1 is faster).
     python benchmarks/bench_genai.py --quick          # 2 layers, hidden 128, vocab 4000
 
 Needs `onnxruntime-genai` (test extra) and, for the builder, `onnx-ir`
-(`pip install onnx-ir`; the `genai-peers` extra).
+(`pip install onnx-ir`, or `WITH_GENAI_BUILDER=1 bash benchmarks/install_peers.sh`).
 """
 
 import argparse

@@ -19,7 +19,8 @@ ratios (ours / peer tokens/s: > 1 is faster).
 
 Needs `litert-lm-api` and `litert-lm-builder` (the `llm-runtimes` extra);
 the peer column is skipped when PEER_PYTHON (default
-/work/venv-litert-torch/bin/python) cannot run litert-torch.
+/work/venv-litert-torch/bin/python) cannot run litert-torch. Install that venv with
+`WITH_LITERT_TORCH=1 bash benchmarks/install_peers.sh`.
 """
 
 import argparse

@@ -35,3 +35,19 @@ if len(tensorflows) != 1:
     raise SystemExit(f"ERROR: expected one TensorFlow distribution, found {tensorflows}")
 print("ok: one TensorFlow distribution:", tensorflows[0])
 PY
+
+# litert-torch (bench_litertlm.py's peer) pins its own torch and imports TensorFlow
+# without declaring it, so it gets its own venv (one TensorFlow there too); the
+# benchmark calls it as PEER_PYTHON. Opt in with WITH_LITERT_TORCH=1.
+if [[ "${WITH_LITERT_TORCH:-0}" == "1" ]]; then
+    VENV="${LITERT_TORCH_VENV:-/work/venv-litert-torch}"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "litert-torch>=0.10" "torch==2.13.0" "tensorflow>=2.21,<2.22"
+    echo "litert-torch peer: PEER_PYTHON=$VENV/bin/python"
+fi
+
+# The ONNX Runtime GenAI model builder (bench_genai.py's peer) needs onnx-ir.
+if [[ "${WITH_GENAI_BUILDER:-0}" == "1" ]]; then
+    "${PIP[@]}" "onnx-ir>=1.0"
+fi
