@@ -2,13 +2,15 @@
 
 Variants of `keras_attn.generation.export.tflite_bytes` side by side, one run:
 float32; float16 weights; int8 weights (`quantization="dynamic"`: LiteRT's
-hybrid int8 kernels); int8 weights with a float16 cache (`cache_dtype`).
+hybrid int8 kernels); int8 weights with a float16 cache (`cache_dtype`); int4
+weights in blocks of 32 (`quantization="int4"`, ai-edge-quantizer).
 
 - Speed: a Llama-shaped `DecoderOnlyLM` (default 8 layers, hidden 512, 8
   heads / 2 key-value heads, vocabulary 32000, rotary, RMSNorm, SwiGLU;
   random weights: speed does not depend on them), the `decode` signature at
   batch 1 with a `--cache`-position cache, median of `--repeats` calls in the
-  LiteRT interpreter (XNNPACK), ratios to float32.
+  LiteRT interpreter (XNNPACK), variants timed in alternating rounds, ratios
+  to float32.
 - Answers: greedy tokens of each variant vs float32 Keras over long
   generations, judged on a model with trained weights (a character-level
   decoder trained here on the dates data: its next-token distributions are
@@ -35,6 +37,7 @@ VARIANTS = {
     "float16 weights": dict(quantization="float16"),
     "int8 weights": dict(quantization="dynamic"),
     "int8 weights + float16 cache": dict(quantization="dynamic", cache_dtype="float16"),
+    "int4 weights (blocks of 32)": dict(quantization="int4"),
 }
 
 
@@ -44,20 +47,34 @@ def interpreter(content):
     return litert.Interpreter(model_content=content)
 
 
-def decode_ms(content, cache_length, repeats):
+def decode_runner(content, cache_length):
+    """A zero-argument call of the `decode` signature (batch 1, mid-cache index)."""
     runner = interpreter(content).get_signature_runner("decode")
     details = runner.get_input_details()
     cache = np.zeros(details["cache"]["shape"], details["cache"]["dtype"])
     token = np.array([[5]], np.int32)
     index = np.array(cache_length // 2, np.int32)
-    for _ in range(3):
+
+    def call():
         runner(token_ids=token, cache=cache, index=index)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner(token_ids=token, cache=cache, index=index)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, details["cache"]
+
+    return call, details["cache"]
+
+
+def interleaved_ms(calls, repeats, rounds=5):
+    """Median ms per call of each callable, timed in alternating rounds."""
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    names = list(calls)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            for _ in range(max(1, repeats // rounds)):
+                start = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def greedy_tflite(content, prompt, max_length, stop):
@@ -143,11 +160,11 @@ def main():
         for p in prompts]
     small_want = [w[:w.index(1) + 1] if 1 in w else w for w in small_want]
 
-    rows = []
+    rows, calls = [], {}
     for name, options in VARIANTS.items():
         content = gen_export.tflite_bytes(big, max_length=args.cache, batch_size=1, prompt_length=1,
                                           checks="none", **options)
-        ms, cache = decode_ms(content, args.cache, args.repeats)
+        calls[name], cache = decode_runner(content, args.cache)
         per_token = np.prod(cache["shape"]) * np.dtype(cache["dtype"]).itemsize / args.cache
         big_got = greedy_tflite(content, big_prompt, big_len, stop=-1)
         big_agree, big_first = agreement(big_want, big_got)
@@ -157,12 +174,15 @@ def main():
         for prompt, want in zip(prompts, small_want):
             got = greedy_tflite(small_content, prompt, width, stop=1)
             small_scores.append(agreement(want, got)[0])
-        rows.append(dict(variant=name, decode_ms=ms, size_mb=len(content) / 2**20,
+        rows.append(dict(variant=name, size_mb=len(content) / 2**20,
                          cache_bytes_per_token=int(per_token), random_agreement=big_agree,
                          random_first_divergence=big_first,
                          trained_agreement=float(np.mean(small_scores)),
                          trained_exact=float(np.mean([s == 1.0 for s in small_scores]))))
         print(rows[-1], flush=True)
+    speeds = interleaved_ms(calls, args.repeats)
+    for row in rows:
+        row["decode_ms"] = speeds[row["variant"]]
     base = rows[0]["decode_ms"]
     print(f"\nDecoderOnlyLM {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} KV), vocabulary {args.vocab}; TFLite `decode` at batch 1 with a "

@@ -54,7 +54,7 @@ FLOAT32_RTOL = 1e-4
 # Quantized bundles are judged by what they answer: the fraction of
 # positions whose next token (argmax) equals Keras's, teacher-forced on the
 # verification sequence.
-DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9}
+DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int4": 0.8}
 
 
 def _positive_int(name, value):
@@ -280,8 +280,9 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             each (the runtime runs long prompts in chunks of the largest and
             the rest in the smallest that fits); default (32, 128), capped at
             `max_length`.
-        quantization: None (float32), "float16" (float16 weights) or
-            "dynamic" (int8 weights, LiteRT's hybrid int8 kernels).
+        quantization: None (float32), "float16" (float16 weights),
+            "dynamic" (int8 weights, LiteRT's hybrid int8 kernels) or "int4"
+            (int4 weights in blocks of 32, ai-edge-quantizer).
         bos_token_id: the token LiteRT-LM puts before every prompt (its
             `start_token`), or None for none (GPT-2 style prompts).
         stop_token_ids: tokens that end generation (default: the model's
@@ -291,7 +292,8 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         atol: float32 bound on |LiteRT - Keras| logits (default 1e-4 x the
             largest logit, at least 1e-4).
         min_agreement: quantized bundles: the smallest fraction of next
-            tokens equal to Keras's (default 0.99 float16, 0.9 dynamic).
+            tokens equal to Keras's (default 0.99 float16, 0.9 dynamic, 0.8
+            int4).
         overwrite: replace an existing file.
 
     Returns:

@@ -23,15 +23,18 @@ def _frozen_call(frozen, concrete):
     return call
 
 
-GENERATION_QUANTIZATIONS = (None, "float16", "dynamic")
+GENERATION_QUANTIZATIONS = (None, "float16", "dynamic", "int4")
 
 
 def signatures_to_tflite(functions, quantization=None):
     """One TFLite flatbuffer (builtin ops only) with a signature per `tf.function`.
 
-    `quantization`: None (float32), "float16" (float16 weights) or "dynamic"
+    `quantization`: None (float32), "float16" (float16 weights), "dynamic"
     (int8 weights, per channel; fully connected layers run LiteRT's hybrid
-    int8 kernels, activations stay float).
+    int8 kernels, activations stay float) or "int4" (int4 weights in blocks
+    of 32 for the fully connected layers, with ai-edge-quantizer's
+    `dynamic_wi4b32_afp32` recipe on the float32 model; needs
+    `ai-edge-quantizer`).
     """
     if quantization not in GENERATION_QUANTIZATIONS:
         raise ValueError(
@@ -56,8 +59,23 @@ def signatures_to_tflite(functions, quantization=None):
             tmp, signature_keys=list(functions)
         )
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
-        if quantization is not None:
+        if quantization in ("float16", "dynamic"):
             converter.optimizations = [tf.lite.Optimize.DEFAULT]
         if quantization == "float16":
             converter.target_spec.supported_types = [tf.float16]
-        return converter.convert()
+        content = converter.convert()
+    if quantization == "int4":
+        content = _int4_weights(content)
+    return content
+
+
+def _int4_weights(content):
+    try:
+        from ai_edge_quantizer import quantizer, recipe
+    except ImportError as error:
+        raise ImportError(
+            "quantization='int4' uses ai-edge-quantizer: pip install "
+            "'keras-attn[llm-runtimes]' (or ai-edge-quantizer).") from error
+    engine = quantizer.Quantizer(content)
+    engine.load_quantization_recipe(recipe.dynamic_wi4b32_afp32())
+    return bytes(engine.quantize().quantized_model)
