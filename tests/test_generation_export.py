@@ -217,7 +217,7 @@ def test_tflite_float16_cache_stores_rounded_keys_and_values(decoder_only):
     assert got["cache"].dtype == np.float16
 
 
-def test_tflite_int8_weights_generation_export():
+def test_tflite_int8_and_int4_weights_generation_export():
     """`quantization="dynamic"`: int8 weights (a smaller flatbuffer, the
     hybrid FULLY_CONNECTED kernels) and next tokens close to Keras's. (The
     converter leaves tensors under 1024 values in float: hidden 64 here.)"""
@@ -237,7 +237,13 @@ def test_tflite_int8_weights_generation_export():
     want = np.asarray(lm.call_with_cache(PROMPTS, lm.init_cache(3, MAX_LEN), 0)[0])
     agree = np.mean(np.argmax(out["logits"], -1) == np.argmax(want, -1))
     assert agree >= 0.75, agree
+    pytest.importorskip("ai_edge_quantizer")
+    int4 = gen_export.tflite_bytes(lm, quantization="int4", **kwargs)
+    assert len(int4) < len(content)  # 4-bit blocks (with a scale per 32) below 8-bit
+    interpreter, _ = _litert(int4)
+    out = interpreter.get_signature_runner("prefill")(token_ids=PROMPTS)
+    assert np.mean(np.argmax(out["logits"], -1) == np.argmax(want, -1)) >= 0.5
     with pytest.raises(ValueError, match="quantization"):
-        gen_export.tflite_bytes(lm, quantization="int4", **kwargs)
+        gen_export.tflite_bytes(lm, quantization="int2", **kwargs)
     with pytest.raises(ValueError, match="cache_dtype"):
         gen_export.tflite_bytes(lm, cache_dtype="bfloat16", **kwargs)
