@@ -78,8 +78,17 @@ def _prefill_lengths(prefill_lengths, max_length):
     return tuple(lengths)
 
 
-def litertlm_functions(model, *, max_length, prefill_lengths=None):
-    """`{"prefill_<T>": tf.function, ..., "decode": tf.function}` of the LiteRT-LM contract."""
+def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="float32"):
+    """`{"prefill_<T>": tf.function, ..., "decode": tf.function}` of the LiteRT-LM contract.
+
+    `cache_dtype="float16"` keeps the caches in float16 between calls (half
+    the memory per token); each call computes in float32.
+    """
+    if cache_dtype not in ("float32", "float16"):
+        raise ValueError(
+            "Received an invalid value for argument `cache_dtype`, expected 'float32' or "
+            f"'float16'. Received: cache_dtype={cache_dtype!r}")
+    store = tf.as_dtype(cache_dtype)
     check_runtime_decoder(model, RUNTIME)
     max_length = _positive_int("max_length", max_length)
     lengths = _prefill_lengths(prefill_lengths, max_length)
@@ -101,16 +110,18 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None):
         specs = [tf.TensorSpec((1, length), tf.int32, name="tokens"),
                  tf.TensorSpec((length,), tf.int32, name="input_pos")]
         for i in range(layers):
-            specs += [tf.TensorSpec(cache_shape, tf.float32, name=f"kv_cache_k_{i}"),
-                      tf.TensorSpec(cache_shape, tf.float32, name=f"kv_cache_v_{i}")]
+            specs += [tf.TensorSpec(cache_shape, store, name=f"kv_cache_k_{i}"),
+                      tf.TensorSpec(cache_shape, store, name=f"kv_cache_v_{i}")]
 
         def run(tokens, input_pos, *caches):
-            cache = [{"self_attention": tuple(caches[2 * i: 2 * i + 2]), "cross_attention": None}
-                     for i in range(layers)]
+            cache = [{"self_attention": tuple(tf.cast(t, tf.float32)
+                                              for t in caches[2 * i: 2 * i + 2]),
+                      "cross_attention": None} for i in range(layers)]
             logits, cache = model.call_with_cache(tokens, cache, input_pos[0])
             out = {}
             for i, layer in enumerate(cache):
-                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = layer["self_attention"]
+                key, value = (tf.cast(t, store) for t in layer["self_attention"])
+                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = key, value
             if with_logits:
                 out["logits"] = tf.cast(logits, tf.float32)
             return out
@@ -122,10 +133,12 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None):
     return functions
 
 
-def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=None):
+def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=None,
+                    cache_dtype="float32"):
     """The bundle's TFLite model (bytes): `prefill_<T>` and `decode` signatures."""
     return signatures_to_tflite(
-        litertlm_functions(model, max_length=max_length, prefill_lengths=prefill_lengths),
+        litertlm_functions(model, max_length=max_length, prefill_lengths=prefill_lengths,
+                           cache_dtype=cache_dtype),
         quantization)
 
 
@@ -208,7 +221,7 @@ def runtime_logits(content, tokens):
     signatures = interpreter.get_signature_list()
     chunks = sorted((int(k.split("_", 1)[1]), k) for k in signatures if k.startswith("prefill_"))
     decode = interpreter.get_signature_runner("decode")
-    cache = {name: np.zeros(d["shape"], np.float32)
+    cache = {name: np.zeros(d["shape"], d["dtype"])
              for name, d in decode.get_input_details().items() if name.startswith("kv_cache_")}
     tokens = [int(t) for t in tokens]
     n_prefill = max(1, len(tokens) // 2)
@@ -232,7 +245,8 @@ def runtime_logits(content, tokens):
     return np.stack(logits), n_prefill
 
 
-def _verify(model, content, max_length, quantization, atol, min_agreement, seed=0):
+def _verify(model, content, max_length, quantization, atol, min_agreement, seed=0,
+            cache_dtype="float32"):
     rng = np.random.default_rng(seed)
     length = min(max_length, 24)
     tokens = rng.integers(0, model.vocabulary_size, size=(1, length)).astype("int32")
@@ -244,25 +258,27 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
     reference = reference[first:]
     error = float(np.max(np.abs(got - reference)))
     agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
-    if quantization is None:
+    if quantization is None and cache_dtype == "float32":
         bound = FLOAT32_RTOL * max(1.0, float(np.max(np.abs(reference)))) if atol is None else atol
         if not error <= bound:
             raise ValueError(
                 f"The LiteRT-LM model's logits differ from Keras's by {error:.3g} > "
                 f"atol={bound:.3g} on the verification sequence; nothing was written.")
         return error, bound, agreement, None
-    threshold = DEFAULT_MIN_AGREEMENT[quantization] if min_agreement is None else min_agreement
+    what = quantization or "float16"
+    threshold = DEFAULT_MIN_AGREEMENT[what] if min_agreement is None else min_agreement
     if not agreement >= threshold:
         raise ValueError(
-            f"The {quantization}-quantized LiteRT-LM model picks Keras's next token at "
-            f"{agreement:.3f} of the positions < min_agreement={threshold} (max logit "
+            f"The LiteRT-LM model (quantization={quantization}, cache_dtype={cache_dtype}) "
+            f"picks Keras's next token at {agreement:.3f} of the positions < min_agreement={threshold} (max logit "
             f"error {error:.3g}); nothing was written. Lower `min_agreement` if this "
             "is acceptable, or use quantization=None / 'float16'.")
     return error, None, agreement, threshold
 
 
 def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
-                    quantization=None, bos_token_id=None, stop_token_ids=None,
+                    quantization=None, cache_dtype="float32", bos_token_id=None,
+                    stop_token_ids=None,
                     prompt_template=None, atol=None, min_agreement=None, overwrite=True):
     """Writes a `.litertlm` bundle that `litert_lm.Engine` loads and generates with.
 
@@ -283,6 +299,8 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         quantization: None (float32), "float16" (float16 weights),
             "dynamic" (int8 weights, LiteRT's hybrid int8 kernels) or "int4"
             (int4 weights in blocks of 32, ai-edge-quantizer).
+        cache_dtype: "float32" or "float16" (the caches between calls: half
+            the memory per token; checked like a quantized bundle).
         bos_token_id: the token LiteRT-LM puts before every prompt (its
             `start_token`), or None for none (GPT-2 style prompts).
         stop_token_ids: tokens that end generation (default: the model's
@@ -326,9 +344,9 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         stop_token_ids = (model.pad_token_id,)
     stop_token_ids = tuple(np.atleast_1d(stop_token_ids).tolist())
     content = litertlm_tflite(model, max_length=max_length, prefill_lengths=prefill_lengths,
-                              quantization=quantization)
+                              quantization=quantization, cache_dtype=cache_dtype)
     error, bound, agreement, threshold = _verify(model, content, max_length, quantization,
-                                                 atol, min_agreement)
+                                                 atol, min_agreement, cache_dtype=cache_dtype)
     with tempfile.TemporaryDirectory(prefix="keras_attn_litertlm_") as tmp:
         model_path = os.path.join(tmp, "model.tflite")
         with open(model_path, "wb") as f:
