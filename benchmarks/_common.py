@@ -156,3 +156,28 @@ def time_self_attention(layer, x, mode, repeats, **call_kwargs):
         _ = [np.asarray(o) for o in tf.nest.flatten(out)]
         times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))
+
+
+def add_llm_size_args(parser, *, prompt=128, new=128, rounds=5):
+    """The LLM runtime benchmarks' model and run sizes (`--quick`: a small model).
+
+    Call `apply_quick(args)` after parsing.
+    """
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt", type=int, default=prompt)
+    parser.add_argument("--new", type=int, default=new)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--quick", action="store_true",
+                        help="2 layers, hidden 128, vocabulary 4000, 32 + 32 tokens, 3 rounds")
+    parser.add_argument("--json", help="write the results here")
+
+
+def apply_quick(args):
+    if args.quick:
+        args.layers, args.hidden, args.heads, args.kv_heads = 2, 128, 4, 2
+        args.vocab, args.prompt, args.new, args.rounds = 4000, 32, 32, 3
+    return args

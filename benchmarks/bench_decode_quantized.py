@@ -127,20 +127,13 @@ def trained_dates_model(seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=32000)
+    _common.add_llm_size_args(parser)
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--generate", type=int, default=256, help="random model: tokens generated")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = _common.apply_quick(parser.parse_args())
     if args.quick:
-        args.layers, args.hidden, args.heads, args.kv_heads = 2, 128, 4, 2
-        args.vocab, args.cache, args.repeats, args.generate = 4000, 128, 20, 64
+        args.cache, args.repeats, args.generate = 128, 20, 64
 
     keras.utils.set_random_seed(0)
     big = DecoderOnlyLM(args.vocab, args.cache, args.hidden, num_layers=args.layers,

@@ -24,7 +24,8 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+import _common  # noqa: F401  (sets the environment first)
+import numpy as np  # noqa: E402
 
 
 def trained_tokenizer(vocab_size):
@@ -90,20 +91,9 @@ def run_genai(folder, prompt, max_length):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", help="write the results here")
+    _common.add_llm_size_args(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.layers, args.hidden, args.heads, args.kv_heads = 2, 128, 4, 2
-        args.vocab, args.prompt, args.new, args.rounds = 4000, 32, 32, 3
+    _common.apply_quick(args)
 
     from keras_attn.convert import from_huggingface
     from keras_attn.generation.export import export_onnx_genai

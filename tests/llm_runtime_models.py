@@ -55,3 +55,22 @@ def keras_tokens(lm, prompt, max_length, eos=EOS):
     tokens = greedy_search(lm, np.array([prompt], np.int32), max_length, stop_token_ids=(eos,))
     new = list(np.asarray(tokens)[0, len(prompt):])
     return new[:new.index(eos)] if eos in new else new
+
+
+def hf_model(family):
+    """A small seeded random Hugging Face `gpt2` or `llama` causal LM on this
+    vocabulary (EOS = stop token), in eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            initializer_range=0.3, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, intermediate_size=64, initializer_range=0.2,
+            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
+    return hf.eval()

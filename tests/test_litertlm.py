@@ -14,7 +14,8 @@ from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.generation import litertlm  # noqa: E402
 from keras_attn.generation.export import export_litertlm  # noqa: E402
 
-from tests.llm_runtime_models import EOS, VOCAB, keras_tokens, scaled_lm, word_tokenizer  # noqa: E402
+from tests.llm_runtime_models import (  # noqa: E402
+    EOS, VOCAB, hf_model, keras_tokens, scaled_lm, word_tokenizer)
 
 MAX_LEN = 40
 CHUNKS = (4, 16)
@@ -168,22 +169,11 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
     """GPT-2 (learned positions, no start token) and Llama (rotary, GQA,
     start token): LiteRT-LM's text = transformers' greedy `generate`."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
-    torch.manual_seed(0)
-    if family == "gpt2":
-        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-            initializer_range=0.3, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
-        bos = None
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-            num_key_value_heads=2, intermediate_size=64, initializer_range=0.2,
-            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
-        bos = EOS
-    hf.eval()
+    hf = hf_model(family)
+    bos = None if family == "gpt2" else EOS  # GPT-2 prompts have no start token
     lm = from_huggingface(hf)
     path = tmp_path / "hf.litertlm"
     export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,

@@ -13,7 +13,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
-    EOS, MAX_LEN, VOCAB, keras_tokens, scaled_lm, word_tokenizer)
+    EOS, MAX_LEN, hf_model, keras_tokens, scaled_lm, word_tokenizer)
 
 
 def genai_tokens(folder, prompt_ids, max_length):
@@ -72,20 +72,10 @@ def test_generates_keras_greedy_from_text(exported):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_converted_models_generate_hf_tokens(tmp_path, family):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
-    torch.manual_seed(0)
-    if family == "gpt2":
-        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-            initializer_range=0.3, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-            num_key_value_heads=2, intermediate_size=64, initializer_range=0.2,
-            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
-    hf.eval()
+    hf = hf_model(family)
     lm = from_huggingface(hf)
     export_onnx_genai(lm, tmp_path, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
     prompt = word_tokenizer().encode("the red cat sat on the").ids
