@@ -1,8 +1,9 @@
 """ONNX Runtime GenAI: our exported folder vs the GenAI model builder's, same model.
 
 One Hugging Face Llama (random weights, seeded; a real tokenizer trained here),
-exported twice: `keras_attn.convert.from_huggingface` + `export_onnx_genai`,
-and `python -m onnxruntime_genai.models.builder` (fp32, CPU). Both folders run
+exported twice per precision: `keras_attn.convert.from_huggingface` +
+`export_onnx_genai`, and `python -m onnxruntime_genai.models.builder` (CPU);
+fp32, and int8 weights (ours `quantization="dynamic"`, the builder's `-p int8`). Both folders run
 in `onnxruntime_genai` in this process, in alternating rounds: prefill time of a
 `--prompt`-token prompt and decode tokens/s over `--new` greedy tokens; the
 generated tokens of the two must agree. Prints a table and ratios (ours / peer
@@ -99,27 +100,31 @@ def main():
     from keras_attn.generation.export import export_onnx_genai
 
     work = tempfile.mkdtemp(prefix="bench_genai_")
-    hf_dir, ours, peer = (os.path.join(work, n) for n in ("hf", "ours", "builder"))
+    hf_dir = os.path.join(work, "hf")
     hf, tok = build_hf(hf_dir, args)
     max_length = args.prompt + args.new
-    start = time.perf_counter()
     lm = from_huggingface(hf_dir)
-    export_onnx_genai(lm, ours, max_length=max_length, tokenizer=hf_dir, eos_token_id=1)
-    ours_export = time.perf_counter() - start
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir,
-                    "-o", peer, "-p", "fp32", "-e", "cpu", "-c", os.path.join(work, "cache")],
-                   check=True, capture_output=True)
-    peer_export = time.perf_counter() - start
-    with open(os.path.join(peer, "genai_config.json")) as f:  # same generation length
-        config = json.load(f)
-    config["search"]["max_length"] = max_length
-    with open(os.path.join(peer, "genai_config.json"), "w") as f:
-        json.dump(config, f)
+    folders, export_s = {}, {}
+    for precision, ours_q, peer_p in (("fp32", None, "fp32"), ("int8 weights", "dynamic", "int8")):
+        name, folder = f"keras_attn {precision}", os.path.join(work, f"ours_{peer_p}")
+        start = time.perf_counter()
+        export_onnx_genai(lm, folder, max_length=max_length, tokenizer=hf_dir, eos_token_id=1,
+                          quantization=ours_q)
+        folders[name], export_s[name] = folder, time.perf_counter() - start
+        name, folder = f"genai builder {precision}", os.path.join(work, f"builder_{peer_p}")
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir,
+                        "-o", folder, "-p", peer_p, "-e", "cpu",
+                        "-c", os.path.join(work, "cache")], check=True, capture_output=True)
+        folders[name], export_s[name] = folder, time.perf_counter() - start
+        with open(os.path.join(folder, "genai_config.json")) as f:  # same generation length
+            config = json.load(f)
+        config["search"]["max_length"] = max_length
+        with open(os.path.join(folder, "genai_config.json"), "w") as f:
+            json.dump(config, f)
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(2, tok.get_vocab_size(), args.prompt)]
-    folders = {"keras_attn": ours, "genai builder": peer}
     times = {name: {"prefill": [], "decode": []} for name in folders}
     tokens = {}
     for name, folder in folders.items():  # warm-up
@@ -130,30 +135,34 @@ def main():
             prefill, decode, tokens[name] = run_genai(folders[name], prompt, max_length)
             times[name]["prefill"].append(prefill)
             times[name]["decode"].append(decode)
-    agree = np.mean([a == b for a, b in zip(tokens["keras_attn"], tokens["genai builder"])])
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     rows = []
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())} "
           f"(tokenizer {tok.get_vocab_size()}), prompt {args.prompt}, "
-          f"{args.new} new tokens, batch 1, fp32, CPU; medians of {args.rounds} alternating rounds\n")
+          f"{args.new} new tokens, batch 1, CPU; medians of {args.rounds} alternating rounds\n")
     print("| export | prefill ms | prefill tok/s | decode ms/token | decode tok/s | export s |")
     print("|---|---|---|---|---|---|")
-    for name, export_s in (("keras_attn", ours_export), ("genai builder", peer_export)):
+    for name in folders:
         m = med[name]
         row = dict(name=name, prefill_ms=m["prefill"] * 1e3, prefill_tps=args.prompt / m["prefill"],
-                   decode_ms=m["decode"] * 1e3, decode_tps=1 / m["decode"], export_s=export_s)
+                   decode_ms=m["decode"] * 1e3, decode_tps=1 / m["decode"], export_s=export_s[name])
         rows.append(row)
         print(f"| {name} | {row['prefill_ms']:.1f} | {row['prefill_tps']:.0f} | "
-              f"{row['decode_ms']:.2f} | {row['decode_tps']:.1f} | {export_s:.1f} |")
-    ratio_prefill = rows[0]["prefill_tps"] / rows[1]["prefill_tps"]
-    ratio_decode = rows[0]["decode_tps"] / rows[1]["decode_tps"]
-    print(f"\nours / builder tokens/s: prefill {ratio_prefill:.2f}x, decode {ratio_decode:.2f}x; "
-          f"greedy tokens equal at {agree:.0%} of {args.new} positions")
+              f"{row['decode_ms']:.2f} | {row['decode_tps']:.1f} | {row['export_s']:.1f} |")
+    by_name = {row["name"]: row for row in rows}
+    ratios = {}
+    for precision in ("fp32", "int8 weights"):
+        ours, peer = by_name[f"keras_attn {precision}"], by_name[f"genai builder {precision}"]
+        agree = float(np.mean([a == b for a, b in zip(tokens[ours["name"]], tokens[peer["name"]])]))
+        ratios[precision] = dict(prefill=ours["prefill_tps"] / peer["prefill_tps"],
+                                 decode=ours["decode_tps"] / peer["decode_tps"], agreement=agree)
+        print(f"ours / builder tokens/s, {precision}: prefill {ratios[precision]['prefill']:.2f}x, "
+              f"decode {ratios[precision]['decode']:.2f}x; greedy tokens equal at {agree:.0%} "
+              f"of {args.new} positions")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, prefill_ratio=ratio_prefill, decode_ratio=ratio_decode,
-                           token_agreement=agree, args=vars(args)), f, indent=2)
+            json.dump(dict(rows=rows, ratios=ratios, args=vars(args)), f, indent=2)
 
 
 if __name__ == "__main__":

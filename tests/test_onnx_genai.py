@@ -153,3 +153,22 @@ def test_model_trained_with_keras_attn_generates_from_text(tmp_path):
         got, _ = genai_tokens(tmp_path, prompt, width)
         assert got == keras_tokens(lm, prompt, width)
         assert len(got) >= 3
+    # int8 weights (MatMulInteger): on these trained weights the greedy
+    # answers stay Keras's at nearly every position.
+    quantized = tmp_path / "int8"
+    export_onnx_genai(lm, quantized, max_length=width, tokenizer=tok, eos_token_id=EOS,
+                      quantization="dynamic")
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(quantized / "model.onnx")).graph.node}
+    assert "MatMulInteger" in ops
+    # int8 MatMul weights (the embedding table, a Gather, stays float32)
+    assert (quantized / "model.onnx").stat().st_size < (tmp_path / "model.onnx").stat().st_size
+    same = total = 0
+    for human, _ in generate_examples(10, seed=98):
+        prompt = tok.encode(f"{human}=").ids
+        want = keras_tokens(lm, prompt, width)
+        got, _ = genai_tokens(quantized, prompt, width)
+        same += sum(a == b for a, b in zip(got, want))
+        total += max(len(got), len(want))
+    assert same / total >= 0.9, same / total

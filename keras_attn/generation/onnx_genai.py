@@ -195,7 +195,8 @@ def write_tokenizer(tokenizer, folder):
 
 
 def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17):
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
+                      quantization=None):
     """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
 
     Args:
@@ -209,6 +210,9 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         bos_token_id, eos_token_id, pad_token_id: for `genai_config.json`
             (eos may be a list); default the model's `pad_token_id`.
         opset: ONNX opset.
+        quantization: None (float32) or "dynamic": int8 weights (per
+            channel) for every MatMul with a constant weight, activations
+            quantized at run time (onnxruntime's `quantize_dynamic`).
 
     Returns:
         The folder's path.
@@ -237,9 +241,20 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
             "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
             "`export_litertlm`.)")
+    if quantization not in (None, "dynamic"):
+        raise ValueError("Received an invalid value for argument `quantization`, expected None "
+                         f"or 'dynamic'. Received: quantization={quantization!r}")
     proto = onnx_genai_model(model, max_length=max_length, opset=opset)
-    with open(os.path.join(folder, "model.onnx"), "wb") as f:
-        f.write(proto.SerializeToString())
+    path = os.path.join(folder, "model.onnx")
+    if quantization == "dynamic":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(proto, path, op_types_to_quantize=["MatMul"], per_channel=True,
+                         weight_type=QuantType.QInt8,
+                         extra_options={"MatMulConstBOnly": True})
+    else:
+        with open(path, "wb") as f:
+            f.write(proto.SerializeToString())
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                           pad_token_id=pad_token_id)
     with open(os.path.join(folder, "genai_config.json"), "w") as f:
