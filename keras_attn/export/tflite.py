@@ -12,7 +12,9 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
-QUANTIZATIONS = (None, "float16", "dynamic", "int8")
+QUANTIZATIONS = (None, "float16", "dynamic", "int8", "int16x8")
+# The variants whose activations are integers, calibrated on representative inputs.
+CALIBRATED = ("int8", "int16x8")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
@@ -74,22 +76,59 @@ def _flex_error(error):
     )
 
 
-def _representative(model, representative_dataset, input_names):
+def calibration_samples(model, representative_dataset, arg_name="representative_dataset"):
+    """The calibration inputs as a list of `{name: array}` sets (read once).
+
+    `representative_dataset` is a `tf.data.Dataset`, a callable returning an
+    iterable (a generator function), or an iterable; each element is one
+    input set as `sample_inputs` takes it (array, list or dict by input name),
+    with or without the batch axis; an `(inputs, targets)` pair of a training
+    dataset is reduced to its inputs. None draws 32 random sets from the
+    input specs (real data calibrates far better).
+    """
+    specs = model_io.input_specs(model)
     if representative_dataset is None:
-        source = [
-            model_io.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)
-        ]
-    elif callable(representative_dataset):
-        source = representative_dataset()
-    else:
-        source = representative_dataset
+        return [model_io.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)]
+    source = representative_dataset
+    if isinstance(source, tf.data.Dataset):
+        source = source.as_numpy_iterator()
+    elif callable(source):
+        source = source()
+    if isinstance(source, (str, bytes, dict)) or not hasattr(source, "__iter__"):
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`, expected a "
+            "tf.data.Dataset, a generator function or an iterable of input sets. "
+            f"Received: {arg_name} of type {type(representative_dataset).__name__}"
+        )
+    sets = []
+    for item in source:
+        if (isinstance(item, tuple) and len(item) == 2 and len(specs) != 2
+                and (isinstance(item[0], dict) or len(specs) == 1)):
+            item = item[0]  # (inputs, targets) of a training dataset
+        item = _with_batch_axis(specs, item)
+        sets.append(model_io.normalize_samples(model, item, arg_name)[0])
+    if not sets:
+        raise ValueError(
+            f"Received an empty `{arg_name}`: calibration needs at least one input "
+            f"set. Received: {arg_name}={representative_dataset!r}"
+        )
+    return sets
 
-    def generator():
-        for item in source:
-            sample = model_io.normalize_samples(model, item, "representative_dataset")[0]
-            yield {name: sample[name] for name in input_names}
 
-    return generator
+def _with_batch_axis(specs, item):
+    """Adds a batch axis of 1 to inputs given one example at a time."""
+    def fix(spec, x):
+        x = np.asarray(x)
+        return x[None] if x.ndim == len(spec.shape) - 1 else x
+
+    if isinstance(item, dict):
+        return {k: fix(next((s for s in specs if s.name == k), specs[0]), v)
+                for k, v in item.items()}
+    if isinstance(item, (list, tuple)) and len(item) == len(specs) and len(specs) > 1:
+        return [fix(s, x) for s, x in zip(specs, item)]
+    if len(specs) == 1:
+        return fix(specs[0], item)
+    return item
 
 
 def convert(
@@ -112,14 +151,21 @@ def convert(
             "Received an invalid value for argument `quantization`, expected "
             f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
         )
-    if representative_dataset is not None and quantization != "int8":
+    if representative_dataset is not None and quantization not in CALIBRATED:
         raise ValueError(
-            "`representative_dataset` is only used with quantization='int8'. "
-            f"Received: quantization={quantization!r}"
+            "`representative_dataset` is only used with quantization='int8' or "
+            f"'int16x8'. Received: quantization={quantization!r}"
         )
     check_ids = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
     specs = model_io.input_specs(model)
     details = {"quantization": quantization or "none", "check_ids": check_ids}
+    if quantization in CALIBRATED:
+        input_names = [s.name for s in specs]
+        calibration = [
+            {name: sample[name] for name in input_names}
+            for sample in calibration_samples(model, representative_dataset)
+        ]
+        details["calibration_sets"] = len(calibration)
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         saved = os.path.join(tmp, "saved_model")
         saved_model_lib.write_saved_model(model, saved, check_ids)
@@ -133,10 +179,8 @@ def convert(
                 converter.optimizations = [tf.lite.Optimize.DEFAULT]
             if quantization == "float16":
                 converter.target_spec.supported_types = [tf.float16]
-            if quantization == "int8":
-                converter.representative_dataset = _representative(
-                    model, representative_dataset, [s.name for s in specs]
-                )
+            if quantization in CALIBRATED:
+                converter.representative_dataset = lambda: iter(calibration)
             return converter
 
         builtins = [tf.lite.OpsSet.TFLITE_BUILTINS]
@@ -152,6 +196,14 @@ def convert(
                         [tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins
                     ).convert()
                     details["int8_ops"] = "int8 where a kernel exists, float elsewhere"
+            elif quantization == "int16x8":
+                int16x8 = tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8
+                try:
+                    content = make_converter([int16x8]).convert()
+                    details["int16x8_ops"] = "all int16x8"
+                except Exception:  # noqa: BLE001  some op has no int16x8 kernel
+                    content = make_converter([int16x8] + builtins).convert()
+                    details["int16x8_ops"] = "int16x8 where a kernel exists, float elsewhere"
             else:
                 content = make_converter(builtins).convert()
         except Exception as error:  # the converter raises ConverterError
