@@ -18,16 +18,26 @@ CALIBRATED = ("int8", "int16x8")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
-# float32 must match Keras to 1e-4. A quantized model's logits move with its
-# weights' rounding (by more on a trained model with large logits), so it is
-# checked by what it answers: the fraction of argmax positions (top-1 class,
-# next token) equal to Keras's must reach DEFAULT_MIN_AGREEMENT; its max logit
-# error is reported, and checked only when `atol` is given. A model without
-# score outputs (no float output with a last axis > 1) falls back to
-# FALLBACK_ATOL.
-DEFAULT_ATOL = {None: 1e-4, "float16": None, "dynamic": None, "int8": None}
-DEFAULT_MIN_AGREEMENT = {None: None, "float16": 0.99, "dynamic": 0.95, "int8": 0.9}
-FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0}
+# float32 must match Keras to 1e-4. A quantized model's outputs move with
+# its weights' rounding, so it is checked by what each output means (see
+# verify.MEASURES, chosen per output by verify.auto_measures): argmax agreement
+# for logits/scores, per-row cosine for embeddings and hidden states, relative
+# error for the rest. Its max abs error is reported, and checked only when
+# `atol` is given. The thresholds come from measurements on a pretrained
+# sentence encoder (all-MiniLM-L6-v2, benchmarks/RESULTS.md) and on the
+# trained examples; `min_agreement` (the argmax threshold) predates them.
+DEFAULT_ATOL = {None: 1e-4, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
+DEFAULT_MIN_AGREEMENT = {None: None, "float16": 0.99, "dynamic": 0.95, "int8": 0.9,
+                         "int16x8": 0.95}
+DEFAULT_THRESHOLDS = {
+    None: {},
+    "float16": {"argmax": 0.99, "cosine": 0.999, "relative_error": 0.02},
+    "dynamic": {"argmax": 0.95, "cosine": 0.99, "relative_error": 0.15},
+    "int8": {"argmax": 0.9, "cosine": 0.98, "relative_error": 0.2},
+    "int16x8": {"argmax": 0.95, "cosine": 0.99, "relative_error": 0.15},
+}
+# A model with no float output (nothing to measure) falls back to these.
+FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0, "int16x8": 0.25}
 
 
 def _interpreter(model_content=None, model_path=None, delegates=True):
@@ -231,6 +241,8 @@ def export_tflite(
     sample_inputs=None,
     atol=None,
     min_agreement=None,
+    measure="auto",
+    threshold=None,
     builtin_ops_only=True,
     overwrite=True,
     check_ids="clamp",
@@ -246,23 +258,47 @@ def export_tflite(
         model: a built functional or Sequential Keras model.
         path: the `.tflite` file to write.
         quantization: None (float32), "float16" (float16 weights),
-            "dynamic" (int8 weights, float activations) or "int8" (int8
-            weights and activations, calibrated on `representative_dataset`;
-            the model's inputs and outputs stay float/int32).
-        representative_dataset: for "int8": an iterable, or a callable
-            returning one, of input sets (array, list or dict by input name).
-            None uses random inputs from the input specs (use real data for
-            accuracy).
+            "dynamic" (int8 weights, float activations), "int8" (int8
+            weights and activations, calibrated on `representative_dataset`)
+            or "int16x8" (int8 weights, int16 activations where LiteRT has a
+            kernel, calibrated likewise); the model's inputs and outputs
+            stay float/int32.
+        representative_dataset: for "int8" and "int16x8": a
+            `tf.data.Dataset`, a generator function (a callable returning
+            an iterable) or an iterable of input sets (array, list or dict
+            by input name, with or without the batch axis; `(inputs,
+            targets)` pairs are reduced to the inputs). None uses random
+            inputs from the input specs: calibrate on real data, a
+            pretrained model's activations on random ids are not its
+            activations on text.
         sample_inputs: inputs to verify with (see `export_saved_model`).
         atol: max abs difference allowed; None uses 1e-4 for float32 and
-            does not check the quantized variants' logit error (reported as
-            `max_abs_error`), which are checked by `min_agreement`.
-        min_agreement: quantized variants only: the smallest fraction of
-            argmax positions (every float output with a last axis > 1, every
-            sample: top-1 class, next token) equal to Keras's; None uses 0.99
-            for float16, 0.95 for dynamic, 0.9 for int8. The measured value is
-            `report.agreement`. A model with no such output is checked with
-            atol 1e-2 / 0.25 / 1.0 instead.
+            does not check the quantized variants' error (reported as
+            `max_abs_error`), which are checked by `measure`.
+        min_agreement: quantized variants only: the threshold of the
+            outputs measured by argmax agreement (kept from before
+            `threshold`; `threshold` wins when both are given). None uses
+            0.99 for float16, 0.95 for dynamic and int16x8, 0.9 for int8.
+        measure: quantized variants only: how each float output is compared
+            with Keras (`verify.MEASURES`): "auto" (default) picks
+            "argmax" (fraction of rows with Keras's top-1 index) for
+            logits/scores: an output whose name contains
+            logit/score/prob/class/label, that comes out of a softmax, or
+            whose last axis is a vocabulary size; "cosine" (per row along
+            the last axis: its minimum and mean) for other vectors
+            (embeddings, hidden states); "relative_error" (`||export -
+            keras|| / ||keras||`) for outputs with one number per row.
+            A measure name applies it to every output; a dict
+            `{output name: measure}` sets some outputs (the rest "auto").
+        threshold: quantized variants only: the minimum argmax agreement or
+            cosine, or the maximum relative error; a number (every output)
+            or a dict by output name. None uses `min_agreement` for argmax
+            outputs and `DEFAULT_THRESHOLDS[quantization]` otherwise
+            (cosine 0.999 / 0.99 / 0.98 / 0.99 and relative error 0.02 /
+            0.15 / 0.2 / 0.15 for float16 / dynamic / int8 / int16x8).
+            Each output's measure, value (the worst: smallest agreement or
+            cosine, largest error), mean and threshold are in
+            `report.quality`.
         builtin_ops_only: False allows Flex ops (needs the Flex delegate on
             device); the default refuses them.
         overwrite: replace an existing file.
@@ -280,7 +316,8 @@ def export_tflite(
     Raises:
         UnsupportedOpsError: an op needs Flex.
         ParityError: LiteRT's outputs differ from Keras beyond `atol`, or
-            agree on fewer argmax positions than `min_agreement`.
+            an output's measure is worse than its threshold (the message
+            names the output, the measure, its value and the threshold).
     """
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
@@ -290,13 +327,23 @@ def export_tflite(
             f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
         )
     atol = verify.resolve_atol(atol, DEFAULT_ATOL[quantization])
-    if quantization is None and min_agreement is not None:
-        raise ValueError(
-            "`min_agreement` checks quantized exports; a float32 export is checked "
-            f"with `atol`. Received: quantization=None, min_agreement={min_agreement!r}"
-        )
-    min_agreement = verify.resolve_min_agreement(
-        min_agreement, DEFAULT_MIN_AGREEMENT[quantization])
+    if quantization is None:
+        for arg, value, default in (("min_agreement", min_agreement, None),
+                                    ("measure", measure, "auto"),
+                                    ("threshold", threshold, None)):
+            if value != default:
+                raise ValueError(
+                    f"`{arg}` checks quantized exports; a float32 export is checked "
+                    f"with `atol`. Received: quantization=None, {arg}={value!r}"
+                )
+    min_agreement = verify.resolve_min_agreement(min_agreement, None)
+    measures = thresholds = None
+    if quantization is not None:
+        measures = verify.resolve_measures(model, measure)
+        thresholds = verify.resolve_thresholds(
+            measures, threshold, DEFAULT_THRESHOLDS[quantization],
+            min_agreement if min_agreement is not None
+            else DEFAULT_MIN_AGREEMENT[quantization])
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
@@ -313,14 +360,17 @@ def export_tflite(
         checks, worst = verify.verify_artifact(
             "TFLite", model, samples,
             lambda sample: run_signature(content, sample, input_names, names),
-            atol, os.path.abspath(path), min_agreement=min_agreement,
+            atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
-        agreement = verify.agreement_of(checks)
-        if quantization is not None and agreement is None:
-            min_agreement = None
-            if atol is None:
+        quality = {}
+        if measures is not None:
+            quality = verify.quality_of(checks, measures, thresholds)
+            if not measures and atol is None:
                 atol = FALLBACK_ATOL[quantization]
                 verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
+        agreement = verify.agreement_of(checks) if quantization is not None else None
+        argmax_thresholds = [q["threshold"] for q in quality.values() if q["measure"] == "argmax"]
+        min_agreement = min(argmax_thresholds) if argmax_thresholds else None
         ops = tflite_op_names(content)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
     if float32_note is not None:
@@ -334,6 +384,7 @@ def export_tflite(
         ops=ops,
         checks=checks,
         details=details,
-        agreement=agreement if quantization is not None else None,
+        agreement=agreement,
         min_agreement=min_agreement,
+        quality=quality,
     )

@@ -166,10 +166,9 @@ def _output_layers(model):
     layers = []
     for tensor in model.outputs:
         layer = tensor._keras_history.operation
-        while (type(layer).__name__ in ("Identity", "Dropout", "Activation")
-               and getattr(layer, "activation", None) is None or
-               type(layer).__name__ in ("Identity", "Dropout")):
-            inbound = layer._inbound_nodes[0].input_tensors if layer._inbound_nodes else []
+        while type(layer).__name__ in ("Identity", "Dropout"):
+            nodes = getattr(layer, "_inbound_nodes", None) or []
+            inbound = nodes[0].input_tensors if nodes else []
             if len(inbound) != 1:
                 break
             layer = inbound[0]._keras_history.operation
