@@ -233,8 +233,33 @@ def convert(
             flex = _flex_error(error)
             if flex is not None:
                 raise flex from error
-            raise verify.ExportError(f"TFLite conversion failed: {error}") from error
+            hint = ""
+            if quantization == "int16x8" and "Max and min for dynamic tensors" in str(error):
+                hint = (" (the int16x8 quantizer needs a calibrated range for every "
+                        "tensor its ops read, and integer inputs such as an "
+                        "attention mask that feed a comparison have none; use "
+                        "quantization='int8', optionally float_ops='transformer')")
+            raise verify.ExportError(
+                f"TFLite conversion failed{hint}: {error}") from error
+    if quantization in CALIBRATED:
+        _check_runs(content, calibration[0], quantization)
     return content, details
+
+
+def _check_runs(content, sample, quantization):
+    """Runs one calibration sample: the converter emits int16x8 ops that
+    LiteRT has no kernel for (e.g. SQUARED_DIFFERENCE of a layer norm), which
+    would otherwise fail only on the device."""
+    try:
+        _interpreter(model_content=content).get_signature_runner(
+            saved_model_lib.SIGNATURE_KEY)(**sample)
+    except (RuntimeError, ValueError) as error:
+        raise verify.ExportError(
+            f"The {quantization} TFLite model was converted but LiteRT cannot run "
+            f"it: {str(error).strip()}. This op has no {quantization} kernel in "
+            "LiteRT; use quantization='int8' (optionally float_ops='transformer') "
+            "or 'dynamic'."
+        ) from error
 
 
 def resolve_float_ops(float_ops, quantization):

@@ -155,6 +155,9 @@ MEASURES = ("argmax", "cosine", "relative_error")
   checked as a minimum. Rows that are zero in both are skipped.
 - "relative_error": `||export - keras|| / ||keras||` over each sample set;
   `value` is the largest. Lower is better; checked as a maximum.
+
+Rows at padded positions (zeros of an input named like "attention_mask",
+see `padding_rows`) are left out of every measure.
 """
 
 # Output names that say the last axis indexes classes or tokens.
@@ -286,24 +289,52 @@ def resolve_thresholds(measures, threshold, defaults, min_agreement=None):
     return out
 
 
-def _cosine_rows(ref, out):
+def padding_rows(sample, ref):
+    """Which rows of a `(batch, length, d)` output are real tokens, or None.
+
+    Taken from an input whose name contains "mask" with shape `(batch,
+    length)` (a Hugging Face `attention_mask`): its zeros are padding, whose
+    hidden states nothing reads, so no measure counts them.
+    """
+    ref = np.asarray(ref)
+    if ref.ndim != 3:
+        return None
+    for name, x in sample.items():
+        x = np.asarray(x)
+        if "mask" in name.lower() and x.shape == ref.shape[:2]:
+            return x != 0
+    return None
+
+
+def _cosine_rows(ref, out, keep_rows=None):
     ref = np.asarray(ref, np.float64).reshape(-1, max(np.shape(ref)[-1:] or [1]))
     out = np.asarray(out, np.float64).reshape(ref.shape)
     nr, no = np.linalg.norm(ref, axis=-1), np.linalg.norm(out, axis=-1)
     keep = (nr > 0) | (no > 0)
+    if keep_rows is not None:
+        keep &= np.asarray(keep_rows).reshape(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         cos = np.sum(ref * out, axis=-1) / (nr * no)
     cos = np.where(np.isfinite(cos), cos, 0.0)  # one side zero (or nan): no agreement
     return cos[keep]
 
 
-def quality_stats(measure, ref, out):
-    """One sample set's figures for one output: a dict merged by `merge_quality`."""
+def quality_stats(measure, ref, out, keep_rows=None):
+    """One sample set's figures for one output: a dict merged by `merge_quality`.
+
+    `keep_rows`: a boolean `(batch, length)` array of the rows to count (see
+    `padding_rows`), or None for all.
+    """
+    if keep_rows is not None:
+        keep = np.asarray(keep_rows)[..., None]
+        ref, out = np.where(keep, ref, 0), np.where(keep, out, 0)
     if measure == "argmax":
+        if keep_rows is not None:
+            ref, out = np.asarray(ref)[keep_rows], np.asarray(out)[keep_rows]
         matched, total = _argmax_counts(ref, out)
         return {"matched": matched, "total": total}
     if measure == "cosine":
-        cos = _cosine_rows(ref, out)
+        cos = _cosine_rows(ref, out, keep_rows)
         return {"min": float(cos.min()) if cos.size else 1.0,
                 "sum": float(cos.sum()), "rows": int(cos.size)}
     ref = np.asarray(ref, np.float64)
@@ -375,7 +406,7 @@ def verify_artifact(fmt, model, samples, run, atol, path, min_agreement=None,
                  "argmax_matches": list(argmax_matches(reference, got))}
         if measures is not None:
             check["quality"] = {
-                name: quality_stats(measures[name], ref, out)
+                name: quality_stats(measures[name], ref, out, padding_rows(sample, ref))
                 for name, ref, out in zip(names, reference, got) if name in measures}
             check["argmax_matches"] = [sum(check["quality"][n][k] for n in measures
                                            if measures[n] == "argmax")
