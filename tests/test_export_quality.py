@@ -72,6 +72,19 @@ def test_auto_measure_per_output(exported):
     assert verify.auto_measures(model) == {k: q["measure"] for k, q in report.quality.items()}
 
 
+def test_auto_measure_of_a_language_model_head():
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    hidden = keras.layers.Embedding(50, 16)(ids)
+    wide = keras.layers.Dense(50)(hidden)  # unnamed, no softmax: vocabulary-sized
+    model = keras.Model(ids, [wide, keras.layers.Identity(name="hidden")(hidden)])
+    assert verify.auto_measures(model) == {model.output_names[0]: "argmax",
+                                           "hidden": "cosine"}
+    # A hidden state as wide as the vocabulary stays a hidden state.
+    same = keras.layers.Embedding(16, 16)(ids)
+    model = keras.Model(ids, keras.layers.Identity(name="hidden")(same))
+    assert verify.auto_measures(model) == {"hidden": "cosine"}
+
+
 def test_reported_quality_matches_numpy(exported):
     model, samples, report = exported
     got = [tflite_outputs(report.path, s) for s in samples]

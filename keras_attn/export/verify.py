@@ -187,12 +187,18 @@ def _is_softmax(layer):
 
 
 def _vocabulary_sizes(model):
-    return {layer.input_dim for layer in model._flatten_layers(include_self=False)
-            if isinstance(getattr(layer, "input_dim", None), int)
-            and type(layer).__name__ in ("Embedding", "ReversibleEmbedding")} | {
-        getattr(layer, "vocabulary_size", None)
-        for layer in model._flatten_layers(include_self=False)
-        if isinstance(getattr(layer, "vocabulary_size", None), int)}
+    """Vocabulary sizes of the model's embeddings, less any embedding width
+    (a hidden state as wide as a vocabulary is still a hidden state)."""
+    layers = list(model._flatten_layers(include_self=False))
+    sizes = {getattr(layer, attr) for layer in layers
+             for attr in ("input_dim", "vocabulary_size")
+             if isinstance(getattr(layer, attr, None), int)
+             and (attr == "vocabulary_size" or "Embedding" in type(layer).__name__)}
+    widths = {getattr(layer, attr) for layer in layers
+              for attr in ("output_dim", "embedding_dim")
+              if "Embedding" in type(layer).__name__
+              and isinstance(getattr(layer, attr, None), int)}
+    return sizes - widths
 
 
 def auto_measures(model):
