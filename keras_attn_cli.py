@@ -96,7 +96,7 @@ def _add_export_arguments(parser):
                         choices=("saved_model", "tflite", "onnx", "all"))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--quantize", nargs="+", default=["none"],
-                        choices=("none", "float16", "dynamic", "int8"),
+                        choices=("none", "float16", "dynamic", "int8", "int16x8"),
                         help="TFLite variants to write (several allowed, e.g. none dynamic)")
     parser.add_argument("--model-name", default=None, help="TF Serving model name")
     parser.add_argument("--version", type=int, default=1, help="TF Serving version")
@@ -104,7 +104,16 @@ def _add_export_arguments(parser):
     parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
     parser.add_argument("--min-agreement", type=float, default=None,
                         help="quantized TFLite: smallest fraction of argmax positions equal "
-                             "to Keras's (default 0.99 float16, 0.95 dynamic, 0.9 int8)")
+                             "to Keras's (default 0.99 float16, 0.95 dynamic and int16x8, "
+                             "0.9 int8)")
+    parser.add_argument("--measure", default="auto",
+                        choices=("auto", "argmax", "cosine", "relative_error"),
+                        help="quantized TFLite: how every output is compared with Keras "
+                             "(auto: argmax for logits/scores, per-row cosine for "
+                             "embeddings and hidden states, relative error otherwise)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="quantized TFLite: the minimum argmax agreement or cosine, or "
+                             "the maximum relative error (default per quantization)")
     parser.add_argument("--check-ids", default=None, choices=("clamp", "flag"),
                         help="an out-of-range token id: by default SavedModel rejects the "
                              "request and TFLite/ONNX clamp it; 'clamp' or 'flag' (clamp and "

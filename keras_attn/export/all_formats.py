@@ -31,6 +31,9 @@ def export_all(
     tflite_quantizations=(None,),
     atol=None,
     min_agreement=None,
+    measure="auto",
+    threshold=None,
+    representative_dataset=None,
     version=1,
     opset=17,
     on_error="raise",
@@ -60,7 +63,7 @@ def export_all(
         name: file stem and TF Serving model name; defaults to `model.name`.
         formats: a non-empty subset of ("saved_model", "tflite", "onnx").
         tflite_quantizations: TFLite variants, each None (float32),
-            "float16", "dynamic" or "int8".
+            "float16", "dynamic", "int8" or "int16x8".
         atol: None (each exporter's default: 1e-4 for float32; quantized
             TFLite variants report their max logit error and are checked by
             argmax agreement instead), a number for every export, or a dict
@@ -70,6 +73,13 @@ def export_all(
             fraction of argmax positions equal to Keras's (see
             `export_tflite`): None (defaults per quantization), a number, or
             a dict keyed by report key ("tflite_dynamic", ...).
+        measure, threshold: for the quantized TFLite variants, how each
+            output is compared with Keras and the threshold (see
+            `export_tflite`); the same for every variant.
+        representative_dataset: calibration inputs of the "int8" and
+            "int16x8" variants (see `export_tflite`); a generator is read
+            once per variant, so pass a `tf.data.Dataset`, a list or a
+            generator function.
         version: TF Serving version directory.
         opset: ONNX opset (17 or 18).
         on_error: "raise" stops at the first failing export; "continue"
@@ -167,6 +177,10 @@ def export_all(
             elif fmt == "tflite":
                 if agreements.get(key) is not None:
                     kwargs["min_agreement"] = agreements[key]
+                if quantization is not None:
+                    kwargs.update(measure=measure, threshold=threshold)
+                if quantization in tflite_lib.CALIBRATED:
+                    kwargs["representative_dataset"] = representative_dataset
                 suffix = "" if quantization is None else f"_{quantization}"
                 report = tflite_lib.export_tflite(
                     model, os.path.join(output_dir, f"{name}{suffix}.tflite"),

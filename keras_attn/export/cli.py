@@ -33,13 +33,14 @@ def run(args):
     for fmt in formats:
         for quant in quantizations if fmt == "tflite" else (None,):
             print(f"exporting {fmt}{f' ({quant})' if quant else ''} ...", flush=True)
-            if quant == "int8":
-                print("  int8: calibrating on random inputs from the input specs; "
+            if quant in ("int8", "int16x8"):
+                print(f"  {quant}: calibrating on random inputs from the input specs; "
                       "use export_tflite(representative_dataset=...) with real data")
             try:
                 reports = export.export_all(
                     model, args.out, name=name, formats=(fmt,), tflite_quantizations=(quant,),
-                    atol=args.atol, min_agreement=args.min_agreement, version=args.version, opset=args.opset, verbose=False,
+                    atol=args.atol, min_agreement=args.min_agreement, measure=args.measure,
+                    threshold=args.threshold, version=args.version, opset=args.opset, verbose=False,
                     check_ids=args.check_ids,
                 )
             except (export.ExportError, ValueError, OSError) as error:

@@ -12,20 +12,39 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
-QUANTIZATIONS = (None, "float16", "dynamic", "int8")
+QUANTIZATIONS = (None, "float16", "dynamic", "int8", "int16x8")
+# The variants whose activations are integers, calibrated on representative inputs.
+CALIBRATED = ("int8", "int16x8")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
-# float32 must match Keras to 1e-4. A quantized model's logits move with its
-# weights' rounding (by more on a trained model with large logits), so it is
-# checked by what it answers: the fraction of argmax positions (top-1 class,
-# next token) equal to Keras's must reach DEFAULT_MIN_AGREEMENT; its max logit
-# error is reported, and checked only when `atol` is given. A model without
-# score outputs (no float output with a last axis > 1) falls back to
-# FALLBACK_ATOL.
-DEFAULT_ATOL = {None: 1e-4, "float16": None, "dynamic": None, "int8": None}
-DEFAULT_MIN_AGREEMENT = {None: None, "float16": 0.99, "dynamic": 0.95, "int8": 0.9}
-FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0}
+# float32 must match Keras to 1e-4. A quantized model's outputs move with
+# its weights' rounding, so it is checked by what each output means (see
+# verify.MEASURES, chosen per output by verify.auto_measures): argmax agreement
+# for logits/scores, per-row cosine for embeddings and hidden states, relative
+# error for the rest. Its max abs error is reported, and checked only when
+# `atol` is given. The thresholds come from measurements on a pretrained
+# sentence encoder (all-MiniLM-L6-v2, benchmarks/RESULTS.md) and on the
+# trained examples; `min_agreement` (the argmax threshold) predates them.
+DEFAULT_ATOL = {None: 1e-4, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
+DEFAULT_MIN_AGREEMENT = {None: None, "float16": 0.99, "dynamic": 0.95, "int8": 0.9,
+                         "int16x8": 0.95}
+DEFAULT_THRESHOLDS = {
+    None: {},
+    "float16": {"argmax": 0.99, "cosine": 0.999, "relative_error": 0.05},
+    "dynamic": {"argmax": 0.95, "cosine": 0.98, "relative_error": 0.2},
+    "int8": {"argmax": 0.9, "cosine": 0.98, "relative_error": 0.2},
+    "int16x8": {"argmax": 0.95, "cosine": 0.98, "relative_error": 0.2},
+}
+# What int8 keeps in float with `float_ops="transformer"`: everything but the
+# weight matmuls and lookups (FULLY_CONNECTED, GATHER): softmax, the
+# normalizations (MEAN / SQUARED_DIFFERENCE / RSQRT ...), GELU, the residual
+# adds and the attention matmuls, whose activations int8 clips or rounds away
+# on a trained transformer (benchmarks/RESULTS.md, "Quantization").
+TRANSFORMER_FLOAT_OPS = ("SOFTMAX", "MEAN", "SQUARED_DIFFERENCE", "RSQRT", "SUB", "ADD",
+                         "MUL", "DIV", "GELU", "TANH", "LOGISTIC", "BATCH_MATMUL")
+# A model with no float output (nothing to measure) falls back to these.
+FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0, "int16x8": 0.25}
 
 
 def _interpreter(model_content=None, model_path=None, delegates=True):
@@ -74,22 +93,59 @@ def _flex_error(error):
     )
 
 
-def _representative(model, representative_dataset, input_names):
+def calibration_samples(model, representative_dataset, arg_name="representative_dataset"):
+    """The calibration inputs as a list of `{name: array}` sets (read once).
+
+    `representative_dataset` is a `tf.data.Dataset`, a callable returning an
+    iterable (a generator function), or an iterable; each element is one
+    input set as `sample_inputs` takes it (array, list or dict by input name),
+    with or without the batch axis; an `(inputs, targets)` pair of a training
+    dataset is reduced to its inputs. None draws 32 random sets from the
+    input specs (real data calibrates far better).
+    """
+    specs = model_io.input_specs(model)
     if representative_dataset is None:
-        source = [
-            model_io.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)
-        ]
-    elif callable(representative_dataset):
-        source = representative_dataset()
-    else:
-        source = representative_dataset
+        return [model_io.make_samples(model, shapes=[(1, 8)], seed=100 + i)[0] for i in range(32)]
+    source = representative_dataset
+    if isinstance(source, tf.data.Dataset):
+        source = source.as_numpy_iterator()
+    elif callable(source):
+        source = source()
+    if isinstance(source, (str, bytes, dict)) or not hasattr(source, "__iter__"):
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`, expected a "
+            "tf.data.Dataset, a generator function or an iterable of input sets. "
+            f"Received: {arg_name} of type {type(representative_dataset).__name__}"
+        )
+    sets = []
+    for item in source:
+        if (isinstance(item, tuple) and len(item) == 2 and len(specs) != 2
+                and (isinstance(item[0], dict) or len(specs) == 1)):
+            item = item[0]  # (inputs, targets) of a training dataset
+        item = _with_batch_axis(specs, item)
+        sets.append(model_io.normalize_samples(model, item, arg_name)[0])
+    if not sets:
+        raise ValueError(
+            f"Received an empty `{arg_name}`: calibration needs at least one input "
+            f"set. Received: {arg_name}={representative_dataset!r}"
+        )
+    return sets
 
-    def generator():
-        for item in source:
-            sample = model_io.normalize_samples(model, item, "representative_dataset")[0]
-            yield {name: sample[name] for name in input_names}
 
-    return generator
+def _with_batch_axis(specs, item):
+    """Adds a batch axis of 1 to inputs given one example at a time."""
+    def fix(spec, x):
+        x = np.asarray(x)
+        return x[None] if x.ndim == len(spec.shape) - 1 else x
+
+    if isinstance(item, dict):
+        return {k: fix(next((s for s in specs if s.name == k), specs[0]), v)
+                for k, v in item.items()}
+    if isinstance(item, (list, tuple)) and len(item) == len(specs) and len(specs) > 1:
+        return [fix(s, x) for s, x in zip(specs, item)]
+    if len(specs) == 1:
+        return fix(specs[0], item)
+    return item
 
 
 def convert(
@@ -99,10 +155,11 @@ def convert(
     representative_dataset=None,
     builtin_ops_only=True,
     check_ids="clamp",
+    float_ops=None,
 ):
     """Converts `model` to TFLite bytes (no file written, no verification).
 
-    `check_ids`: "clamp", "flag" or None (see `export_tflite`).
+    `check_ids`: "clamp", "flag" or None; `float_ops`: see `export_tflite`.
 
     Returns:
         `(bytes, details)`.
@@ -112,14 +169,22 @@ def convert(
             "Received an invalid value for argument `quantization`, expected "
             f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
         )
-    if representative_dataset is not None and quantization != "int8":
+    if representative_dataset is not None and quantization not in CALIBRATED:
         raise ValueError(
-            "`representative_dataset` is only used with quantization='int8'. "
-            f"Received: quantization={quantization!r}"
+            "`representative_dataset` is only used with quantization='int8' or "
+            f"'int16x8'. Received: quantization={quantization!r}"
         )
+    float_ops = resolve_float_ops(float_ops, quantization)
     check_ids = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
     specs = model_io.input_specs(model)
     details = {"quantization": quantization or "none", "check_ids": check_ids}
+    if quantization in CALIBRATED:
+        input_names = [s.name for s in specs]
+        calibration = [
+            {name: sample[name] for name in input_names}
+            for sample in calibration_samples(model, representative_dataset)
+        ]
+        details["calibration_sets"] = len(calibration)
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         saved = os.path.join(tmp, "saved_model")
         saved_model_lib.write_saved_model(model, saved, check_ids)
@@ -133,17 +198,19 @@ def convert(
                 converter.optimizations = [tf.lite.Optimize.DEFAULT]
             if quantization == "float16":
                 converter.target_spec.supported_types = [tf.float16]
-            if quantization == "int8":
-                converter.representative_dataset = _representative(
-                    model, representative_dataset, [s.name for s in specs]
-                )
+            if quantization in CALIBRATED:
+                converter.representative_dataset = lambda: iter(calibration)
             return converter
 
         builtins = [tf.lite.OpsSet.TFLITE_BUILTINS]
         if not builtin_ops_only:
             builtins.append(tf.lite.OpsSet.SELECT_TF_OPS)
         try:
-            if quantization == "int8":
+            if quantization == "int8" and float_ops:
+                content = _int8_with_float_ops(
+                    make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins), float_ops)
+                details["int8_ops"] = f"int8 except {list(float_ops)} (float)"
+            elif quantization == "int8":
                 try:
                     content = make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8]).convert()
                     details["int8_ops"] = "all int8 (TFLITE_BUILTINS_INT8)"
@@ -152,14 +219,80 @@ def convert(
                         [tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins
                     ).convert()
                     details["int8_ops"] = "int8 where a kernel exists, float elsewhere"
+            elif quantization == "int16x8":
+                int16x8 = tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8
+                try:
+                    content = make_converter([int16x8]).convert()
+                    details["int16x8_ops"] = "all int16x8"
+                except Exception:  # noqa: BLE001  some op has no int16x8 kernel
+                    content = make_converter([int16x8] + builtins).convert()
+                    details["int16x8_ops"] = "int16x8 where a kernel exists, float elsewhere"
             else:
                 content = make_converter(builtins).convert()
         except Exception as error:  # the converter raises ConverterError
             flex = _flex_error(error)
             if flex is not None:
                 raise flex from error
-            raise verify.ExportError(f"TFLite conversion failed: {error}") from error
+            hint = ""
+            if quantization == "int16x8" and "Max and min for dynamic tensors" in str(error):
+                hint = (" (the int16x8 quantizer needs a calibrated range for every "
+                        "tensor its ops read, and integer inputs such as an "
+                        "attention mask that feed a comparison have none; use "
+                        "quantization='int8', optionally float_ops='transformer')")
+            raise verify.ExportError(
+                f"TFLite conversion failed{hint}: {error}") from error
+    if quantization in CALIBRATED:
+        _check_runs(content, calibration[0], quantization)
     return content, details
+
+
+def _check_runs(content, sample, quantization):
+    """Runs one calibration sample: the converter emits int16x8 ops that
+    LiteRT has no kernel for (e.g. SQUARED_DIFFERENCE of a layer norm), which
+    would otherwise fail only on the device."""
+    try:
+        _interpreter(model_content=content).get_signature_runner(
+            saved_model_lib.SIGNATURE_KEY)(**sample)
+    except (RuntimeError, ValueError) as error:
+        raise verify.ExportError(
+            f"The {quantization} TFLite model was converted but LiteRT cannot run "
+            f"it: {str(error).strip()}. This op has no {quantization} kernel in "
+            "LiteRT; use quantization='int8' (optionally float_ops='transformer') "
+            "or 'dynamic'."
+        ) from error
+
+
+def resolve_float_ops(float_ops, quantization):
+    """`float_ops` as a tuple of TFLite op names (None: nothing kept float)."""
+    if float_ops is None:
+        return None
+    if float_ops == "transformer":
+        float_ops = TRANSFORMER_FLOAT_OPS
+    if (isinstance(float_ops, str) or not isinstance(float_ops, (list, tuple))
+            or not float_ops or not all(isinstance(op, str) and op.isupper() for op in float_ops)):
+        raise ValueError(
+            "Received an invalid value for argument `float_ops`, expected "
+            "\"transformer\" or a non-empty list of TFLite builtin op names "
+            f"(e.g. ['SOFTMAX', 'MEAN']). Received: float_ops={float_ops!r}"
+        )
+    if quantization != "int8":
+        raise ValueError(
+            "`float_ops` selects the ops an int8 export keeps in float; it needs "
+            f"quantization='int8'. Received: quantization={quantization!r}, "
+            f"float_ops={float_ops!r}"
+        )
+    return tuple(float_ops)
+
+
+def _int8_with_float_ops(converter, float_ops):
+    """Calibrates, then quantizes every op to int8 except the `float_ops` types."""
+    # The public converter has no per-op selection; its MLIR quantizer does
+    # (what tf.lite.experimental.QuantizationDebugger uses).
+    from tensorflow.lite.python import convert as tflite_convert
+
+    converter._experimental_calibrate_only = True
+    calibrated = converter.convert()
+    return tflite_convert.mlir_quantize(calibrated, denylisted_ops=list(float_ops))
 
 
 def run_signature(model_content, sample, input_names, output_names):
@@ -179,6 +312,9 @@ def export_tflite(
     sample_inputs=None,
     atol=None,
     min_agreement=None,
+    measure="auto",
+    threshold=None,
+    float_ops=None,
     builtin_ops_only=True,
     overwrite=True,
     check_ids="clamp",
@@ -194,23 +330,53 @@ def export_tflite(
         model: a built functional or Sequential Keras model.
         path: the `.tflite` file to write.
         quantization: None (float32), "float16" (float16 weights),
-            "dynamic" (int8 weights, float activations) or "int8" (int8
-            weights and activations, calibrated on `representative_dataset`;
-            the model's inputs and outputs stay float/int32).
-        representative_dataset: for "int8": an iterable, or a callable
-            returning one, of input sets (array, list or dict by input name).
-            None uses random inputs from the input specs (use real data for
-            accuracy).
+            "dynamic" (int8 weights, float activations), "int8" (int8
+            weights and activations, calibrated on `representative_dataset`)
+            or "int16x8" (int8 weights, int16 activations where LiteRT has a
+            kernel, calibrated likewise); the model's inputs and outputs
+            stay float/int32.
+        representative_dataset: for "int8" and "int16x8": a
+            `tf.data.Dataset`, a generator function (a callable returning
+            an iterable) or an iterable of input sets (array, list or dict
+            by input name, with or without the batch axis; `(inputs,
+            targets)` pairs are reduced to the inputs). None uses random
+            inputs from the input specs: calibrate on real data, a
+            pretrained model's activations on random ids are not its
+            activations on text.
         sample_inputs: inputs to verify with (see `export_saved_model`).
         atol: max abs difference allowed; None uses 1e-4 for float32 and
-            does not check the quantized variants' logit error (reported as
-            `max_abs_error`), which are checked by `min_agreement`.
-        min_agreement: quantized variants only: the smallest fraction of
-            argmax positions (every float output with a last axis > 1, every
-            sample: top-1 class, next token) equal to Keras's; None uses 0.99
-            for float16, 0.95 for dynamic, 0.9 for int8. The measured value is
-            `report.agreement`. A model with no such output is checked with
-            atol 1e-2 / 0.25 / 1.0 instead.
+            does not check the quantized variants' error (reported as
+            `max_abs_error`), which are checked by `measure`.
+        min_agreement: quantized variants only: the threshold of the
+            outputs measured by argmax agreement (kept from before
+            `threshold`; `threshold` wins when both are given). None uses
+            0.99 for float16, 0.95 for dynamic and int16x8, 0.9 for int8.
+        measure: quantized variants only: how each float output is compared
+            with Keras (`verify.MEASURES`): "auto" (default) picks
+            "argmax" (fraction of rows with Keras's top-1 index) for
+            logits/scores: an output whose name contains
+            logit/score/prob/class/label, that comes out of a softmax, or
+            whose last axis is a vocabulary size; "cosine" (per row along
+            the last axis: its minimum and mean) for other vectors
+            (embeddings, hidden states); "relative_error" (`||export -
+            keras|| / ||keras||`) for outputs with one number per row.
+            A measure name applies it to every output; a dict
+            `{output name: measure}` sets some outputs (the rest "auto").
+        threshold: quantized variants only: the minimum argmax agreement or
+            cosine, or the maximum relative error; a number (every output)
+            or a dict by output name. None uses `min_agreement` for argmax
+            outputs and `DEFAULT_THRESHOLDS[quantization]` otherwise
+            (cosine 0.999 for float16, 0.98 for the others; relative error
+            0.05 for float16, 0.2 for the others).
+            Each output's measure, value (the worst: smallest agreement or
+            cosine, largest error), mean and threshold are in
+            `report.quality`.
+        float_ops: "int8" only: op types kept in float (their inputs and
+            outputs dequantized): "transformer" (`TRANSFORMER_FLOAT_OPS`:
+            softmax, normalization, GELU, residual adds and attention
+            matmuls; the weight matmuls and lookups stay int8) or a list of
+            TFLite op names. None (default) quantizes every op that has an
+            int8 kernel, what integer-only accelerators need.
         builtin_ops_only: False allows Flex ops (needs the Flex delegate on
             device); the default refuses them.
         overwrite: replace an existing file.
@@ -228,7 +394,8 @@ def export_tflite(
     Raises:
         UnsupportedOpsError: an op needs Flex.
         ParityError: LiteRT's outputs differ from Keras beyond `atol`, or
-            agree on fewer argmax positions than `min_agreement`.
+            an output's measure is worse than its threshold (the message
+            names the output, the measure, its value and the threshold).
     """
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
@@ -238,13 +405,23 @@ def export_tflite(
             f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
         )
     atol = verify.resolve_atol(atol, DEFAULT_ATOL[quantization])
-    if quantization is None and min_agreement is not None:
-        raise ValueError(
-            "`min_agreement` checks quantized exports; a float32 export is checked "
-            f"with `atol`. Received: quantization=None, min_agreement={min_agreement!r}"
-        )
-    min_agreement = verify.resolve_min_agreement(
-        min_agreement, DEFAULT_MIN_AGREEMENT[quantization])
+    if quantization is None:
+        for arg, value, default in (("min_agreement", min_agreement, None),
+                                    ("measure", measure, "auto"),
+                                    ("threshold", threshold, None)):
+            if value != default:
+                raise ValueError(
+                    f"`{arg}` checks quantized exports; a float32 export is checked "
+                    f"with `atol`. Received: quantization=None, {arg}={value!r}"
+                )
+    min_agreement = verify.resolve_min_agreement(min_agreement, None)
+    measures = thresholds = None
+    if quantization is not None:
+        measures = verify.resolve_measures(model, measure)
+        thresholds = verify.resolve_thresholds(
+            measures, threshold, DEFAULT_THRESHOLDS[quantization],
+            min_agreement if min_agreement is not None
+            else DEFAULT_MIN_AGREEMENT[quantization])
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
@@ -254,6 +431,7 @@ def export_tflite(
             representative_dataset=representative_dataset,
             builtin_ops_only=builtin_ops_only,
             check_ids=check_ids,
+            float_ops=float_ops,
         )
         with open(tmp, "wb") as f:
             f.write(content)
@@ -261,14 +439,17 @@ def export_tflite(
         checks, worst = verify.verify_artifact(
             "TFLite", model, samples,
             lambda sample: run_signature(content, sample, input_names, names),
-            atol, os.path.abspath(path), min_agreement=min_agreement,
+            atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
-        agreement = verify.agreement_of(checks)
-        if quantization is not None and agreement is None:
-            min_agreement = None
-            if atol is None:
+        quality = {}
+        if measures is not None:
+            quality = verify.quality_of(checks, measures, thresholds)
+            if not measures and atol is None:
                 atol = FALLBACK_ATOL[quantization]
                 verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
+        agreement = verify.agreement_of(checks) if quantization is not None else None
+        argmax_thresholds = [q["threshold"] for q in quality.values() if q["measure"] == "argmax"]
+        min_agreement = min(argmax_thresholds) if argmax_thresholds else None
         ops = tflite_op_names(content)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
     if float32_note is not None:
@@ -282,6 +463,7 @@ def export_tflite(
         ops=ops,
         checks=checks,
         details=details,
-        agreement=agreement if quantization is not None else None,
+        agreement=agreement,
         min_agreement=min_agreement,
+        quality=quality,
     )
