@@ -381,6 +381,25 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
     return proto
 
 
+def convert_or_fallback(model, opset, check_ids, fused, convert):
+    """`fused_model_proto(model)` when `fused`, else (or when it raises
+    NotFusableError, with a warning naming why) `convert(model, ...)`."""
+    if not isinstance(fused, bool):
+        raise ValueError(
+            f"Received an invalid value for argument `fused`, expected True or False. Received: fused={fused!r}"
+        )
+    if fused:
+        try:
+            return fused_model_proto(model, opset=opset, check_ids=check_ids)
+        except NotFusableError as error:
+            import warnings
+
+            warnings.warn(
+                f"fused=True: {error}; exporting the plain tf2onnx graph instead.", stacklevel=3
+            )
+    return convert(model, opset=opset, check_ids=check_ids)
+
+
 def fused_op_counts(model_proto):
     """How many nodes of each onnxruntime fused op type the graph has."""
     names = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "LayerNormalization",
