@@ -67,11 +67,21 @@ def _optimize(src, dst):
 def _torch_export(hf, dst):
     import torch
 
+    class Positional(torch.nn.Module):
+        # The tracer passes positional tensors; BertModel's forward takes
+        # more positional parameters than these three.
+        def __init__(self):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.hf(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state, out.pooler_output
+
     ids = torch.ones((1, 8), dtype=torch.int64)
     axes = {0: "batch", 1: "sequence"}
     torch.onnx.export(
-        hf, (ids,), dst, kwargs={"attention_mask": ids, "token_type_ids": torch.zeros_like(ids)},
-        dynamo=False, opset_version=17,
+        Positional().eval(), (ids, ids, torch.zeros_like(ids)), dst, dynamo=False, opset_version=17,
         input_names=["input_ids", "attention_mask", "token_type_ids"],
         output_names=["last_hidden_state", "pooler_output"],
         dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes,
