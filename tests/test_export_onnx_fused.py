@@ -23,7 +23,7 @@ def _randomize(model, seed):
         w.assign(rng.normal(0.0, 0.3, tuple(w.shape)).astype("float32"))
 
 
-def _bert_like(normalize_first, activation, layers, seed):
+def _bert_like(normalize_first, activation, layers, seed, mask_padded_queries=False, causal=False):
     ids = keras.Input((None,), dtype="int32", name="input_ids")
     mask = keras.Input((None,), dtype="int32", name="attention_mask")
     types = keras.Input((None,), dtype="int32", name="token_type_ids")
@@ -36,8 +36,9 @@ def _bert_like(normalize_first, activation, layers, seed):
     for i in range(layers):
         x = TransformerEncoderBlock(
             num_heads=HEADS, intermediate_dim=FFN, activation=activation, dropout=0.1,
-            normalize_first=normalize_first, mask_padded_queries=False, name=f"encoder_{i}",
-        )(x, padding_mask=padding)
+            normalize_first=normalize_first, mask_padded_queries=mask_padded_queries,
+            name=f"encoder_{i}",
+        )(x, padding_mask=padding, use_causal_mask=causal)
     pooled = keras.layers.Dense(DIM, activation="tanh", name="pooler")(x[:, 0, :])
     outputs = [keras.layers.Identity(name="last_hidden_state")(x),
                keras.layers.Identity(name="pooler_output")(pooled)]
@@ -80,7 +81,9 @@ def post_norm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pre_norm(tmp_path_factory):
-    model = _bert_like(normalize_first=True, activation="gelu_tanh", layers=1, seed=2)
+    # Our blocks' defaults (padded query rows zeroed), causal: the decoder-only case.
+    model = _bert_like(normalize_first=True, activation="gelu_tanh", layers=1, seed=2,
+                       mask_padded_queries=True, causal=True)
     path = tmp_path_factory.mktemp("fused") / "pre.onnx"
     report = export_onnx(model, path, fused=True, sample_inputs=_feed(seed=6))
     return model, path, report
@@ -95,10 +98,14 @@ def test_post_norm_graph_uses_the_fused_kernels(post_norm):
     assert report.details["fused"]["Attention"] == 2
 
 
-def test_pre_norm_tanh_gelu_graph_uses_the_fused_kernels(pre_norm):
+def test_pre_norm_causal_tanh_gelu_graph_uses_the_fused_kernels(pre_norm):
+    import onnx
+
     _, path, _ = pre_norm
     ops = _op_counts(path)
     assert ops["Attention"] == 1 and ops["FastGelu"] == 1
+    attention = [n for n in onnx.load(str(path)).graph.node if n.op_type == "Attention"][0]
+    assert {a.name: a.i for a in attention.attribute}["unidirectional"] == 1
     assert ops["LayerNormalization"] == 3  # embedding, before attention, before the FFN
 
 

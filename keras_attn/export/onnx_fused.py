@@ -9,8 +9,8 @@ each supported layer as the op onnxruntime's optimizer would have fused it
 into:
 
 - `TransformerEncoderBlock` (post-norm or pre-norm LayerNorm, full
-  multi-head self-attention with a key padding mask, GELU / tanh-GELU /
-  ReLU feed-forward): `com.microsoft::Attention` (packed QKV projection,
+  multi-head self-attention with a padding mask, `mask_padded_queries`
+  either way, optionally causal, GELU / tanh-GELU / ReLU feed-forward): `com.microsoft::Attention` (packed QKV projection,
   scaled dot product, 2-D raw key mask), the output projection as a
   `MatMul`, then `com.microsoft::SkipLayerNormalization` (residual add,
   bias and LayerNorm in one kernel; pre-norm: `LayerNormalization` and
@@ -145,8 +145,13 @@ def _dense_weights(dense, name):
     return kernel, bias, activation
 
 
-def _emit_block(w, block, x, padding, hint):
-    """One TransformerEncoderBlock: returns the output value name."""
+def _emit_block(w, block, x, padding, rows, causal, hint):
+    """One TransformerEncoderBlock: returns the output value name.
+
+    `padding`: the int32 `(B, T)` key mask or None; `rows`: the float
+    `(B, T, 1)` query mask, applied with `mask_padded_queries`; `causal`:
+    `use_causal_mask`.
+    """
     mha = block.self_attention
     checks = {
         "normalization": block.normalization == "layer_norm",
@@ -157,7 +162,6 @@ def _emit_block(w, block, x, padding, hint):
         "use_gate": not mha.use_gate,
         "key_dim == value_dim": mha.key_dim == mha.value_dim,
         "attention_axes": getattr(mha, "_attention_axes", None) in (None, (1,), [1]),
-        "mask_padded_queries": padding is None or not block.mask_padded_queries,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -183,7 +187,14 @@ def _emit_block(w, block, x, padding, hint):
         ]
         if padding is not None:
             inputs.append(padding)
-        a = w.node("Attention", inputs, hint + "_attention", domain=MS_DOMAIN, num_heads=heads)
+        a = w.node(
+            "Attention", inputs, hint + "_attention", domain=MS_DOMAIN, num_heads=heads,
+            unidirectional=int(causal),
+        )
+        if padding is not None and block.mask_padded_queries:
+            # As MultiHeadAttention: padded query rows are zeroed before the
+            # output projection (they then hold its bias).
+            a = w.node("Mul", [a, rows], hint + "_rows")
         return w.node("MatMul", [a, w.const(out_kernel, hint + "_out_kernel")], hint + "_out")
 
     att_gamma, att_beta, att_eps = _norm_weights(block.self_attention_layer_norm, block.name)
@@ -315,20 +326,26 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
             if kwargs.get("training"):
                 raise NotFusableError(f"{op.name} is called with training=True")
             if isinstance(op, TransformerEncoderBlock):
-                extra = {k: v for k, v in kwargs.items() if v not in (None, False)}
+                extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
                 extra.pop("padding_mask", None)
-                if extra or len(args) > 2:
+                causal = extra.pop("use_causal_mask", False)
+                if extra or len(args) > 2 or not isinstance(causal, bool):
                     raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
                 padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
                 if padding is None and getattr(args[0], "_keras_mask", None) is not None:
                     raise NotFusableError(f"{op.name}: inherits a Keras mask")
-                mask_value = None
+                mask_value = rows = None
                 if padding is not None:
                     bool_name = value(padding)
                     if bool_name not in masks:
-                        masks[bool_name] = w.node("Cast", [bool_name], "mask_int", to=onnx.TensorProto.INT32)
-                    mask_value = masks[bool_name]
-                w.values[id(outs[0])] = _emit_block(w, op, value(args[0]), mask_value, hint)
+                        masks[bool_name] = (
+                            w.node("Cast", [bool_name], "mask_int", to=onnx.TensorProto.INT32),
+                            w.node("Unsqueeze", [
+                                w.node("Cast", [bool_name], "mask_float", to=onnx.TensorProto.FLOAT),
+                                w.const(np.array([2], np.int64), "axis")], "rows"),
+                        )
+                    mask_value, rows = masks[bool_name]
+                w.values[id(outs[0])] = _emit_block(w, op, value(args[0]), mask_value, rows, causal, hint)
             elif isinstance(op, TokenAndPositionEmbedding):
                 extra = {k: v for k, v in kwargs.items() if k != "token_type_ids" and v not in (None, False, 0)}
                 if extra or len(args) > 1:
