@@ -383,6 +383,8 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
                 raise NotFusableError(f"layer {op.name!r} ({kind}) has no fused form")
     outputs = []
     for tensor, name in zip(model.outputs, model.output_names):
+        if tensor.dtype != "float32":
+            raise NotFusableError(f"output {name} of dtype {tensor.dtype}")
         w.nodes.append(onnx.helper.make_node("Identity", [value(tensor)], [name], name=w.fresh("out")))
         dims = ["batch"] + [
             (d if d is not None else f"{name}_dim{i + 1}") for i, d in enumerate(tensor.shape[1:])
