@@ -21,10 +21,6 @@ MAX_LEN = 40
 CHUNKS = (4, 16)
 
 
-def runtime_text(path, text, engine=None):
-    return litertlm.generate(path, text, engine=engine)
-
-
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     lm = scaled_lm(num_key_value_heads=2, position="rotary", normalization="rms_norm",
@@ -65,7 +61,7 @@ def test_generates_keras_greedy_from_text(bundle, text):
     assert engine.tokenize(text) == prompt
     want = keras_tokens(lm, [EOS] + prompt, MAX_LEN)  # LiteRT-LM puts the start token first
     assert len(want) >= 8 and len(set(want)) >= 3, "degenerate generation tests nothing"
-    got = runtime_text(path, text, engine)
+    got = litertlm.generate(path, text, engine=engine)
     assert got == engine.detokenize([int(t) for t in want])
 
 
@@ -74,7 +70,8 @@ def test_runtime_schedule_in_the_interpreter_matches_keras(bundle):
     LiteRT interpreter, against Keras's full forward pass (NumPy comparison)."""
     lm, _, _, _ = bundle
     rng = np.random.default_rng(5)
-    tokens = rng.integers(2, VOCAB, size=(1, 27)).astype("int32")  # prefill 13 = 4+4+4+1
+    # 19 prefilled tokens: a full 16-token chunk, then 3 in a padded 4-token one.
+    tokens = rng.integers(2, VOCAB, size=(1, 38)).astype("int32")
     got, first = litertlm.runtime_logits(lm.tflite_content, tokens[0])
     want = np.asarray(lm(tokens))[0, first:]
     scale = np.max(np.abs(want))
@@ -96,7 +93,7 @@ def test_dynamic_int8_bundle_generates(bundle, tmp_path):
     text = "the cat sat on"
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
-        got = runtime_text(path, text, engine)
+        got = litertlm.generate(path, text, engine=engine)
         assert len(engine.tokenize(got)) >= 4
     finally:
         engine.close()
@@ -120,7 +117,7 @@ def test_float16_cache_bundle_halves_cache_memory_and_generates(bundle, tmp_path
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
         want = keras_tokens(lm, [EOS] + word_tokenizer().encode(text).ids, MAX_LEN)
-        got = runtime_text(path, text, engine)
+        got = litertlm.generate(path, text, engine=engine)
         # float16 keys/values: the logits move by ~1e-3 of their scale; this
         # model's greedy choices are not that close (checked: same text).
         assert got == engine.detokenize([int(t) for t in want])
@@ -188,7 +185,7 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
     assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 4
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
-        assert runtime_text(path, text, engine) == engine.detokenize(want)
+        assert litertlm.generate(path, text, engine=engine) == engine.detokenize(want)
     finally:
         engine.close()
 
@@ -235,7 +232,7 @@ def test_word_vocabulary_model_trained_with_keras_attn(tmp_path):
             assert engine.tokenize(text) == prompt
             want = keras_tokens(lm, prompt, 12, eos=end)
             assert len(want) >= 2
-            got = runtime_text(path, text, engine)
+            got = litertlm.generate(path, text, engine=engine)
             assert got == engine.detokenize(want) == tok.decode(want)
     finally:
         engine.close()

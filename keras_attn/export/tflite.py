@@ -25,10 +25,9 @@ TFLITE_ID_CHECKS = (None, "clamp", "flag")
 # error for the rest. Its max abs error is reported, and checked only when
 # `atol` is given. The thresholds come from measurements on a pretrained
 # sentence encoder (all-MiniLM-L6-v2, benchmarks/RESULTS.md) and on the
-# trained examples; `min_agreement` (the argmax threshold) predates them.
+# trained examples; `min_agreement` (the argmax threshold) predates them
+# and overrides DEFAULT_THRESHOLDS[...]["argmax"].
 DEFAULT_ATOL = {None: 1e-4, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
-DEFAULT_MIN_AGREEMENT = {None: None, "float16": 0.99, "dynamic": 0.95, "int8": 0.9,
-                         "int16x8": 0.95}
 DEFAULT_THRESHOLDS = {
     None: {},
     "float16": {"argmax": 0.99, "cosine": 0.999, "relative_error": 0.05},
@@ -419,9 +418,7 @@ def export_tflite(
     if quantization is not None:
         measures = verify.resolve_measures(model, measure)
         thresholds = verify.resolve_thresholds(
-            measures, threshold, DEFAULT_THRESHOLDS[quantization],
-            min_agreement if min_agreement is not None
-            else DEFAULT_MIN_AGREEMENT[quantization])
+            measures, threshold, DEFAULT_THRESHOLDS[quantization], min_agreement)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with verify.staged(path, "path", overwrite) as tmp:

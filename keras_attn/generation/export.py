@@ -50,7 +50,7 @@ from keras_attn.generation import search
 from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: F401  (public here too)
 from keras_attn.generation.litertlm import export_litertlm  # noqa: F401  (public here too)
 from keras_attn.generation.runtime_loop import greedy_loop  # noqa: F401  (public here too)
-from keras_attn.generation.tflite_convert import signatures_to_tflite
+from keras_attn.generation.tflite_convert import cache_storage_dtype, signatures_to_tflite
 
 
 def _is_seq2seq(model):
@@ -63,8 +63,6 @@ def _cache_spec(model, batch_size, length, name, dtype=tf.float32):
     shape = (len(one), 2, batch_size, length, key.shape[2], key.shape[3])
     return tf.TensorSpec(shape, dtype, name=name)
 
-
-CACHE_DTYPES = ("float32", "float16")
 
 
 def _vocabulary_size(model):
@@ -89,11 +87,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     float16 between calls: half the memory per token; each call computes in
     float32 and rounds the keys and values it stores.
     """
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"Received an invalid value for argument `cache_dtype`, expected one of "
-            f"{list(CACHE_DTYPES)}. Received: cache_dtype={cache_dtype!r}")
-    store = tf.as_dtype(cache_dtype)
+    store = cache_storage_dtype(cache_dtype)
 
     def stored(tensor):
         return tf.cast(tensor, store)
@@ -238,8 +232,9 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
     With `checks="flag"` (the default) token ids and `index` are clamped into
     range and both signatures have a bool output `valid`, False for a bad
     request (see the module docstring); "none" trusts the caller.
-    `quantization`: None (float32), "float16" (float16 weights) or "dynamic"
-    (int8 weights with LiteRT's hybrid kernels); `cache_dtype`: "float32" or
+    `quantization`: None (float32), "float16" (float16 weights), "dynamic"
+    (int8 weights with LiteRT's hybrid kernels) or "int4" (see
+    `tflite_convert.signatures_to_tflite`); `cache_dtype`: "float32" or
     "float16" (see `signature_functions`). benchmarks/bench_decode_quantized.py
     measures speed, size and greedy agreement of each.
     """

@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras_attn.generation.onnx_genai import check_runtime_decoder
 from keras_attn.generation.onnx_genai import write_tokenizer
 from keras_attn.generation.tflite_convert import GENERATION_QUANTIZATIONS
+from keras_attn.generation.tflite_convert import cache_storage_dtype
 from keras_attn.generation.tflite_convert import signatures_to_tflite
 
 RUNTIME = "LiteRT-LM"
@@ -84,25 +85,20 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
     `cache_dtype="float16"` keeps the caches in float16 between calls (half
     the memory per token); each call computes in float32.
     """
-    if cache_dtype not in ("float32", "float16"):
-        raise ValueError(
-            "Received an invalid value for argument `cache_dtype`, expected 'float32' or "
-            f"'float16'. Received: cache_dtype={cache_dtype!r}")
-    store = tf.as_dtype(cache_dtype)
+    store = cache_storage_dtype(cache_dtype)
     check_runtime_decoder(model, RUNTIME)
     max_length = _positive_int("max_length", max_length)
     lengths = _prefill_lengths(prefill_lengths, max_length)
-    if model.position not in ("rotary", "relative"):
-        # A prefill chunk of T tokens at position p embeds positions up to
-        # p + T - 1 (its padding included), p < max_length.
-        reach = max_length + lengths[-1] - 1
-        if model.position == "learned" and reach > model.sequence_length:
-            raise ValueError(
-                "A learned position table must cover max_length + max(prefill_lengths) - 1 "
-                f"= {reach} positions (the last prefill chunk's padding is embedded too); "
-                f"this model has sequence_length={model.sequence_length}. Lower `max_length` "
-                f"or `prefill_lengths`. Received: max_length={max_length}, "
-                f"prefill_lengths={lengths}")
+    # A prefill chunk of T tokens at position p embeds positions up to
+    # p + T - 1 (its padding included), p < max_length.
+    reach = max_length + lengths[-1] - 1
+    if model.position == "learned" and reach > model.sequence_length:
+        raise ValueError(
+            "A learned position table must cover max_length + max(prefill_lengths) - 1 "
+            f"= {reach} positions (the last prefill chunk's padding is embedded too); "
+            f"this model has sequence_length={model.sequence_length}. Lower `max_length` "
+            f"or `prefill_lengths`. Received: max_length={max_length}, "
+            f"prefill_lengths={lengths}")
     layers, heads, size = model.num_layers, model.num_key_value_heads, model.head_dim
     cache_shape = (1, max_length, heads, size)  # keras_attn's layout: no transposes
 
@@ -187,7 +183,7 @@ class LitertLmReport:
         path: the `.litertlm` file.
         size_bytes: its size.
         signatures: `{name: {"inputs": [...], "outputs": [...]}}`.
-        quantization: None, "float16" or "dynamic".
+        quantization: None, "float16", "dynamic" or "int4".
         max_abs_error: largest |LiteRT - Keras| logit on the verification
             sequence (prefill chunks then one decode per token, the runtime's
             schedule).
@@ -208,12 +204,14 @@ class LitertLmReport:
 
 
 def runtime_logits(content, tokens):
-    """Logits of positions `1..len(tokens)-1`'s predecessors, run as LiteRT-LM runs a bundle.
+    """`tokens` run through a bundle's TFLite model on LiteRT-LM's schedule.
 
-    The prompt minus its last token goes through the largest `prefill_<T>`
-    chunks (the last chunk padded with token 0 at position 0), then every
-    remaining token through `decode`; returns the `decode` logits
-    `(len(tokens) - n_prefill, V)`, one per decoded token, and `n_prefill`.
+    The first half of `tokens` (`n_prefill`) is prefilled in chunks as the
+    runtime picks them (the largest `prefill_<T>` while the rest is at least
+    that long, then the smallest that holds the rest, padded with token 0 at
+    position 0), then every remaining token goes through `decode`. Returns
+    `(logits, n_prefill)`: the `decode` logits `(len(tokens) - n_prefill, V)`,
+    row `i` predicting the token after position `n_prefill + i`.
     """
     from ai_edge_litert import interpreter as litert
 
@@ -270,8 +268,9 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
     if not agreement >= threshold:
         raise ValueError(
             f"The LiteRT-LM model (quantization={quantization}, cache_dtype={cache_dtype}) "
-            f"picks Keras's next token at {agreement:.3f} of the positions < min_agreement={threshold} (max logit "
-            f"error {error:.3g}); nothing was written. Lower `min_agreement` if this "
+            f"picks Keras's next token at {agreement:.3f} of the positions < "
+            f"min_agreement={threshold} (max logit error {error:.3g}); nothing was "
+            "written. Lower `min_agreement` if this "
             "is acceptable, or use quantization=None / 'float16'.")
     return error, None, agreement, threshold
 

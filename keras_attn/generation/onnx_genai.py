@@ -232,6 +232,9 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
+    if quantization not in (None, "dynamic"):
+        raise ValueError("Received an invalid value for argument `quantization`, expected None "
+                         f"or 'dynamic'. Received: quantization={quantization!r}")
     check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
@@ -241,9 +244,6 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
             "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
             "`export_litertlm`.)")
-    if quantization not in (None, "dynamic"):
-        raise ValueError("Received an invalid value for argument `quantization`, expected None "
-                         f"or 'dynamic'. Received: quantization={quantization!r}")
     proto = onnx_genai_model(model, max_length=max_length, opset=opset)
     path = os.path.join(folder, "model.onnx")
     if quantization == "dynamic":

@@ -24,6 +24,16 @@ def _frozen_call(frozen, concrete):
 
 
 GENERATION_QUANTIZATIONS = (None, "float16", "dynamic", "int4")
+CACHE_DTYPES = ("float32", "float16")
+
+
+def cache_storage_dtype(cache_dtype):
+    """The `tf.DType` the exported caches travel in between calls (validated)."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"Received an invalid value for argument `cache_dtype`, expected one of "
+            f"{list(CACHE_DTYPES)}. Received: cache_dtype={cache_dtype!r}")
+    return tf.as_dtype(cache_dtype)
 
 
 def signatures_to_tflite(functions, quantization=None):

@@ -91,12 +91,12 @@ def word_tokenizer(vocabulary, *, unk_token="[UNK]", pad_token="[PAD]",
                    standardize="lower_and_strip_punctuation"):
     """A `tokenizers.Tokenizer` for a word vocabulary (e.g. `TextVectorization`'s).
 
-    Word-level tables are not a model the LLM runtimes read (ONNX Runtime
-    GenAI implements BPE, WordPiece and Unigram), so the words become a
-    WordPiece vocabulary with no `##` pieces: a word in the vocabulary is one
+    A word-level table is not a model LiteRT-LM's tokenizer takes, so the
+    words become a WordPiece vocabulary with no `##` pieces: a word in the vocabulary is one
     token with its id, any other word is `unk_token` (WordPiece gives up on
     a word whose pieces are not all in the vocabulary), as in
-    TextVectorization. Words are split on whitespace.
+    TextVectorization. Words are split on whitespace. ONNX Runtime GenAI has
+    no WordPiece tokenizer class: `export_onnx_genai` refuses this one.
 
     Args:
         vocabulary: the words in id order, e.g.
