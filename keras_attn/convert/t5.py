@@ -77,15 +77,29 @@ def _set_feedforward(block, weights, prefix, gated):
     common.set_dense(block.feedforward_output_dense, *weights.linear(dense + ".wo"))
 
 
-def _set_encoder(blocks, bias_layer, final_norm, weights, config):
+# The attention sub-layers of a block, in order: (keras_attn layer, T5 module).
+_ENCODER_ATTENTION = (("self_attention", "SelfAttention"),)
+_DECODER_ATTENTION = _ENCODER_ATTENTION + (("cross_attention", "EncDecAttention"),)
+
+
+def _set_stack(weights, config, stack, blocks, bias_layer, attention):
+    """One stack (`"encoder"` / `"decoder"`): the relative bias owned by its
+    first block, then each block's `layer.j` attention sub-layers (`attention`)
+    and the feed-forward after them."""
     gated = _feedforward(config)[1]
-    bias_name = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    bias_name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     common.assign(bias_layer.embeddings, weights.take(bias_name), bias_name)
     for i, block in enumerate(blocks):
-        p = f"encoder.block.{i}.layer."
-        common.set_rms_norm(block.self_attention_layer_norm, weights.take(p + "0.layer_norm.weight"), p + "0")
-        _set_attention(block.self_attention, weights, p + "0.SelfAttention", config.d_kv)
-        _set_feedforward(block, weights, p + "1", gated)
+        p = f"{stack}.block.{i}.layer."
+        for j, (ours, theirs) in enumerate(attention):
+            norm = getattr(block, ours + "_layer_norm")
+            common.set_rms_norm(norm, weights.take(f"{p}{j}.layer_norm.weight"), f"{p}{j}")
+            _set_attention(getattr(block, ours), weights, f"{p}{j}.{theirs}", config.d_kv)
+        _set_feedforward(block, weights, f"{p}{len(attention)}", gated)
+
+
+def _set_encoder(blocks, bias_layer, final_norm, weights, config):
+    _set_stack(weights, config, "encoder", blocks, bias_layer, _ENCODER_ATTENTION)
     common.set_rms_norm(final_norm, weights.take("encoder.final_layer_norm.weight"), "encoder.final_layer_norm")
 
 
@@ -128,16 +142,7 @@ def convert(checkpoint, *, dropout=None):
     table = _shared_table(weights, ("encoder", "decoder"))
     common.assign(lm.encoder_embedding.embeddings, table, "shared.weight")
     _set_encoder(lm.encoder_blocks, lm.encoder_position_bias, lm.encoder_norm, weights, config)
-    gated = options["use_gated_feedforward"]
-    bias_name = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    common.assign(lm.position_bias.embeddings, weights.take(bias_name), bias_name)
-    for i, block in enumerate(lm.blocks):
-        p = f"decoder.block.{i}.layer."
-        common.set_rms_norm(block.self_attention_layer_norm, weights.take(p + "0.layer_norm.weight"), p + "0")
-        _set_attention(block.self_attention, weights, p + "0.SelfAttention", config.d_kv)
-        common.set_rms_norm(block.cross_attention_layer_norm, weights.take(p + "1.layer_norm.weight"), p + "1")
-        _set_attention(block.cross_attention, weights, p + "1.EncDecAttention", config.d_kv)
-        _set_feedforward(block, weights, p + "2", gated)
+    _set_stack(weights, config, "decoder", lm.blocks, lm.position_bias, _DECODER_ATTENTION)
     final = weights.take("decoder.final_layer_norm.weight")
     # T5 scales the decoder output by d_model**-0.5 before the head (tied
     # models): a scalar, folded into the final norm's scale.
