@@ -9,7 +9,6 @@ import numpy as np
 
 
 
-
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     name: str
