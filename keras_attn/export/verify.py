@@ -5,26 +5,26 @@ with Keras's (`compare`; for a quantized export, also each output's quality
 measure, see `keras_attn.export.quality`) and raises `ParityError` when the
 artifact is not close enough. Each exporter calls it inside
 `staging.staged`, so a failed check never leaves the artifact behind.
+
+The names this module held before the report, the quality measures, the staged
+writes and the argument checks got their own modules still resolve here, with
+a DeprecationWarning, for one release (`_MOVED`).
 """
+
+import importlib
+import warnings
 
 import numpy as np
 
-from keras_attn.export.quality import (
-    argmax_matches,
-    padding_rows,
-    quality_of,
-    quality_passes,
-    quality_stats,
-    quality_text,
-)
-from keras_attn.export.report import ParityError
+from keras_attn.export import quality as quality_lib
+from keras_attn.export import report
 from keras_attn.export.samples import keras_outputs, output_names, shapes_of
 
 
 def compare(reference, got, names, where):
     """Max abs error between two lists of output arrays (shapes must agree)."""
     if len(reference) != len(got):
-        raise ParityError(
+        raise report.ParityError(
             f"{where}: the artifact has {len(got)} outputs, the Keras model "
             f"{len(reference)} ({names})"
         )
@@ -32,7 +32,7 @@ def compare(reference, got, names, where):
     for name, ref, out in zip(names, reference, got):
         out = np.asarray(out)
         if ref.shape != out.shape:
-            raise ParityError(
+            raise report.ParityError(
                 f"{where}: output '{name}' has shape {out.shape}, Keras gives {ref.shape}"
             )
         if ref.size:
@@ -61,10 +61,11 @@ def verify_artifact(fmt, model, samples, run, atol, path, measures=None, thresho
         reference, got = keras_outputs(model, sample), run(sample)
         err = compare(reference, got, names, fmt)
         check = {"shapes": shapes_of(sample), "max_abs_error": err,
-                 "argmax_matches": list(argmax_matches(reference, got))}
+                 "argmax_matches": list(quality_lib.argmax_matches(reference, got))}
         if measures is not None:
             check["quality"] = {
-                name: quality_stats(measures[name], ref, out, padding_rows(sample, ref))
+                name: quality_lib.quality_stats(measures[name], ref, out,
+                                                quality_lib.padding_rows(sample, ref))
                 for name, ref, out in zip(names, reference, got) if name in measures}
             check["argmax_matches"] = [sum(check["quality"][n][k] for n in measures
                                            if measures[n] == "argmax")
@@ -74,14 +75,14 @@ def verify_artifact(fmt, model, samples, run, atol, path, measures=None, thresho
         check_parity(fmt, checks, atol, path)
     if measures is not None:
         worst = max(c["max_abs_error"] for c in checks)
-        check_quality(fmt, quality_of(checks, measures, thresholds), worst, path)
+        check_quality(fmt, quality_lib.quality_of(checks, measures, thresholds), worst, path)
     return checks
 
 
 def check_parity(fmt, checks, atol, path):
     worst = max(c["max_abs_error"] for c in checks)
     if not worst <= atol:
-        raise ParityError(
+        raise report.ParityError(
             f"The {fmt} export does not match the Keras model: max |export - keras| "
             f"= {worst:.3g} > atol={atol:g} ({checks}). Nothing was written to "
             f"{path}. Raise `atol` if this error is expected (quantisation)."
@@ -90,11 +91,12 @@ def check_parity(fmt, checks, atol, path):
 
 
 def check_quality(fmt, quality, worst, path):
-    failed = {name: q for name, q in quality.items() if not quality_passes(q)}
+    failed = {name: q for name, q in quality.items() if not quality_lib.quality_passes(q)}
     if failed:
-        what = "; ".join(quality_text(name, q).replace(">=", "<").replace("<=", ">")
-                         for name, q in failed.items())
-        raise ParityError(
+        what = "; ".join(
+            quality_lib.quality_text(name, q).replace(">=", "<").replace("<=", ">")
+            for name, q in failed.items())
+        raise report.ParityError(
             f"The {fmt} export does not give the Keras model's answers: {what} "
             f"(max |export - keras| = {worst:.3g}). Nothing was written to {path}. "
             "Pass a lower `threshold` (or `measure=` another measure) if this loss "
@@ -102,3 +104,28 @@ def check_quality(fmt, quality, worst, path):
             "quantization (int16x8 / dynamic / float16 / none)."
         )
     return quality
+
+
+_MOVED = {
+    **dict.fromkeys(("FORMATS", "ExportError", "ExportReport", "ParityError",
+                     "UnsupportedOpsError"), "report"),
+    **dict.fromkeys(("MEASURES", "agreement_of", "argmax_matches", "auto_measures",
+                     "merge_quality", "padding_rows", "quality_of", "quality_passes",
+                     "quality_stats", "quality_text"), "quality"),
+    **dict.fromkeys(("size_of", "staged"), "staging"),
+    **dict.fromkeys(("check_formats", "check_name", "resolve_atol", "resolve_measures",
+                     "resolve_min_agreement", "resolve_thresholds"), "arguments"),
+}
+
+
+def __getattr__(name):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"keras_attn.export.verify.{name} is now keras_attn.export.{module}.{name}; "
+        "the old path will be removed in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(f"keras_attn.export.{module}"), name)
