@@ -168,3 +168,18 @@ def test_kernel_choice_is_asked_of_dispatch_only():
         assert "cpu_kernels_enabled" not in text, path.name
         if path.name not in ("dispatch.py", "tf_kernels.py"):
             assert "get_device_type" not in text, path.name
+
+
+def test_export_steps_are_written_once():
+    """docs/architecture.md: every format's `ExportReport` is built by
+    `export/report.make_report`, and the modules of the exporters' shared steps
+    import no format module (a format calls them, never the other way)."""
+    export = PACKAGE / "export"
+    builders = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                if "ExportReport(" in p.read_text() and p != export / "report.py"]
+    assert not builders, builders
+    formats = {f"keras_attn.export.{m}" for m in
+               ("saved_model", "tflite", "onnx", "onnx_fused", "all_formats", "check", "cli")}
+    for step in ("arguments", "quality", "report", "samples", "staging", "verify"):
+        imported = _package_imports(export / f"{step}.py") & formats
+        assert not imported, (step, imported)
