@@ -10,7 +10,8 @@ the quantization arithmetic:
 - on the graph: no int8 weight can push a pair of products past int16;
 - by running: the artifacts on adversarial inputs (weights at +-1, inputs
   aligned with them) natively and under `qemu-x86_64 -cpu Haswell-noTSX`,
-  an AVX2 CPU without VNNI, whatever CPU runs the test. A control with
+  an AVX2 CPU without VNNI, whatever CPU runs the test (and an SSE4-only
+  CPU for ONNX). A control with
   full-range int8 weights must break the bound there, which shows that the
   emulated CPU really ran the saturating kernels.
 """
@@ -33,6 +34,8 @@ K, N, M = 256, 48, 8
 # An AVX2 CPU without VNNI, whatever this machine is (qemu's user-mode
 # emulator; `.ci/run` installs it).
 EMULATED_CPU = "Haswell-noTSX"
+# SSE4.2 and no AVX: the kernels of older and low-power x86 CPUs.
+SSE_ONLY_CPU = "Nehalem"
 
 
 def _data():
@@ -225,16 +228,20 @@ def _qemu():
 
 
 @pytest.mark.slow
-def test_onnx_int8_matmul_same_on_an_avx2_cpu_without_vnni(onnx_artifacts, tmp_path):
-    """Under an emulated AVX2 CPU without VNNI our weights stay within the
-    bound, and full-range int8 weights (the control) break it: the emulated
-    CPU ran the saturating kernels, whatever CPU runs this test."""
+@pytest.mark.parametrize("cpu", [EMULATED_CPU, SSE_ONLY_CPU])
+def test_onnx_integer_matmuls_same_on_other_instruction_sets(onnx_artifacts, tmp_path, cpu):
+    """Under an emulated AVX2 CPU without VNNI, and an SSE4-only one, our
+    weights stay within the bound. On the AVX2 one full-range int8 weights
+    (the control) break it: the emulated CPU ran the saturating kernels,
+    whatever CPU runs this test."""
     _qemu()
     tmp, w, data = onnx_artifacts
-    outputs = _run(tmp_path, [tmp / name for name in SAFE + ("unsafe.onnx",)], data, cpu=EMULATED_CPU)
+    outputs = _run(tmp_path, [tmp / name for name in SAFE + ("unsafe.onnx",)], data, cpu=cpu)
     for name in SAFE:
         ratios = _errors_over_bound(outputs, tmp / name, w, data)
         assert max(ratios.values()) <= 1.0, (name, ratios)
+    if cpu != EMULATED_CPU:
+        return
     control = _errors_over_bound(outputs, tmp / "unsafe.onnx", w, data)
     assert control["aligned"] > 4.0, (
         f"full-range int8 weights stayed within the bound on the emulated {EMULATED_CPU} "
