@@ -156,7 +156,11 @@ def dot_product_attention(
         attention_mask: boolean (True = attend), broadcastable to
             `(B, H, T_q, T_k)` by the usual right-aligned rule, as in
             `keras.ops.dot_product_attention` and PyTorch SDPA: `(T_q, T_k)`,
-            `(B, 1, T_q, T_k)`, `(B, H, T_q, T_k)`...
+            `(B, 1, T_q, T_k)`, `(B, H, T_q, T_k)`... Or a
+            `keras_attn.ops.AttentionMask` (what the layers pass: the whole
+            mask of the call, band and padded query rows included), taken as
+            it is; `key_padding_mask`, `is_causal`, `start_index` and
+            `sliding_window` are then left at their defaults.
         key_padding_mask: boolean `(B, T_k)`, True for the keys to attend to.
         bias: additive logits bias broadcastable to `(B, H, T_q, T_k)`
             (ALiBi, relative positions).
@@ -219,6 +223,7 @@ def dot_product_attention(
     scale = float(scale)
     dispatch.record(kernel)
 
+    common = dict(mask=mask, bias=bias, scale=scale)
     if kernel == "blocked":
         run = lambda q, k, v, m, b: chunked.chunked_dot_product_attention(  # noqa: E731
             q, k, v, mask=m, bias=b, scale=scale, chunk_size=chunks,
@@ -231,22 +236,16 @@ def dot_product_attention(
                 None if scores_shape[3] is None else min(chunks[1], scores_shape[3]),
             )
             groups = tf_kernels.head_groups(blocks_shape, key.shape[2])
-        return mask.zero_padded_rows(
-            tf_kernels.in_head_groups(run, groups, query, key, value, mask, bias)
-        )
-
-    common = dict(
-        mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate, training=training,
-        seed=seed, return_attention_scores=return_attention_scores,
-    )
-    if kernel == "keras":
-        return mask.zero_padded_rows(_keras_attention(query, key, value, flash=plan.flash,
-                                                      **common))
-    if kernel == "tf_cpu":
-        result = tf_kernels.tf_cpu_attention(query, key, value, **common)
+        result = tf_kernels.in_head_groups(run, groups, query, key, value, mask, bias)
+    elif kernel == "keras":
+        result = _keras_attention(query, key, value, flash=plan.flash, **common)
     else:
-        result = reference.reference_attention(query, key, value, **common)
-    # With the scores, the padded rows are part of `mask` (no rows to zero here).
+        attend = tf_kernels.tf_cpu_attention if kernel == "tf_cpu" else reference.reference_attention
+        result = attend(
+            query, key, value, dropout_rate=dropout_rate, training=training, seed=seed,
+            return_attention_scores=return_attention_scores, **common,
+        )
+    # Padded query rows give zeros (with the scores, they are part of `mask`).
     return result if return_attention_scores else mask.zero_padded_rows(result)
 
 
@@ -280,12 +279,11 @@ def _attention_mask(attention_mask, key_padding_mask, scores_shape, *, is_causal
     )
 
 
-def _keras_attention(query, key, value, *, mask, bias, scale, flash=None, **unused):
+def _keras_attention(query, key, value, *, mask, bias, scale, flash=None):
     """The `"keras"` kernel: `keras.ops.dot_product_attention` (cuDNN or
     flash attention where Keras has them), plus keras_attn's semantics: a
     float32 softmax for float32 inputs, and zeros for rows that see no key
     (Keras gives them uniform weights). `mask`: a `masking.AttentionMask`."""
-    del unused
     # Keras' own causal flag (what flash kernels want) means start_index 0
     # and T_q == T_k; other bands are built here.
     keras_causal = (
