@@ -1,4 +1,8 @@
-"""Loading that fails cleanly: validated `.keras` / `.weights.h5` files, safe mode by default.
+"""Serialization: the one registration of keras_attn's classes, and loading that
+fails cleanly (validated `.keras` / `.weights.h5` files, safe mode by default).
+
+`register` registers a class as `keras_attn>ClassName`: every layer (when
+`keras_attn` is imported) and every generation model of keras_attn.
 
 Plain `keras.saving.load_model` loads keras_attn models once `keras_attn` is
 imported (the import registers the layers). Without the import Keras reports
@@ -16,7 +20,17 @@ import zipfile
 
 import keras
 
-import keras_attn.layers  # noqa: F401  (registers the layers for deserialization)
+# The layers register themselves with `register` below when `keras_attn` is
+# imported (keras_attn/__init__.py imports them before this module is usable),
+# so this module imports no layer: the layers and the models import it.
+
+PACKAGE = "keras_attn"
+"""The package name of keras_attn's registered classes (`keras_attn>ClassName`)."""
+
+
+def register(cls):
+    """Registers `cls` for serialization as `keras_attn>ClassName` (a class decorator)."""
+    return keras.saving.register_keras_serializable(package=PACKAGE)(cls)
 
 
 class CorruptFileError(ValueError):

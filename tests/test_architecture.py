@@ -183,3 +183,63 @@ def test_export_steps_are_written_once():
     for step in ("arguments", "quality", "report", "samples", "staging", "verify"):
         imported = _package_imports(export / f"{step}.py") & formats
         assert not imported, (step, imported)
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_uses_another_modules_private_names():
+    """`from keras_attn.x import _name` and `x._name` (`x` a keras_attn module,
+    `_name` not a module) only within the module that defines `_name`: a helper
+    other modules need is public, and documented, where it lives."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    offenders = []
+    for name, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text())
+        bound = {}  # local name -> the keras_attn module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in modules:
+                        bound[alias.asname or alias.name] = full
+                    elif _private(alias.name) and node.module != name:
+                        offenders.append(f"{name}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules:
+                        bound[alias.asname or alias.name.split(".")[0]] = (
+                            alias.name if alias.asname else alias.name.split(".")[0]
+                        )
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            # The dotted chain left of the attribute, e.g. `keras_attn.ops.masking`.
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if not isinstance(value, ast.Name) or value.id not in bound:
+                continue
+            target = ".".join([bound[value.id]] + chain)
+            if target in modules and target != name and f"{target}.{node.attr}" not in modules:
+                offenders.append(f"{name}: {target}.{node.attr}")
+    assert not offenders, offenders
+
+
+def test_argument_checks_are_written_once_at_the_bottom():
+    """`keras_attn.checks` imports no keras_attn module (ops, layers, export,
+    generation and convert all import it), and no other module defines a
+    function of the same name."""
+    path = PACKAGE / "checks.py"
+    assert not [n for n in _all_imports(path) if n.split(".")[0] == "keras_attn"]
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not _private(n.name)}
+    copies = []
+    for other in PACKAGE.rglob("*.py"):
+        if other == path:
+            continue
+        for node in ast.walk(ast.parse(other.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                copies.append(f"{other.relative_to(PACKAGE)}: {node.name}")
+    assert not copies, copies

@@ -105,7 +105,8 @@ DOCSTRING_MODULES = [
     "keras_attn.layers.rotary_embedding", "keras_attn.layers.sinusoidal_position_encoding",
     "keras_attn.layers.token_and_position_embedding", "keras_attn.layers.transformer_decoder_block",
     "keras_attn.layers.transformer_encoder_block", "keras_attn.ops.attention",
-    "keras_attn.ops.masking", "keras_attn.generation.models", "keras_attn.export.check",
+    "keras_attn.ops.masking", "keras_attn.checks", "keras_attn.generation.models",
+    "keras_attn.export.check",
     "keras_attn.visualize.maps",
 ]
 

@@ -188,12 +188,12 @@ def test_mask_dtype_check_reads_every_backend_dtype():
     """`torch.bool` / `torch.float16` (how torch spells them) are masks;
     strings are not."""
     torch = pytest.importorskip("torch")
-    from keras_attn.ops import masking
+    from keras_attn import checks
 
     for dtype in (torch.bool, torch.float16, torch.int64, np.dtype("bool")):
-        masking._check_mask_dtype("attention_mask", type("M", (), {"dtype": dtype})())
+        checks.check_mask_dtype("attention_mask", type("M", (), {"dtype": dtype})())
     with pytest.raises(TypeError, match="attention_mask.dtype=<U1"):
-        masking._check_mask_dtype("attention_mask", np.array(["a"]))
+        checks.check_mask_dtype("attention_mask", np.array(["a"]))
 
 
 def test_sliding_window_without_causal_is_the_band(rng):

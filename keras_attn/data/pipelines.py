@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_attn import checks
 from keras_attn.data import dates
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -98,14 +99,6 @@ def cache_shuffle_repeat(ds, cache, training, shuffle_buffer, seed, repeat):
     return ds
 
 
-def _check_batch_size(batch_size):
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(
-            "Received an invalid value for argument `batch_size`, expected a "
-            f"positive integer. Received: batch_size={batch_size!r}"
-        )
-
-
 def encode_dates(dataset, max_input_length=dates.MAX_INPUT_LENGTH):
     """`{"text", "iso"}` examples -> `({"encoder_inputs", "decoder_inputs"}, targets)`.
 
@@ -156,7 +149,7 @@ def batch_and_pad(
             boundary raises `InvalidArgumentError` when it is read.
     """
     _check_padding(padding)
-    _check_batch_size(batch_size)
+    checks.check_batch_size(batch_size)
     if padding == "fixed":
         if lengths is None:
             raise ValueError("`padding='fixed'` needs `lengths` (the padded shapes).")
@@ -268,7 +261,7 @@ def distributed_input_fn(make_dataset, global_batch_size, shard=True):
         shard: shard batches by input pipeline (set False when
             `make_dataset` shards its own source, e.g. by file).
     """
-    _check_batch_size(global_batch_size)
+    checks.check_batch_size(global_batch_size)
 
     def input_fn(input_context):
         per_replica = input_context.get_per_replica_batch_size(global_batch_size)

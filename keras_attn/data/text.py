@@ -13,7 +13,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_attn.data.pipelines import AUTOTUNE, _check_batch_size, cache_shuffle_repeat
+from keras_attn import checks
+from keras_attn.data.pipelines import AUTOTUNE, cache_shuffle_repeat
 
 POSITIVE = ["good", "great", "wonderful", "moving", "brilliant", "funny", "superb", "charming"]
 NEGATIVE = ["bad", "boring", "awful", "dull", "terrible", "weak", "clumsy", "tedious"]
@@ -119,7 +120,7 @@ def text_classification_pipeline(
     Raw strings are batched first and vectorised a batch at a time (one
     `TextVectorization` call per batch is much faster than one per example).
     """
-    _check_batch_size(batch_size)
+    checks.check_batch_size(batch_size)
     ds = cache_shuffle_repeat(dataset, cache, training, shuffle_buffer, seed, repeat)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     ds = ds.map(lambda x, y: (vectorizer(x), y), num_parallel_calls=AUTOTUNE,

@@ -4,14 +4,14 @@ Each check raises a ValueError naming the argument and the value received
 ("Received an invalid value for argument `atol`, ..."). `check_keys` is the
 one check of a dict argument's keys (`measure`, `threshold`, and
 `export_all`'s `atol` and `min_agreement`); `check_choice` is the layers'
-(`keras_attn.layers.checks`), shared with them and with `generation`.
+(`keras_attn.checks`), shared with them and with `generation`.
 """
 
 import os
 
 from keras_attn.export.quality import MEASURES, auto_measures
 from keras_attn.export.report import FORMATS
-from keras_attn.layers.checks import check_choice
+from keras_attn.checks import check_choice
 
 __all__ = [
     "by_key",

@@ -170,7 +170,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     def _generate(prompt_ids, encoder_ids=None):
         check = request_checks.Checks("assert" if checks == "assert" else "none", "generate")
         prompt_ids, encoder_ids = _check_inputs(check, "prompt_ids", prompt_ids, encoder_ids)
-        tokens = search._decode_loop(
+        tokens = search.decode_loop(
             model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
             lambda logits, i: tf.argmax(logits, axis=-1),
         )

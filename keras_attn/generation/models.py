@@ -19,7 +19,8 @@ import keras
 from keras import ops
 
 from keras_attn.generation import cache as cache_lib
-from keras_attn.layers import checks as _checks
+from keras_attn import checks as _checks
+from keras_attn.saving import register
 from keras_attn.layers import activations
 from keras_attn.layers.relative_position_bias import RelativePositionBias
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
@@ -364,7 +365,7 @@ class _LMBase(keras.Model):
         return config
 
 
-@_checks.register
+@register
 class DecoderOnlyLM(_LMBase):
     """A pre-norm GPT-style language model of `TransformerDecoderBlock`s.
 
@@ -446,7 +447,7 @@ class DecoderOnlyLM(_LMBase):
         return self._logits(self.embedding, self.final_norm(x)), new_cache
 
 
-@_checks.register
+@register
 class Seq2SeqLM(_LMBase):
     """An encoder-decoder Transformer (`TransformerEncoderBlock`s + decoder blocks).
 

@@ -2,14 +2,16 @@
 
 A cached call writes its new keys and values (`keras_attn.ops.cache`) and
 attends over the cache. `attend_to_cache` returns those keys with their
-positions and validity; the layer turns them into its one mask
-(`keras_attn.ops.masking.mask_from_positions`), as for an uncached call.
+positions and validity (and the new queries' positions); the layer turns
+them into its one `keras_attn.ops.masking.AttentionMask`, whose boolean mask
+holds the band between those positions (`masking.mask_from_positions`).
 """
 
 from typing import NamedTuple
 
 from keras import ops
 
+from keras_attn import checks
 from keras_attn.ops import cache as cache_ops
 from keras_attn.ops import masking
 from keras_attn.ops import shapes
@@ -20,7 +22,8 @@ class CachedKeys(NamedTuple):
 
     `positions` `(T_k,)` are the keys' absolute positions, `valid` `(1, T_k)`
     says which slots hold a key (None: all), `new_cache` is the updated
-    `(key_cache, value_cache)`, `ring` whether the cache is a ring buffer.
+    `(key_cache, value_cache)`, `ring` whether the cache is a ring buffer,
+    `query_positions` `(T_q,)` the absolute positions of the call's queries.
     """
 
     key: object
@@ -29,6 +32,7 @@ class CachedKeys(NamedTuple):
     valid: object
     new_cache: tuple
     ring: bool
+    query_positions: object
 
 
 def check_cache(cache, static_length=True):
@@ -51,22 +55,26 @@ def check_cache(cache, static_length=True):
     return cache[0], cache[1]
 
 
-def attend_to_cache(cache, cache_index, new_key, new_value, query_positions, sliding_window,
+def attend_to_cache(cache, cache_index, new_key, new_value, query_length, sliding_window,
                     use_causal_mask):
-    """The `CachedKeys` of a cached call.
+    """The `CachedKeys` of a cached call with `query_length` new queries.
 
     With `cache_index=None` the cache is complete (cross-attention keys from
-    `project_key_value`) and used as is. Otherwise `new_key`/`new_value`
-    (positions `query_positions`, from `cache_index`) are written first and
-    slots after them hold no key yet. When `sliding_window` equals the cache
-    length the cache is a ring buffer (slot = position mod length): the call
-    attends over the cache as it was plus the new block, so a block may wrap.
+    `project_key_value`) and used as is; the queries are at positions
+    `0 .. query_length - 1`. Otherwise `new_key`/`new_value` (positions from
+    `cache_index`, as the queries') are written first and slots after them
+    hold no key yet. When `sliding_window` equals the cache length the cache
+    is a ring buffer (slot = position mod length): the call attends over the
+    cache as it was plus the new block, so a block may wrap.
     """
     key_cache, value_cache = check_cache(cache, static_length=cache_index is not None)
     length = key_cache.shape[1]
+    query_positions = ops.arange(query_length, dtype="int32")
     if cache_index is None:
         positions = ops.arange(shapes.dim(key_cache, 1), dtype="int32")
-        return CachedKeys(key_cache, value_cache, positions, None, (key_cache, value_cache), False)
+        return CachedKeys(key_cache, value_cache, positions, None, (key_cache, value_cache), False,
+                          query_positions)
+    query_positions = query_positions + ops.cast(cache_index, "int32")
     ring = sliding_window is not None and sliding_window == length
     cache_ops.check_cache_write(length, new_key.shape[1], cache_index, ring=ring)
     if not ring:
@@ -74,7 +82,8 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_positions, sli
         key = cache_ops.write_cache(key_cache, new_key, cache_index)
         value = cache_ops.write_cache(value_cache, new_value, cache_index)
         valid = ops.less(positions, query_positions[-1] + 1)
-        return CachedKeys(key, value, positions, ops.expand_dims(valid, 0), (key, value), False)
+        return CachedKeys(key, value, positions, ops.expand_dims(valid, 0), (key, value), False,
+                          query_positions)
     if not use_causal_mask:
         raise ValueError(
             "A ring-buffer cache (sliding_window == cache length) needs "
@@ -92,6 +101,7 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_positions, sli
         ops.expand_dims(ops.greater_equal(positions, 0), 0),
         new_cache,
         True,
+        query_positions,
     )
 
 
@@ -102,13 +112,13 @@ def key_padding(name, mask, keys, t_q, cache_index):
     tokens are written (`cache_index` given), `T_q` (their own mask, e.g. the
     Keras mask of the new tokens; earlier positions stay visible).
     """
-    masking._check_mask_dtype(name, mask)
+    checks.check_mask_dtype(name, mask)
     if len(mask.shape) != 2:
         raise ValueError(
             f"Expected `{name}` of shape (batch, length) in a cached call. "
             f"Received: {name}.shape={tuple(mask.shape)}"
         )
-    mask = masking._as_bool(mask)
+    mask = masking.as_bool(mask)
     length = keys.new_cache[0].shape[1]
     n = mask.shape[1]
     static_t_q = t_q if isinstance(t_q, int) else None

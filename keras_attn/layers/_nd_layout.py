@@ -8,6 +8,7 @@ masks use Keras's layout `(B, *other, heads, *q_axes, *k_axes)`.
 
 from keras import ops
 
+from keras_attn import checks
 from keras_attn.ops import masking
 
 
@@ -46,10 +47,10 @@ def nd_mask(query, value, query_mask, value_mask, key_mask, attention_mask,
     `attention_mask`. `NDLayout.fold_mask` gives it the scores' layout."""
     parts = []
     if query_mask is not None:
-        parts.append(ops.expand_dims(masking._as_bool(query_mask), -1))
+        parts.append(ops.expand_dims(masking.as_bool(query_mask), -1))
     for m in (value_mask, key_mask):
         if m is not None:
-            parts.append(ops.expand_dims(masking._as_bool(m), -2))
+            parts.append(ops.expand_dims(masking.as_bool(m), -2))
     positional = masking.band(
         ops.arange(ops.shape(query)[1], dtype="int32"),
         ops.arange(ops.shape(value)[1], dtype="int32"),
@@ -58,8 +59,8 @@ def nd_mask(query, value, query_mask, value_mask, key_mask, attention_mask,
     if positional is not None:
         parts.append(ops.expand_dims(positional, 0))
     if attention_mask is not None:
-        masking._check_mask_dtype("attention_mask", attention_mask)
-        parts.append(masking._as_bool(attention_mask))
+        checks.check_mask_dtype("attention_mask", attention_mask)
+        parts.append(masking.as_bool(attention_mask))
     return masking.combine_masks(*parts)
 
 

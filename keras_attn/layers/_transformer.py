@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_attn import checks
 from keras_attn.layers import _common
 from keras_attn.layers import activations
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
@@ -50,16 +51,16 @@ class BlockBase(keras.layers.Layer):
                 f"Received positional arguments: {(num_heads,) + args!r}"
             )
         super().__init__(**kwargs)
-        self.num_heads = _common.check_positive_int("num_heads", num_heads)
-        self.intermediate_dim = _common.check_positive_int("intermediate_dim", intermediate_dim)
-        self.key_dim = _common.check_positive_int("key_dim", key_dim, allow_none=True)
-        self.dropout = _common.check_dropout("dropout", dropout)
-        self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
+        self.num_heads = checks.check_positive_int("num_heads", num_heads)
+        self.intermediate_dim = checks.check_positive_int("intermediate_dim", intermediate_dim)
+        self.key_dim = checks.check_positive_int("key_dim", key_dim, allow_none=True)
+        self.dropout = checks.check_dropout("dropout", dropout)
+        self.chunk_size = checks.check_layer_chunk_size(chunk_size, self.dropout)
         activations.get(activation)  # raises a ValueError naming `activation`
         self.activation = activation
-        self.normalize_first = _common.check_bool("normalize_first", normalize_first)
-        self.layer_norm_epsilon = _common.check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        self.num_key_value_heads = _common.check_num_key_value_heads(
+        self.normalize_first = checks.check_bool("normalize_first", normalize_first)
+        self.layer_norm_epsilon = checks.check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        self.num_key_value_heads = checks.check_num_key_value_heads(
             num_key_value_heads, num_heads
         )
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -69,17 +70,17 @@ class BlockBase(keras.layers.Layer):
         # Self-attention only: each query sees keys fewer than `sliding_window`
         # positions away (causal in the decoder, so a ring-buffer cache of
         # that length suffices for generation).
-        self.sliding_window = _common.check_positive_int(
+        self.sliding_window = checks.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
         # False: padding masks only keys, and padded positions are computed
         # like any token (BERT, GPT-2 and KerasHub semantics); True also
         # zeroes the attention output of padded query rows.
-        self.mask_padded_queries = _common.check_bool("mask_padded_queries", mask_padded_queries)
+        self.mask_padded_queries = checks.check_bool("mask_padded_queries", mask_padded_queries)
         # "rms_norm": Keras's RMSNormalization (scale only; Llama, Gemma, T5);
         # use_gated_feedforward: `output(activation(gate(x)) * intermediate(x))`
         # (SwiGLU with "silu", GeGLU with a GELU; Shazeer, 2020).
-        for name, value in _common.check_block_switches(
+        for name, value in checks.check_block_switches(
             normalization, use_gated_feedforward, attention_use_bias,
             attention_output_use_bias, feedforward_use_bias,
         ).items():

@@ -29,13 +29,13 @@ import math
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
+from keras_attn import saving
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-@keras.saving.register_keras_serializable(package=_common.PACKAGE)
+@keras.saving.register_keras_serializable(package=saving.PACKAGE)
 def gelu(x):
     """Exact GELU (Hendrycks & Gimpel, 2016): `0.5 x (1 + erf(x / sqrt(2)))`.
 
@@ -52,7 +52,7 @@ def gelu(x):
     return 0.5 * x * (1.0 + ops.erf(x * ops.cast(_INV_SQRT2, x.dtype)))
 
 
-@keras.saving.register_keras_serializable(package=_common.PACKAGE)
+@keras.saving.register_keras_serializable(package=saving.PACKAGE)
 def gelu_tanh(x):
     """GELU's tanh approximation, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 
@@ -69,7 +69,7 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + ops.tanh(inner))
 
 
-@keras.saving.register_keras_serializable(package=_common.PACKAGE)
+@keras.saving.register_keras_serializable(package=saving.PACKAGE)
 def quick_gelu(x):
     """`x * sigmoid(1.702 x)`, the GELU approximation of CLIP.
 
@@ -83,7 +83,7 @@ def quick_gelu(x):
     return x * ops.sigmoid(ops.cast(1.702, x.dtype) * x)
 
 
-@keras.saving.register_keras_serializable(package=_common.PACKAGE)
+@keras.saving.register_keras_serializable(package=saving.PACKAGE)
 def silu(x):
     """SiLU / swish, `x * sigmoid(x)`.
 

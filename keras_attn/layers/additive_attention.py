@@ -2,13 +2,15 @@
 
 import keras
 
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import masking
 from keras_attn.ops import recording
 
 
-@_common.register
+@saving.register
 class AdditiveAttention(keras.layers.Layer):
     """Additive attention as in Bahdanau et al. (2015).
 
@@ -58,9 +60,9 @@ class AdditiveAttention(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.units = _common.check_positive_int("units", units)
-        self.dropout = _common.check_dropout("dropout", dropout)
-        self.use_bias = _common.check_bool("use_bias", use_bias)
+        self.units = checks.check_positive_int("units", units)
+        self.dropout = checks.check_dropout("dropout", dropout)
+        self.use_bias = checks.check_bool("use_bias", use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed = seed
@@ -70,7 +72,7 @@ class AdditiveAttention(keras.layers.Layer):
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            _common.check_shape_rank(name, shape, 3, "(batch, seq, features)")
+            checks.check_shape_rank(name, shape, 3, "(batch, seq, features)")
         def dense(name, use_bias):
             return keras.layers.Dense(
                 self.units,

@@ -5,7 +5,8 @@ import math
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _positions
 
 
@@ -21,7 +22,7 @@ def alibi_slopes(num_heads, max_bias=8.0):
     return power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
 
 
-@_common.register
+@saving.register
 class AlibiBias(keras.layers.Layer):
     """Linear distance penalties to add to attention logits (ALiBi).
 
@@ -49,12 +50,12 @@ class AlibiBias(keras.layers.Layer):
 
     def __init__(self, num_heads, max_bias=8.0, **kwargs):
         super().__init__(**kwargs)
-        self.num_heads = _common.check_positive_int("num_heads", num_heads)
-        self.max_bias = _common.check_positive_float("max_bias", max_bias)
+        self.num_heads = checks.check_positive_int("num_heads", num_heads)
+        self.max_bias = checks.check_positive_float("max_bias", max_bias)
         self.built = True
 
     def call(self, query, key=None, start_index=0):
-        _positions.check_start_index(start_index)
+        checks.check_start_index(start_index)
         key = query if key is None else key
         q_pos = _positions.positions(ops.shape(query)[1], start_index)
         k_pos = _positions.positions(ops.shape(key)[1])

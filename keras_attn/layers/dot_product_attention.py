@@ -2,12 +2,14 @@
 
 import keras
 
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _common
 from keras_attn.ops import attention as attention_ops
 from keras_attn.ops import recording
 
 
-@_common.register
+@saving.register
 class DotProductAttention(keras.layers.Layer):
     """Weightless dot-product (Luong) attention over one sequence axis.
 
@@ -55,10 +57,10 @@ class DotProductAttention(keras.layers.Layer):
     def __init__(self, scale="sqrt", dropout=0.0, seed=None, chunk_size=None, **kwargs):
         super().__init__(**kwargs)
         if scale != "sqrt" and scale is not None:
-            _common.check_positive_float("scale", scale)
+            checks.check_positive_float("scale", scale)
         self.scale = scale
-        self.dropout = _common.check_dropout("dropout", dropout)
-        self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
+        self.dropout = checks.check_dropout("dropout", dropout)
+        self.chunk_size = checks.check_layer_chunk_size(chunk_size, self.dropout)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
         self.supports_masking = True

@@ -3,11 +3,11 @@
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
-from keras_attn.layers import _positions
+from keras_attn import checks
+from keras_attn import saving
 
 
-@_common.register
+@saving.register
 class LearnedPositionEmbedding(keras.layers.Layer):
     """A trainable table of `sequence_length` position vectors.
 
@@ -41,7 +41,7 @@ class LearnedPositionEmbedding(keras.layers.Layer):
 
     def __init__(self, sequence_length, initializer="glorot_uniform", **kwargs):
         super().__init__(**kwargs)
-        self.sequence_length = _common.check_positive_int("sequence_length", sequence_length)
+        self.sequence_length = checks.check_positive_int("sequence_length", sequence_length)
         self.initializer = keras.initializers.get(initializer)
         self.supports_masking = True
 
@@ -60,7 +60,7 @@ class LearnedPositionEmbedding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0):
         length_static = inputs.shape[-2]
-        _positions.check_start_index(
+        checks.check_start_index(
             start_index, length_static, self.sequence_length, "LearnedPositionEmbedding"
         )
         length = ops.shape(inputs)[-2]

@@ -3,8 +3,9 @@
 import keras
 from keras import ops
 
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _common
-from keras_attn.layers import _dtype_checks
 from keras_attn.layers import _kv_cache
 from keras_attn.layers import _nd_layout
 from keras_attn.layers import _peer_weights
@@ -17,7 +18,7 @@ from keras_attn.ops import recording
 from keras_attn.ops import shapes
 
 
-@_common.register
+@saving.register
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head attention (Vaswani et al., 2017) with grouped-query heads.
 
@@ -143,23 +144,23 @@ class MultiHeadAttention(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        self.num_heads = _common.check_positive_int("num_heads", num_heads)
-        self.key_dim = _common.check_positive_int("key_dim", key_dim)
-        self.value_dim = _common.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim
+        self.num_heads = checks.check_positive_int("num_heads", num_heads)
+        self.key_dim = checks.check_positive_int("key_dim", key_dim)
+        self.value_dim = checks.check_positive_int("value_dim", value_dim, allow_none=True) or key_dim
         self.num_key_value_heads = (
-            _common.check_num_key_value_heads(num_key_value_heads, num_heads) or num_heads
+            checks.check_num_key_value_heads(num_key_value_heads, num_heads) or num_heads
         )
-        self.dropout = _common.check_dropout("dropout", dropout)
-        self.chunk_size = _common.check_chunk_size(chunk_size, self.dropout)
-        self.use_bias = _common.check_bool("use_bias", use_bias)
-        self.output_use_bias = _common.check_bool(
+        self.dropout = checks.check_dropout("dropout", dropout)
+        self.chunk_size = checks.check_layer_chunk_size(chunk_size, self.dropout)
+        self.use_bias = checks.check_bool("use_bias", use_bias)
+        self.output_use_bias = checks.check_bool(
             "output_use_bias", self.use_bias if output_use_bias is None else output_use_bias
         )
-        self.use_gate = _common.check_bool("use_gate", use_gate)
+        self.use_gate = checks.check_bool("use_gate", use_gate)
         output_shape = proj.check_output_shape(output_shape)
         self._output_shape = output_shape
         self._attention_axes = proj.check_attention_axes(attention_axes)
-        self._sliding_window = _common.check_positive_int(
+        self._sliding_window = checks.check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
         # As Keras: None follows `keras.config.is_flash_attention_enabled()`.
@@ -301,51 +302,37 @@ class MultiHeadAttention(keras.layers.Layer):
         # only inside `ops.recording.recording()`.
         # Flash attention never forms them: such a layer is not recorded.
         record = recording.active() and not self._flash_attention
-        want_scores = return_attention_scores or record
-        overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
-        # Only a cached call with `cache_index` writes new keys; a call with a
-        # complete (cross-attention) cache projects the query alone.
-        new_keys = cache is None or cache_index is not None
-        key_or_value = value if key is None else key
+        # `_compute_attention` gets the `AttentionMask` as it is, except an
+        # override (Keras's override point takes one boolean tensor) and
+        # inputs of rank > 3 (whose mask is Keras's N-D tensor).
+        one_tensor = self._nd is not None or (
+            type(self)._compute_attention is not MultiHeadAttention._compute_attention
+        )
+        if cache is not None and cache_index is None:
+            # A complete (cross-attention) cache: the query alone is projected.
+            value = key = None
         # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
         q, k, v, gate = self._project(
-            query, key_or_value if new_keys else None, value if new_keys else None,
+            query, value if key is None else key, value,
             start_index=start_index if cache_index is None else cache_index,
         )
-        query_positions = ops.arange(shapes.dim(query, 1), dtype="int32")
         keys = None
         if cache is not None:
-            if cache_index is not None:
-                query_positions = query_positions + ops.cast(cache_index, "int32")
             keys = _kv_cache.attend_to_cache(
-                cache, cache_index, k, v, query_positions, self.sliding_window, use_causal_mask
+                cache, cache_index, k, v, shapes.dim(query, 1), self.sliding_window,
+                use_causal_mask,
             )
             k, v = keys.key, keys.value
-        mask, rows, kwargs = self._attention_mask(
-            query, value, key, masks, query_positions, keys, cache_index,
-            use_causal_mask=use_causal_mask,
-            rows_on_output=not (overridden or want_scores),
-            # Recording keeps the band in `mask`, so that the recorded mask is whole.
-            band_in_kernel=not overridden and keys is None and not record,
-        )
+        mask = self._attention_mask(query, value, key, masks, keys, cache_index, use_causal_mask)
+        bias = {}
         if attention_bias is not None:
-            if self._nd is not None:
-                raise ValueError(
-                    "`attention_bias` needs (batch, seq, features) inputs. Received: "
-                    f"query.shape={tuple(query.shape)}"
-                )
-            kwargs["attention_bias"] = attention_ops.check_bias(
-                attention_bias, (q.shape[0], self.num_heads, q.shape[1], k.shape[1]),
-                "attention_bias",
-            )
-        if overridden and self._nd is None and mask is not None and mask.shape[1] == 1:
-            mask = ops.squeeze(mask, 1)  # Keras's (B, T_q, T_k) layout for the override
-        output, scores = self._compute_attention(q, k, v, mask, training, want_scores, **kwargs)
+            bias["attention_bias"] = self._check_attention_bias(attention_bias, query, q, k)
+        output, scores = self._compute_attention(
+            q, k, v, self._keras_mask(mask, q, k) if one_tensor else mask, training,
+            return_attention_scores or record, **bias,
+        )
         if record and scores is not None:
-            recording.add(self, scores, mask)
-        if rows is not None:
-            # expand_dims, not None-indexing (TFLite runs the latter only with Flex).
-            output = output * ops.cast(masking._expand_bool(rows, (2, 3)), output.dtype)
+            recording.add(self, scores, mask.dense(shapes.dim(q, 1), shapes.dim(k, 1)))
         if gate is not None:
             output = output * gate
         output = self._project_output(output)
@@ -365,12 +352,12 @@ class MultiHeadAttention(keras.layers.Layer):
                 )
             return
         key = value if key is None else key
-        checks = (("query", query, d_q), ("value", value, d_v), ("key", key, d_k))
+        features = (("query", query, d_q), ("value", value, d_v), ("key", key, d_k))
         if self._nd is None:
-            _common.check_attention_inputs(query, value, key, feature_checks=checks)
+            checks.check_attention_inputs(query, value, key, feature_checks=features)
             return
         proj.check_shapes(query.shape, value.shape, key.shape)
-        for name, x, expected in checks:
+        for name, x, expected in features:
             if len(x.shape) != len(query.shape) or x.shape[-1] not in (None, expected):
                 raise ValueError(
                     f"The layer was built for `{name}` of rank {len(query.shape)} with "
@@ -416,75 +403,77 @@ class MultiHeadAttention(keras.layers.Layer):
             return proj.project_output(output, self._output_dense)
         return self._output_dense(output)
 
-    def _attention_mask(self, query, value, key, masks, query_positions, keys, cache_index, *,
-                        use_causal_mask, rows_on_output, band_in_kernel):
-        """`(mask, rows, kwargs)`: the call's one boolean mask, built from
-        positions (`masking.mask_from_positions`).
+    def _attention_mask(self, query, value, key, masks, keys, cache_index, use_causal_mask):
+        """The call's one `masking.AttentionMask`, built from positions.
 
-        With `rows_on_output`, `rows` is the `(B, T_q)` query padding mask,
-        applied to the output instead (a row mask only zeroes whole output
-        rows, which leaves a key-only mask that the kernel folds into the
-        logits for free); with
-        `band_in_kernel`, `kwargs` carry the causal / window band to the
-        kernel (built block by block on the blocked path), else it is part
-        of `mask`. `keys`: the `CachedKeys` of a cached call, which supply
-        the keys' positions and which slots hold one.
+        Uncached, the mask of every attention layer
+        (`_common.merge_attention_masks`): the causal / window band stays a
+        description for the kernel, and the query padding apart. With a
+        cache (`keys`, a `_kv_cache.CachedKeys`, supplies the keys'
+        positions and which slots hold one), the band between those
+        positions is part of the boolean mask
+        (`masking.mask_from_positions`). For inputs of rank > 3, Keras's N-D
+        mask (`_nd_layout.nd_mask`).
         """
         query_mask, value_mask, key_mask, attention_mask = masks
-        window = self.sliding_window
         if self._nd is not None:
-            mask = _nd_layout.nd_mask(
+            return masking.AttentionMask(_nd_layout.nd_mask(
                 query, value, query_mask, value_mask, key_mask, attention_mask,
-                use_causal_mask, window,
-            )
-            return mask, None, {}
-        rows, kwargs = None, {}
-        if query_mask is not None:
-            _common.check_padding_mask("query_mask", query_mask, query, "query")
-            if rows_on_output:
-                rows, query_mask = masking._as_bool(query_mask), None
-        if keys is None:
-            if key is None or key is value:
-                key_mask, key = None, value
-            _common.check_padding_mask("value_mask", value_mask, value, "value")
-            _common.check_padding_mask("key_mask", key_mask, key, "key")
-            key_valid = masking.combine_masks(value_mask, key_mask)
-            key_length = value.shape[1]
-            key_positions = ops.arange(shapes.dim(value, 1), dtype="int32")
-        else:
-            t_q = shapes.dim(query, 1)
-            key_valid = masking.combine_masks(keys.valid, *(
-                _kv_cache.key_padding(name, m, keys, t_q, cache_index)
-                for name, m in (("value_mask", value_mask), ("key_mask", key_mask))
-                if m is not None
+                use_causal_mask, self.sliding_window,
             ))
-            if keys.ring and attention_mask is not None:
-                raise ValueError(
-                    "`attention_mask` is not supported with a ring-buffer cache (its "
-                    "slots hold changing positions); a `(B, T_q)` padding mask of "
-                    "the new tokens is. Received: attention_mask.shape="
-                    f"{tuple(attention_mask.shape)}"
-                )
-            key_length = keys.new_cache[0].shape[1]
-            key_positions = keys.positions
-        is_causal = bool(use_causal_mask)
-        if keys is not None and cache_index is None:
-            is_causal, window = False, None  # a complete cross-attention cache has no band
-        if band_in_kernel:
-            if is_causal:
-                kwargs["use_causal_mask"] = True
-            if window is not None:
-                kwargs["sliding_window"] = window
-            is_causal, window = False, None
+        if keys is None:
+            return _common.merge_attention_masks(
+                query, value, key, query_mask=query_mask, value_mask=value_mask,
+                key_mask=key_mask, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask, num_heads=self.num_heads,
+                sliding_window=self.sliding_window,
+            )
+        checks.check_padding_mask("query_mask", query_mask, query, "query")
+        t_q = shapes.dim(query, 1)
+        key_valid = masking.combine_masks(keys.valid, *(
+            _kv_cache.key_padding(name, m, keys, t_q, cache_index)
+            for name, m in (("value_mask", value_mask), ("key_mask", key_mask))
+            if m is not None
+        ))
+        if keys.ring and attention_mask is not None:
+            raise ValueError(
+                "`attention_mask` is not supported with a ring-buffer cache (its "
+                "slots hold changing positions); a `(B, T_q)` padding mask of "
+                "the new tokens is. Received: attention_mask.shape="
+                f"{tuple(attention_mask.shape)}"
+            )
+        complete = cache_index is None  # a complete cross-attention cache has no band
         mask = masking.mask_from_positions(
-            query_positions, key_positions, is_causal=is_causal, sliding_window=window,
-            query_valid=query_mask, key_valid=key_valid,
+            keys.query_positions, keys.positions, is_causal=bool(use_causal_mask) and not complete,
+            sliding_window=None if complete else self.sliding_window, key_valid=key_valid,
             attention_mask=masking.normalize_attention_mask(
                 attention_mask, batch_size=query.shape[0], query_length=query.shape[1],
-                key_length=key_length, num_heads=self.num_heads,
+                key_length=keys.new_cache[0].shape[1], num_heads=self.num_heads,
             ),
         )
-        return mask, rows, kwargs
+        return masking.AttentionMask(mask, query_valid=masking.as_bool(query_mask))
+
+    def _keras_mask(self, mask, query, key):
+        """`mask` (an `AttentionMask`) as the one boolean tensor Keras's
+        `_compute_attention` takes: `(B|1, T_q, T_k)`, or `(B|1, H, T_q, T_k)`
+        when it varies by head (N-D inputs: Keras's N-D layout)."""
+        dense = mask.dense(shapes.dim(query, 1), shapes.dim(key, 1))
+        if self._nd is None and dense is not None and dense.shape[1] == 1:
+            dense = ops.squeeze(dense, 1)
+        return dense
+
+    def _check_attention_bias(self, attention_bias, query, q, k):
+        """`attention_bias` against the projected `q` and `k` (an input `query`
+        of rank > 3 takes none)."""
+        if self._nd is not None:
+            raise ValueError(
+                "`attention_bias` needs (batch, seq, features) inputs. Received: "
+                f"query.shape={tuple(query.shape)}"
+            )
+        return checks.check_bias(
+            attention_bias, (q.shape[0], self.num_heads, q.shape[1], k.shape[1]),
+            "attention_bias",
+        )
 
     def _compute_attention(
         self,
@@ -509,6 +498,11 @@ class MultiHeadAttention(keras.layers.Layer):
         `|i - j| < sliding_window` (built block by block on the blocked
         path); `attention_bias` is added to the logits. For
         rank > 3 inputs, tensors have Keras's N-D layouts.
+
+        The layer's own call passes its `masking.AttentionMask` as
+        `attention_mask` (band and query padding included), which goes to
+        `keras_attn.ops.dot_product_attention` as it is; an override gets
+        the one boolean tensor instead.
         """
         if self._flash_attention and return_attention_scores:
             raise ValueError(
@@ -518,18 +512,20 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         # Called directly (an override calling super()), inputs may be NumPy.
         query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
-        if attention_mask is not None:
-            attention_mask = ops.convert_to_tensor(attention_mask)
-            masking._check_mask_dtype("attention_mask", attention_mask)
-            attention_mask = masking._as_bool(attention_mask)
-        if len(query.shape) > 4:
-            return self._compute_nd_attention(
-                query, key, value, attention_mask, training, return_attention_scores,
-                use_causal_mask,
-            )
-        if attention_mask is not None:
-            while len(attention_mask.shape) < 4:  # Keras's layout, from an override
-                attention_mask = ops.expand_dims(attention_mask, -3)
+        if not isinstance(attention_mask, masking.AttentionMask):
+            # Keras's one boolean tensor: from an override, N-D inputs, a direct call.
+            if attention_mask is not None:
+                attention_mask = ops.convert_to_tensor(attention_mask)
+                checks.check_mask_dtype("attention_mask", attention_mask)
+                attention_mask = masking.as_bool(attention_mask)
+            if len(query.shape) > 4:
+                return self._compute_nd_attention(
+                    query, key, value, attention_mask, training, return_attention_scores,
+                    use_causal_mask,
+                )
+            if attention_mask is not None:
+                while len(attention_mask.shape) < 4:  # Keras's layout
+                    attention_mask = ops.expand_dims(attention_mask, -3)
         result = attention_ops.dot_product_attention(
             query,
             key,
@@ -584,7 +580,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self, query, value, key=None, return_attention_scores=False, cache=None,
         cache_index=None, **kwargs
     ):
-        _dtype_checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
+        checks.check_float_features("MultiHeadAttention", query=query, value=value, key=key)
         shapes_in = [None if x is None else x.shape for x in (query, value, key)]
         result = (keras.KerasTensor(self.compute_output_shape(*shapes_in), dtype=self.compute_dtype),)
         if return_attention_scores:

@@ -5,8 +5,8 @@ import math
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
-from keras_attn.layers import _positions
+from keras_attn import checks
+from keras_attn import saving
 
 
 def relative_position_buckets(relative_position, bidirectional, num_buckets, max_distance):
@@ -32,7 +32,7 @@ def relative_position_buckets(relative_position, bidirectional, num_buckets, max
     return result + ops.where(is_small, n, large)
 
 
-@_common.register
+@saving.register
 class RelativePositionBias(keras.layers.Layer):
     """Learned per-head bias of the bucketed distance between query and key.
 
@@ -72,10 +72,10 @@ class RelativePositionBias(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.num_heads = _common.check_positive_int("num_heads", num_heads)
-        self.num_buckets = _common.check_positive_int("num_buckets", num_buckets)
-        self.max_distance = _common.check_positive_int("max_distance", max_distance)
-        self.bidirectional = _common.check_bool("bidirectional", bidirectional)
+        self.num_heads = checks.check_positive_int("num_heads", num_heads)
+        self.num_buckets = checks.check_positive_int("num_buckets", num_buckets)
+        self.max_distance = checks.check_positive_int("max_distance", max_distance)
+        self.bidirectional = checks.check_bool("bidirectional", bidirectional)
         min_buckets = 4 if bidirectional else 2
         if num_buckets < min_buckets or (bidirectional and num_buckets % 2):
             raise ValueError(
@@ -101,7 +101,7 @@ class RelativePositionBias(keras.layers.Layer):
         self.built = True
 
     def call(self, query, key=None, start_index=0):
-        _positions.check_start_index(start_index)
+        checks.check_start_index(start_index)
         key = query if key is None else key
         q_pos = ops.arange(ops.shape(query)[1], dtype="int32") + ops.cast(start_index, "int32")
         k_pos = ops.arange(ops.shape(key)[1], dtype="int32")

@@ -3,10 +3,10 @@
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
+from keras_attn import saving
 
 
-@_common.register
+@saving.register
 class ReversibleEmbedding(keras.layers.Embedding):
     """`keras.layers.Embedding` whose table is reused as the output head.
 

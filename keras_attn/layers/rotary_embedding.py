@@ -5,11 +5,12 @@ import math
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _positions
 
 
-@_common.register
+@saving.register
 class RotaryEmbedding(keras.layers.Layer):
     """Rotates feature pairs by position-dependent angles (RoPE).
 
@@ -56,8 +57,8 @@ class RotaryEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.max_wavelength = _common.check_positive_float("max_wavelength", max_wavelength)
-        self.scaling_factor = _common.check_positive_float("scaling_factor", scaling_factor)
+        self.max_wavelength = checks.check_positive_float("max_wavelength", max_wavelength)
+        self.scaling_factor = checks.check_positive_float("scaling_factor", scaling_factor)
         self.rope_scaling = check_rope_scaling(rope_scaling)
         if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
             raise TypeError(f"`sequence_axis` must be an int. Received: sequence_axis={sequence_axis!r}")
@@ -66,7 +67,7 @@ class RotaryEmbedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, start_index=0):
-        _positions.check_start_index(start_index)
+        checks.check_start_index(start_index)
         rank = len(inputs.shape)
         dim = inputs.shape[-1]
         axis = self.sequence_axis % rank

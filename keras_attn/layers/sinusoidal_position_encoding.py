@@ -3,11 +3,12 @@
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _positions
 
 
-@_common.register
+@saving.register
 class SinusoidalPositionEncoding(keras.layers.Layer):
     """Sinusoidal position encoding, `PE[p, 2i] = sin(p / w^(2i/d))`, `PE[p, 2i+1] = cos(...)`.
 
@@ -35,12 +36,12 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
 
     def __init__(self, max_wavelength=10000, **kwargs):
         super().__init__(**kwargs)
-        self.max_wavelength = _common.check_positive_float("max_wavelength", max_wavelength)
+        self.max_wavelength = checks.check_positive_float("max_wavelength", max_wavelength)
         self.supports_masking = True
         self.built = True
 
     def call(self, inputs, start_index=0):
-        _positions.check_start_index(start_index)
+        checks.check_start_index(start_index)
         if len(inputs.shape) < 2 or inputs.shape[-1] is None:
             raise ValueError(
                 "Expected `inputs` of shape (..., seq, features) with a known "

@@ -2,9 +2,9 @@
 
 import keras
 
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _common
-from keras_attn.layers import _dtype_checks
-from keras_attn.layers import _positions
 from keras_attn.layers._layer_norm import LastAxisLayerNorm
 from keras_attn.layers.learned_position_embedding import LearnedPositionEmbedding
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
@@ -17,7 +17,7 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
-@_common.register
+@saving.register
 class TokenAndPositionEmbedding(keras.layers.Layer):
     """Embeds token ids and adds sinusoidal or learned position information.
 
@@ -86,18 +86,18 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = _common.check_positive_int("vocabulary_size", vocabulary_size)
-        self.sequence_length = _common.check_positive_int("sequence_length", sequence_length)
-        self.embedding_dim = _common.check_positive_int("embedding_dim", embedding_dim)
-        self.position = _common.check_choice("position", position, POSITION_KINDS)
-        self.mask_zero = _common.check_bool("mask_zero", mask_zero)
+        self.vocabulary_size = checks.check_positive_int("vocabulary_size", vocabulary_size)
+        self.sequence_length = checks.check_positive_int("sequence_length", sequence_length)
+        self.embedding_dim = checks.check_positive_int("embedding_dim", embedding_dim)
+        self.position = checks.check_choice("position", position, POSITION_KINDS)
+        self.mask_zero = checks.check_bool("mask_zero", mask_zero)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.max_wavelength = max_wavelength
-        self.type_vocabulary_size = _common.check_positive_int(
+        self.type_vocabulary_size = checks.check_positive_int(
             "type_vocabulary_size", type_vocabulary_size, allow_none=True
         )
-        self.use_layer_norm = _common.check_bool("use_layer_norm", use_layer_norm)
-        self.layer_norm_epsilon = _common.check_positive_float(
+        self.use_layer_norm = checks.check_bool("use_layer_norm", use_layer_norm)
+        self.layer_norm_epsilon = checks.check_positive_float(
             "layer_norm_epsilon", layer_norm_epsilon
         )
         self.token_embedding = ReversibleEmbedding(
@@ -136,7 +136,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.supports_masking = mask_zero
 
     def build(self, inputs_shape, token_type_ids_shape=None):
-        _common.check_shape_rank("inputs", inputs_shape, 2, "(batch, seq) of token ids")
+        checks.check_shape_rank("inputs", inputs_shape, 2, "(batch, seq) of token ids")
         self.token_embedding.build(inputs_shape)
         self.position_embedding.build(tuple(inputs_shape) + (self.embedding_dim,))
         if self.token_type_embedding is not None:
@@ -148,9 +148,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     def call(self, inputs, start_index=0, token_type_ids=None, reverse=False):
         if reverse:
             return self.token_embedding(inputs, reverse=True)
-        _dtype_checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
+        checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
         if self.position == "learned":
-            _positions.check_start_index(
+            checks.check_start_index(
                 start_index, inputs.shape[1], self.sequence_length, "TokenAndPositionEmbedding"
             )
         if token_type_ids is not None and self.token_type_embedding is None:

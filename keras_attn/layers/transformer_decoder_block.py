@@ -3,7 +3,8 @@
 import keras
 from keras import ops
 
-from keras_attn.layers import _common
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _peer_weights
 from keras_attn.layers import _transformer
 from keras_attn.ops import masking
@@ -13,7 +14,7 @@ from keras_attn.ops import masking
 _SAME_AS_QUERY = object()
 
 
-@_common.register
+@saving.register
 class TransformerDecoderBlock(_transformer.BlockBase):
     """One Transformer decoder layer (Vaswani et al., 2017).
 
@@ -86,7 +87,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
 
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         layout = "(batch, seq, features)"
-        _common.check_shape_rank("decoder_sequence", decoder_sequence_shape, 3, layout)
+        checks.check_shape_rank("decoder_sequence", decoder_sequence_shape, 3, layout)
         hidden = decoder_sequence_shape[-1]
         self.self_attention = self._attention(
             "self_attention", hidden, self.rotary_embedding, self.sliding_window
@@ -97,7 +98,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         self.self_attention_dropout = self._dropout("self_attention_dropout")
         self.cross_attention = None
         if encoder_sequence_shape is not None:
-            _common.check_shape_rank("encoder_sequence", encoder_sequence_shape, 3, layout)
+            checks.check_shape_rank("encoder_sequence", encoder_sequence_shape, 3, layout)
             self.cross_attention = self._attention("cross_attention", hidden, None)
             self.cross_attention.build(decoder_sequence_shape, encoder_sequence_shape)
             self.cross_attention_layer_norm = self._norm("cross_attention_layer_norm")

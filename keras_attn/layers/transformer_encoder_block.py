@@ -2,13 +2,14 @@
 
 import keras
 
-from keras_attn.layers import _common
+from keras_attn import checks
+from keras_attn import saving
 from keras_attn.layers import _peer_weights
 from keras_attn.layers import _transformer
 from keras_attn.ops import masking
 
 
-@_common.register
+@saving.register
 class TransformerEncoderBlock(_transformer.BlockBase):
     """One Transformer encoder layer (Vaswani et al., 2017).
 
@@ -105,7 +106,7 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         return _peer_weights.encoder_from_keras_hub(cls, layer)
 
     def build(self, inputs_shape):
-        _common.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")
+        checks.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")
         self.self_attention = self._attention(
             "self_attention", inputs_shape[-1], self.rotary_embedding, self.sliding_window
         )

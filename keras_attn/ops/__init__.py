@@ -14,6 +14,7 @@ from keras_attn.ops.cache import write_cache
 from keras_attn.ops.dispatch import KernelPlan
 from keras_attn.ops.dispatch import last_kernel
 from keras_attn.ops.dispatch import select_kernel
+from keras_attn.ops.masking import AttentionMask
 from keras_attn.ops.masking import broadcast_attention_mask
 from keras_attn.ops.masking import band
 from keras_attn.ops.masking import causal_mask
@@ -25,6 +26,7 @@ from keras_attn.ops.masking import padding_mask_to_attention_mask
 from keras_attn.ops.masking import sliding_window_mask
 
 __all__ = [
+    "AttentionMask",
     "KernelPlan",
     "additive_attention",
     "attend_from_logits",

@@ -13,17 +13,13 @@ import math
 
 from keras import ops
 
+from keras_attn import checks
 from keras_attn.ops import chunked
 from keras_attn.ops import dispatch
 from keras_attn.ops import masking
 from keras_attn.ops import reference
 from keras_attn.ops import shapes
 from keras_attn.ops import tf_kernels
-from keras_attn.ops.validation import check_bias  # noqa: F401  (public here)
-from keras_attn.ops.validation import check_dropout  # noqa: F401
-from keras_attn.ops.validation import check_heads_and_sizes
-from keras_attn.ops.validation import check_sliding_window
-from keras_attn.ops.validation import check_start_index
 
 
 def attend_from_logits(
@@ -60,7 +56,7 @@ def attend_from_logits(
     return reference.attend_with_bias(
         ops.cast(logits, "float32"),
         value,
-        mask=None if mask is None else masking._as_bool(mask),
+        mask=None if mask is None else masking.as_bool(mask),
         bias=bias,
         every_row_sees_a_key=every_row_sees_a_key,
         dropout_rate=dropout_rate,
@@ -74,10 +70,10 @@ def attend_from_logits(
 def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_attention_scores,
           flash_attention=None):
     """Validates the call's sizes and options; returns `(plan, chunks, dropout_rate)`."""
-    check_heads_and_sizes(query, key, value)
-    dropout_rate = check_dropout("dropout_rate", dropout_rate)
+    checks.check_heads_and_sizes(query, key, value)
+    dropout_rate = checks.check_dropout("dropout_rate", dropout_rate)
     dropout_active = bool(training) and dropout_rate > 0.0
-    chunks = dispatch.check_chunk_size(chunk_size)
+    chunks = checks.check_chunk_size(chunk_size)
     if isinstance(chunks, tuple) and (return_attention_scores or dropout_active):
         raise ValueError(
             "The blocked attention path (`chunk_size`) never builds the full "
@@ -160,7 +156,11 @@ def dot_product_attention(
         attention_mask: boolean (True = attend), broadcastable to
             `(B, H, T_q, T_k)` by the usual right-aligned rule, as in
             `keras.ops.dot_product_attention` and PyTorch SDPA: `(T_q, T_k)`,
-            `(B, 1, T_q, T_k)`, `(B, H, T_q, T_k)`...
+            `(B, 1, T_q, T_k)`, `(B, H, T_q, T_k)`... Or a
+            `keras_attn.ops.AttentionMask` (what the layers pass: the whole
+            mask of the call, band and padded query rows included), taken as
+            it is; `key_padding_mask`, `is_causal`, `start_index` and
+            `sliding_window` are then left at their defaults.
         key_padding_mask: boolean `(B, T_k)`, True for the keys to attend to.
         bias: additive logits bias broadcastable to `(B, H, T_q, T_k)`
             (ALiBi, relative positions).
@@ -210,25 +210,23 @@ def dot_product_attention(
         flash_attention=flash_attention,
     )
     kernel = plan.attention
-    check_start_index(start_index)
-    sliding_window = check_sliding_window(sliding_window)
     scores_shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-    bias = check_bias(bias, scores_shape)
-    mask = masking.combine_masks(
-        masking.broadcast_attention_mask(attention_mask, scores_shape),
-        masking.key_padding_mask_to_attention_mask(
-            key_padding_mask, batch_size=scores_shape[0], key_length=scores_shape[3]
-        ),
+    bias = checks.check_bias(bias, scores_shape)
+    mask = _attention_mask(
+        attention_mask, key_padding_mask, scores_shape, is_causal=is_causal,
+        start_index=start_index, sliding_window=sliding_window,
     )
+    if return_attention_scores:
+        mask = mask.with_query_rows_in_mask()  # zero scores for padded query rows
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     scale = float(scale)
     dispatch.record(kernel)
 
+    common = dict(mask=mask, bias=bias, scale=scale)
     if kernel == "blocked":
         run = lambda q, k, v, m, b: chunked.chunked_dot_product_attention(  # noqa: E731
-            q, k, v, attention_mask=m, bias=b, is_causal=is_causal, scale=scale,
-            start_index=start_index, sliding_window=sliding_window, chunk_size=chunks,
+            q, k, v, mask=m, bias=b, scale=scale, chunk_size=chunks,
         )
         groups = 1
         if plan.cpu_kernels:
@@ -238,44 +236,66 @@ def dot_product_attention(
                 None if scores_shape[3] is None else min(chunks[1], scores_shape[3]),
             )
             groups = tf_kernels.head_groups(blocks_shape, key.shape[2])
-        return tf_kernels.in_head_groups(run, groups, query, key, value, mask, bias)
+        result = tf_kernels.in_head_groups(run, groups, query, key, value, mask, bias)
+    elif kernel == "keras":
+        result = _keras_attention(query, key, value, flash=plan.flash, **common)
+    else:
+        attend = tf_kernels.tf_cpu_attention if kernel == "tf_cpu" else reference.reference_attention
+        result = attend(
+            query, key, value, dropout_rate=dropout_rate, training=training, seed=seed,
+            return_attention_scores=return_attention_scores, **common,
+        )
+    # Padded query rows give zeros (with the scores, they are part of `mask`).
+    return result if return_attention_scores else mask.zero_padded_rows(result)
 
-    # A causal mask alone always leaves key 0 visible (start_index >= 0).
-    every_row_sees_a_key = is_causal and mask is None and sliding_window is None
-    # Keras' own causal flag (what flash kernels want) means start_index 0
-    # and T_q == T_k; other causal masks are built here.
-    keras_causal = (
-        kernel == "keras" and is_causal and sliding_window is None
-        and isinstance(start_index, int) and start_index == 0
-        and query.shape[1] is not None and query.shape[1] == key.shape[1]
-    )
-    mask = masking.combine_masks(
-        mask,
-        masking.position_mask(
-            shapes.dim(query, 1), shapes.dim(key, 1), is_causal=is_causal and not keras_causal,
-            sliding_window=sliding_window, start_index=start_index,
+
+def _attention_mask(attention_mask, key_padding_mask, scores_shape, *, is_causal, start_index,
+                    sliding_window):
+    """The call's `masking.AttentionMask`: taken as it is when given as one,
+    else built from the mask arguments (validated)."""
+    if isinstance(attention_mask, masking.AttentionMask):
+        if key_padding_mask is not None or is_causal or sliding_window is not None or not (
+            isinstance(start_index, int) and start_index == 0
+        ):
+            raise ValueError(
+                "An `AttentionMask` carries the whole mask of the call: pass "
+                "`key_padding_mask`, `is_causal`, `start_index` and `sliding_window` "
+                "in it, not beside it. Received: key_padding_mask="
+                f"{'None' if key_padding_mask is None else 'a mask'}, is_causal={is_causal!r}, "
+                f"start_index={start_index!r}, sliding_window={sliding_window!r}"
+            )
+        return attention_mask
+    checks.check_start_index(start_index)
+    return masking.AttentionMask(
+        mask=masking.combine_masks(
+            masking.broadcast_attention_mask(attention_mask, scores_shape),
+            masking.key_padding_mask_to_attention_mask(
+                key_padding_mask, batch_size=scores_shape[0], key_length=scores_shape[3]
+            ),
         ),
+        is_causal=bool(is_causal),
+        sliding_window=checks.check_sliding_window(sliding_window),
+        start_index=start_index,
     )
-    common = dict(
-        mask=mask, bias=bias, scale=scale, every_row_sees_a_key=every_row_sees_a_key,
-        dropout_rate=dropout_rate, training=training, seed=seed,
-        return_attention_scores=return_attention_scores,
-    )
-    if kernel == "keras":
-        return _keras_attention(query, key, value, is_causal=keras_causal, flash=plan.flash,
-                                **common)
-    if kernel == "tf_cpu":
-        return tf_kernels.tf_cpu_attention(query, key, value, **common)
-    return reference.reference_attention(query, key, value, **common)
 
 
-def _keras_attention(query, key, value, *, mask, bias, scale, every_row_sees_a_key, is_causal,
-                     flash=None, **unused):
+def _keras_attention(query, key, value, *, mask, bias, scale, flash=None):
     """The `"keras"` kernel: `keras.ops.dot_product_attention` (cuDNN or
     flash attention where Keras has them), plus keras_attn's semantics: a
     float32 softmax for float32 inputs, and zeros for rows that see no key
-    (Keras gives them uniform weights)."""
-    del unused
+    (Keras gives them uniform weights). `mask`: a `masking.AttentionMask`."""
+    # Keras' own causal flag (what flash kernels want) means start_index 0
+    # and T_q == T_k; other bands are built here.
+    keras_causal = (
+        mask.is_causal and mask.sliding_window is None
+        and isinstance(mask.start_index, int) and mask.start_index == 0
+        and query.shape[1] is not None and query.shape[1] == key.shape[1]
+    )
+    every_row_sees_a_key = mask.every_row_sees_a_key
+    if keras_causal:
+        mask = mask.mask
+    else:
+        mask = mask.logits_mask(shapes.dim(query, 1), shapes.dim(key, 1))
     groups = query.shape[2] // key.shape[2]
     if groups > 1 and (flash or key.shape[2] == 1):
         # Multi-query: Keras' TensorFlow version repeats key/value heads only
@@ -283,7 +303,7 @@ def _keras_attention(query, key, value, *, mask, bias, scale, every_row_sees_a_k
         key = ops.repeat(key, groups, axis=2)
         value = ops.repeat(value, groups, axis=2)
     out = ops.dot_product_attention(
-        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=keras_causal,
         flash_attention=flash,
     )
     if mask is not None and not every_row_sees_a_key:
@@ -332,7 +352,7 @@ def additive_attention(
         ops.expand_dims(logits, 1),
         ops.expand_dims(value, 2),
         mask=mask,
-        dropout_rate=check_dropout("dropout_rate", dropout_rate),
+        dropout_rate=checks.check_dropout("dropout_rate", dropout_rate),
         training=training,
         seed=seed,
         return_attention_scores=return_attention_scores,

@@ -9,7 +9,7 @@ and the generation models (`keras_attn.generation.cache`).
 
 from keras import ops
 
-from keras_attn.ops.shapes import static_int
+from keras_attn.checks import static_int
 
 
 def write_cache(cache, new, index, ring=False):

@@ -28,6 +28,7 @@ import math
 
 from keras import ops
 
+from keras_attn import checks
 from keras_attn.ops import dispatch
 from keras_attn.ops import masking
 from keras_attn.ops.shapes import dim as _dim
@@ -182,25 +183,23 @@ def chunked_dot_product_attention(
     key,
     value,
     *,
-    attention_mask=None,
+    mask=None,
     bias=None,
-    is_causal=False,
     scale=None,
-    start_index=0,
-    sliding_window=None,
     chunk_size=DEFAULT_CHUNK_SIZE,
 ):
     """Exact scaled dot-product attention in `O(T)` memory.
 
-    Same inputs and outputs as `keras_attn.ops.dot_product_attention` (use
+    The `"blocked"` kernel of `keras_attn.ops.dot_product_attention` (use
     that, with `chunk_size=`, rather than this function): `query`
     `(B, T_q, H, D)`, `key` `(B, T_k, H_kv, D)`, `value` `(B, T_k, H_kv, D_v)`,
-    a boolean `attention_mask` already normalised to rank 4
-    `(B|1, H|1, T_q|1, T_k)`, an additive `bias` broadcastable to
-    `(B, H, T_q, T_k)`. The softmax runs in float32; query rows without any
-    visible key give zeros (outputs and gradients). Dropout on the
-    probabilities and returning the scores are not available here (both
-    need the full score matrix).
+    `mask` a `masking.AttentionMask` (or None) whose boolean `mask` is rank 4
+    `(B|1, H|1, T_q|1, T_k)` and whose causal / sliding-window band is built
+    here block by block (its padded query rows are zeroed by the caller), an
+    additive `bias` broadcastable to `(B, H, T_q, T_k)`. The softmax runs in
+    float32; query rows without any visible key give zeros (outputs and
+    gradients). Dropout on the probabilities and returning the scores are
+    not available here (both need the full score matrix).
 
     Args:
         chunk_size: `q_chunk` for both axes, or a pair `(q_chunk, k_chunk)`:
@@ -212,7 +211,8 @@ def chunked_dot_product_attention(
     Returns:
         `(B, T_q, H, D_v)` in `value`'s dtype.
     """
-    chunks = dispatch.check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
+    chunks = checks.check_chunk_size(chunk_size) or (DEFAULT_CHUNK_SIZE,) * 2
+    mask = masking.AttentionMask() if mask is None else mask
     out_dtype = value.dtype
     q = ops.cast(query, "float32")
     k = ops.cast(key, "float32")
@@ -223,8 +223,8 @@ def chunked_dot_product_attention(
     scale = float(scale)
 
     mask5 = None
-    if attention_mask is not None:
-        mask5 = to_5d(masking._as_bool(attention_mask), num_heads, num_kv_heads)
+    if mask.mask is not None:
+        mask5 = to_5d(masking.as_bool(mask.mask), num_heads, num_kv_heads)
     bias5 = None
     if bias is not None:
         bias = ops.cast(bias, "float32")
@@ -240,9 +240,9 @@ def chunked_dot_product_attention(
             t_k=_dim(k, 1),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            is_causal=is_causal,
-            window=sliding_window,
-            start=ops.cast(start_index, "int32"),
+            is_causal=mask.is_causal,
+            window=mask.sliding_window,
+            start=ops.cast(mask.start_index, "int32"),
             mask5=mask5,
         )
 

@@ -31,25 +31,6 @@ DEFAULT_CHUNK_SIZE = 1024
 _last = {"kernel": None}
 
 
-def check_chunk_size(chunk_size, name="chunk_size"):
-    """Validates `chunk_size`: None, 0 (never blocked), a positive int or a
-    pair `(q_chunk, k_chunk)`. Returns None, 0 or a `(q_chunk, k_chunk)` tuple."""
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size == 0:
-        return 0
-    pair = chunk_size if isinstance(chunk_size, (tuple, list)) else (chunk_size, chunk_size)
-    if len(pair) != 2 or not all(
-        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in pair
-    ):
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected None, 0, a "
-            "positive integer or a pair of positive integers (q_chunk, k_chunk). "
-            f"Received: {name}={chunk_size!r}"
-        )
-    return (int(pair[0]), int(pair[1]))
-
-
 class KernelPlan(NamedTuple):
     """Everything that depends on the backend, device, dtype and setting.
 
@@ -124,7 +105,8 @@ def select_kernel(
 
     Args:
         query_length, key_length: static sequence lengths (None if unknown).
-        chunk_size: the call's `chunk_size` (validated): a pair asks for the
+        chunk_size: the call's `chunk_size` (validated by
+            `keras_attn.checks.check_chunk_size`): a pair asks for the
             blocked path, 0 forbids it, None lets the sizes decide.
         dropout_active: dropout on the probabilities in training.
         return_attention_scores: the caller wants the probabilities.

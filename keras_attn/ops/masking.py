@@ -2,15 +2,20 @@
 
 All masks here are boolean: `True` means "may attend". Masks combine by
 logical AND. Attention masks are normalised to rank 4, broadcastable to
-`(batch, heads, T_q, T_k)`.
+`(batch, heads, T_q, T_k)`. One attention call's masks travel as one
+`AttentionMask`: the boolean mask, the causal / sliding-window band as a
+description (built by the kernel, `band`), and the padded query rows.
 
 The causal and sliding-window masks are built from `arange` comparisons
 (no `cumsum`/`tril`/strided slices), so they lower to TFLite builtin ops
 and ONNX for any (dynamic) sequence length.
 """
 
-import keras
+from typing import NamedTuple
+
 from keras import ops
+
+from keras_attn.checks import check_mask_dtype
 
 
 def keras_mask_of(x):
@@ -44,7 +49,8 @@ class hidden_keras_masks:
         return False
 
 
-def _as_bool(mask):
+def as_bool(mask):
+    """`mask` (bool, or a 0/1 integer or float mask) as a boolean tensor; None stays None."""
     if mask is None:
         return None
     if ops.dtype(mask) != "bool":
@@ -52,8 +58,8 @@ def _as_bool(mask):
     return mask
 
 
-def _expand_bool(mask, axes):
-    """`ops.expand_dims` for boolean masks.
+def expand_bool(mask, axes):
+    """`ops.expand_dims` for boolean masks (use it rather than `None`-indexing).
 
     Indexing a bool tensor with `None` lowers to a TF `StridedSlice` with
     `new_axis_mask`, which TFLite has no builtin kernel for (it needs Flex);
@@ -83,11 +89,11 @@ def padding_mask_to_attention_mask(query_mask=None, value_mask=None, key_mask=No
     """
     masks = []
     if query_mask is not None:
-        q = _as_bool(query_mask)
-        masks.append(_expand_bool(q, (1, 3)))
+        q = as_bool(query_mask)
+        masks.append(expand_bool(q, (1, 3)))
     for kv in (value_mask, key_mask):
         if kv is not None:
-            masks.append(_expand_bool(_as_bool(kv), (1, 2)))
+            masks.append(expand_bool(as_bool(kv), (1, 2)))
     return combine_masks(*masks)
 
 
@@ -132,11 +138,11 @@ def mask_from_positions(query_positions, key_positions, *, is_causal=False, slid
     """
     positional = band(query_positions, key_positions, is_causal=is_causal,
                       sliding_window=sliding_window)
-    parts = [None if positional is None else _expand_bool(positional, (0, 1))]
+    parts = [None if positional is None else expand_bool(positional, (0, 1))]
     if query_valid is not None:
-        parts.append(_expand_bool(_as_bool(query_valid), (1, 3)))
+        parts.append(expand_bool(as_bool(query_valid), (1, 3)))
     if key_valid is not None:
-        parts.append(_expand_bool(_as_bool(key_valid), (1, 2)))
+        parts.append(expand_bool(as_bool(key_valid), (1, 2)))
     parts.append(attention_mask)
     return combine_masks(*parts)
 
@@ -181,7 +187,7 @@ def position_mask(query_length, key_length, *, is_causal=False, sliding_window=N
     """The `(1, 1, T_q, T_k)` causal and/or sliding-window mask, or None."""
     mask = band(_positions(query_length, start_index), _positions(key_length),
                 is_causal=is_causal, sliding_window=sliding_window)
-    return None if mask is None else _expand_bool(mask, (0, 1))
+    return None if mask is None else expand_bool(mask, (0, 1))
 
 
 def combine_masks(*masks):
@@ -193,12 +199,89 @@ def combine_masks(*masks):
     for mask in masks:
         if mask is None:
             continue
-        mask = _as_bool(mask)
+        mask = as_bool(mask)
         result = mask if result is None else ops.logical_and(result, mask)
     return result
 
 
-_MASK_DTYPE_PREFIXES = ("bool", "int", "uint", "float", "bfloat")
+class AttentionMask(NamedTuple):
+    """Every mask of one attention call, as one value that the kernels take.
+
+    Built once where a call enters keras_attn (`MultiHeadAttention`'s
+    `_attention_mask`, `keras_attn.layers`' `merge_attention_masks`, or
+    `dot_product_attention` from its arguments) and handed down as it is.
+    The causal / sliding-window band travels as a description, so that each
+    kernel builds it where it is cheapest (`band`; the blocked kernel block
+    by block, skipping the blocks outside it), and the padded query rows
+    travel apart: a row mask only zeroes whole output rows, which leaves a
+    key-only `mask` that the TensorFlow CPU kernel folds into the logits for
+    free.
+
+    Attributes:
+        mask: boolean (True = attend), broadcastable to `(B, H, T_q, T_k)`
+            at rank 4, or None: key padding, explicit masks, and a band
+            between any other positions (a cache's keys). (For inputs of rank
+            > 3 of `MultiHeadAttention`, Keras's N-D layout.)
+        is_causal: query `i` sees keys `j <= i + start_index`.
+        sliding_window: None, or query `i` sees keys
+            `|i + start_index - j| < sliding_window`.
+        start_index: the position of the first query; keys are at
+            positions `0 .. T_k - 1`.
+        query_valid: boolean `(B, T_q)` or None: the query rows that are not
+            padding. The others give zero outputs (and zero scores).
+
+    Example:
+
+    >>> import numpy as np
+    >>> m = AttentionMask(is_causal=True, query_valid=np.array([[True, True, False]]))
+    >>> m.dense(3, 3).numpy().astype(int)[0, 0].tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 0]]
+    """
+
+    mask: object = None
+    is_causal: bool = False
+    sliding_window: object = None
+    start_index: object = 0
+    query_valid: object = None
+
+    @property
+    def every_row_sees_a_key(self):
+        """True when no query row can be fully masked by `logits_mask`: a
+        causal band alone always leaves key 0 visible (`start_index >= 0`)."""
+        return self.is_causal and self.mask is None and self.sliding_window is None
+
+    def logits_mask(self, query_length, key_length):
+        """`mask` and the band as one boolean `(B|1, H|1, T_q, T_k)`, or
+        None: what a kernel applies to the logits (the padded query rows are
+        zeroed on the output instead, `zero_padded_rows`)."""
+        return combine_masks(self.mask, position_mask(
+            query_length, key_length, is_causal=self.is_causal,
+            sliding_window=self.sliding_window, start_index=self.start_index,
+        ))
+
+    def dense(self, query_length, key_length):
+        """Every part, the padded query rows included, as one boolean
+        `(B|1, H|1, T_q, T_k)`, or None (what Keras's `_compute_attention`
+        and `keras_attn.visualize` take)."""
+        return combine_masks(self.logits_mask(query_length, key_length), self._rows())
+
+    def with_query_rows_in_mask(self):
+        """The same mask with the padded query rows folded into `mask` (a
+        kernel that returns the scores zeroes their rows there too)."""
+        if self.query_valid is None:
+            return self
+        return self._replace(mask=combine_masks(self.mask, self._rows()), query_valid=None)
+
+    def zero_padded_rows(self, output):
+        """`output` `(B, T_q, H, D)` with the padded query rows set to zero."""
+        if self.query_valid is None:
+            return output
+        return output * ops.cast(expand_bool(as_bool(self.query_valid), (2, 3)), output.dtype)
+
+    def _rows(self):
+        if self.query_valid is None:
+            return None
+        return expand_bool(as_bool(self.query_valid), (1, 3))
 
 
 MASKED_LOGIT = -3.0e38
@@ -217,24 +300,10 @@ def mask_to_bias(mask, row_visible=None):
     return bias
 
 
-def _check_mask_dtype(name, mask):
-    dtype = getattr(mask, "dtype", None)
-    try:
-        # "bool" whatever the backend spells it ("torch.bool", "<dtype: 'bool'>").
-        dtype = "bool" if dtype is None else keras.backend.standardize_dtype(dtype)
-    except ValueError:  # not a Keras dtype at all, e.g. strings
-        dtype = str(dtype)
-    if not dtype.startswith(_MASK_DTYPE_PREFIXES):
-        raise TypeError(
-            f"Received an invalid `{name}` dtype: expected bool (True = attend) "
-            f"or an integer/float 0/1 mask. Received: {name}.dtype={dtype}"
-        )
-
-
 def _to_tensor(mask, name):
     if isinstance(mask, (list, tuple)):
         mask = ops.convert_to_tensor(mask)
-    _check_mask_dtype(name, mask)
+    check_mask_dtype(name, mask)
     return mask
 
 
@@ -281,11 +350,11 @@ def normalize_attention_mask(
             "rank 3 `(B, T_q, T_k)` or rank 4 `(B, H, T_q, T_k)`. "
             f"Received: {name}.shape={shape}"
         )
-    mask = _as_bool(mask)
+    mask = as_bool(mask)
     if rank == 3:
-        mask = _expand_bool(mask, (1,))
+        mask = expand_bool(mask, (1,))
     elif rank == 2:
-        mask = _expand_bool(mask, (0, 1))
+        mask = expand_bool(mask, (0, 1))
     full = tuple(mask.shape)
     _check_broadcast(
         name, shape, full, (batch_size, num_heads, query_length, key_length),
@@ -308,9 +377,9 @@ def broadcast_attention_mask(mask, scores_shape, name="attention_mask"):
             f"Received an invalid `{name}`: expected rank 1 to 4, broadcastable "
             f"to (B, H, T_q, T_k). Received: {name}.shape={shape}"
         )
-    mask = _as_bool(mask)
+    mask = as_bool(mask)
     if len(shape) < 4:
-        mask = _expand_bool(mask, tuple(range(4 - len(shape))))
+        mask = expand_bool(mask, tuple(range(4 - len(shape))))
     _check_broadcast(
         name, shape, tuple(mask.shape), tuple(scores_shape),
         "a shape broadcastable to (B, H, T_q, T_k) (for a (B, T_q, T_k) mask, "
@@ -335,4 +404,4 @@ def key_padding_mask_to_attention_mask(key_padding_mask, batch_size=None, key_le
             f"Received an invalid `{name}`: expected shape (batch, T_k) = "
             f"({batch_size}, {key_length}). Received: {name}.shape={shape}"
         )
-    return _expand_bool(_as_bool(mask), (1, 2))
+    return expand_bool(as_bool(mask), (1, 2))

@@ -136,20 +136,21 @@ def reference_attention(
     mask,
     bias,
     scale,
-    every_row_sees_a_key=False,
     dropout_rate=0.0,
     training=False,
     seed=None,
     return_attention_scores=False,
 ):
-    """The reference kernel for validated inputs: `mask` rank 4 with the
-    causal and window parts included, or None; `bias` checked; `scale` a float."""
+    """The reference kernel for validated inputs: `mask` a
+    `masking.AttentionMask` (its band is built here; its padded query rows
+    are zeroed by the caller, `dot_product_attention`); `bias` checked;
+    `scale` a float."""
     return attend_with_bias(
         logits(query, key, scale),
         value,
-        mask=mask,
+        mask=mask.logits_mask(dim(query, 1), dim(key, 1)),
         bias=bias,
-        every_row_sees_a_key=every_row_sees_a_key,
+        every_row_sees_a_key=mask.every_row_sees_a_key,
         dropout_rate=dropout_rate,
         training=training,
         seed=seed,

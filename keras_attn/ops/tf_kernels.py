@@ -34,6 +34,7 @@ from keras import ops
 
 from keras_attn.ops import masking
 from keras_attn.ops import reference
+from keras_attn.ops.shapes import dim
 
 GROUP_MIN_SCORE_BYTES = 2**20
 """Attention runs in head groups once the float32 `(B, H, T_q, T_k)` scores
@@ -87,10 +88,13 @@ def in_head_groups(attend, groups, query, key, value, mask, bias, return_attenti
 
 
 def _split_heads(x, groups):
-    """`x` (rank <= 4, heads on axis 1 once rank 4, or None) split into
-    `groups` along the heads; a tensor broadcast over heads is shared."""
+    """`x` (rank <= 4, heads on axis 1 once rank 4, a `masking.AttentionMask`,
+    or None) split into `groups` along the heads; a tensor broadcast over
+    heads is shared."""
     if x is None:
         return [x] * groups
+    if isinstance(x, masking.AttentionMask):
+        return [x._replace(mask=part) for part in _split_heads(x.mask, groups)]
     while len(x.shape) < 4:
         x = ops.expand_dims(x, 0)
     if x.shape[1] == 1:
@@ -190,19 +194,18 @@ def tf_cpu_attention(
     mask,
     bias,
     scale,
-    every_row_sees_a_key=False,
     dropout_rate=0.0,
     training=False,
     seed=None,
     return_attention_scores=False,
 ):
-    """The `"tf_cpu"` kernel: `reference.reference_attention`'s inputs and
-    numbers, in head groups, with the folded padding bias and the
-    hand-written gradient (which `keras.ops.custom_gradient` provides on
-    TensorFlow and JAX)."""
+    """The `"tf_cpu"` kernel: `reference.reference_attention`'s inputs (`mask`
+    a `masking.AttentionMask`) and numbers, in head groups, with the folded
+    padding bias and the hand-written gradient (which
+    `keras.ops.custom_gradient` provides on TensorFlow and JAX)."""
     common = dict(
         scale=scale,
-        every_row_sees_a_key=every_row_sees_a_key,
+        every_row_sees_a_key=mask.every_row_sees_a_key,
         dropout_rate=dropout_rate,
         training=training,
         seed=seed,
@@ -212,7 +215,7 @@ def tf_cpu_attention(
     groups = head_groups(scores_shape, key.shape[2], dropout_active=training and dropout_rate > 0)
     return in_head_groups(
         lambda q, k, v, m, b: _one_group(q, k, v, m, b, **common),
-        groups, query, key, value, mask, bias,
+        groups, query, key, value, mask.logits_mask(dim(query, 1), dim(key, 1)), bias,
         return_attention_scores=return_attention_scores,
     )
 

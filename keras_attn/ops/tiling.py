@@ -187,13 +187,13 @@ class Tiling:
         if positional or self.needs_key_bound:
             k_pos = j * self.k_chunk + self.k_offsets
             if self.needs_key_bound:
-                result = masking._expand_bool(ops.less(k_pos, self.t_k), 0)
+                result = masking.expand_bool(ops.less(k_pos, self.t_k), 0)
             if positional:
                 q_pos = i * self.q_chunk + self.q_offsets + self.start
                 near = masking.band(q_pos, k_pos, is_causal=self.is_causal,
                                     sliding_window=self.window)
                 result = near if result is None else ops.logical_and(result, near)
-            result = masking._expand_bool(result, (0, 1, 2))
+            result = masking.expand_bool(result, (0, 1, 2))
         if self.mask_blocks is not None:
             blk = self.mask_blocks.block(i, j)
             result = blk if result is None else ops.logical_and(result, blk)
