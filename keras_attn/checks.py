@@ -461,3 +461,24 @@ def check_integer_ids(layer_name, name, x):
             f"dtype='int32'. Received: {name} with dtype={dtype} and "
             f"shape={tuple(x.shape)}"
         )
+
+
+def check_keys(arg_name, value, allowed, what="keys"):
+    """`value` (a dict) must have keys among `allowed`; `what` names them in the message."""
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`: unknown {what} "
+            f"{unknown}; expected some of {list(allowed)}. Received: {arg_name}={value!r}"
+        )
+    return value
+
+
+def check_members(arg_name, values, allowed, kind="subset"):
+    """`values` must be a non-empty collection (not a string) of `allowed` items."""
+    if isinstance(values, str) or not values or any(v not in allowed for v in values):
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`, expected a "
+            f"non-empty {kind} of {list(allowed)}. Received: {arg_name}={values!r}"
+        )
+    return values

@@ -3,15 +3,15 @@
 Each check raises a ValueError naming the argument and the value received
 ("Received an invalid value for argument `atol`, ..."). `check_keys` is the
 one check of a dict argument's keys (`measure`, `threshold`, and
-`export_all`'s `atol` and `min_agreement`); `check_choice` is the layers'
-(`keras_attn.checks`), shared with them and with `generation`.
+`export_all`'s `atol` and `min_agreement`); it and `check_choice`,
+`check_members` live with every other argument check in `keras_attn.checks`.
 """
 
 import os
 
+from keras_attn.checks import check_choice, check_keys, check_members
 from keras_attn.export.quality import MEASURES, auto_measures
 from keras_attn.export.report import FORMATS
-from keras_attn.checks import check_choice
 
 __all__ = [
     "by_key",
@@ -31,17 +31,6 @@ def _is_number(value):
     return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
-def check_keys(arg_name, value, allowed, what="keys"):
-    """`value` (a dict) must have keys among `allowed`; `what` names them in the message."""
-    unknown = sorted(set(value) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"Received an invalid value for argument `{arg_name}`: unknown {what} "
-            f"{unknown}; expected some of {list(allowed)}. Received: {arg_name}={value!r}"
-        )
-    return value
-
-
 def by_key(arg_name, value, keys):
     """`{key: value}` for each of `keys`: `value` itself, or, given a dict by
     key (checked by `check_keys`), its entry (None where it has none)."""
@@ -49,16 +38,6 @@ def by_key(arg_name, value, keys):
         check_keys(arg_name, value, keys)
         return {k: value.get(k) for k in keys}
     return {k: value for k in keys}
-
-
-def check_members(arg_name, values, allowed, kind="subset"):
-    """`values` must be a non-empty collection (not a string) of `allowed` items."""
-    if isinstance(values, str) or not values or any(v not in allowed for v in values):
-        raise ValueError(
-            f"Received an invalid value for argument `{arg_name}`, expected a "
-            f"non-empty {kind} of {list(allowed)}. Received: {arg_name}={values!r}"
-        )
-    return values
 
 
 def check_formats(formats):
