@@ -89,7 +89,7 @@ def main(argv=None):
     import transformers
 
     from keras_attn.convert import from_huggingface
-    from keras_attn.generation import export as gen_export
+    from keras_attn.runtimes import signatures as gen_export
     from keras_attn.generation import greedy_search
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -124,7 +124,7 @@ def main(argv=None):
         print("LiteRT-LM:    skipped (litert-lm-api is not installed: pip install "
               "'keras-attn[llm-runtimes]')")
     else:
-        from keras_attn.generation import litertlm
+        from keras_attn.runtimes import litertlm
 
         bundle = os.path.join(args.output_dir, "model.litertlm")
         # Keras was given the prompt without a start token: the bundle adds none.

@@ -13,7 +13,7 @@ encoder-decoder models, `encode` (see `keras_attn.generation.models`).
 
 TensorFlow is required here, by design: the searches are TensorFlow graphs
 (`tf.function`, `tf.while_loop`, XLA) that also export as serving signatures
-(`keras_attn.generation.export`), so they run with the TensorFlow Keras
+(`keras_attn.runtimes.signatures`), so they run with the TensorFlow Keras
 backend only (checked, docs/architecture.md). The models and caches are
 `keras.ops` and run on every backend.
 """
@@ -284,7 +284,11 @@ def _buffers(prompt_ids, max_length, pad_token_id):
     return tokens, mask, start
 
 
-def _decode_loop(model, prompt_ids, encoder_ids, max_length, stop_token_ids, pad_token_id, select):
+def decode_loop(model, prompt_ids, encoder_ids, max_length, stop_token_ids, pad_token_id, select):
+    """The searches' loop, unchecked, for use inside a `tf.function` (the greedy
+    and sampling searches, and the exported `generate` signature of
+    `keras_attn.runtimes.signatures`): prefill, then one token per step chosen by
+    `select(logits (B, V), index) -> ids (B,)`; returns `(B, max_length)` tokens."""
     tokens, prompt_mask, start = _buffers(prompt_ids, max_length, pad_token_id)
     cache, kwargs, start = _prefill(model, tf.cast(prompt_ids, tf.int32), max_length,
                                     encoder_ids, start)
@@ -361,7 +365,7 @@ def greedy_search(model, prompt_ids, max_length, *, encoder_ids=None, stop_token
         prompt_ids, restore = _left_padded(prompt_ids, attention_mask, max_length, pad_token_id)
 
     def loop(prompt_ids, encoder_ids):
-        return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
+        return decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
                             lambda logits, index: tf.argmax(logits, axis=-1))
 
     tokens = _run(model, ("greedy", max_length, stops, pad_token_id), loop, prompt_ids,
@@ -401,7 +405,7 @@ def random_sampling(model, prompt_ids, max_length, *, seed, temperature=1.0, top
 
     def loop(prompt_ids, encoder_ids, seed):
         # The seed is an input, so a new seed does not retrace.
-        return _decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
+        return decode_loop(model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
                             lambda logits, index: select(logits, index, seed))
 
     key = ("sample", max_length, stops, pad_token_id, temperature, top_k, top_p)

@@ -38,11 +38,12 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from keras_attn.generation.onnx_genai import check_runtime_decoder
-from keras_attn.generation.onnx_genai import write_tokenizer
-from keras_attn.generation.tflite_convert import GENERATION_QUANTIZATIONS
-from keras_attn.generation.tflite_convert import cache_storage_dtype
-from keras_attn.generation.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS
+from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.tokenizers import write_tokenizer
+from keras_attn.runtimes.trace import DecoderTrace
+from keras_attn.runtimes.trace import cache_storage_dtype
+from keras_attn.runtimes.trace import check_runtime_decoder
 
 RUNTIME = "LiteRT-LM"
 # The caches keep keras_attn's layout (1, S, H_kv, d); the bundle's executor
@@ -85,39 +86,37 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
     `cache_dtype="float16"` keeps the caches in float16 between calls (half
     the memory per token); each call computes in float32.
     """
-    store = cache_storage_dtype(cache_dtype)
+    cache_storage_dtype(cache_dtype)  # checked first, before the model is read
     check_runtime_decoder(model, RUNTIME)
     max_length = _positive_int("max_length", max_length)
     lengths = _prefill_lengths(prefill_lengths, max_length)
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype)
     # A prefill chunk of T tokens at position p embeds positions up to
     # p + T - 1 (its padding included), p < max_length.
     reach = max_length + lengths[-1] - 1
-    if model.position == "learned" and reach > model.sequence_length:
+    if trace.max_positions is not None and reach > trace.max_positions:
         raise ValueError(
             "A learned position table must cover max_length + max(prefill_lengths) - 1 "
             f"= {reach} positions (the last prefill chunk's padding is embedded too); "
-            f"this model has sequence_length={model.sequence_length}. Lower `max_length` "
+            f"this model has sequence_length={trace.max_positions}. Lower `max_length` "
             f"or `prefill_lengths`. Received: max_length={max_length}, "
             f"prefill_lengths={lengths}")
-    layers, heads, size = model.num_layers, model.num_key_value_heads, model.head_dim
-    cache_shape = (1, max_length, heads, size)  # keras_attn's layout: no transposes
+    cache_shape = trace.cache_shape(1, trace.cache_length)  # keras_attn's layout: no transposes
 
     def make(length, with_logits):
         specs = [tf.TensorSpec((1, length), tf.int32, name="tokens"),
                  tf.TensorSpec((length,), tf.int32, name="input_pos")]
-        for i in range(layers):
-            specs += [tf.TensorSpec(cache_shape, store, name=f"kv_cache_k_{i}"),
-                      tf.TensorSpec(cache_shape, store, name=f"kv_cache_v_{i}")]
+        for i in range(trace.num_layers):
+            specs += [tf.TensorSpec(cache_shape, trace.cache_dtype, name=f"kv_cache_k_{i}"),
+                      tf.TensorSpec(cache_shape, trace.cache_dtype, name=f"kv_cache_v_{i}")]
 
         def run(tokens, input_pos, *caches):
-            cache = [{"self_attention": tuple(tf.cast(t, tf.float32)
-                                              for t in caches[2 * i: 2 * i + 2]),
-                      "cross_attention": None} for i in range(layers)]
-            logits, cache = model.call_with_cache(tokens, cache, input_pos[0])
+            # A chunk's keys and values are written as one slice at input_pos[0].
+            logits, cache = trace.decode(tokens, trace.cache(caches), input_pos[0])
             out = {}
-            for i, layer in enumerate(cache):
-                key, value = (tf.cast(t, store) for t in layer["self_attention"])
-                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = key, value
+            keys_values = [trace.store(t) for t in trace.keys_values(cache)]
+            for i in range(trace.num_layers):
+                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = keys_values[2 * i: 2 * i + 2]
             if with_logits:
                 out["logits"] = tf.cast(logits, tf.float32)
             return out
@@ -287,7 +286,7 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         path: the `.litertlm` file to write.
         tokenizer: a Hugging Face `tokenizer.json` path (or a folder with
             one), a `tokenizers.Tokenizer` or a transformers fast tokenizer
-            (`keras_attn.generation.tokenizers` makes one for a character
+            (`keras_attn.runtimes.tokenizers` makes one for a character
             or word vocabulary).
         max_length: the context (prompt + generated tokens): the caches'
             length and the bundle's `max_num_tokens`.
@@ -320,7 +319,7 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
 
         report = export_litertlm(lm, "lm.litertlm", tokenizer="tokenizer.json",
                                  max_length=256, bos_token_id=1, stop_token_ids=[2])
-        text = keras_attn.generation.litertlm.generate("lm.litertlm", "Once upon")
+        text = keras_attn.runtimes.litertlm.generate("lm.litertlm", "Once upon")
     """
     try:
         from litert_lm_builder import litertlm_builder as builder_lib

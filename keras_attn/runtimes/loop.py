@@ -2,7 +2,7 @@
 
 The loop itself is NumPy around the two callables (a TFLite signature
 runner, an onnxruntime session, a SavedModel signature), so an app can copy
-it; `keras_attn.generation.export.greedy_loop` is the same function.
+it; `keras_attn.runtimes.signatures.greedy_loop` is the same function.
 """
 
 import numpy as np

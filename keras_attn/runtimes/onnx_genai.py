@@ -20,71 +20,49 @@ attention depends on position differences only) and not for learned
 positions (GPT-2), whose padded rows Hugging Face numbers from the mask.
 
 The graph is converted with tf2onnx from `call_with_cache`, so anything
-`keras_attn.generation.export` exports exports here (GQA, rotary, RMSNorm,
+`keras_attn.runtimes.signatures` exports exports here (GQA, rotary, RMSNorm,
 gated feed-forward, relative bias); not a sliding-window ring buffer (GenAI
 would need its windowed cache layout) and not encoder-decoder models.
 """
 
 import json
 import os
-import shutil
 
 import numpy as np
 import tensorflow as tf
 
 from keras_attn.export.onnx import rename_value
-
-
-def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
-    """`model` must be a keras_attn decoder-only LM with a plain (not ring-buffer)
-    cache: what the LLM runtimes (ONNX Runtime GenAI, LiteRT-LM) drive."""
-    if hasattr(model, "encode"):
-        raise ValueError(
-            f"{runtime} exports support decoder-only models (`DecoderOnlyLM`); "
-            f"encoder-decoder models have no layout there. Received: {type(model).__name__}"
-        )
-    for name in ("init_cache", "call_with_cache", "num_layers", "num_key_value_heads", "head_dim"):
-        if not hasattr(model, name):
-            raise ValueError(
-                "`model` must be a keras_attn decoder such as `DecoderOnlyLM` (it needs "
-                f"`{name}`). Received: {type(model).__name__}"
-            )
-    if getattr(model, "sliding_window", None) is not None:
-        raise ValueError(
-            f"A sliding-window model's ring-buffer cache has no {runtime} layout "
-            f"here. Received: sliding_window={model.sliding_window}"
-        )
+from keras_attn.runtimes.tokenizers import tokenizer_model_type
+from keras_attn.runtimes.tokenizers import write_tokenizer
+from keras_attn.runtimes.trace import DecoderTrace
+from keras_attn.runtimes.trace import check_runtime_decoder
 
 
 def genai_function(model, max_length):
     """The `tf.function` of the GenAI graph and its input signature."""
-    layers, heads, size = model.num_layers, model.num_key_value_heads, model.head_dim
-    length = max_length
+    trace = DecoderTrace(model, max_length=max_length)
+    length = trace.cache_length
+    # Hugging Face's cache layout (B, H_kv, S, d); keras_attn's is (B, S, H_kv, d).
+    heads_first = (None, trace.num_key_value_heads, length, trace.head_dim)
     specs = [
         tf.TensorSpec((None, None), tf.int64, name="input_ids"),
         tf.TensorSpec((None, None), tf.int64, name="attention_mask"),
     ]
-    for i in range(layers):
+    for i in range(trace.num_layers):
         for kind in ("key", "value"):
-            specs.append(tf.TensorSpec((None, heads, length, size), tf.float32,
-                                       name=f"past_{kind}_{i}"))
+            specs.append(tf.TensorSpec(heads_first, tf.float32, name=f"past_{kind}_{i}"))
 
     def run(input_ids, attention_mask, *past):
         ids = tf.cast(input_ids, tf.int32)
         new = tf.shape(ids)[1]
         total = tf.shape(attention_mask)[1]
         index = total - new
-        cache = []
-        for i in range(layers):
-            # (B, H_kv, S, d) -> keras_attn's (B, S, H_kv, d)
-            k, v = (tf.transpose(t, (0, 2, 1, 3)) for t in past[2 * i: 2 * i + 2])
-            cache.append({"self_attention": (k, v), "cross_attention": None})
+        cache = trace.cache([tf.transpose(t, (0, 2, 1, 3)) for t in past])
         mask = tf.not_equal(attention_mask, 0)
         mask = tf.pad(mask, [[0, 0], [0, length - total]], constant_values=False)
-        logits, cache = model.call_with_cache(ids, cache, index, padding_mask=mask)
+        logits, cache = trace.decode(ids, cache, index, padding_mask=mask)
         outputs = [tf.cast(logits, tf.float32)]
-        for layer in cache:
-            outputs += [tf.transpose(t, (0, 2, 1, 3)) for t in layer["self_attention"]]
+        outputs += [tf.transpose(t, (0, 2, 1, 3)) for t in trace.keys_values(cache)]
         return outputs
 
     return tf.function(run, input_signature=specs, autograph=False), specs
@@ -158,42 +136,6 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
     }
 
 
-def write_tokenizer(tokenizer, folder):
-    """`tokenizer.json` (+ `tokenizer_config.json`) from a path, a
-    `tokenizers.Tokenizer` or a `transformers` fast tokenizer."""
-    if tokenizer is None:
-        return
-    if isinstance(tokenizer, (str, os.PathLike)):
-        path = os.fspath(tokenizer)
-        source = os.path.dirname(path) if os.path.isfile(path) else path
-        if not os.path.isfile(os.path.join(source, "tokenizer.json")) and not path.endswith(".json"):
-            raise ValueError(
-                "`tokenizer` must name a tokenizer.json file or a folder holding one. "
-                f"Received: tokenizer={path!r}"
-            )
-        shutil.copy(path if os.path.isfile(path) else os.path.join(source, "tokenizer.json"),
-                    os.path.join(folder, "tokenizer.json"))
-        config = os.path.join(source, "tokenizer_config.json")
-        if os.path.isfile(config):
-            shutil.copy(config, os.path.join(folder, "tokenizer_config.json"))
-    elif hasattr(tokenizer, "save_pretrained"):  # transformers
-        tokenizer.save_pretrained(folder)
-    elif hasattr(tokenizer, "to_str"):  # tokenizers.Tokenizer
-        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-            f.write(tokenizer.to_str())
-    else:
-        raise TypeError(
-            "`tokenizer` must be a tokenizer.json path, a `tokenizers.Tokenizer` or a "
-            f"transformers tokenizer. Received: {type(tokenizer).__name__}"
-        )
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    if not os.path.isfile(config_path):
-        # GenAI's tokenizer picks its algorithm from the class name; a
-        # byte-level BPE tokenizer.json is GPT-2's.
-        with open(config_path, "w") as f:
-            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)
-
-
 def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
                       quantization=None):
@@ -238,7 +180,7 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
-    if _tokenizer_kind(folder) == "WordPiece":
+    if tokenizer_model_type(folder) == "WordPiece":
         raise ValueError(
             "ONNX Runtime GenAI's tokenizer reads BPE and SentencePiece tokenizers, not "
             "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
@@ -260,11 +202,3 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     with open(os.path.join(folder, "genai_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return folder
-
-
-def _tokenizer_kind(folder):
-    path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("model", {}).get("type")

@@ -1,5 +1,8 @@
 """Export cached generation: prefill/decode (and generate) signatures.
 
+The functions are the shared trace's (`keras_attn.runtimes.trace`) with this
+contract's names, a stacked cache and the request checks.
+
 - SavedModel with signatures `prefill`, `decode` (cache in, cache out) and a
   one-call greedy `generate` for TF Serving.
 - TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
@@ -45,29 +48,11 @@ import tensorflow as tf
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
 from keras_attn.export.onnx import rename_value
 from keras_attn.generation import cache as cache_lib
-from keras_attn.generation import request_checks
 from keras_attn.generation import search
-from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: F401  (public here too)
-from keras_attn.generation.litertlm import export_litertlm  # noqa: F401  (public here too)
-from keras_attn.generation.runtime_loop import greedy_loop  # noqa: F401  (public here too)
-from keras_attn.generation.tflite_convert import cache_storage_dtype, signatures_to_tflite
-
-
-def _is_seq2seq(model):
-    return hasattr(model, "encode")
-
-
-def _cache_spec(model, batch_size, length, name, dtype=tf.float32):
-    one = model.init_cache(1, 1)
-    key = one[0]["self_attention"][0]
-    shape = (len(one), 2, batch_size, length, key.shape[2], key.shape[3])
-    return tf.TensorSpec(shape, dtype, name=name)
-
-
-
-def _vocabulary_size(model):
-    vocab = getattr(model, "vocabulary_size", None)
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+from keras_attn.runtimes import request_checks
+from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too)
+from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
 
 
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
@@ -87,14 +72,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     float16 between calls: half the memory per token; each call computes in
     float32 and rounds the keys and values it stores.
     """
-    store = cache_storage_dtype(cache_dtype)
-
-    def stored(tensor):
-        return tf.cast(tensor, store)
-
-    def loaded(tensor):
-        return None if tensor is None else tf.cast(tensor, tf.float32)
-
+    cache_storage_dtype(cache_dtype)  # checked first, before the model is read
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected an "
@@ -105,22 +83,25 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
             f"Received an invalid value for argument `checks`, expected one of "
             f"{list(request_checks.CHECKS)}. Received: checks={checks!r}"
         )
-    vocab = _vocabulary_size(model)
-    positions = getattr(model, "max_positions", None)
     # Under XLA a position past a learned table would be clamped silently.
     search.check_max_positions(model, max_length, encoder_length)
-    seq2seq = _is_seq2seq(model)
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype)
+    vocab, positions = trace.vocabulary_size, trace.max_positions
+    layers, store = trace.num_layers, trace.cache_dtype
+
+    def spec(length, name):  # a stacked cache: (num_layers, 2, B, S, H_kv, D)
+        return tf.TensorSpec((layers, 2, *trace.cache_shape(batch_size, length)), store,
+                             name=name)
+
     ids = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="token_ids")
     enc_ids = tf.TensorSpec((batch_size, encoder_length), tf.int32, name="encoder_ids")
     step = tf.TensorSpec((batch_size, 1), tf.int32, name="token_ids")
     # A sliding-window model's cache is a ring buffer shorter than max_length.
-    cache_length = model.init_cache(1, max_length)[0]["self_attention"][0].shape[1]
-    cache = _cache_spec(model, batch_size, cache_length, "cache", store)
-    cross = _cache_spec(model, batch_size, encoder_length, "cross_cache", store)
+    cache = spec(trace.cache_length, "cache")
+    cross = spec(encoder_length, "cross_cache")
     enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
     index = tf.TensorSpec((), tf.int32, name="index")
     stops = tuple(int(t) for t in stop_token_ids)
-    ring = cache_length < max_length
     flag = checks == "flag"
 
     def _check_inputs(check, name, ids, encoder_ids):
@@ -135,22 +116,11 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     def _prefill(token_ids, encoder_ids=None):
         check = request_checks.Checks(checks, "prefill")
         token_ids, encoder_ids = _check_inputs(check, "token_ids", token_ids, encoder_ids)
-        batch = tf.shape(token_ids)[0]
-        c = model.init_cache(batch, max_length)
-        if encoder_ids is None:
-            logits, c = model.call_with_cache(token_ids, c, 0)
-            out = {"logits": logits, "cache": stored(cache_lib.stack_cache(c))}
-        else:
-            encoded, mask = model.encode(encoder_ids)
-            logits, c = model.call_with_cache(
-                token_ids, c, 0, encoder_outputs=encoded, encoder_padding_mask=mask
-            )
-            out = {
-                "logits": logits,
-                "cache": stored(cache_lib.stack_cache(c)),
-                "cross_cache": stored(cache_lib.stack_cache(c, "cross_attention")),
-                "encoder_padding_mask": mask,
-            }
+        logits, c, mask = trace.prefill(token_ids, encoder_ids)
+        out = {"logits": logits, "cache": trace.store(cache_lib.stack_cache(c))}
+        if encoder_ids is not None:
+            out["cross_cache"] = trace.store(cache_lib.stack_cache(c, "cross_attention"))
+            out["encoder_padding_mask"] = mask
         if flag:
             out["valid"] = check.valid()
         return out
@@ -158,11 +128,10 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     def _decode(token_ids, cache, index, cross_cache=None, encoder_padding_mask=None):
         check = request_checks.Checks(checks, "decode")
         token_ids = check.token_ids("token_ids", token_ids, vocab)
-        index = check.index(index, cache_length, ring)
-        c = cache_lib.unstack_cache(loaded(cache), loaded(cross_cache))
-        kwargs = {} if cross_cache is None else {"encoder_padding_mask": encoder_padding_mask}
-        logits, c = model.call_with_cache(token_ids, c, index, **kwargs)
-        out = {"logits": logits, "cache": stored(cache_lib.stack_cache(c))}
+        index = check.index(index, trace.cache_length, trace.ring)
+        c = cache_lib.unstack_cache(trace.load(cache), trace.load(cross_cache))
+        logits, c = trace.decode(token_ids, c, index, encoder_padding_mask=encoder_padding_mask)
+        out = {"logits": logits, "cache": trace.store(cache_lib.stack_cache(c))}
         if flag:
             out["valid"] = check.valid()
         return out
@@ -170,14 +139,14 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     def _generate(prompt_ids, encoder_ids=None):
         check = request_checks.Checks("assert" if checks == "assert" else "none", "generate")
         prompt_ids, encoder_ids = _check_inputs(check, "prompt_ids", prompt_ids, encoder_ids)
-        tokens = search._decode_loop(
+        tokens = search.decode_loop(
             model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
             lambda logits, i: tf.argmax(logits, axis=-1),
         )
         return {"tokens": tokens}
 
     prompt = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="prompt_ids")
-    if seq2seq:
+    if trace.seq2seq:
         prefill = tf.function(lambda token_ids, encoder_ids: _prefill(token_ids, encoder_ids),
                               input_signature=[ids, enc_ids])
         decode = tf.function(
@@ -243,7 +212,7 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (TFLite has no assert op). Received: checks={checks!r}"
         )
-    if _is_seq2seq(model) and encoder_length is None:
+    if hasattr(model, "encode") and encoder_length is None:
         raise ValueError(
             "Encoder-decoder models need a static `encoder_length` for TFLite. "
             "Received: encoder_length=None"

@@ -1,7 +1,7 @@
 """Several `tf.function`s into one TFLite flatbuffer, one signature each.
 
-Shared by the prefill/decode export (`keras_attn.generation.export`) and the
-LiteRT-LM bundle (`keras_attn.generation.litertlm`).
+Shared by the prefill/decode signatures (`keras_attn.runtimes.signatures`) and
+the LiteRT-LM bundle (`keras_attn.runtimes.litertlm`).
 """
 
 import tempfile
@@ -24,16 +24,6 @@ def _frozen_call(frozen, concrete):
 
 
 GENERATION_QUANTIZATIONS = (None, "float16", "dynamic", "int4")
-CACHE_DTYPES = ("float32", "float16")
-
-
-def cache_storage_dtype(cache_dtype):
-    """The `tf.DType` the exported caches travel in between calls (validated)."""
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"Received an invalid value for argument `cache_dtype`, expected one of "
-            f"{list(CACHE_DTYPES)}. Received: cache_dtype={cache_dtype!r}")
-    return tf.as_dtype(cache_dtype)
 
 
 def signatures_to_tflite(functions, quantization=None):

@@ -9,8 +9,14 @@ per ASCII character, and for a character of several UTF-8 bytes (`é`) the
 merges that join its bytes, so every character of the vocabulary is one token
 with the id the model was trained with.
 
-Needs the `tokenizers` package (installed with `transformers`).
+`character_tokenizer` and `word_tokenizer` need the `tokenizers` package
+(installed with `transformers`); `write_tokenizer` puts a tokenizer's files
+into a runtime's folder.
 """
+
+import json
+import os
+import shutil
 
 
 def _bytes_to_unicode():
@@ -146,3 +152,51 @@ def word_tokenizer(vocabulary, *, unk_token="[UNK]", pad_token="[PAD]",
     specials = [w for w in (pad_token, unk_token) if w in words]
     tok.add_special_tokens(specials)
     return tok
+
+
+def write_tokenizer(tokenizer, folder):
+    """`tokenizer.json` (+ `tokenizer_config.json`) from a path, a
+    `tokenizers.Tokenizer` or a `transformers` fast tokenizer."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        source = os.path.dirname(path) if os.path.isfile(path) else path
+        if not os.path.isfile(os.path.join(source, "tokenizer.json")) and not path.endswith(".json"):
+            raise ValueError(
+                "`tokenizer` must name a tokenizer.json file or a folder holding one. "
+                f"Received: tokenizer={path!r}"
+            )
+        shutil.copy(path if os.path.isfile(path) else os.path.join(source, "tokenizer.json"),
+                    os.path.join(folder, "tokenizer.json"))
+        config = os.path.join(source, "tokenizer_config.json")
+        if os.path.isfile(config):
+            shutil.copy(config, os.path.join(folder, "tokenizer_config.json"))
+    elif hasattr(tokenizer, "save_pretrained"):  # transformers
+        tokenizer.save_pretrained(folder)
+    elif hasattr(tokenizer, "to_str"):  # tokenizers.Tokenizer
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            f.write(tokenizer.to_str())
+    else:
+        raise TypeError(
+            "`tokenizer` must be a tokenizer.json path, a `tokenizers.Tokenizer` or a "
+            f"transformers tokenizer. Received: {type(tokenizer).__name__}"
+        )
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        # GenAI's tokenizer picks its algorithm from the class name; a
+        # byte-level BPE tokenizer.json is GPT-2's.
+        with open(config_path, "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)
+
+
+
+
+def tokenizer_model_type(folder):
+    """The model type (`"BPE"`, `"WordPiece"`, ...) of `folder`'s `tokenizer.json`,
+    or None without one."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("model", {}).get("type")
