@@ -1,8 +1,11 @@
 """Pretrained models from other libraries onto keras_attn layers.
 
-`from_huggingface` converts BERT-/RoBERTa-style encoders and GPT-2-style
-decoders from Hugging Face `transformers` (see `keras_attn.convert.huggingface`
-for the supported configs and the tensor name mapping).
+`from_huggingface` converts Hugging Face `transformers` checkpoints: BERT-,
+RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- and T5-style models (see
+`keras_attn.convert.huggingface` for what each becomes). One module per
+family (`bert`, `gpt2`, `llama`, `gemma`, `t5`), found through the table in
+`keras_attn.convert.registry`; what they share (the checkpoint and weight
+source, the refusals, the weight copies) is `keras_attn.convert.common`.
 """
 
 from keras_attn.convert.huggingface import from_huggingface

@@ -31,19 +31,11 @@ import math
 import keras
 import numpy as np
 
-from keras_attn.convert import _weights
+from keras_attn.convert import common
 from keras_attn.generation.models import Seq2SeqLM
-from keras_attn.layers import activations
 from keras_attn.layers.relative_position_bias import RelativePositionBias
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
-
-T5_TYPES = ("t5",)
-
-
-def _refuse(field, value, why):
-    raise ValueError(f"Cannot convert this model: config field `{field}`={value!r} {why}.")
-
 
 def _feedforward(config):
     """`(activation, gated)` from `feed_forward_proj` ("relu", "gated-gelu", ...)."""
@@ -51,9 +43,7 @@ def _feedforward(config):
     act = getattr(config, "dense_act_fn", None) or config.feed_forward_proj.split("-")[-1]
     if act == "gelu" and gated:
         act = "gelu_new"  # T5 v1.1's "gated-gelu" is the tanh approximation
-    if act not in activations.ALIASES and act != "relu":
-        _refuse("feed_forward_proj", config.feed_forward_proj, "has an activation keras_attn does not map")
-    return act, gated
+    return common.check_activation("feed_forward_proj", config.feed_forward_proj, act), gated
 
 
 def _block_options(config):
@@ -66,51 +56,51 @@ def _block_options(config):
     )
 
 
-def _linear(weights, name):
-    return weights.take(name + ".weight").T, None, name
-
-
 def _set_attention(attention, weights, prefix, d_kv):
-    q = _linear(weights, prefix + ".q")
+    kernel, bias, name = weights.linear(prefix + ".q")
     # T5 does not scale logits: undo keras_attn's 1/sqrt(d_kv) in the query.
-    q = (q[0] * math.sqrt(d_kv), None, q[2])
-    _weights.set_attention(
-        attention, q, _linear(weights, prefix + ".k"), _linear(weights, prefix + ".v"),
-        _linear(weights, prefix + ".o"),
+    q = (kernel * math.sqrt(d_kv), bias, name)
+    common.set_attention(
+        attention, q, weights.linear(prefix + ".k"), weights.linear(prefix + ".v"),
+        weights.linear(prefix + ".o"),
     )
 
 
 def _set_feedforward(block, weights, prefix, gated):
-    _weights.set_rms_norm(block.feedforward_layer_norm, weights.take(prefix + ".layer_norm.weight"), prefix)
+    common.set_rms_norm(block.feedforward_layer_norm, weights.take(prefix + ".layer_norm.weight"), prefix)
     dense = prefix + ".DenseReluDense"
     if gated:
-        _weights.set_dense(block.feedforward_gate_dense, *_linear(weights, dense + ".wi_0"))
-        _weights.set_dense(block.feedforward_intermediate_dense, *_linear(weights, dense + ".wi_1"))
+        common.set_dense(block.feedforward_gate_dense, *weights.linear(dense + ".wi_0"))
+        common.set_dense(block.feedforward_intermediate_dense, *weights.linear(dense + ".wi_1"))
     else:
-        _weights.set_dense(block.feedforward_intermediate_dense, *_linear(weights, dense + ".wi"))
-    _weights.set_dense(block.feedforward_output_dense, *_linear(weights, dense + ".wo"))
+        common.set_dense(block.feedforward_intermediate_dense, *weights.linear(dense + ".wi"))
+    common.set_dense(block.feedforward_output_dense, *weights.linear(dense + ".wo"))
+
+
+# The attention sub-layers of a block, in order: (keras_attn layer, T5 module).
+_ENCODER_ATTENTION = (("self_attention", "SelfAttention"),)
+_DECODER_ATTENTION = _ENCODER_ATTENTION + (("cross_attention", "EncDecAttention"),)
+
+
+def _set_stack(weights, config, stack, blocks, bias_layer, attention):
+    """One stack (`"encoder"` / `"decoder"`): the relative bias owned by its
+    first block, then each block's `layer.j` attention sub-layers (`attention`)
+    and the feed-forward after them."""
+    gated = _feedforward(config)[1]
+    bias_name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    common.assign(bias_layer.embeddings, weights.take(bias_name), bias_name)
+    for i, block in enumerate(blocks):
+        p = f"{stack}.block.{i}.layer."
+        for j, (ours, theirs) in enumerate(attention):
+            norm = getattr(block, ours + "_layer_norm")
+            common.set_rms_norm(norm, weights.take(f"{p}{j}.layer_norm.weight"), f"{p}{j}")
+            _set_attention(getattr(block, ours), weights, f"{p}{j}.{theirs}", config.d_kv)
+        _set_feedforward(block, weights, f"{p}{len(attention)}", gated)
 
 
 def _set_encoder(blocks, bias_layer, final_norm, weights, config):
-    gated = _feedforward(config)[1]
-    bias_name = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    _weights.assign(bias_layer.embeddings, weights.take(bias_name), bias_name)
-    for i, block in enumerate(blocks):
-        p = f"encoder.block.{i}.layer."
-        _weights.set_rms_norm(block.self_attention_layer_norm, weights.take(p + "0.layer_norm.weight"), p + "0")
-        _set_attention(block.self_attention, weights, p + "0.SelfAttention", config.d_kv)
-        _set_feedforward(block, weights, p + "1", gated)
-    _weights.set_rms_norm(final_norm, weights.take("encoder.final_layer_norm.weight"), "encoder.final_layer_norm")
-
-
-def _check_config(config, architecture):
-    if architecture not in ("T5ForConditionalGeneration", "T5EncoderModel"):
-        raise ValueError(
-            f"Cannot convert {architecture}: for model_type='t5' supported are "
-            f"T5ForConditionalGeneration and T5EncoderModel. Received: architecture={architecture!r}"
-        )
-    if getattr(config, "is_decoder", False):
-        _refuse("is_decoder", True, "is not supported")
+    _set_stack(weights, config, "encoder", blocks, bias_layer, _ENCODER_ATTENTION)
+    common.set_rms_norm(final_norm, weights.take("encoder.final_layer_norm.weight"), "encoder.final_layer_norm")
 
 
 def _shared_table(weights, stacks):
@@ -118,15 +108,20 @@ def _shared_table(weights, stacks):
     for stack in stacks:
         name = f"{stack}.embed_tokens.weight"
         if name in weights and not np.array_equal(weights.take(name), table):
-            _refuse(f"{stack}.embed_tokens", "untied", "(a table other than `shared`) is not represented")
+            common.refuse(f"{stack}.embed_tokens", "untied", "(a table other than `shared`) is not represented")
     return table
 
 
-def convert_t5(config, state, architecture):
-    _check_config(config, architecture)
+def convert(checkpoint, *, dropout=None):
+    """A `Seq2SeqLM` (`T5ForConditionalGeneration`) or a functional encoder
+    (`T5EncoderModel`) with the checkpoint's weights (`dropout` is not used:
+    the result has none)."""
+    config, architecture = checkpoint.config, checkpoint.architecture
+    if getattr(config, "is_decoder", False):
+        common.refuse("is_decoder", True, "is not supported")
+    weights = common.Weights(checkpoint.tensors)
     if architecture == "T5EncoderModel":
-        return _convert_encoder(config, state, architecture)
-    weights = _weights.Weights(state, "")
+        return _convert_encoder(config, weights, architecture)
     options = _block_options(config)
     tied = bool(getattr(config, "tie_word_embeddings", True))
     scaled = bool(getattr(config, "scale_decoder_outputs", tied))
@@ -145,37 +140,21 @@ def convert_t5(config, state, architecture):
     )
     lm((np.ones((1, 2), "int32"), np.ones((1, 1), "int32")))
     table = _shared_table(weights, ("encoder", "decoder"))
-    _weights.assign(lm.encoder_embedding.embeddings, table, "shared.weight")
+    common.assign(lm.encoder_embedding.embeddings, table, "shared.weight")
     _set_encoder(lm.encoder_blocks, lm.encoder_position_bias, lm.encoder_norm, weights, config)
-    gated = options["use_gated_feedforward"]
-    bias_name = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    _weights.assign(lm.position_bias.embeddings, weights.take(bias_name), bias_name)
-    for i, block in enumerate(lm.blocks):
-        p = f"decoder.block.{i}.layer."
-        _weights.set_rms_norm(block.self_attention_layer_norm, weights.take(p + "0.layer_norm.weight"), p + "0")
-        _set_attention(block.self_attention, weights, p + "0.SelfAttention", config.d_kv)
-        _weights.set_rms_norm(block.cross_attention_layer_norm, weights.take(p + "1.layer_norm.weight"), p + "1")
-        _set_attention(block.cross_attention, weights, p + "1.EncDecAttention", config.d_kv)
-        _set_feedforward(block, weights, p + "2", gated)
+    _set_stack(weights, config, "decoder", lm.blocks, lm.position_bias, _DECODER_ATTENTION)
     final = weights.take("decoder.final_layer_norm.weight")
     # T5 scales the decoder output by d_model**-0.5 before the head (tied
     # models): a scalar, folded into the final norm's scale.
     if scaled:
         final = final * config.d_model**-0.5
-    _weights.set_rms_norm(lm.final_norm, final, "decoder.final_layer_norm.weight")
-    if "lm_head.weight" in weights:
-        head = weights.take("lm_head.weight")
-        if tied:
-            if not np.array_equal(head, table):
-                _refuse("tie_word_embeddings", True, "but lm_head.weight differs from shared.weight")
-        else:
-            _weights.assign(lm.lm_head.kernel, head.T, "lm_head.weight")
+    common.set_rms_norm(lm.final_norm, final, "decoder.final_layer_norm.weight")
+    common.set_lm_head(lm, weights, tied, table, "shared.weight")
     weights.check_all_used(architecture)
     return lm
 
 
-def _convert_encoder(config, state, architecture):
-    weights = _weights.Weights(state, "")
+def _convert_encoder(config, weights, architecture):
     input_ids = keras.Input((None,), dtype="int32", name="input_ids")
     attention_mask = keras.Input((None,), dtype="int32", name="attention_mask")
     embedding = ReversibleEmbedding(config.vocab_size, config.d_model, name="embedding")
@@ -196,7 +175,15 @@ def _convert_encoder(config, state, architecture):
     output = keras.layers.Identity(name="last_hidden_state")(norm(x))
     model = keras.Model([input_ids, attention_mask], output, name="t5_encoder_keras_attn")
     table = _shared_table(weights, ("encoder",))
-    _weights.assign(embedding.embeddings, table, "shared.weight")
+    common.assign(embedding.embeddings, table, "shared.weight")
     _set_encoder(blocks, bias_layer, norm, weights, config)
     weights.check_all_used(architecture)
     return model
+
+
+FAMILY = common.Family(
+    name="T5",
+    model_types=("t5",),
+    architectures=("T5ForConditionalGeneration", "T5EncoderModel"),
+    convert=convert,
+)

@@ -1,0 +1,182 @@
+"""Llama-like decoders (Llama, Mistral, Qwen2) onto `DecoderOnlyLM`; the base
+that other decoder families (`gemma.py`) subclass.
+
+All are the same network with different switches: pre-norm blocks with
+RMSNorm, a gated feed-forward (SwiGLU), rotary positions (with the config's
+`rope_scaling`) on grouped-query heads, no biases except where the config
+asks (Llama's `attention_bias`/`mlp_bias`, Qwen2's biased q/k/v), Mistral's
+sliding window. The switches map onto `DecoderOnlyLM` options; a config
+field the result would not honour is refused by name.
+
+`LlamaConverter` is the conversion in overridable pieces, as the ONNX
+Runtime GenAI model builder writes its families: `check_config`,
+`activation`, `model_options` (the `DecoderOnlyLM` arguments),
+`norm_scale` (a checkpoint norm weight into an RMSNorm scale) and
+`set_block` (one block's tensors). A family that differs in a piece
+subclasses it and overrides that piece only.
+
+| Hugging Face tensor (prefix `model.`)       | keras_attn variable (`DecoderOnlyLM`)                    |
+|---------------------------------------------|----------------------------------------------------------|
+| `embed_tokens.weight`                       | `embedding/embeddings` (also the tied head)              |
+| `layers.i.input_layernorm.weight`           | `decoder_i/self_attention_layer_norm/scale` (Gemma: 1 + w) |
+| `layers.i.self_attn.{q,k,v}_proj.*`         | `decoder_i/self_attention/{query,key,value}/*`           |
+| `layers.i.self_attn.o_proj.*`               | `decoder_i/self_attention/attention_output/*`            |
+| `layers.i.post_attention_layernorm.weight`  | `decoder_i/feedforward_layer_norm/scale` (Gemma: 1 + w)  |
+| `layers.i.mlp.gate_proj.*`                  | `decoder_i/feedforward_gate_dense/*`                     |
+| `layers.i.mlp.up_proj.*`                    | `decoder_i/feedforward_intermediate_dense/*`             |
+| `layers.i.mlp.down_proj.*`                  | `decoder_i/feedforward_output_dense/*`                   |
+| `norm.weight`                               | `final_norm/scale` (Gemma: 1 + w)                        |
+| `lm_head.weight` (no prefix)                | `lm_head/kernel` (untied), else checked equal to the table |
+"""
+
+import numpy as np
+
+from keras_attn.convert import common
+from keras_attn.generation.models import DecoderOnlyLM
+
+_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope(config):
+    """`(rope_theta, rope_scaling or None)` from `rope_parameters` (transformers
+    >= 5) or the older `rope_theta` / `rope_scaling` fields."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if not params and legacy:
+        params = dict(legacy)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        common.refuse("rope_scaling", params, f"has a rope_type keras_attn does not represent (supported: {list(_ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = kind
+    if kind in ("dynamic", "llama3"):
+        scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+        if scaling.get(key) not in (None, 1.0):
+            common.refuse(f"rope_scaling.{key}", scaling[key], "is not represented")
+        scaling.pop(key, None)
+    return theta, scaling
+
+
+class LlamaConverter:
+    """One Llama-like `*ForCausalLM` checkpoint into a `DecoderOnlyLM`."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self.config = checkpoint.config
+        self.model_type = checkpoint.model_type
+        self.weights = common.Weights(checkpoint.tensors)
+
+    # -- the pieces a family overrides -------------------------------------
+
+    def check_config(self):
+        """Refuses, by name, the config fields the result would not honour."""
+        config = self.config
+        if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+            common.refuse("partial_rotary_factor", config.partial_rotary_factor,
+                          "is not represented (rotary on every feature only)")
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            common.refuse("pretraining_tp", config.pretraining_tp, "is not supported")
+        if getattr(config, "use_bidirectional_attention", None):
+            common.refuse("use_bidirectional_attention", True, "is not supported (causal decoders only)")
+        if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+            common.refuse("attn_logit_softcapping", config.attn_logit_softcapping, "is not supported")
+        if self.model_type == "qwen2":
+            layer_types = getattr(config, "layer_types", None) or []
+            if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+                common.refuse("use_sliding_window", getattr(config, "use_sliding_window", None),
+                              "(sliding windows on some layers only, from `max_window_layers`) is not represented")
+
+    def activation(self):
+        return common.check_activation("hidden_act", getattr(self.config, "hidden_act", None))
+
+    def model_options(self):
+        """The `DecoderOnlyLM` arguments."""
+        config = self.config
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            common.refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads={heads}")
+        theta, scaling = rope(config)
+        qwen2 = self.model_type == "qwen2"
+        attention_bias = True if qwen2 else bool(getattr(config, "attention_bias", False))
+        pad = getattr(config, "pad_token_id", None)
+        return dict(
+            vocabulary_size=config.vocab_size, sequence_length=config.max_position_embeddings,
+            hidden_dim=hidden, num_layers=config.num_hidden_layers, num_heads=heads,
+            num_key_value_heads=kv_heads, intermediate_dim=config.intermediate_size,
+            head_dim=getattr(config, "head_dim", None) or hidden // heads, position="rotary",
+            rope_max_wavelength=theta, rope_scaling=scaling,
+            sliding_window=getattr(config, "sliding_window", None) if self.model_type == "mistral" else None,
+            activation=self.activation(), layer_norm_epsilon=config.rms_norm_eps,
+            normalization="rms_norm", use_gated_feedforward=True,
+            attention_use_bias=attention_bias,
+            attention_output_use_bias=False if qwen2 else attention_bias,
+            feedforward_use_bias=bool(getattr(config, "mlp_bias", False)),
+            lm_head_use_bias=False, tie_embeddings=self.tied,
+            mask_padded_queries=False, pad_token_id=0 if pad is None else pad,
+            name=f"{self.model_type}_keras_attn",
+        )
+
+    def norm_scale(self, weight):
+        """The RMSNorm scale of a checkpoint norm weight."""
+        return weight
+
+    def set_block(self, block, prefix):
+        """Copies one decoder block's tensors (`prefix` = `model.layers.i.`)."""
+        linear = self.weights.linear
+        common.set_attention(
+            block.self_attention,
+            linear(prefix + "self_attn.q_proj"), linear(prefix + "self_attn.k_proj"),
+            linear(prefix + "self_attn.v_proj"), linear(prefix + "self_attn.o_proj"),
+        )
+        self.set_norm(block.self_attention_layer_norm, prefix + "input_layernorm")
+        self.set_norm(block.feedforward_layer_norm, prefix + "post_attention_layernorm")
+        for dense, name in (
+            (block.feedforward_gate_dense, "mlp.gate_proj"),
+            (block.feedforward_intermediate_dense, "mlp.up_proj"),
+            (block.feedforward_output_dense, "mlp.down_proj"),
+        ):
+            common.set_dense(dense, *linear(prefix + name))
+
+    # -- the conversion ------------------------------------------------------
+
+    @property
+    def tied(self):
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def set_norm(self, layer, name):
+        scale = self.weights.take(name + ".weight")
+        common.set_rms_norm(layer, self.norm_scale(scale), name + ".weight")
+
+    def convert(self):
+        """The `DecoderOnlyLM` with the checkpoint's weights."""
+        self.check_config()
+        weights = self.weights
+        lm = DecoderOnlyLM(**self.model_options())
+        lm(np.zeros((1, 1), "int32"))
+        table = weights.take("model.embed_tokens.weight")
+        common.assign(lm.embedding.embeddings, table, "model.embed_tokens.weight")
+        for i, block in enumerate(lm.blocks):
+            self.set_block(block, f"model.layers.{i}.")
+        self.set_norm(lm.final_norm, "model.norm")
+        common.set_lm_head(lm, weights, self.tied, table, "embed_tokens.weight")
+        weights.check_all_used(self.checkpoint.architecture)
+        return lm
+
+
+def convert(checkpoint, *, dropout=None):
+    """A `DecoderOnlyLM` with the weights and logits of a Llama, Mistral or
+    Qwen2 `*ForCausalLM` (`dropout` is not used: the result has none)."""
+    return LlamaConverter(checkpoint).convert()
+
+
+FAMILY = common.Family(
+    name="Llama",
+    model_types=("llama", "mistral", "qwen2"),
+    architectures=("*ForCausalLM",),
+    convert=convert,
+)
