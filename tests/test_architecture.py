@@ -169,6 +169,21 @@ def test_kernel_choice_is_asked_of_dispatch_only():
             assert "get_device_type" not in text, path.name
 
 
+def test_export_steps_are_written_once():
+    """docs/architecture.md: every format's `ExportReport` is built by
+    `export/report.make_report`, and the modules of the exporters' shared steps
+    import no format module (a format calls them, never the other way)."""
+    export = PACKAGE / "export"
+    builders = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                if "ExportReport(" in p.read_text() and p != export / "report.py"]
+    assert not builders, builders
+    formats = {f"keras_attn.export.{m}" for m in
+               ("saved_model", "tflite", "onnx", "onnx_fused", "all_formats", "check", "cli")}
+    for step in ("arguments", "quality", "report", "samples", "staging", "verify"):
+        imported = _package_imports(export / f"{step}.py") & formats
+        assert not imported, (step, imported)
+
+
 # The old homes of the runtime writers, deprecated aliases for one release
 # (tests/test_runtimes_shims.py); nothing else below `runtimes` imports it.
 DEPRECATED_ALIASES = {f"generation/{name}.py" for name in (

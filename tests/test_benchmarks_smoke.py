@@ -22,6 +22,7 @@ CASES = {
     "sliding_window": ["bench_sliding_window.py", "--lengths", "256", "--window", "32",
                        "--repeats", "1", "--no-full"],
     "gpu_check": ["gpu_check.py", "--allow-cpu", "--repeats", "1"],
+    "int8_schemes": ["bench_int8_schemes.py", "--quick"],
     "input": ["bench_input.py", "--examples", "48", "--batch-size", "8", "--rounds", "1",
               "--modes", "graph"],
 }

@@ -2,7 +2,7 @@
 
 Every figure a report carries is recomputed here from the artifact's and the
 Keras model's outputs with NumPy (cosine per row, relative error, argmax
-agreement), independently of keras_attn.export.verify.
+agreement), independently of keras_attn.export.quality.
 """
 
 import os
@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 from keras_attn import export as kx
+from keras_attn.export import quality
 from keras_attn.export import tflite as tflite_lib
-from keras_attn.export import verify
 from tests import tolerance
 
 DIM = 64
@@ -69,7 +69,7 @@ def test_auto_measure_per_output(exported):
     # with neither; value: one number per row.
     assert {k: q["measure"] for k, q in report.quality.items()} == {
         "logits": "argmax", "head": "argmax", "embedding": "cosine", "value": "relative_error"}
-    assert verify.auto_measures(model) == {k: q["measure"] for k, q in report.quality.items()}
+    assert quality.auto_measures(model) == {k: q["measure"] for k, q in report.quality.items()}
 
 
 def test_auto_measure_of_a_language_model_head():
@@ -77,12 +77,12 @@ def test_auto_measure_of_a_language_model_head():
     hidden = keras.layers.Embedding(50, 16)(ids)
     wide = keras.layers.Dense(50)(hidden)  # unnamed, no softmax: vocabulary-sized
     model = keras.Model(ids, [wide, keras.layers.Identity(name="hidden")(hidden)])
-    assert verify.auto_measures(model) == {model.output_names[0]: "argmax",
+    assert quality.auto_measures(model) == {model.output_names[0]: "argmax",
                                            "hidden": "cosine"}
     # A hidden state as wide as the vocabulary stays a hidden state.
     same = keras.layers.Embedding(16, 16)(ids)
     model = keras.Model(ids, keras.layers.Identity(name="hidden")(same))
-    assert verify.auto_measures(model) == {"hidden": "cosine"}
+    assert quality.auto_measures(model) == {"hidden": "cosine"}
 
 
 def test_reported_quality_matches_numpy(exported):

@@ -121,29 +121,48 @@ def test_character_tokenizer_ids_are_the_characters():
         character_tokenizer("abca")
 
 
-@pytest.mark.slow
-def test_model_trained_with_keras_attn_generates_from_text(tmp_path):
-    """A decoder-only date translator trained here (character vocabulary of
-    the dates data): GenAI, from text, gives Keras's greedy characters."""
+@pytest.fixture(scope="module")
+def trained_dates_lm():
+    """A decoder-only date translator trained here to a stated accuracy
+    (character vocabulary of the dates data; text "<human date>=<iso>")."""
     import keras
 
     from keras_attn.data.dates import INPUT_ALPHABET, generate_examples
     from keras_attn.runtimes.tokenizers import character_tokenizer
 
     tok = character_tokenizer(INPUT_ALPHABET + "=")
-    pairs = generate_examples(1500, seed=0)
-    seqs = [tok.encode(f"{human}={iso}").ids + [EOS] for human, iso in pairs]
-    width = max(map(len, seqs))
-    data = np.zeros((len(seqs), width), np.int32)
-    for row, seq in enumerate(seqs):
-        data[row, :len(seq)] = seq
+
+    def encode(count, seed):
+        seqs = [tok.encode(f"{human}={iso}").ids + [EOS] for human, iso in generate_examples(count, seed=seed)]
+        data = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+        for row, seq in enumerate(seqs):
+            data[row, :len(seq)] = seq
+        return data
+
+    data = encode(3000, seed=0)
     keras.utils.set_random_seed(0)
     lm = DecoderOnlyLM(len(INPUT_ALPHABET) + 3, 64, 48, num_layers=2, num_heads=4,
                        intermediate_dim=96, num_key_value_heads=2, position="rotary")
     lm.compile(keras.optimizers.Adam(3e-3),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
-    history = lm.fit(data[:, :-1], data[:, 1:], epochs=3, batch_size=64, verbose=0)
-    assert history.history["loss"][-1] < 0.7 * history.history["loss"][0]
+    lm.fit(data[:, :-1], data[:, 1:], epochs=8, batch_size=64, verbose=0)
+    held_out = encode(200, seed=98)
+    # The answer's characters: after "=", up to the stop token.
+    answer = np.zeros(held_out.shape, bool)
+    for row, seq in enumerate(held_out):
+        answer[row, list(seq).index(tok.token_to_id("=")):np.count_nonzero(seq) - 1] = True
+    keras_next = np.asarray(lm(held_out)).argmax(-1)
+    accuracy = (keras_next[:, :-1] == held_out[:, 1:])[answer[:, :-1]].mean()
+    assert accuracy >= 0.85, f"the model to judge int8 by is under-trained: {accuracy:.3f}"
+    return lm, tok, data.shape[1], held_out, answer, keras_next
+
+
+@pytest.mark.slow
+def test_model_trained_with_keras_attn_generates_from_text(trained_dates_lm, tmp_path):
+    """GenAI, from text, gives Keras's greedy characters."""
+    from keras_attn.data.dates import generate_examples
+
+    lm, tok, width, *_ = trained_dates_lm
     export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS)
     model = og.Model(str(tmp_path))
     for human, _ in generate_examples(3, seed=99):
@@ -153,22 +172,45 @@ def test_model_trained_with_keras_attn_generates_from_text(tmp_path):
         got, _ = genai_tokens(tmp_path, prompt, width)
         assert got == keras_tokens(lm, prompt, width)
         assert len(got) >= 3
-    # int8 weights (MatMulInteger): on these trained weights the greedy
-    # answers stay Keras's at nearly every position.
-    quantized = tmp_path / "int8"
-    export_onnx_genai(lm, quantized, max_length=width, tokenizer=tok, eos_token_id=EOS,
-                      quantization="dynamic")
-    import onnx
 
-    ops = {n.op_type for n in onnx.load(str(quantized / "model.onnx")).graph.node}
-    assert "MatMulInteger" in ops
-    # int8 MatMul weights (the embedding table, a Gather, stays float32)
-    assert (quantized / "model.onnx").stat().st_size < (tmp_path / "model.onnx").stat().st_size
+
+@pytest.mark.slow
+def test_int8_weights_keep_keras_next_tokens_on_any_cpu(trained_dates_lm, tmp_path):
+    """int8 weights (MatMulInteger): the next token under the same prefix
+    (teacher forcing) is Keras's at nearly every position. The integer
+    arithmetic is exact on every CPU (tests/test_quantized_portability.py),
+    so this agreement does not depend on the machine; full-range int8
+    weights fall to ~0.88 on x86 CPUs without VNNI (benchmarks/RESULTS.md)."""
+    import onnx
+    import onnxruntime as ort
+
+    lm, tok, width, held_out, answer, keras_next = trained_dates_lm
+    export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS,
+                      quantization="dynamic")
+    path = tmp_path / "model.onnx"
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops, ops
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # One call over the held-out rows from position 0 (causal: the padding
+    # after a row's end does not reach its earlier positions).
+    feeds = {"input_ids": held_out.astype(np.int64),
+             "attention_mask": np.ones(held_out.shape, np.int64)}
+    for graph_input in session.get_inputs()[2:]:
+        feeds[graph_input.name] = np.zeros((len(held_out),) + tuple(graph_input.shape[1:]), np.float32)
+    int8_next = session.run(["logits"], feeds)[0].argmax(-1)
+    valid = held_out != 0
+    agreement = (int8_next == keras_next)[valid].mean()
+    assert agreement >= 0.95, agreement
+    assert (int8_next == keras_next)[answer].mean() >= 0.95
+    # GenAI runs the folder greedily from text: Keras's characters at nearly
+    # every position.
+    from keras_attn.data.dates import generate_examples
+
     same = total = 0
-    for human, _ in generate_examples(10, seed=98):
+    for human, _ in generate_examples(10, seed=97):
         prompt = tok.encode(f"{human}=").ids
         want = keras_tokens(lm, prompt, width)
-        got, _ = genai_tokens(quantized, prompt, width)
+        got, _ = genai_tokens(tmp_path, prompt, width)
         same += sum(a == b for a, b in zip(got, want))
         total += max(len(got), len(want))
     assert same / total >= 0.9, same / total

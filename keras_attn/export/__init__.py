@@ -13,16 +13,16 @@ repeats take the suffix `_1`, `_2`, ... (see `samples.output_names`).
 from keras_attn.export.all_formats import export_all
 from keras_attn.export.check import ExportabilityReport, check_exportable
 from keras_attn.export.onnx import export_onnx
-from keras_attn.export.samples import make_samples
-from keras_attn.export.saved_model import export_saved_model
-from keras_attn.export.serving import predict_request, rest_predict_body
-from keras_attn.export.tflite import export_tflite
-from keras_attn.export.verify import (
+from keras_attn.export.report import (
     ExportError,
     ExportReport,
     ParityError,
     UnsupportedOpsError,
 )
+from keras_attn.export.samples import make_samples
+from keras_attn.export.saved_model import export_saved_model
+from keras_attn.export.serving import predict_request, rest_predict_body
+from keras_attn.export.tflite import export_tflite
 
 __all__ = [
     "ExportError",

@@ -2,14 +2,15 @@
 
 import os
 
+from keras_attn.export import arguments
 from keras_attn.export import onnx as onnx_lib
 from keras_attn.export import precision
+from keras_attn.export import report
+from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
-from keras_attn.export import samples as model_io
-from keras_attn.export import verify
+from keras_attn.export.report import FORMATS
 
-FORMATS = verify.FORMATS
 LABELS = {"saved_model": "SavedModel", "tflite": "TFLite", "onnx": "ONNX"}
 
 
@@ -101,23 +102,13 @@ def export_all(
             `on_error="raise"`.
     """
     model_io.input_specs(model)
-    verify.check_formats(formats)
+    arguments.check_formats(formats)
     if check_ids is not None:
         saved_model_lib.resolve_check_ids(check_ids, (None, "clamp", "flag"))
-    if isinstance(tflite_quantizations, str) or not tflite_quantizations or any(
-        q not in tflite_lib.QUANTIZATIONS for q in tflite_quantizations
-    ):
-        raise ValueError(
-            "Received an invalid value for argument `tflite_quantizations`, "
-            f"expected a non-empty sequence of {list(tflite_lib.QUANTIZATIONS)}. "
-            f"Received: tflite_quantizations={tflite_quantizations!r}"
-        )
-    if on_error not in ("raise", "continue"):
-        raise ValueError(
-            "Received an invalid value for argument `on_error`, expected "
-            f"'raise' or 'continue'. Received: on_error={on_error!r}"
-        )
-    name = verify.check_name("name", model.name if name is None else name, "file name")
+    arguments.check_members("tflite_quantizations", tflite_quantizations,
+                            tflite_lib.QUANTIZATIONS, kind="sequence")
+    arguments.check_choice("on_error", on_error, ("raise", "continue"))
+    name = arguments.check_name("name", model.name if name is None else name, "file name")
     jobs = []
     for fmt in FORMATS:
         if fmt not in formats:
@@ -125,34 +116,18 @@ def export_all(
         for quantization in tflite_quantizations if fmt == "tflite" else (None,):
             jobs.append((fmt, quantization))
     keys = [_key(f, q) for f, q in jobs]
-    if isinstance(atol, dict):
-        unknown = sorted(set(atol) - set(keys))
-        if unknown:
-            raise ValueError(
-                f"Received an invalid `atol`: unknown keys {unknown}; expected "
-                f"some of {keys}. Received: atol={atol!r}"
-            )
-        atols = {k: atol.get(k) for k in keys}
-    else:
-        atols = {k: verify.resolve_atol(atol, 0.0) if atol is not None else None for k in keys}
+    if not isinstance(atol, dict):
+        atol = arguments.resolve_atol(atol, None)
+    atols = arguments.by_key("atol", atol, keys)
+    if not isinstance(min_agreement, dict):
+        min_agreement = arguments.resolve_min_agreement(min_agreement, None)
     quantized_keys = [_key(f, q) for f, q in jobs if q is not None]
-    if isinstance(min_agreement, dict):
-        unknown = sorted(set(min_agreement) - set(quantized_keys))
-        if unknown:
-            raise ValueError(
-                f"Received an invalid `min_agreement`: unknown keys {unknown}; expected "
-                f"some of {quantized_keys}. Received: min_agreement={min_agreement!r}"
-            )
-        agreements = {k: min_agreement.get(k) for k in quantized_keys}
-    else:
-        if min_agreement is not None:
-            verify.resolve_min_agreement(min_agreement, None)
-        agreements = {k: min_agreement for k in quantized_keys}
+    agreements = arguments.by_key("min_agreement", min_agreement, quantized_keys)
     samples = model_io.normalize_samples(model, sample_inputs)
     # Once for every format (one warning); the exporters then get a float32 model.
     try:
         model, float32_note = precision.model_for_export(model, samples)
-    except verify.ExportError as error:
+    except report.ExportError as error:
         if on_error == "raise":
             raise
         if verbose:

@@ -4,14 +4,14 @@ import dataclasses
 
 import keras
 
+from keras_attn.export import arguments
 from keras_attn.export import onnx as onnx_lib
 from keras_attn.export import precision
+from keras_attn.export import report
+from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite as tflite_lib
-from keras_attn.export import samples as model_io
-from keras_attn.export import verify
-
-FORMATS = verify.FORMATS
+from keras_attn.export.report import FORMATS
 
 
 @dataclasses.dataclass
@@ -40,6 +40,10 @@ class ExportabilityReport:
         return "\n".join(lines)
 
 
+def _first_line(error):
+    return str(error).splitlines()[0][:2000]
+
+
 def check_exportable(model, formats=FORMATS):
     """Converts `model` in memory to each format and reports what fails.
 
@@ -58,7 +62,7 @@ def check_exportable(model, formats=FORMATS):
     >>> check_exportable(m, formats=("tflite",)).ok
     True
     """
-    verify.check_formats(formats)
+    arguments.check_formats(formats)
     model_io.input_specs(model)
     problems = {}
     warnings = []
@@ -73,8 +77,8 @@ def check_exportable(model, formats=FORMATS):
         policies = "/".join(sorted(set(low.values())))
         try:
             model = precision.float32_copy(model)
-        except verify.ExportError as error:
-            message = str(error).splitlines()[0][:2000]
+        except report.ExportError as error:
+            message = _first_line(error)
             return ExportabilityReport({fmt: message for fmt in formats}, [], warnings)
         warnings.append(
             f"{len(low)} layers and sublayers compute in {policies}: the exporters export a float32 "
@@ -89,14 +93,10 @@ def check_exportable(model, formats=FORMATS):
         tf_ops = saved_model_lib.graph_op_types(concrete.get_concrete_function())
     except Exception as error:  # tracing errors of user layers vary
         return ExportabilityReport({"saved_model": f"tracing failed: {error}"}, [], warnings)
-    if "tflite" in formats:
-        try:
-            tflite_lib.convert(model)
-        except verify.ExportError as error:
-            problems["tflite"] = str(error).splitlines()[0][:2000]
-    if "onnx" in formats:
-        try:
-            onnx_lib.convert(model)
-        except verify.ExportError as error:
-            problems["onnx"] = str(error).splitlines()[0][:2000]
+    for fmt, convert in (("tflite", tflite_lib.convert), ("onnx", onnx_lib.convert)):
+        if fmt in formats:
+            try:
+                convert(model)
+            except report.ExportError as error:
+                problems[fmt] = _first_line(error)
     return ExportabilityReport(problems, tf_ops, warnings)

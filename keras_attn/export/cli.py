@@ -7,7 +7,7 @@ which parses them without importing TensorFlow; `run` reads them.
 import os
 import sys
 
-FORMATS = ("saved_model", "tflite", "onnx")
+from keras_attn.export.report import FORMATS
 
 
 def run(args):

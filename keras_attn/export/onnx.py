@@ -5,10 +5,13 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import arguments
 from keras_attn.export import onnx_fused
 from keras_attn.export import precision
-from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import report
 from keras_attn.export import samples as model_io
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import staging
 from keras_attn.export import verify
 
 OPSETS = (17, 18)
@@ -47,11 +50,7 @@ def convert(model, *, opset=17, check_ids="clamp"):
     (plus `valid` with `check_ids="flag"`, see `export_onnx`); dynamic axes
     are named `batch` (axis 0) and `<input>_dim<k>`.
     """
-    if opset not in OPSETS:
-        raise ValueError(
-            "Received an invalid value for argument `opset`, expected one of "
-            f"{list(OPSETS)}. Received: opset={opset!r}"
-        )
+    arguments.check_choice("opset", opset, OPSETS)
     import tf2onnx
 
     check_ids = saved_model_lib.resolve_check_ids(check_ids, ONNX_ID_CHECKS)
@@ -70,10 +69,10 @@ def convert(model, *, opset=17, check_ids="clamp"):
             flat_serve, input_signature=signature, opset=opset
         )
     except Exception as error:  # tf2onnx raises many exception types
-        raise verify.ExportError(f"tf2onnx could not convert the model: {error}") from error
+        raise report.ExportError(f"tf2onnx could not convert the model: {error}") from error
     bad = unsupported_onnx_ops(model_proto)
     if bad:
-        raise verify.UnsupportedOpsError(
+        raise report.UnsupportedOpsError(
             f"tf2onnx left TensorFlow ops it cannot convert to ONNX opset {opset}: "
             f"{bad}. Run check_exportable(model) to see which layers use them."
         )
@@ -132,15 +131,15 @@ def export_onnx(
     """
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
-    atol = verify.resolve_atol(atol, 1e-4)
+    atol = arguments.resolve_atol(atol, 1e-4)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
-    with verify.staged(path, "path", overwrite) as tmp:
+    with staging.staged(path, "path", overwrite) as tmp:
         model_proto = onnx_fused.convert_or_fallback(model, opset, check_ids, fused, convert)
         content = model_proto.SerializeToString()
         with open(tmp, "wb") as f:
             f.write(content)
-        checks, worst = verify.verify_artifact(
+        checks = verify.verify_artifact(
             "ONNX", model, samples, lambda sample: run_onnx(content, sample, names),
             atol, os.path.abspath(path),
         )
@@ -152,15 +151,7 @@ def export_onnx(
         "inputs": [i.name for i in model_proto.graph.input],
         "outputs": [o.name for o in model_proto.graph.output],
     }
-    if float32_note is not None:
-        details["float32_copy"] = float32_note
-    return verify.ExportReport(
-        format="onnx",
-        path=os.path.abspath(path),
-        size_bytes=len(content),
-        max_abs_error=worst,
-        atol=atol,
-        ops=ops,
-        checks=checks,
-        details=details,
+    return report.make_report(
+        "onnx", path, checks, size_bytes=len(content), atol=atol, ops=ops, details=details,
+        float32_note=float32_note,
     )

@@ -17,6 +17,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_attn.export import report
 from keras_attn.export import samples as model_io
 from keras_attn.export import verify
 
@@ -101,7 +102,7 @@ def float32_copy(model):
         copy = keras.saving.deserialize_keras_object(config)
     except Exception as error:  # noqa: BLE001  user layers fail in many ways
         cause = " ".join(str(error).split())[:1000]
-        raise verify.ExportError(
+        raise report.ExportError(
             f"The model `{model.name}` computes in float16/bfloat16 and must be "
             "exported as a float32 copy, but it could not be rebuilt from its "
             f"config with float32 dtype policies. {advice} Cause: "
@@ -111,7 +112,7 @@ def float32_copy(model):
         keras.mixed_precision.set_global_policy(policy)
     left = low_precision_layers(copy)
     if left:
-        raise verify.ExportError(
+        raise report.ExportError(
             f"The float32 copy of the model `{model.name}` still has 16-bit layers "
             f"{left} (their policy is not a plain dtype policy in the config, or a "
             "layer fixes it). " + advice
@@ -120,7 +121,7 @@ def float32_copy(model):
     if len(source) != len(target) or any(
         tuple(s.shape) != tuple(t.shape) for s, t in zip(source, target)
     ):
-        raise verify.ExportError(
+        raise report.ExportError(
             f"The float32 copy of the model `{model.name}` rebuilt from its config "
             f"has different weights ({len(target)} vs {len(source)}, or other "
             "shapes). " + advice

@@ -8,8 +8,6 @@ import keras
 import numpy as np
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     name: str

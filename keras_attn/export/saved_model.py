@@ -7,8 +7,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import arguments
 from keras_attn.export import precision
+from keras_attn.export import report
 from keras_attn.export import samples as model_io
+from keras_attn.export import staging
 from keras_attn.export import verify
 
 SIGNATURE_KEY = "serving_default"
@@ -57,12 +60,7 @@ def resolve_check_ids(check_ids, allowed=ID_CHECKS):
         check_ids = "assert"
     elif check_ids is False:
         check_ids = None
-    if check_ids not in allowed:
-        raise ValueError(
-            "Received an invalid value for argument `check_ids`, expected one of "
-            f"{list(allowed)}. Received: check_ids={check_ids!r}"
-        )
-    return check_ids
+    return arguments.check_choice("check_ids", check_ids, allowed)
 
 
 def _checked_ids(inputs, vocabularies, mode):
@@ -237,17 +235,17 @@ def export_saved_model(
             "Received an invalid value for argument `version`, expected a "
             f"positive integer. Received: version={version!r}"
         )
-    model_name = verify.check_name(
+    model_name = arguments.check_name(
         "model_name", model.name if model_name is None else model_name, "name"
     )
-    atol = verify.resolve_atol(atol, 1e-4)
+    atol = arguments.resolve_atol(atol, 1e-4)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     path = os.path.join(os.fspath(export_dir), model_name, str(version))
     check_ids = resolve_check_ids(check_ids)
     names = model_io.output_names(model)
 
-    with verify.staged(path, "export_dir", overwrite) as tmp:
+    with staging.staged(path, "export_dir", overwrite) as tmp:
         write_saved_model(model, tmp, check_ids)
         loaded = tf.saved_model.load(tmp)
         signature = loaded.signatures[SIGNATURE_KEY]
@@ -256,10 +254,10 @@ def export_saved_model(
             got = signature(**{k: tf.constant(v) for k, v in sample.items()})
             return [np.asarray(got[n]) for n in names]
 
-        checks, worst = verify.verify_artifact("SavedModel", model, samples, run, atol, path)
+        checks = verify.verify_artifact("SavedModel", model, samples, run, atol, path)
         ops = graph_op_types(signature)
         description = signature_description(signature)
-        size = verify.size_of(tmp)
+        size = staging.size_of(tmp)
     details = {
         "model_name": model_name,
         "version": version,
@@ -269,15 +267,7 @@ def export_saved_model(
         "checked_ids": embedded_inputs(model) if check_ids else {},
         "check_ids": check_ids,
     }
-    if float32_note is not None:
-        details["float32_copy"] = float32_note
-    return verify.ExportReport(
-        format="saved_model",
-        path=os.path.abspath(path),
-        size_bytes=size,
-        max_abs_error=worst,
-        atol=atol,
-        ops=ops,
-        checks=checks,
-        details=details,
+    return report.make_report(
+        "saved_model", path, checks, size_bytes=size, atol=atol, ops=ops, details=details,
+        float32_note=float32_note,
     )

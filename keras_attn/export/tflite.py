@@ -7,9 +7,12 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.export import arguments
 from keras_attn.export import precision
-from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import report
 from keras_attn.export import samples as model_io
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import staging
 from keras_attn.export import verify
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8", "int16x8")
@@ -20,7 +23,7 @@ CALIBRATED = ("int8", "int16x8")
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
 # float32 must match Keras to 1e-4. A quantized model's outputs move with
 # its weights' rounding, so it is checked by what each output means (see
-# verify.MEASURES, chosen per output by verify.auto_measures): argmax agreement
+# quality.MEASURES, chosen per output by quality.auto_measures): argmax agreement
 # for logits/scores, per-row cosine for embeddings and hidden states, relative
 # error for the rest. Its max abs error is reported, and checked only when
 # `atol` is given. The thresholds come from measurements on a pretrained
@@ -72,7 +75,7 @@ def _flex_error(error):
     layers = sorted({f"{path} ({op})" for op, path in where if op in ops or not ops})
     if "Lowering tensor list ops is failed" in text:
         lists = sorted(set(re.findall(r'fused\["TensorList\w+:", "([^"@]+)@', text)))
-        return verify.UnsupportedOpsError(
+        return report.UnsupportedOpsError(
             "The model cannot be converted to TFLite with builtin ops only "
             "(TFLITE_BUILTINS): a TensorList (the while-loop of a Keras RNN such "
             "as GRU/LSTM, or a tf.TensorArray) has a dynamic element shape, "
@@ -84,7 +87,7 @@ def _flex_error(error):
         )
     if not ops and "neither a custom op nor a flex op" not in text:
         return None
-    return verify.UnsupportedOpsError(
+    return report.UnsupportedOpsError(
         "The model cannot be converted to TFLite with builtin ops only "
         f"(TFLITE_BUILTINS). Ops that would need Flex (SELECT_TF_OPS): "
         f"{ops or 'see below'}; at: {layers[:20]}. Use layers built from "
@@ -163,11 +166,7 @@ def convert(
     Returns:
         `(bytes, details)`.
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            "Received an invalid value for argument `quantization`, expected "
-            f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
-        )
+    arguments.check_choice("quantization", quantization, QUANTIZATIONS)
     if representative_dataset is not None and quantization not in CALIBRATED:
         raise ValueError(
             "`representative_dataset` is only used with quantization='int8' or "
@@ -238,7 +237,7 @@ def convert(
                         "tensor its ops read, and integer inputs such as an "
                         "attention mask that feed a comparison have none; use "
                         "quantization='int8', optionally float_ops='transformer')")
-            raise verify.ExportError(
+            raise report.ExportError(
                 f"TFLite conversion failed{hint}: {error}") from error
     if quantization in CALIBRATED:
         _check_runs(content, calibration[0], quantization)
@@ -253,7 +252,7 @@ def _check_runs(content, sample, quantization):
         _interpreter(model_content=content).get_signature_runner(
             saved_model_lib.SIGNATURE_KEY)(**sample)
     except (RuntimeError, ValueError) as error:
-        raise verify.ExportError(
+        raise report.ExportError(
             f"The {quantization} TFLite model was converted but LiteRT cannot run "
             f"it: {str(error).strip()}. This op has no {quantization} kernel in "
             "LiteRT; use quantization='int8' (optionally float_ops='transformer') "
@@ -351,9 +350,9 @@ def export_tflite(
             `threshold`; `threshold` wins when both are given). None uses
             0.99 for float16, 0.95 for dynamic and int16x8, 0.9 for int8.
         measure: quantized variants only: how each float output is compared
-            with Keras (`verify.MEASURES`): "auto" (default) picks
-            "argmax" (fraction of rows with Keras's top-1 index) for
-            logits/scores: an output whose name contains
+            with Keras (`keras_attn.export.quality.MEASURES`): "auto"
+            (default) picks "argmax" (fraction of rows with Keras's top-1
+            index) for logits/scores: an output whose name contains
             logit/score/prob/class/label, that comes out of a softmax, or
             whose last axis is a vocabulary size; "cosine" (per row along
             the last axis: its minimum and mean) for other vectors
@@ -398,12 +397,8 @@ def export_tflite(
     """
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            "Received an invalid value for argument `quantization`, expected "
-            f"one of {list(QUANTIZATIONS)}. Received: quantization={quantization!r}"
-        )
-    atol = verify.resolve_atol(atol, DEFAULT_ATOL[quantization])
+    arguments.check_choice("quantization", quantization, QUANTIZATIONS)
+    atol = arguments.resolve_atol(atol, DEFAULT_ATOL[quantization])
     if quantization is None:
         for arg, value, default in (("min_agreement", min_agreement, None),
                                     ("measure", measure, "auto"),
@@ -413,15 +408,15 @@ def export_tflite(
                     f"`{arg}` checks quantized exports; a float32 export is checked "
                     f"with `atol`. Received: quantization=None, {arg}={value!r}"
                 )
-    min_agreement = verify.resolve_min_agreement(min_agreement, None)
+    min_agreement = arguments.resolve_min_agreement(min_agreement, None)
     measures = thresholds = None
     if quantization is not None:
-        measures = verify.resolve_measures(model, measure)
-        thresholds = verify.resolve_thresholds(
+        measures = arguments.resolve_measures(model, measure)
+        thresholds = arguments.resolve_thresholds(
             measures, threshold, DEFAULT_THRESHOLDS[quantization], min_agreement)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
-    with verify.staged(path, "path", overwrite) as tmp:
+    with staging.staged(path, "path", overwrite) as tmp:
         content, details = convert(
             model,
             quantization=quantization,
@@ -433,34 +428,17 @@ def export_tflite(
         with open(tmp, "wb") as f:
             f.write(content)
         input_names = [s.name for s in specs]
-        checks, worst = verify.verify_artifact(
+        checks = verify.verify_artifact(
             "TFLite", model, samples,
             lambda sample: run_signature(content, sample, input_names, names),
             atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
-        quality = {}
-        if measures is not None:
-            quality = verify.quality_of(checks, measures, thresholds)
-            if not measures and atol is None:
-                atol = FALLBACK_ATOL[quantization]
-                verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
-        agreement = verify.agreement_of(checks) if quantization is not None else None
-        argmax_thresholds = [q["threshold"] for q in quality.values() if q["measure"] == "argmax"]
-        min_agreement = min(argmax_thresholds) if argmax_thresholds else None
+        if measures == {} and atol is None:  # no float output to measure
+            atol = FALLBACK_ATOL[quantization]
+            verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
         ops = tflite_op_names(content)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
-    if float32_note is not None:
-        details["float32_copy"] = float32_note
-    return verify.ExportReport(
-        format="tflite",
-        path=os.path.abspath(path),
-        size_bytes=len(content),
-        max_abs_error=worst,
-        atol=atol,
-        ops=ops,
-        checks=checks,
-        details=details,
-        agreement=agreement,
-        min_agreement=min_agreement,
-        quality=quality,
+    return report.make_report(
+        "tflite", path, checks, size_bytes=len(content), atol=atol, ops=ops, details=details,
+        float32_note=float32_note, measures=measures, thresholds=thresholds,
     )

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_attn.export.onnx import rename_value
+from keras_attn.export.onnx_quantize import quantize_matmul_weights
 from keras_attn.runtimes.tokenizers import tokenizer_model_type
 from keras_attn.runtimes.tokenizers import write_tokenizer
 from keras_attn.runtimes.trace import DecoderTrace
@@ -153,8 +154,10 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             (eos may be a list); default the model's `pad_token_id`.
         opset: ONNX opset.
         quantization: None (float32) or "dynamic": int8 weights (per
-            channel) for every MatMul with a constant weight, activations
-            quantized at run time (onnxruntime's `quantize_dynamic`).
+            channel, 7-bit range) for every MatMul with a constant weight,
+            activations quantized at run time; the integer arithmetic is
+            exact on every CPU, with or without VNNI
+            (`keras_attn.export.onnx_quantize`).
 
     Returns:
         The folder's path.
@@ -189,14 +192,9 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     proto = onnx_genai_model(model, max_length=max_length, opset=opset)
     path = os.path.join(folder, "model.onnx")
     if quantization == "dynamic":
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-
-        quantize_dynamic(proto, path, op_types_to_quantize=["MatMul"], per_channel=True,
-                         weight_type=QuantType.QInt8,
-                         extra_options={"MatMulConstBOnly": True})
-    else:
-        with open(path, "wb") as f:
-            f.write(proto.SerializeToString())
+        proto = quantize_matmul_weights(proto)
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                           pad_token_id=pad_token_id)
     with open(os.path.join(folder, "genai_config.json"), "w") as f:

@@ -1,0 +1,158 @@
+"""The exporters' arguments, checked and resolved before anything is written.
+
+Each check raises a ValueError naming the argument and the value received
+("Received an invalid value for argument `atol`, ..."). `check_keys` is the
+one check of a dict argument's keys (`measure`, `threshold`, and
+`export_all`'s `atol` and `min_agreement`); `check_choice` is the layers'
+(`keras_attn.layers.checks`), shared with them and with `generation`.
+"""
+
+import os
+
+from keras_attn.export.quality import MEASURES, auto_measures
+from keras_attn.export.report import FORMATS
+from keras_attn.layers.checks import check_choice
+
+__all__ = [
+    "by_key",
+    "check_choice",
+    "check_formats",
+    "check_keys",
+    "check_members",
+    "check_name",
+    "resolve_atol",
+    "resolve_measures",
+    "resolve_min_agreement",
+    "resolve_thresholds",
+]
+
+
+def _is_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_keys(arg_name, value, allowed, what="keys"):
+    """`value` (a dict) must have keys among `allowed`; `what` names them in the message."""
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`: unknown {what} "
+            f"{unknown}; expected some of {list(allowed)}. Received: {arg_name}={value!r}"
+        )
+    return value
+
+
+def by_key(arg_name, value, keys):
+    """`{key: value}` for each of `keys`: `value` itself, or, given a dict by
+    key (checked by `check_keys`), its entry (None where it has none)."""
+    if isinstance(value, dict):
+        check_keys(arg_name, value, keys)
+        return {k: value.get(k) for k in keys}
+    return {k: value for k in keys}
+
+
+def check_members(arg_name, values, allowed, kind="subset"):
+    """`values` must be a non-empty collection (not a string) of `allowed` items."""
+    if isinstance(values, str) or not values or any(v not in allowed for v in values):
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`, expected a "
+            f"non-empty {kind} of {list(allowed)}. Received: {arg_name}={values!r}"
+        )
+    return values
+
+
+def check_formats(formats):
+    """`formats` must be a non-empty collection of `FORMATS` (not a string)."""
+    return check_members("formats", formats, FORMATS)
+
+
+def check_name(arg_name, value, what):
+    """`value` must be a non-empty string usable as one path component."""
+    if not isinstance(value, str) or not value or os.sep in value:
+        raise ValueError(
+            f"Received an invalid value for argument `{arg_name}`, expected a "
+            f"non-empty {what} without '{os.sep}'. Received: {arg_name}={value!r}"
+        )
+    return value
+
+
+def resolve_atol(atol, default):
+    if atol is None:
+        return default
+    if not _is_number(atol) or not atol >= 0:
+        raise ValueError(
+            f"Received an invalid value for argument `atol`, expected a "
+            f"non-negative number or None. Received: atol={atol!r}"
+        )
+    return float(atol)
+
+
+def resolve_min_agreement(min_agreement, default):
+    if min_agreement is None:
+        return default
+    if not _is_number(min_agreement) or not 0 <= min_agreement <= 1:
+        raise ValueError(
+            "Received an invalid value for argument `min_agreement`, expected a "
+            f"number in [0, 1] or None. Received: min_agreement={min_agreement!r}"
+        )
+    return float(min_agreement)
+
+
+def resolve_measures(model, measure):
+    """`measure` ("auto", one of MEASURES, or a dict by output name) as `{name: measure}`."""
+    auto = auto_measures(model)
+    expected = f'"auto", one of {list(MEASURES)}, or a dict {{output name: measure}}'
+    if isinstance(measure, dict):
+        check_keys("measure", measure, sorted(auto), what="outputs")
+        if any(v not in MEASURES + ("auto",) for v in measure.values()):
+            raise ValueError(
+                f"Received an invalid value for argument `measure`, expected {expected}; "
+                f"the float outputs are {sorted(auto)}. Received: measure={measure!r}"
+            )
+        return {name: auto[name] if measure.get(name, "auto") == "auto" else measure[name]
+                for name in auto}
+    if measure == "auto":
+        return auto
+    if measure not in MEASURES:
+        raise ValueError(
+            f"Received an invalid value for argument `measure`, expected {expected}. "
+            f"Received: measure={measure!r}"
+        )
+    return {name: measure for name in auto}
+
+
+def resolve_thresholds(measures, threshold, defaults, min_agreement=None):
+    """The threshold of each output: `threshold` (a number, or a dict by output
+    name), else `min_agreement` for argmax outputs, else `defaults[measure]`."""
+    def check(value, where):
+        if not _is_number(value) or not value >= 0:
+            raise ValueError(
+                f"Received an invalid value for argument `threshold`{where}, expected "
+                f"a non-negative number (a minimum for argmax/cosine, a maximum for "
+                f"relative_error) or None. Received: threshold={threshold!r}"
+            )
+        return float(value)
+
+    if isinstance(threshold, dict):
+        check_keys("threshold", threshold, sorted(measures), what="outputs")
+        given = {k: None if v is None else check(v, f" for output '{k}'")
+                 for k, v in threshold.items()}
+    elif threshold is not None:
+        given = {name: check(threshold, "") for name in measures}
+    else:
+        given = {}
+    out = {}
+    for name, measure in measures.items():
+        if given.get(name) is not None:
+            out[name] = given[name]
+        elif measure == "argmax" and min_agreement is not None:
+            out[name] = min_agreement
+        else:
+            out[name] = defaults.get(measure)
+        if measure in ("argmax", "cosine") and out[name] is not None and out[name] > 1:
+            raise ValueError(
+                f"Received an invalid value for argument `threshold` for output '{name}': "
+                f"a {measure} threshold is a minimum in [0, 1]. Received: "
+                f"threshold={threshold!r}"
+            )
+    return out

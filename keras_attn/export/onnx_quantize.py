@@ -1,0 +1,152 @@
+"""Integer weights for ONNX graphs, with answers that do not depend on the CPU.
+
+onnxruntime's dynamic quantization turns a `MatMul` with a constant weight
+into `DynamicQuantizeMatMul` / `MatMulInteger`: the activations become uint8
+at run time, the weights int8. On x86 CPUs with AVX2 or AVX-512 but no VNNI
+(many servers and laptops), onnxruntime multiplies those with VPMADDUBSW,
+which adds two uint8 x int8 products into a *saturating* int16. With full
+int8 weights two products reach 2 * 255 * 127 = 64770 > 32767, the sum is
+clipped, and the model gives other answers there than on a CPU with VNNI, an
+SSE-only CPU or ARM, whose kernels add in int32 (the next-token agreement
+of a trained decoder with float32 falls by about a tenth on such a CPU:
+benchmarks/RESULTS.md, "int8 ONNX schemes").
+
+`quantize_matmul_weights` keeps the weights within 7 bits (`reduce_range`:
+int8 values in [-64, 64]), so that no pair of products can pass 2 * 255 * 64
+= 32640: the integer arithmetic is exact, hence the same, on every
+instruction set. It costs one bit of weight precision and keeps
+onnxruntime's fastest int8 kernels (VNNI where the CPU has it).
+`check_no_int8_saturation` states the rule on a graph.
+
+`matmul_nbits` writes onnxruntime's weight-only `MatMulNBits` (8 or 4 bits
+in blocks along the input axis) instead. With `accuracy_level=4` the CPU
+quantizes the activations to int8 per block where it has AVX2/AVX-512/ARM
+dot-product kernels and computes in float32 elsewhere (SSE-only CPUs), so
+its answers move with the CPU within the quantization error.
+"""
+
+import numpy as np
+
+# VPMADDUBSW adds two uint8 x int8 products into an int16.
+INT16_MAX = 32767
+UINT8_MAX = 255
+# The largest |int8 weight| for which 2 * 255 * |w| fits an int16.
+SAFE_INT8_WEIGHT = INT16_MAX // (2 * UINT8_MAX)  # 64
+
+
+def quantize_matmul_weights(proto):
+    """int8 weights (per output channel, 7-bit range) for every `MatMul` of
+    `proto` whose weight is a constant; activations are quantized at run time.
+
+    Args:
+        proto: an ONNX `ModelProto` in float32.
+
+    Returns:
+        The quantized `ModelProto` (checked with `check_no_int8_saturation`).
+    """
+    import os
+    import tempfile
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="keras_attn_int8_") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        quantize_dynamic(proto, path, op_types_to_quantize=["MatMul"], per_channel=True,
+                         reduce_range=True, weight_type=QuantType.QInt8,
+                         extra_options={"MatMulConstBOnly": True})
+        quantized = onnx.load(path)
+    check_no_int8_saturation(quantized)
+    return quantized
+
+
+# The ops whose int8 weight (input 1) meets uint8 activations in
+# onnxruntime's integer GEMM.
+_INTEGER_MATMULS = ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
+
+
+def int8_weight_extremes(proto):
+    """`{node name: largest |weight|}` for the int8 weights of the integer
+    matmuls in `proto` (uint8 weights, which onnxruntime multiplies without
+    saturation, are left out)."""
+    from onnx import TensorProto, numpy_helper
+
+    weights = {t.name: t for t in proto.graph.initializer}
+    extremes = {}
+    for node in proto.graph.node:
+        if node.op_type not in _INTEGER_MATMULS or len(node.input) < 2:
+            continue
+        tensor = weights.get(node.input[1])
+        if tensor is not None and tensor.data_type == TensorProto.INT8:
+            values = numpy_helper.to_array(tensor).astype(np.int32)
+            extremes[node.name or node.output[0]] = int(np.abs(values).max(initial=0))
+    return extremes
+
+
+def check_no_int8_saturation(proto):
+    """Raises `ValueError` if an int8 weight of `proto` can saturate
+    onnxruntime's int16 pair sums on x86 CPUs without VNNI (|w| > 64)."""
+    unsafe = {name: value for name, value in int8_weight_extremes(proto).items()
+              if value > SAFE_INT8_WEIGHT}
+    if unsafe:
+        raise ValueError(
+            f"int8 weights beyond +-{SAFE_INT8_WEIGHT} meet uint8 activations in "
+            f"{sorted(unsafe)[:5]} (largest |w|: {max(unsafe.values())}): on x86 CPUs without "
+            "VNNI their products saturate int16 sums and the answers change with the CPU. "
+            "Quantize with reduce_range (`keras_attn.export.onnx_quantize.quantize_matmul_weights`).")
+
+
+def _blockwise_symmetric(weight, bits, block_size):
+    """`(codes, scales)`: `weight` (K, N) as signed `bits`-bit codes in blocks
+    of `block_size` along K, one scale per block = max |w| / (2^(bits-1) - 1),
+    laid out as MatMulNBits reads them: codes `(N, blocks, block_size)`
+    (K zero-padded), scales `(N, blocks)`."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    padded = np.zeros((n, blocks * block_size), np.float32)
+    padded[:, :k] = weight.T
+    padded = padded.reshape(n, blocks, block_size)
+    top = (1 << (bits - 1)) - 1
+    scales = np.abs(padded).max(-1) / top
+    codes = np.rint(padded / np.where(scales == 0, 1, scales)[..., None])
+    return np.clip(codes, -top, top).astype(np.int32), scales.astype(np.float32)
+
+
+def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):
+    """Every `MatMul` of `proto` with a constant 2-D float32 weight as a
+    `com.microsoft` `MatMulNBits` (symmetric codes, the default zero point
+    2^(bits-1)). Returns `proto`, changed in place."""
+    from onnx import helper, numpy_helper
+
+    if bits not in (4, 8):
+        raise ValueError(f"Received an invalid value for argument `bits`, expected 4 or 8. Received: bits={bits!r}")
+    graph = proto.graph
+    weights = {t.name: t for t in graph.initializer}
+    nodes = []
+    for node in graph.node:
+        tensor = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        weight = numpy_helper.to_array(tensor) if tensor is not None else None
+        if weight is None or weight.ndim != 2 or weight.dtype != np.float32:
+            nodes.append(node)
+            continue
+        k, n = weight.shape
+        codes, scales = _blockwise_symmetric(weight, bits, block_size)
+        stored = (codes + (1 << (bits - 1))).astype(np.uint8)
+        if bits == 4:  # two codes a byte, the first in the low nibble
+            stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
+        packed = numpy_helper.from_array(stored, f"{tensor.name}_q{bits}")
+        scale = numpy_helper.from_array(scales.reshape(-1), f"{tensor.name}_scales")
+        graph.initializer.extend([packed, scale])
+        nodes.append(helper.make_node(
+            "MatMulNBits", [node.input[0], packed.name, scale.name], list(node.output),
+            name=f"{node.name}_q{bits}", domain="com.microsoft", K=k, N=n, bits=bits,
+            block_size=block_size, accuracy_level=accuracy_level))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {name for node in graph.node for name in node.input}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return proto

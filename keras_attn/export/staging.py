@@ -1,0 +1,100 @@
+"""Writing an artifact without leaving a half-written one behind.
+
+`staged(path)` yields a temporary path beside `path`; the exporter writes
+and verifies the artifact there, and only on success is it moved into place.
+On any error the temporary artifact (and any parent directory `staged`
+created) is removed and `path` is left as it was.
+"""
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from keras_attn.export.report import ExportError
+
+
+def size_of(path):
+    if os.path.isdir(path):
+        return sum(
+            os.path.getsize(os.path.join(root, f))
+            for root, _, files in os.walk(path)
+            for f in files
+        )
+    return os.path.getsize(path)
+
+
+def _check_target(path, arg_name, overwrite):
+    path = os.fspath(path)
+    if not path:
+        raise ValueError(f"Received an empty `{arg_name}`.")
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(
+            f"Received `{arg_name}`={path!r}, which already exists. Pass "
+            "overwrite=True to replace it."
+        )
+    parent = os.path.dirname(path)
+    try:
+        _makedirs(parent)
+    except OSError as error:
+        raise ValueError(
+            f"Received an unwritable `{arg_name}`={path!r}: cannot create its "
+            f"parent directory ({error})"
+        ) from error
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"Received an unwritable `{arg_name}`={path!r}: no write permission "
+            f"on {parent!r}"
+        )
+    return path
+
+
+_CREATED_DIRS = []
+
+
+def _makedirs(parent):
+    """`os.makedirs`, remembering the directories it created (for cleanup)."""
+    missing = []
+    head = parent
+    while head and not os.path.exists(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    os.makedirs(parent, exist_ok=True)
+    _CREATED_DIRS[:] = missing
+
+
+def _remove_created_dirs(created):
+    for directory in created:  # deepest first
+        try:
+            os.rmdir(directory)
+        except OSError:
+            break
+
+
+@contextlib.contextmanager
+def staged(path, arg_name, overwrite=True):
+    """Yields a temporary path beside `path`; moves it into place on success.
+
+    On any exception the temporary artifact is removed and `path` is left as
+    it was.
+    """
+    path = _check_target(path, arg_name, overwrite)
+    created = list(_CREATED_DIRS)
+    parent, base = os.path.split(path)
+    tmp_root = tempfile.mkdtemp(prefix=f".{base}.partial-", dir=parent)
+    tmp = os.path.join(tmp_root, base)
+    try:
+        yield tmp
+        if not os.path.exists(tmp):
+            raise ExportError(f"The exporter wrote nothing at {tmp}")
+        old = None
+        if os.path.exists(path):
+            old = os.path.join(tmp_root, base + ".old")
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+        _remove_created_dirs(created)
+        raise
+    shutil.rmtree(tmp_root, ignore_errors=True)
