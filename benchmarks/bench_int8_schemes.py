@@ -101,17 +101,18 @@ def trained_decoder(epochs, examples):
 
 
 def agreement(work, epochs, examples):
-    import onnx
+    """Agreement rows per scheme, and the trained decoder's float32 GenAI folder."""
     import onnxruntime as ort
 
-    from keras_attn.runtimes.onnx_genai import onnx_genai_model
+    from keras_attn.runtimes.onnx_genai import export_onnx_genai
 
     lm, width, held_out, answer = trained_decoder(epochs, examples)
     keras_next = np.asarray(lm(held_out)).argmax(-1)
     target = np.zeros_like(held_out)
     target[:, :-1] = held_out[:, 1:]
-    src = os.path.join(work, "dates_float32_source.onnx")
-    onnx.save(onnx_genai_model(lm, max_length=width), src)
+    folder = os.path.join(work, "dates_fp32")
+    export_onnx_genai(lm, folder, max_length=width)
+    src = os.path.join(folder, "model.onnx")
     valid = held_out != 0
     rows = {}
     for scheme in SCHEMES:
@@ -125,22 +126,28 @@ def agreement(work, epochs, examples):
         rows[scheme] = dict(all=float((got == keras_next)[valid].mean()),
                             answers=float((got == keras_next)[answer].mean()),
                             accuracy=float((got == target)[answer].mean()))
-    return rows
+    return rows, folder
 
 
-def speed(work, args):
+def speed(work, args, base=None):
+    """Tokens/s per scheme: of the float32 GenAI folder `base` if given
+    (--quick: the trained decoder's), else of a Llama-shaped decoder of the
+    requested size."""
     import onnxruntime_genai as og
 
     from keras_attn.generation import DecoderOnlyLM
     from keras_attn.runtimes.onnx_genai import export_onnx_genai
 
-    lm = DecoderOnlyLM(args.vocab, args.prompt + args.new, args.hidden, num_layers=args.layers,
-                       num_heads=args.heads, num_key_value_heads=args.kv_heads,
-                       intermediate_dim=args.intermediate, position="rotary", normalization="rms_norm",
-                       use_gated_feedforward=True, activation="silu")
-    lm(np.array([[2, 3]], np.int32))
-    base = os.path.join(work, "speed_fp32")
-    export_onnx_genai(lm, base, max_length=args.prompt + args.new)
+    if base is None:
+        lm = DecoderOnlyLM(args.vocab, args.prompt + args.new, args.hidden, num_layers=args.layers,
+                           num_heads=args.heads, num_key_value_heads=args.kv_heads,
+                           intermediate_dim=args.intermediate, position="rotary",
+                           normalization="rms_norm", use_gated_feedforward=True, activation="silu")
+        lm(np.array([[2, 3]], np.int32))
+        base = os.path.join(work, "speed_fp32")
+        export_onnx_genai(lm, base, max_length=args.prompt + args.new)
+    with open(os.path.join(base, "genai_config.json")) as f:
+        vocab = json.load(f)["model"]["vocab_size"]
     folders = {}
     for scheme in SCHEMES:
         folder = os.path.join(work, "speed_" + scheme.replace(" ", "_"))
@@ -148,7 +155,7 @@ def speed(work, args):
             shutil.copytree(base, folder)
             write_scheme(os.path.join(base, "model.onnx"), os.path.join(folder, "model.onnx"), scheme)
         folders[scheme] = base if scheme == "fp32" else folder
-    prompt = [int(t) for t in np.random.default_rng(1).integers(2, args.vocab, args.prompt)]
+    prompt = [int(t) for t in np.random.default_rng(1).integers(2, vocab, args.prompt)]
 
     def run(folder):
         model = og.Model(folder)
@@ -197,16 +204,17 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.quick:
-        args.epochs, args.examples, args.layers, args.hidden, args.intermediate = 1, 300, 1, 64, 128
-        args.vocab, args.prompt, args.new, args.rounds = 1000, 8, 8, 1
+        args.epochs, args.examples, args.prompt, args.new, args.rounds = 1, 300, 8, 8, 1
     work = tempfile.mkdtemp(prefix="bench_int8_")
-    agree = agreement(work, args.epochs, args.examples)
-    fast = speed(work, args)
+    agree, dates_folder = agreement(work, args.epochs, args.examples)
+    # --quick times the trained decoder itself: one export fewer.
+    fast = speed(work, args, base=dates_folder if args.quick else None)
     print(f"\nCPU int8 features: {cpu_int8_features()}")
     print(f"agreement: dates decoder ({args.epochs} epochs on {args.examples} examples), 200 held-out "
           "sequences, next token under the same prefix vs Keras float32")
-    print(f"speed: decoder {args.layers} x {args.hidden} ({args.heads} heads, {args.kv_heads} KV), "
-          f"vocabulary {args.vocab}, prompt {args.prompt}, {args.new} new tokens, onnxruntime_genai, "
+    model = "the dates decoder" if args.quick else (
+        f"decoder {args.layers} x {args.hidden} ({args.heads} heads, {args.kv_heads} KV), vocabulary {args.vocab}")
+    print(f"speed: {model}, prompt {args.prompt}, {args.new} new tokens, onnxruntime_genai, "
           f"medians of {args.rounds} alternating rounds\n")
     print("| scheme | agreement (all) | agreement (answers) | answer accuracy | prefill tok/s | "
           "decode tok/s | decode vs fp32 | MB |")
