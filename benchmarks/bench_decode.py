@@ -29,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.generation import cache as cache_lib  # noqa: E402
-from keras_attn.generation import export as gen_export  # noqa: E402
+from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 
 
 def timeit(fn, repeats, warmup=2):

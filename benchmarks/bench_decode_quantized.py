@@ -1,6 +1,6 @@
 """Quantized generation exports: TFLite decode-step speed, size, cache memory and greedy agreement.
 
-Variants of `keras_attn.generation.export.tflite_bytes` side by side, one run:
+Variants of `keras_attn.runtimes.signatures.tflite_bytes` side by side, one run:
 float32; float16 weights; int8 weights (`quantization="dynamic"`: LiteRT's
 hybrid int8 kernels); int8 weights with a float16 cache (`cache_dtype`); int4
 weights in blocks of 32 (`quantization="int4"`, ai-edge-quantizer).
@@ -30,7 +30,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_attn.generation import DecoderOnlyLM, greedy_search  # noqa: E402
-from keras_attn.generation import export as gen_export  # noqa: E402
+from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 
 VARIANTS = {
     "float32": dict(quantization=None),

@@ -97,7 +97,7 @@ def main():
     _common.apply_quick(args)
 
     from keras_attn.convert import from_huggingface
-    from keras_attn.generation.export import export_onnx_genai
+    from keras_attn.runtimes.onnx_genai import export_onnx_genai
 
     work = tempfile.mkdtemp(prefix="bench_genai_")
     hf_dir = os.path.join(work, "hf")

@@ -75,7 +75,7 @@ def trained_decoder(epochs, examples):
 
     from keras_attn.data.dates import INPUT_ALPHABET, generate_examples
     from keras_attn.generation import DecoderOnlyLM
-    from keras_attn.generation.tokenizers import character_tokenizer
+    from keras_attn.runtimes.tokenizers import character_tokenizer
 
     tok = character_tokenizer(INPUT_ALPHABET + "=")
 
@@ -104,7 +104,7 @@ def agreement(work, epochs, examples):
     """Agreement rows per scheme, and the trained decoder's float32 GenAI folder."""
     import onnxruntime as ort
 
-    from keras_attn.generation.onnx_genai import export_onnx_genai
+    from keras_attn.runtimes.onnx_genai import export_onnx_genai
 
     lm, width, held_out, answer = trained_decoder(epochs, examples)
     keras_next = np.asarray(lm(held_out)).argmax(-1)
@@ -136,7 +136,7 @@ def speed(work, args, base=None):
     import onnxruntime_genai as og
 
     from keras_attn.generation import DecoderOnlyLM
-    from keras_attn.generation.onnx_genai import export_onnx_genai
+    from keras_attn.runtimes.onnx_genai import export_onnx_genai
 
     if base is None:
         lm = DecoderOnlyLM(args.vocab, args.prompt + args.new, args.hidden, num_layers=args.layers,

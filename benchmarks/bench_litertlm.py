@@ -82,7 +82,7 @@ def main():
     import litert_lm
 
     from keras_attn.convert import from_huggingface
-    from keras_attn.generation.export import export_litertlm
+    from keras_attn.runtimes.litertlm import export_litertlm
 
     work = tempfile.mkdtemp(prefix="bench_litertlm_")
     hf_dir = os.path.join(work, "hf")

@@ -186,7 +186,7 @@ def decode_check_costs(directory, repeats, seed=0):
     from ai_edge_litert.interpreter import Interpreter
 
     from keras_attn.generation import DecoderOnlyLM
-    from keras_attn.generation import export as gen_export
+    from keras_attn.runtimes import signatures as gen_export
 
     keras.utils.set_random_seed(seed)
     lm = DecoderOnlyLM(VOCAB, 64, 64, num_layers=2, num_heads=4, intermediate_dim=128,

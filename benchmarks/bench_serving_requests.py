@@ -1,7 +1,7 @@
 """What each exported runtime does with each bad request: error, garbage or crash.
 
 Exports a tiny `DecoderOnlyLM` (vocabulary 20, `max_length` 8) with the
-prefill/decode signatures of `keras_attn.generation.export`, to SavedModel,
+prefill/decode signatures of `keras_attn.runtimes.signatures`, to SavedModel,
 TFLite and ONNX, each with its request checks ("assert" for SavedModel,
 "flag" for TFLite / ONNX) and without ("none"), then sends every bad request
 of `REQUESTS` to every artifact. TFLite and ONNX Runtime probes run one per
@@ -178,7 +178,7 @@ def build_artifacts(directory, seed=0):
     import keras
 
     from keras_attn.generation import DecoderOnlyLM
-    from keras_attn.generation import export as gen_export
+    from keras_attn.runtimes import signatures as gen_export
 
     keras.utils.set_random_seed(seed)
     lm = DecoderOnlyLM(VOCAB, 16, 16, num_layers=1, num_heads=2, intermediate_dim=32,

@@ -88,8 +88,8 @@ def main(argv=None):
     import numpy as np
     import transformers
 
+    from keras_attn import runtimes
     from keras_attn.convert import from_huggingface
-    from keras_attn.generation import export as gen_export
     from keras_attn.generation import greedy_search
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -110,8 +110,8 @@ def main(argv=None):
     summary = {"prompt": args.prompt, "keras": keras_new, "runtimes": {}}
 
     genai_dir = os.path.join(args.output_dir, "onnx_genai")
-    gen_export.export_onnx_genai(lm, genai_dir, max_length=args.max_length, tokenizer=hf_dir,
-                                 eos_token_id=eos)
+    runtimes.export_onnx_genai(lm, genai_dir, max_length=args.max_length, tokenizer=hf_dir,
+                               eos_token_id=eos)
     tokens, text = generate_genai(genai_dir, args.prompt, args.max_length)
     summary["runtimes"]["onnxruntime_genai"] = {"tokens": tokens, "equal": tokens == keras_new}
     print(f"ORT GenAI:    {text!r}  tokens equal to Keras: {tokens == keras_new}")
@@ -124,13 +124,13 @@ def main(argv=None):
         print("LiteRT-LM:    skipped (litert-lm-api is not installed: pip install "
               "'keras-attn[llm-runtimes]')")
     else:
-        from keras_attn.generation import litertlm
+        from keras_attn.runtimes import litertlm
 
         bundle = os.path.join(args.output_dir, "model.litertlm")
         # Keras was given the prompt without a start token: the bundle adds none.
-        gen_export.export_litertlm(lm, bundle, tokenizer=hf_dir, max_length=args.max_length,
-                                   bos_token_id=None,
-                                   stop_token_ids=[eos] if eos is not None else None)
+        runtimes.export_litertlm(lm, bundle, tokenizer=hf_dir, max_length=args.max_length,
+                                 bos_token_id=None,
+                                 stop_token_ids=[eos] if eos is not None else None)
         engine = litert_lm.Engine(bundle, backend=litert_lm.Backend.CPU())
         try:
             text = litertlm.generate(bundle, args.prompt, engine=engine)

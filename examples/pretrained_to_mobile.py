@@ -11,7 +11,7 @@
    random config) into a `keras_attn.generation.DecoderOnlyLM`. Its cached
    greedy decoding (`greedy_search`) is compared with Hugging Face
    `generate(do_sample=False)`; it is exported as TFLite and ONNX
-   `prefill`/`decode` signatures (`keras_attn.generation.export`), decoded by
+   `prefill`/`decode` signatures (`keras_attn.runtimes.signatures`), decoded by
    a NumPy loop over each runtime, and the token agreement with Hugging Face
    is printed.
 
@@ -208,7 +208,7 @@ def gpt2_part(args, summary):
     import transformers
 
     from keras_attn.convert import from_huggingface
-    from keras_attn.generation import export as gen_export
+    from keras_attn.runtimes import signatures as gen_export
     from keras_attn.generation import greedy_search
 
     if args.gpt2_dir:

@@ -7,7 +7,7 @@ key/value cache) on the offline `human_dates` tfds data set (through
 1. reports the test exact-match accuracy of Keras cached greedy decoding
    (`keras_attn.generation.greedy_search`);
 2. exports a TFLite multi-signature model (`prefill`, `decode`; builtin ops
-   only) with `keras_attn.generation.export`;
+   only) with `keras_attn.runtimes.signatures`;
 3. decodes the test inputs with the TFLite model alone: `tflite_greedy` below
    imports only NumPy and `ai_edge_litert` (no TensorFlow, Keras or
    keras_attn), the loop an app would run. It prints a few translations, the
@@ -15,7 +15,7 @@ key/value cache) on the offline `human_dates` tfds data set (through
 4. does the same with ONNX `prefill.onnx` / `decode.onnx` and onnxruntime
    (`onnx_greedy`, NumPy + onnxruntime only), unless `--no-onnx`.
 
-The signatures (see `keras_attn.generation.export`):
+The signatures (see `keras_attn.runtimes.signatures`):
 
     prefill(token_ids (B, 1), encoder_ids (B, T_in))
         -> logits, cache, cross_cache, encoder_padding_mask
@@ -162,7 +162,7 @@ def main(argv=None):
     from keras_attn.data import dates
     from keras_attn.data.pipelines import START_TOKEN
     from keras_attn.generation import Seq2SeqLM, greedy_search
-    from keras_attn.generation import export as gen_export
+    from keras_attn.runtimes import signatures as gen_export
 
     # Saving signatures warns about the tokenizers' lookup tables (harmless noise).
     tf.get_logger().setLevel("ERROR")

@@ -12,6 +12,7 @@ HIGHER = (
     "keras_attn.export",
     "keras_attn.generation",
     "keras_attn.convert",
+    "keras_attn.runtimes",
 )
 
 
@@ -46,11 +47,9 @@ def test_core_is_keras_ops_only_and_imports_nothing_above_it():
 
 
 # Where TensorFlow is imported at module level (docs/architecture.md): the
-# TensorFlow-only packages, and in `generation` the searches, their export and
-# the exported signatures' request checks.
-TENSORFLOW_MODULES = ("data", "training", "export", "generation/search.py", "generation/export.py",
-                      "generation/request_checks.py", "generation/onnx_genai.py",
-                      "generation/litertlm.py", "generation/tflite_convert.py")
+# TensorFlow-only packages (the runtime writers among them), and in
+# `generation` the searches.
+TENSORFLOW_MODULES = ("data", "training", "export", "runtimes", "generation/search.py")
 
 
 def test_tensorflow_in_ops_only_behind_the_backend_check():
@@ -150,7 +149,7 @@ def test_no_import_cycles_between_modules_and_the_package_never_imports_root_scr
 
 def test_layers_and_generation_use_no_private_module_of_another_package():
     offenders = []
-    for sub in ("generation", "export", "training", "convert", "data"):
+    for sub in ("generation", "export", "training", "convert", "data", "runtimes"):
         for path in (PACKAGE / sub).glob("*.py"):
             for name in _package_imports(path):
                 parts = name.split(".")
@@ -243,3 +242,25 @@ def test_argument_checks_are_written_once_at_the_bottom():
             if isinstance(node, ast.FunctionDef) and node.name in names:
                 copies.append(f"{other.relative_to(PACKAGE)}: {node.name}")
     assert not copies, copies
+
+
+# The old homes of the runtime writers, deprecated aliases for one release
+# (tests/test_runtimes_shims.py); nothing else below `runtimes` imports it.
+DEPRECATED_ALIASES = {f"generation/{name}.py" for name in (
+    "export", "litertlm", "onnx_genai", "tflite_convert", "runtime_loop", "request_checks",
+    "tokenizers")}
+
+
+def test_runtimes_sit_above_generation_and_export():
+    """`keras_attn.runtimes` writes what `generation`'s models trace; the models,
+    the searches and the model exports never import it."""
+    offenders = []
+    for sub in ("generation", "export", "training", "convert", "data", "ops", "layers"):
+        for path in (PACKAGE / sub).glob("*.py"):
+            if f"{sub}/{path.name}" in DEPRECATED_ALIASES:
+                continue
+            offenders += [f"{sub}/{path.name}: {name}" for name in _package_imports(path)
+                          if name.startswith("keras_attn.runtimes")]
+    assert not offenders, offenders
+    for name in DEPRECATED_ALIASES:  # each alias is small and only forwards
+        assert len((PACKAGE / name).read_text().splitlines()) < 15, name

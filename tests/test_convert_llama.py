@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
-from keras_attn.generation import export as gen_export  # noqa: E402
+from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 from tests import tolerance  # noqa: E402
 from tests.model_zoo import ort_runner  # noqa: E402
 

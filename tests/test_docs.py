@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PUBLIC = ["keras_attn.layers", "keras_attn.ops", "keras_attn.data", "keras_attn.training",
           "keras_attn.export", "keras_attn.generation", "keras_attn.convert",
-          "keras_attn.visualize"]
+          "keras_attn.visualize", "keras_attn.runtimes"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

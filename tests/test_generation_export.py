@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from keras_attn.generation import DecoderOnlyLM, Seq2SeqLM, greedy_search
-from keras_attn.generation import export as gen_export
+from keras_attn.runtimes import signatures as gen_export
 
 MAX_LEN = 12
 PROMPTS = np.array([[5, 6, 7, 0], [3, 4, 0, 0], [9, 8, 7, 6]], np.int32)

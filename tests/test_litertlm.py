@@ -11,8 +11,8 @@ pytest.importorskip("litert_lm_builder")
 pytest.importorskip("tokenizers")
 
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
-from keras_attn.generation import litertlm  # noqa: E402
-from keras_attn.generation.export import export_litertlm  # noqa: E402
+from keras_attn.runtimes import litertlm  # noqa: E402
+from keras_attn.runtimes.litertlm import export_litertlm  # noqa: E402
 
 from tests.llm_runtime_models import (  # noqa: E402
     EOS, VOCAB, hf_model, keras_tokens, scaled_lm, word_tokenizer)
@@ -200,7 +200,7 @@ def test_word_vocabulary_model_trained_with_keras_attn(tmp_path):
     bundle generates Keras's greedy words from text."""
     import keras
 
-    from keras_attn.generation.tokenizers import word_tokenizer as words_to_tokenizer
+    from keras_attn.runtimes.tokenizers import word_tokenizer as words_to_tokenizer
 
     rng = np.random.default_rng(0)
     sentences = []

@@ -11,7 +11,7 @@ og = pytest.importorskip("onnxruntime_genai")
 tokenizers = pytest.importorskip("tokenizers")
 
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
-from keras_attn.generation.onnx_genai import export_onnx_genai  # noqa: E402
+from keras_attn.runtimes.onnx_genai import export_onnx_genai  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
     EOS, MAX_LEN, hf_model, keras_tokens, scaled_lm, word_tokenizer)
 
@@ -100,7 +100,7 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
         export_onnx_genai(windowed, tmp_path, max_length=8)
     with pytest.raises(ValueError, match="max_length"):
         export_onnx_genai(scaled_lm(), tmp_path, max_length=0)
-    from keras_attn.generation.tokenizers import word_tokenizer as words_to_tokenizer
+    from keras_attn.runtimes.tokenizers import word_tokenizer as words_to_tokenizer
 
     with pytest.raises(ValueError, match="not WordPiece"):
         export_onnx_genai(scaled_lm(), tmp_path / "words", max_length=8,
@@ -109,7 +109,7 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
 
 def test_character_tokenizer_ids_are_the_characters():
     from keras_attn.data.dates import INPUT_ALPHABET
-    from keras_attn.generation.tokenizers import character_tokenizer
+    from keras_attn.runtimes.tokenizers import character_tokenizer
 
     tok = character_tokenizer(INPUT_ALPHABET)
     assert any(ord(c) > 127 for c in INPUT_ALPHABET)  # multi-byte characters included
@@ -128,7 +128,7 @@ def trained_dates_lm():
     import keras
 
     from keras_attn.data.dates import INPUT_ALPHABET, generate_examples
-    from keras_attn.generation.tokenizers import character_tokenizer
+    from keras_attn.runtimes.tokenizers import character_tokenizer
 
     tok = character_tokenizer(INPUT_ALPHABET + "=")
 

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from keras_attn.generation import DecoderOnlyLM, greedy_search
-from keras_attn.generation import export as gen_export
+from keras_attn.runtimes import signatures as gen_export
 from keras_attn.layers import TransformerDecoderBlock, TransformerEncoderBlock
 from tests import reference as ref
 from tests import tolerance

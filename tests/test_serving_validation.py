@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from keras_attn.generation import DecoderOnlyLM, Seq2SeqLM
-from keras_attn.generation import export as gen_export
+from keras_attn.runtimes import signatures as gen_export
 from tests import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,10 @@ position is clamped silently instead of raising.
 import keras
 from keras import ops
 
-from keras_attn.generation import cache as cache_lib
 from keras_attn import checks as _checks
-from keras_attn.saving import register
+from keras_attn.generation import cache as cache_lib
+from keras_attn.generation import layout
+from keras_attn.generation import lora
 from keras_attn.layers import activations
 from keras_attn.layers.relative_position_bias import RelativePositionBias
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
@@ -29,6 +30,7 @@ from keras_attn.layers.rotary_embedding import check_rope_scaling
 from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from keras_attn.layers.transformer_decoder_block import TransformerDecoderBlock
 from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
+from keras_attn.saving import register
 
 
 class _LMBase(keras.Model):
@@ -242,34 +244,10 @@ class _LMBase(keras.Model):
         gets Keras's own LoRA: its kernel becomes
         `kernel + lora_kernel_a @ lora_kernel_b * (lora_alpha / rank)`, with
         `lora_kernel_b` starting at zero (outputs unchanged until trained).
-        Exports see the merged kernel. Returns the adapted layers.
+        Exports see the merged kernel. Returns the adapted layers
+        (`keras_attn.generation.lora.enable_lora`).
         """
-        rank = _checks.check_positive_int("rank", rank)
-        if isinstance(target_names, str):
-            target_names = (target_names,)
-        targets = [
-            layer for layer in self._flatten_layers(include_self=False)
-            if layer.name in target_names and hasattr(layer, "enable_lora")
-        ]
-        known = sorted({layer.name for layer in self._flatten_layers(include_self=False)
-                        if hasattr(layer, "enable_lora")})
-        missing = sorted(set(target_names) - {layer.name for layer in targets})
-        if missing:
-            raise ValueError(
-                f"`target_names` has names of no projection of this model: {missing}. "
-                f"Expected some of {known}."
-            )
-        if not self.built:
-            raise ValueError("Call the model once (or build it) before `enable_lora`.")
-        # Top-down: the model trainable, every sublayer frozen, then Keras's
-        # LoRA variables (created trainable) on the targets.
-        self.trainable = True
-        for layer in self._flatten_layers(include_self=False):
-            layer.trainable = False
-        for layer in targets:
-            layer.trainable = True
-            layer.enable_lora(rank, lora_alpha=lora_alpha)
-        return targets
+        return lora.enable_lora(self, rank, target_names, lora_alpha)
 
     def get_layout_map(self, device_mesh, model_axis="model", data_axis="data"):
         """A `keras.distribution.LayoutMap` that shards this model over
@@ -280,32 +258,9 @@ class _LMBase(keras.Model):
 
         The sharded sizes (`num_heads`, `num_key_value_heads`,
         `intermediate_dim`, `vocabulary_size`) must be divisible by the
-        mesh's `model_axis` size.
+        mesh's `model_axis` size (`keras_attn.generation.layout.layout_map`).
         """
-        names = tuple(device_mesh.axis_names)
-        if model_axis not in names:
-            raise ValueError(
-                f"`model_axis` must be an axis of `device_mesh`. Received: model_axis="
-                f"{model_axis!r}, device_mesh.axis_names={names}"
-            )
-        size = device_mesh.shape[names.index(model_axis)]
-        for name in ("num_heads", "num_key_value_heads", "intermediate_dim", "vocabulary_size"):
-            if getattr(self, name) % size:
-                raise ValueError(
-                    f"`{name}`={getattr(self, name)} is not divisible by the {size} devices "
-                    f"of mesh axis {model_axis!r}."
-                )
-        m = model_axis
-        layout_map = keras.distribution.LayoutMap(device_mesh)
-        layout_map[r".*embedding.*/embeddings"] = (m, None)
-        layout_map[r".*attention/(query|key|value)/kernel"] = (None, m, None)
-        layout_map[r".*attention/(query|key|value)/bias"] = (m, None)
-        layout_map[r".*attention/attention_output/kernel"] = (m, None, None)
-        layout_map[r".*feedforward_(gate|intermediate)_dense/kernel"] = (None, m)
-        layout_map[r".*feedforward_(gate|intermediate)_dense/bias"] = (m,)
-        layout_map[r".*feedforward_output_dense/kernel"] = (m, None)
-        layout_map[r".*lm_head/kernel"] = (None, m)
-        return layout_map
+        return layout.layout_map(self, device_mesh, model_axis, data_axis)
 
     def _check_cache_write(self, token_ids, cache, cache_index):
         # Writes past a plain cache's end are dropped by `write_cache`: reject

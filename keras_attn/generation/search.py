@@ -13,7 +13,7 @@ encoder-decoder models, `encode` (see `keras_attn.generation.models`).
 
 TensorFlow is required here, by design: the searches are TensorFlow graphs
 (`tf.function`, `tf.while_loop`, XLA) that also export as serving signatures
-(`keras_attn.generation.export`), so they run with the TensorFlow Keras
+(`keras_attn.runtimes.signatures`), so they run with the TensorFlow Keras
 backend only (checked, docs/architecture.md). The models and caches are
 `keras.ops` and run on every backend.
 """
@@ -285,9 +285,10 @@ def _buffers(prompt_ids, max_length, pad_token_id):
 
 
 def decode_loop(model, prompt_ids, encoder_ids, max_length, stop_token_ids, pad_token_id, select):
-    """The cached search loop shared by the searches and the exported `generate`
-    signature: prefill, then one token per step chosen by `select(logits, index)`,
-    until `max_length` or every row has stopped. Returns the `(B, max_length)` tokens."""
+    """The searches' loop, unchecked, for use inside a `tf.function` (the greedy
+    and sampling searches, and the exported `generate` signature of
+    `keras_attn.runtimes.signatures`): prefill, then one token per step chosen by
+    `select(logits (B, V), index) -> ids (B,)`; returns `(B, max_length)` tokens."""
     tokens, prompt_mask, start = _buffers(prompt_ids, max_length, pad_token_id)
     cache, kwargs, start = _prefill(model, tf.cast(prompt_ids, tf.int32), max_length,
                                     encoder_ids, start)

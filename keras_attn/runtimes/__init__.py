@@ -1,0 +1,48 @@
+"""What writes and runs LLM-runtime artifacts, one module per runtime.
+
+Every writer takes the same trace of the model (`trace.DecoderTrace`: its
+prefill and decode steps and its cache layout) and adds only its own
+contract:
+
+- `signatures`: `prefill` / `decode` (/ `generate`) signatures as a
+  SavedModel (TF Serving), a TFLite model (LiteRT) and ONNX files
+  (onnxruntime), with their request checks (`request_checks`);
+- `litertlm`: `.litertlm` bundles for LiteRT-LM;
+- `onnx_genai`: model folders for ONNX Runtime GenAI;
+- `tflite_convert`: several `tf.function`s into one TFLite flatbuffer;
+- `tokenizers`: `tokenizer.json` files for keras_attn's own vocabularies;
+- `loop`: the NumPy greedy loop an app runs next to the signatures.
+
+The models and the searches are `keras_attn.generation`'s.
+"""
+
+from keras_attn.runtimes.litertlm import LitertLmReport, export_litertlm
+from keras_attn.runtimes.loop import greedy_loop
+from keras_attn.runtimes.onnx_genai import export_onnx_genai
+from keras_attn.runtimes.signatures import (
+    export_onnx,
+    export_saved_model,
+    export_tflite,
+    onnx_models,
+    signature_functions,
+    tflite_bytes,
+)
+from keras_attn.runtimes.tokenizers import character_tokenizer, word_tokenizer, write_tokenizer
+from keras_attn.runtimes.trace import DecoderTrace
+
+__all__ = [
+    "DecoderTrace",
+    "LitertLmReport",
+    "character_tokenizer",
+    "export_litertlm",
+    "export_onnx",
+    "export_onnx_genai",
+    "export_saved_model",
+    "export_tflite",
+    "greedy_loop",
+    "onnx_models",
+    "signature_functions",
+    "tflite_bytes",
+    "word_tokenizer",
+    "write_tokenizer",
+]

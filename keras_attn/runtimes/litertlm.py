@@ -1,0 +1,403 @@
+"""LiteRT-LM bundles (`.litertlm`): a keras_attn decoder where apps run LLMs on device.
+
+`litert_lm.Engine(path)` (the `litert-lm-api` package; the same runtime as
+the Android/iOS/desktop LiteRT-LM libraries) drives its own loop over a
+TFLite model of a fixed shape, the tokenizer and `LlmMetadata` packed in one
+file by `litert_lm_builder`. The model's contract, as LiteRT-LM's CPU
+executor reads it (`runtime/executor/llm_litert_compiled_model_executor.cc`):
+
+- signatures `prefill_<T>` (one or more chunk lengths `T`) and `decode`;
+- inputs `tokens` int32 `(1, T)` and `input_pos` int32 `(T,)`; no `mask`
+  input (the model masks by position: key slot <= query position);
+- per layer `kv_cache_k_<i>` / `kv_cache_v_<i>` float32
+  `(1, max_length, num_key_value_heads, head_dim)` (keras_attn's own cache
+  layout, so no transposes per step), inputs and outputs of the same name:
+  on CPU the runtime passes one buffer as both, so a call updates the cache
+  in place. The runtime takes the sequence axis from the bundle's
+  `ExecutorMetadata` (`sequence_axis: 1` per cache, written here); without
+  it, it assumes axis 2 and reads the head count as the context size;
+- `decode` outputs `logits` `(1, 1, vocabulary_size)`; `prefill_*` output
+  only the caches (the runtime samples after `decode`).
+
+The runtime holds back the last prompt token for the first `decode` and
+fills a prefill chunk shorter than `T` with token 0 at position 0, so this
+call's keys and values are written as one slice at `input_pos[0]`
+(`call_with_cache(tokens, cache, input_pos[0])`): the padding lands in
+slots past the prompt, masked for every real query and overwritten by the
+next calls, and never in slot 0. Slots past `max_length` are dropped
+(`keras_attn.ops.write_cache`).
+
+Greedy decoding in LiteRT-LM (`SamplerConfig(top_k=1)`) gives Keras's
+`greedy_search` tokens; `generate` runs it from text.
+"""
+
+import dataclasses
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS
+from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.tokenizers import write_tokenizer
+from keras_attn.runtimes.trace import DecoderTrace
+from keras_attn.runtimes.trace import cache_storage_dtype
+from keras_attn.runtimes.trace import check_runtime_decoder
+
+RUNTIME = "LiteRT-LM"
+# The caches keep keras_attn's layout (1, S, H_kv, d); the bundle's executor
+# metadata tells LiteRT-LM where the sequence is (its default is axis 2).
+SEQUENCE_AXIS = 1
+DEFAULT_PREFILL_LENGTHS = (32, 128)
+# The verification's float32 bound, relative to the largest Keras logit:
+# the TFLite graph reorders float32 sums (XNNPACK), nothing more.
+FLOAT32_RTOL = 1e-4
+# Quantized bundles are judged by what they answer: the fraction of
+# positions whose next token (argmax) equals Keras's, teacher-forced on the
+# verification sequence.
+DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int4": 0.8}
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+    return int(value)
+
+
+def _prefill_lengths(prefill_lengths, max_length):
+    if prefill_lengths is None:
+        lengths = sorted({min(t, max_length) for t in DEFAULT_PREFILL_LENGTHS})
+    else:
+        if isinstance(prefill_lengths, (int, np.integer)):
+            prefill_lengths = (prefill_lengths,)
+        lengths = sorted({_positive_int("prefill_lengths", t) for t in prefill_lengths})
+        if not lengths or lengths[-1] > max_length:
+            raise ValueError(
+                "`prefill_lengths` must be chunk lengths in [1, max_length="
+                f"{max_length}]. Received: prefill_lengths={prefill_lengths!r}"
+            )
+    return tuple(lengths)
+
+
+def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="float32"):
+    """`{"prefill_<T>": tf.function, ..., "decode": tf.function}` of the LiteRT-LM contract.
+
+    `cache_dtype="float16"` keeps the caches in float16 between calls (half
+    the memory per token); each call computes in float32.
+    """
+    cache_storage_dtype(cache_dtype)  # checked first, before the model is read
+    check_runtime_decoder(model, RUNTIME)
+    max_length = _positive_int("max_length", max_length)
+    lengths = _prefill_lengths(prefill_lengths, max_length)
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype)
+    # A prefill chunk of T tokens at position p embeds positions up to
+    # p + T - 1 (its padding included), p < max_length.
+    reach = max_length + lengths[-1] - 1
+    if trace.max_positions is not None and reach > trace.max_positions:
+        raise ValueError(
+            "A learned position table must cover max_length + max(prefill_lengths) - 1 "
+            f"= {reach} positions (the last prefill chunk's padding is embedded too); "
+            f"this model has sequence_length={trace.max_positions}. Lower `max_length` "
+            f"or `prefill_lengths`. Received: max_length={max_length}, "
+            f"prefill_lengths={lengths}")
+    cache_shape = trace.cache_shape(1, trace.cache_length)  # keras_attn's layout: no transposes
+
+    def make(length, with_logits):
+        specs = [tf.TensorSpec((1, length), tf.int32, name="tokens"),
+                 tf.TensorSpec((length,), tf.int32, name="input_pos")]
+        for i in range(trace.num_layers):
+            specs += [tf.TensorSpec(cache_shape, trace.cache_dtype, name=f"kv_cache_k_{i}"),
+                      tf.TensorSpec(cache_shape, trace.cache_dtype, name=f"kv_cache_v_{i}")]
+
+        def run(tokens, input_pos, *caches):
+            # A chunk's keys and values are written as one slice at input_pos[0].
+            logits, cache = trace.decode(tokens, trace.cache(caches), input_pos[0])
+            out = {}
+            keys_values = [trace.store(t) for t in trace.keys_values(cache)]
+            for i in range(trace.num_layers):
+                out[f"kv_cache_k_{i}"], out[f"kv_cache_v_{i}"] = keys_values[2 * i: 2 * i + 2]
+            if with_logits:
+                out["logits"] = tf.cast(logits, tf.float32)
+            return out
+
+        return tf.function(run, input_signature=specs, autograph=False)
+
+    functions = {f"prefill_{t}": make(t, False) for t in lengths}
+    functions["decode"] = make(1, True)
+    return functions
+
+
+def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=None,
+                    cache_dtype="float32"):
+    """The bundle's TFLite model (bytes): `prefill_<T>` and `decode` signatures."""
+    return signatures_to_tflite(
+        litertlm_functions(model, max_length=max_length, prefill_lengths=prefill_lengths,
+                           cache_dtype=cache_dtype),
+        quantization)
+
+
+def executor_metadata(*, num_layers, max_length):
+    """LiteRT-LM's `ExecutorMetadata` (serialized): each cache's sequence axis (1)."""
+    from litert_lm_builder.runtime.proto import executor_metadata_pb2
+
+    meta = executor_metadata_pb2.ExecutorMetadata()
+    llm = meta.llm_executor_metadata
+    llm.max_history_size = int(max_length)
+    kinds = (("k", executor_metadata_pb2.StateBuffer.TYPE_GLOBAL_KEY_CACHE),
+             ("v", executor_metadata_pb2.StateBuffer.TYPE_GLOBAL_VALUE_CACHE))
+    for i in range(num_layers):
+        for letter, kind in kinds:
+            name = f"kv_cache_{letter}_{i}"
+            buffer = llm.state_buffers.add()
+            buffer.prefill_input_name = buffer.prefill_output_name = name
+            buffer.decode_input_name = buffer.decode_output_name = name
+            buffer.type = kind
+            buffer.sequence_axis = SEQUENCE_AXIS
+            buffer.maximum_sequence_length = int(max_length)
+    return meta.SerializeToString()
+
+
+def llm_metadata(*, max_length, bos_token_id=None, stop_token_ids=(), prompt_template=None):
+    """LiteRT-LM's `LlmMetadata` proto (serialized) for a generic model."""
+    from litert_lm_builder.runtime.proto import llm_metadata_pb2
+
+    meta = llm_metadata_pb2.LlmMetadata()
+    if bos_token_id is not None:
+        meta.start_token.token_ids.ids.append(int(bos_token_id))
+    for token in stop_token_ids:
+        meta.stop_tokens.add().token_ids.ids.append(int(token))
+    meta.max_num_tokens = int(max_length)
+    meta.llm_model_type.generic_model.SetInParent()
+    if prompt_template is not None:
+        meta.jinja_prompt_template = prompt_template
+    return meta.SerializeToString()
+
+
+@dataclasses.dataclass
+class LitertLmReport:
+    """What `export_litertlm` wrote and how its TFLite model matched Keras.
+
+    Attributes:
+        path: the `.litertlm` file.
+        size_bytes: its size.
+        signatures: `{name: {"inputs": [...], "outputs": [...]}}`.
+        quantization: None, "float16", "dynamic" or "int4".
+        max_abs_error: largest |LiteRT - Keras| logit on the verification
+            sequence (prefill chunks then one decode per token, the runtime's
+            schedule).
+        atol: the bound it was checked against (float32), else None.
+        agreement: fraction of positions whose argmax (next token) equals
+            Keras's; checked against `min_agreement` for quantized bundles.
+        min_agreement: that threshold (None for float32).
+    """
+
+    path: str
+    size_bytes: int
+    signatures: dict
+    quantization: object
+    max_abs_error: float
+    atol: object
+    agreement: float
+    min_agreement: object
+
+
+def runtime_logits(content, tokens):
+    """`tokens` run through a bundle's TFLite model on LiteRT-LM's schedule.
+
+    The first half of `tokens` (`n_prefill`) is prefilled in chunks as the
+    runtime picks them (the largest `prefill_<T>` while the rest is at least
+    that long, then the smallest that holds the rest, padded with token 0 at
+    position 0), then every remaining token goes through `decode`. Returns
+    `(logits, n_prefill)`: the `decode` logits `(len(tokens) - n_prefill, V)`,
+    row `i` predicting the token after position `n_prefill + i`.
+    """
+    from ai_edge_litert import interpreter as litert
+
+    interpreter = litert.Interpreter(model_content=content)
+    signatures = interpreter.get_signature_list()
+    chunks = sorted((int(k.split("_", 1)[1]), k) for k in signatures if k.startswith("prefill_"))
+    decode = interpreter.get_signature_runner("decode")
+    cache = {name: np.zeros(d["shape"], d["dtype"])
+             for name, d in decode.get_input_details().items() if name.startswith("kv_cache_")}
+    tokens = [int(t) for t in tokens]
+    n_prefill = max(1, len(tokens) // 2)
+    step, remaining = 0, n_prefill
+    while remaining:
+        fitting = [c for c in chunks if c[0] >= remaining]
+        length, name = fitting[0] if fitting else chunks[-1]
+        take = min(length, remaining)
+        ids = np.zeros((1, length), np.int32)
+        pos = np.zeros((length,), np.int32)
+        ids[0, :take] = tokens[step:step + take]
+        pos[:take] = np.arange(step, step + take)
+        cache = interpreter.get_signature_runner(name)(tokens=ids, input_pos=pos, **cache)
+        step, remaining = step + take, remaining - take
+    logits = []
+    for position in range(n_prefill, len(tokens)):
+        out = decode(tokens=np.array([[tokens[position]]], np.int32),
+                     input_pos=np.array([position], np.int32), **cache)
+        logits.append(out.pop("logits")[0, 0])
+        cache = out
+    return np.stack(logits), n_prefill
+
+
+def _verify(model, content, max_length, quantization, atol, min_agreement, seed=0,
+            cache_dtype="float32"):
+    rng = np.random.default_rng(seed)
+    length = min(max_length, 24)
+    tokens = rng.integers(0, model.vocabulary_size, size=(1, length)).astype("int32")
+    pad = getattr(model, "pad_token_id", None)
+    if pad is not None:  # the Keras call masks padding, the cached call does not
+        tokens[tokens == pad] = (pad + 1) % model.vocabulary_size
+    reference = np.asarray(model(tokens), np.float64)[0]
+    got, first = runtime_logits(content, tokens[0])
+    reference = reference[first:]
+    error = float(np.max(np.abs(got - reference)))
+    agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
+    if quantization is None and cache_dtype == "float32":
+        bound = FLOAT32_RTOL * max(1.0, float(np.max(np.abs(reference)))) if atol is None else atol
+        if not error <= bound:
+            raise ValueError(
+                f"The LiteRT-LM model's logits differ from Keras's by {error:.3g} > "
+                f"atol={bound:.3g} on the verification sequence; nothing was written.")
+        return error, bound, agreement, None
+    what = quantization or "float16"
+    threshold = DEFAULT_MIN_AGREEMENT[what] if min_agreement is None else min_agreement
+    if not agreement >= threshold:
+        raise ValueError(
+            f"The LiteRT-LM model (quantization={quantization}, cache_dtype={cache_dtype}) "
+            f"picks Keras's next token at {agreement:.3f} of the positions < "
+            f"min_agreement={threshold} (max logit error {error:.3g}); nothing was "
+            "written. Lower `min_agreement` if this "
+            "is acceptable, or use quantization=None / 'float16'.")
+    return error, None, agreement, threshold
+
+
+def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
+                    quantization=None, cache_dtype="float32", bos_token_id=None,
+                    stop_token_ids=None,
+                    prompt_template=None, atol=None, min_agreement=None, overwrite=True):
+    """Writes a `.litertlm` bundle that `litert_lm.Engine` loads and generates with.
+
+    Args:
+        model: a built `DecoderOnlyLM` (e.g. from `keras_attn.convert`);
+            not an encoder-decoder or a sliding-window (ring buffer) model.
+        path: the `.litertlm` file to write.
+        tokenizer: a Hugging Face `tokenizer.json` path (or a folder with
+            one), a `tokenizers.Tokenizer` or a transformers fast tokenizer
+            (`keras_attn.runtimes.tokenizers` makes one for a character
+            or word vocabulary).
+        max_length: the context (prompt + generated tokens): the caches'
+            length and the bundle's `max_num_tokens`.
+        prefill_lengths: prefill chunk lengths, one `prefill_<T>` signature
+            each (the runtime runs long prompts in chunks of the largest and
+            the rest in the smallest that fits); default (32, 128), capped at
+            `max_length`.
+        quantization: None (float32), "float16" (float16 weights),
+            "dynamic" (int8 weights, LiteRT's hybrid int8 kernels) or "int4"
+            (int4 weights in blocks of 32, ai-edge-quantizer).
+        cache_dtype: "float32" or "float16" (the caches between calls: half
+            the memory per token; checked like a quantized bundle).
+        bos_token_id: the token LiteRT-LM puts before every prompt (its
+            `start_token`), or None for none (GPT-2 style prompts).
+        stop_token_ids: tokens that end generation (default: the model's
+            `pad_token_id`).
+        prompt_template: a Jinja chat template for LiteRT-LM's Conversation
+            API (None: the model is used on raw text).
+        atol: float32 bound on |LiteRT - Keras| logits (default 1e-4 x the
+            largest logit, at least 1e-4).
+        min_agreement: quantized bundles: the smallest fraction of next
+            tokens equal to Keras's (default 0.99 float16, 0.9 dynamic, 0.8
+            int4).
+        overwrite: replace an existing file.
+
+    Returns:
+        A `LitertLmReport`.
+
+    Example (needs `litert-lm-builder`; generating needs `litert-lm-api`):
+
+        report = export_litertlm(lm, "lm.litertlm", tokenizer="tokenizer.json",
+                                 max_length=256, bos_token_id=1, stop_token_ids=[2])
+        text = keras_attn.runtimes.litertlm.generate("lm.litertlm", "Once upon")
+    """
+    try:
+        from litert_lm_builder import litertlm_builder as builder_lib
+    except ImportError as error:
+        raise ImportError(
+            "export_litertlm writes bundles with `litert-lm-builder`: pip install "
+            "'keras-attn[llm-runtimes]' (or litert-lm-builder).") from error
+    check_runtime_decoder(model, RUNTIME)
+    max_length = _positive_int("max_length", max_length)
+    if quantization not in GENERATION_QUANTIZATIONS:
+        raise ValueError(
+            "Received an invalid value for argument `quantization`, expected one of "
+            f"{list(GENERATION_QUANTIZATIONS)}. Received: quantization={quantization!r}")
+    if tokenizer is None:
+        raise ValueError("`tokenizer` is required: a LiteRT-LM bundle generates from text.")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it.")
+    if stop_token_ids is None:
+        stop_token_ids = (model.pad_token_id,)
+    stop_token_ids = tuple(np.atleast_1d(stop_token_ids).tolist())
+    content = litertlm_tflite(model, max_length=max_length, prefill_lengths=prefill_lengths,
+                              quantization=quantization, cache_dtype=cache_dtype)
+    error, bound, agreement, threshold = _verify(model, content, max_length, quantization,
+                                                 atol, min_agreement, cache_dtype=cache_dtype)
+    with tempfile.TemporaryDirectory(prefix="keras_attn_litertlm_") as tmp:
+        model_path = os.path.join(tmp, "model.tflite")
+        with open(model_path, "wb") as f:
+            f.write(content)
+        meta_path = os.path.join(tmp, "llm_metadata.pb")
+        with open(meta_path, "wb") as f:
+            f.write(llm_metadata(max_length=max_length, bos_token_id=bos_token_id,
+                                 stop_token_ids=stop_token_ids,
+                                 prompt_template=prompt_template))
+        executor_path = os.path.join(tmp, "executor_metadata.pb")
+        with open(executor_path, "wb") as f:
+            f.write(executor_metadata(num_layers=model.num_layers, max_length=max_length))
+        write_tokenizer(tokenizer, tmp)
+        builder = builder_lib.LitertLmFileBuilder()
+        builder.add_llm_metadata(meta_path)
+        builder.add_executor_metadata(executor_path)
+        builder.add_tflite_model(model_path, builder_lib.TfLiteModelType.PREFILL_DECODE)
+        builder.add_hf_tokenizer(os.path.join(tmp, "tokenizer.json"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = path + ".partial"
+        with open(partial, "wb") as f:
+            builder.build(f)
+        os.replace(partial, path)
+    from ai_edge_litert import interpreter as litert
+
+    signatures = litert.Interpreter(model_content=content).get_signature_list()
+    return LitertLmReport(path=path, size_bytes=os.path.getsize(path), signatures=signatures,
+                          quantization=quantization, max_abs_error=error, atol=bound,
+                          agreement=agreement, min_agreement=threshold)
+
+
+def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_template=False):
+    """Greedy generation from `text` in `litert_lm.Engine` (CPU); returns the text.
+
+    `engine`: an open `litert_lm.Engine` on `path` to reuse (loading one
+    takes a while); `max_new_tokens` caps the output (default: up to the
+    bundle's `max_num_tokens`).
+    """
+    import litert_lm
+
+    own = engine is None
+    if own:
+        engine = litert_lm.Engine(os.fspath(path), backend=litert_lm.Backend.CPU())
+    try:
+        session = engine.create_session(
+            apply_prompt_template=apply_prompt_template,
+            sampler_config=litert_lm.SamplerConfig(top_k=1),
+            max_output_tokens=max_new_tokens)
+        try:
+            session.run_prefill([text])
+            return "".join(session.run_decode().texts)
+        finally:
+            session.close()
+    finally:
+        if own:
+            engine.close()

@@ -1,0 +1,202 @@
+"""A model folder that ONNX Runtime GenAI runs: `model.onnx`, `genai_config.json`
+and the tokenizer files.
+
+ONNX Runtime GenAI (`onnxruntime_genai.Model` / `Generator`) drives its own
+decoding loop over one graph used for prefill and decode, with Hugging Face's
+I/O names: int64 `input_ids` `(B, T)` and `attention_mask` `(B, total)` (1 =
+token; `total` = tokens so far, this call's included), per-layer
+`past_key_values.%d.key|value` inputs and `present.%d.key|value` outputs
+`(B, num_key_value_heads, S, head_dim)`, and `logits` `(B, T, V)`.
+
+The cache is keras_attn's fixed-size one: `S = max_length`, static in the
+graph, which GenAI detects and runs with `past_present_share_buffer` (the
+same buffer is past and present; the graph writes this call's keys and
+values at `[total - T, total)`, `keras_attn.ops.write_cache`). GenAI allows
+greedy search and sampling on such a graph, not beam search.
+
+Positions are `total - T + [0, T)` for every row: exact for batch 1 and for
+rows of equal length. A left-padded batch is exact for rotary models (their
+attention depends on position differences only) and not for learned
+positions (GPT-2), whose padded rows Hugging Face numbers from the mask.
+
+The graph is converted with tf2onnx from `call_with_cache`, so anything
+`keras_attn.runtimes.signatures` exports exports here (GQA, rotary, RMSNorm,
+gated feed-forward, relative bias); not a sliding-window ring buffer (GenAI
+would need its windowed cache layout) and not encoder-decoder models.
+"""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from keras_attn.export.onnx import rename_value
+from keras_attn.export.onnx_quantize import quantize_matmul_weights
+from keras_attn.runtimes.tokenizers import tokenizer_model_type
+from keras_attn.runtimes.tokenizers import write_tokenizer
+from keras_attn.runtimes.trace import DecoderTrace
+from keras_attn.runtimes.trace import check_runtime_decoder
+
+
+def genai_function(model, max_length):
+    """The `tf.function` of the GenAI graph and its input signature."""
+    trace = DecoderTrace(model, max_length=max_length)
+    length = trace.cache_length
+    # Hugging Face's cache layout (B, H_kv, S, d); keras_attn's is (B, S, H_kv, d).
+    heads_first = (None, trace.num_key_value_heads, length, trace.head_dim)
+    specs = [
+        tf.TensorSpec((None, None), tf.int64, name="input_ids"),
+        tf.TensorSpec((None, None), tf.int64, name="attention_mask"),
+    ]
+    for i in range(trace.num_layers):
+        for kind in ("key", "value"):
+            specs.append(tf.TensorSpec(heads_first, tf.float32, name=f"past_{kind}_{i}"))
+
+    def run(input_ids, attention_mask, *past):
+        ids = tf.cast(input_ids, tf.int32)
+        new = tf.shape(ids)[1]
+        total = tf.shape(attention_mask)[1]
+        index = total - new
+        cache = trace.cache([tf.transpose(t, (0, 2, 1, 3)) for t in past])
+        mask = tf.not_equal(attention_mask, 0)
+        mask = tf.pad(mask, [[0, 0], [0, length - total]], constant_values=False)
+        logits, cache = trace.decode(ids, cache, index, padding_mask=mask)
+        outputs = [tf.cast(logits, tf.float32)]
+        outputs += [tf.transpose(t, (0, 2, 1, 3)) for t in trace.keys_values(cache)]
+        return outputs
+
+    return tf.function(run, input_signature=specs, autograph=False), specs
+
+
+def onnx_genai_model(model, *, max_length, opset=17):
+    """The GenAI graph as an ONNX `ModelProto` (Hugging Face I/O names)."""
+    import onnx
+    import tf2onnx
+
+    check_runtime_decoder(model)
+    fn, specs = genai_function(model, max_length)
+    proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
+    bad = sorted({n.op_type for n in proto.graph.node if not onnx.defs.has(n.op_type, n.domain or "")})
+    if bad:
+        raise ValueError(f"tf2onnx left non-ONNX ops in the GenAI graph: {bad}")
+    names = ["input_ids", "attention_mask"]
+    outputs = ["logits"]
+    for i in range(model.num_layers):
+        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    for graph_input, name in zip(list(proto.graph.input), names):
+        rename_value(proto.graph, graph_input.name, name)
+    for graph_output, name in zip(list(proto.graph.output), outputs):
+        rename_value(proto.graph, graph_output.name, name)
+    return proto
+
+
+def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
+                 pad_token_id=None, filename="model.onnx"):
+    """The `genai_config.json` dict for `model`'s graph (greedy search by default)."""
+    pad = getattr(model, "pad_token_id", 0) if pad_token_id is None else pad_token_id
+    eos = pad if eos_token_id is None else eos_token_id
+    decoder = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": filename,
+        "head_size": int(model.head_dim),
+        "hidden_size": int(model.hidden_dim),
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
+        "num_attention_heads": int(model.num_heads),
+        "num_hidden_layers": int(model.num_layers),
+        "num_key_value_heads": int(model.num_key_value_heads),
+    }
+    return {
+        "model": {
+            "bos_token_id": int(eos if bos_token_id is None else bos_token_id),
+            "context_length": int(max_length),
+            "decoder": decoder,
+            "eos_token_id": [int(t) for t in np.atleast_1d(eos)],
+            "pad_token_id": int(pad),
+            "type": "llama",
+            "vocab_size": int(model.vocabulary_size),
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True,
+            "length_penalty": 1.0, "max_length": int(max_length), "min_length": 0,
+            "no_repeat_ngram_size": 0, "num_beams": 1, "num_return_sequences": 1,
+            "past_present_share_buffer": True, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }
+
+
+def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
+                      quantization=None):
+    """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
+
+    Args:
+        model: a `DecoderOnlyLM` (built), e.g. from `keras_attn.convert`.
+        folder: output directory (created).
+        max_length: the longest sequence (prompt + generated) GenAI may ask
+            for: the cache length.
+        tokenizer: `tokenizer.json` path (or its folder), a
+            `tokenizers.Tokenizer` or a transformers fast tokenizer; None
+            writes no tokenizer (token ids only).
+        bos_token_id, eos_token_id, pad_token_id: for `genai_config.json`
+            (eos may be a list); default the model's `pad_token_id`.
+        opset: ONNX opset.
+        quantization: None (float32) or "dynamic": int8 weights (per
+            channel, 7-bit range) for every MatMul with a constant weight,
+            activations quantized at run time; the integer arithmetic is
+            exact on every CPU, with or without VNNI
+            (`keras_attn.export.onnx_quantize`).
+
+    Returns:
+        The folder's path.
+
+    Example (needs `onnxruntime-genai`):
+
+        export_onnx_genai(lm, "lm_genai", max_length=64, tokenizer="tokenizer.json")
+        import onnxruntime_genai as og
+        og_model = og.Model("lm_genai")
+        params = og.GeneratorParams(og_model)
+        params.set_search_options(max_length=32)
+        generator = og.Generator(og_model, params)
+        generator.append_tokens([[5, 6, 7]])
+        while not generator.is_done():
+            generator.generate_next_token()
+        tokens = generator.get_sequence(0)
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
+    if quantization not in (None, "dynamic"):
+        raise ValueError("Received an invalid value for argument `quantization`, expected None "
+                         f"or 'dynamic'. Received: quantization={quantization!r}")
+    check_runtime_decoder(model)
+    os.makedirs(folder, exist_ok=True)
+    write_tokenizer(tokenizer, folder)
+    if tokenizer_model_type(folder) == "WordPiece":
+        raise ValueError(
+            "ONNX Runtime GenAI's tokenizer reads BPE and SentencePiece tokenizers, not "
+            "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
+            "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
+            "`export_litertlm`.)")
+    proto = onnx_genai_model(model, max_length=max_length, opset=opset)
+    path = os.path.join(folder, "model.onnx")
+    if quantization == "dynamic":
+        proto = quantize_matmul_weights(proto)
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+    config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                          pad_token_id=pad_token_id)
+    with open(os.path.join(folder, "genai_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return folder

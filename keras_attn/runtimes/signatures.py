@@ -1,0 +1,295 @@
+"""Export cached generation: prefill/decode (and generate) signatures.
+
+The functions are the shared trace's (`keras_attn.runtimes.trace`) with this
+contract's names, a stacked cache and the request checks.
+
+- SavedModel with signatures `prefill`, `decode` (cache in, cache out) and a
+  one-call greedy `generate` for TF Serving.
+- TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
+  `Interpreter.get_signature_runner`.
+- ONNX `prefill.onnx` and `decode.onnx` (tf2onnx) for onnxruntime.
+
+Signatures (decoder-only; encoder-decoder models add the marked parts):
+
+    prefill(token_ids: int32 (B, P) [, encoder_ids: int32 (B, T_enc)])
+        -> logits (B, P, V), cache (N, 2, B, max_length, H_kv, D)
+           [, cross_cache (N, 2, B, T_enc, H_kv, D), encoder_padding_mask bool (B, T_enc)]
+    decode(token_ids: int32 (B, 1), cache, index: int32 scalar
+           [, cross_cache, encoder_padding_mask])
+        -> logits (B, 1, V), cache
+    generate(prompt_ids: int32 (B, P) [, encoder_ids]) -> tokens int32 (B, max_length)
+
+`index` is the position of `token_ids` (prefill writes positions [0, P)).
+A greedy loop over these reproduces `greedy_search` token for token: feed the
+token at position `i - 1` with `index = i - 1` and take the argmax for `i`,
+starting at the shortest prompt length and keeping prompt tokens while a
+row's (right-padded) prompt lasts. `index` must stay below the cache length
+(the export's `max_length`), except for a sliding-window model, whose cache
+is a ring buffer that wraps; `greedy_loop` checks this.
+
+Bad requests (docs/guides/serving_validation.md has the measured table):
+
+- SavedModel (`checks="assert"`): `prefill`, `decode` and `generate` check at
+  run time that token ids are in `[0, vocabulary_size)`, that `index` is in
+  `[0, max_length)` (`>= 0` for a ring-buffer cache) and that the prompt
+  holds 1 to `max_length` tokens; a bad request raises InvalidArgumentError
+  (TF Serving: INVALID_ARGUMENT) whose message names the argument.
+- TFLite and ONNX (`checks="flag"`: asserts are not builtin ops): token ids
+  and `index` are clamped into range, so no request can read or write out of
+  bounds, and an extra output `valid` (bool scalar) is False when anything
+  was clamped: the logits and cache of that call are then meaningless.
+  `greedy_loop` raises a ValueError on `valid=False`.
+"""
+
+import os
+
+import tensorflow as tf
+
+from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
+from keras_attn.export.onnx import rename_value
+from keras_attn.generation import cache as cache_lib
+from keras_attn.generation import search
+from keras_attn.runtimes import request_checks
+from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too)
+from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
+
+
+def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
+                        encoder_length=None, stop_token_ids=(), pad_token_id=0,
+                        checks="none", cache_dtype="float32"):
+    """`{"prefill", "decode", "generate"}` tf.functions with input signatures.
+
+    Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
+    (SavedModel, ONNX); give them for TFLite, whose inputs are static.
+    `checks` validates each request at run time (see the module docstring):
+    "assert" (SavedModel), "flag" (TFLite / ONNX: clamps and adds a `valid`
+    output to `prefill` and `decode`) or "none".
+    `max_length` (and `encoder_length`) may not exceed `model.max_positions`
+    when the model has one (a learned position table): a ValueError here,
+    because an exported loop compiled with XLA would clamp the positions.
+    `cache_dtype="float16"` carries the caches (`cache`, `cross_cache`) in
+    float16 between calls: half the memory per token; each call computes in
+    float32 and rounds the keys and values it stores.
+    """
+    cache_storage_dtype(cache_dtype)  # checked first, before the model is read
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(
+            "Received an invalid value for argument `max_length`, expected an "
+            f"integer >= 2. Received: max_length={max_length!r}"
+        )
+    if checks not in request_checks.CHECKS:
+        raise ValueError(
+            f"Received an invalid value for argument `checks`, expected one of "
+            f"{list(request_checks.CHECKS)}. Received: checks={checks!r}"
+        )
+    # Under XLA a position past a learned table would be clamped silently.
+    search.check_max_positions(model, max_length, encoder_length)
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype)
+    vocab, positions = trace.vocabulary_size, trace.max_positions
+    layers, store = trace.num_layers, trace.cache_dtype
+
+    def spec(length, name):  # a stacked cache: (num_layers, 2, B, S, H_kv, D)
+        return tf.TensorSpec((layers, 2, *trace.cache_shape(batch_size, length)), store,
+                             name=name)
+
+    ids = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="token_ids")
+    enc_ids = tf.TensorSpec((batch_size, encoder_length), tf.int32, name="encoder_ids")
+    step = tf.TensorSpec((batch_size, 1), tf.int32, name="token_ids")
+    # A sliding-window model's cache is a ring buffer shorter than max_length.
+    cache = spec(trace.cache_length, "cache")
+    cross = spec(encoder_length, "cross_cache")
+    enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
+    index = tf.TensorSpec((), tf.int32, name="index")
+    stops = tuple(int(t) for t in stop_token_ids)
+    flag = checks == "flag"
+
+    def _check_inputs(check, name, ids, encoder_ids):
+        ids = check.token_ids(name, ids, vocab)
+        ids = check.length(name, ids, 1, max_length, f"max_length={max_length}")
+        if encoder_ids is not None:
+            encoder_ids = check.token_ids("encoder_ids", encoder_ids, vocab)
+            encoder_ids = check.length("encoder_ids", encoder_ids, 1, positions or 2**31 - 1,
+                                       f"model.max_positions={positions}")
+        return ids, encoder_ids
+
+    def _prefill(token_ids, encoder_ids=None):
+        check = request_checks.Checks(checks, "prefill")
+        token_ids, encoder_ids = _check_inputs(check, "token_ids", token_ids, encoder_ids)
+        logits, c, mask = trace.prefill(token_ids, encoder_ids)
+        out = {"logits": logits, "cache": trace.store(cache_lib.stack_cache(c))}
+        if encoder_ids is not None:
+            out["cross_cache"] = trace.store(cache_lib.stack_cache(c, "cross_attention"))
+            out["encoder_padding_mask"] = mask
+        if flag:
+            out["valid"] = check.valid()
+        return out
+
+    def _decode(token_ids, cache, index, cross_cache=None, encoder_padding_mask=None):
+        check = request_checks.Checks(checks, "decode")
+        token_ids = check.token_ids("token_ids", token_ids, vocab)
+        index = check.index(index, trace.cache_length, trace.ring)
+        c = cache_lib.unstack_cache(trace.load(cache), trace.load(cross_cache))
+        logits, c = trace.decode(token_ids, c, index, encoder_padding_mask=encoder_padding_mask)
+        out = {"logits": logits, "cache": trace.store(cache_lib.stack_cache(c))}
+        if flag:
+            out["valid"] = check.valid()
+        return out
+
+    def _generate(prompt_ids, encoder_ids=None):
+        check = request_checks.Checks("assert" if checks == "assert" else "none", "generate")
+        prompt_ids, encoder_ids = _check_inputs(check, "prompt_ids", prompt_ids, encoder_ids)
+        tokens = search.decode_loop(
+            model, prompt_ids, encoder_ids, max_length, stops, pad_token_id,
+            lambda logits, i: tf.argmax(logits, axis=-1),
+        )
+        return {"tokens": tokens}
+
+    prompt = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="prompt_ids")
+    if trace.seq2seq:
+        prefill = tf.function(lambda token_ids, encoder_ids: _prefill(token_ids, encoder_ids),
+                              input_signature=[ids, enc_ids])
+        decode = tf.function(
+            lambda token_ids, cache, index, cross_cache, encoder_padding_mask: _decode(
+                token_ids, cache, index, cross_cache, encoder_padding_mask),
+            input_signature=[step, cache, index, cross, enc_mask])
+        generate = tf.function(lambda prompt_ids, encoder_ids: _generate(prompt_ids, encoder_ids),
+                               input_signature=[prompt, enc_ids])
+    else:
+        prefill = tf.function(lambda token_ids: _prefill(token_ids), input_signature=[ids])
+        decode = tf.function(lambda token_ids, cache, index: _decode(token_ids, cache, index),
+                             input_signature=[step, cache, index])
+        generate = tf.function(lambda prompt_ids: _generate(prompt_ids), input_signature=[prompt])
+    return {"prefill": prefill, "decode": decode, "generate": generate}
+
+
+def _module(model, functions):
+    module = tf.Module()
+    # Track the weights, not the Keras model: saving a subclassed Keras model
+    # also traces Keras's default `serving_default`, which feeds it float32
+    # inputs (`Model.input_dtype`), and token ids must be integers.
+    module.model_variables = [getattr(v, "value", v) for v in model.variables]
+    for name, fn in functions.items():
+        setattr(module, name, fn)
+    return module
+
+
+def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_id=0,
+                       include_generate=True, checks="assert"):
+    """Writes a SavedModel with `prefill`, `decode` (and `generate`) signatures.
+
+    With `checks="assert"` (the default) a request with token ids outside
+    `[0, vocabulary_size)`, an `index` outside `[0, max_length)` or a prompt
+    longer than `max_length` raises InvalidArgumentError naming the argument
+    (TF Serving answers INVALID_ARGUMENT); "none" leaves the checks out
+    (benchmarks/bench_serving.py measures what they cost).
+    """
+    fns = signature_functions(model, max_length=max_length, stop_token_ids=stop_token_ids,
+                              pad_token_id=pad_token_id, checks=checks)
+    if not include_generate:
+        fns.pop("generate")
+    module = _module(model, fns)
+    signatures = {name: fn.get_concrete_function() for name, fn in fns.items()}
+    tf.saved_model.save(module, path, signatures=signatures, options=SERVING_SAVE_OPTIONS)
+    return path
+
+
+def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None,
+                 checks="flag", quantization=None, cache_dtype="float32"):
+    """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only.
+
+    With `checks="flag"` (the default) token ids and `index` are clamped into
+    range and both signatures have a bool output `valid`, False for a bad
+    request (see the module docstring); "none" trusts the caller.
+    `quantization`: None (float32), "float16" (float16 weights), "dynamic"
+    (int8 weights with LiteRT's hybrid kernels) or "int4" (see
+    `tflite_convert.signatures_to_tflite`); `cache_dtype`: "float32" or
+    "float16" (see `signature_functions`). benchmarks/bench_decode_quantized.py
+    measures speed, size and greedy agreement of each.
+    """
+    if checks not in ("flag", "none"):
+        raise ValueError(
+            "Received an invalid value for argument `checks`, expected 'flag' or "
+            f"'none' (TFLite has no assert op). Received: checks={checks!r}"
+        )
+    if hasattr(model, "encode") and encoder_length is None:
+        raise ValueError(
+            "Encoder-decoder models need a static `encoder_length` for TFLite. "
+            "Received: encoder_length=None"
+        )
+    fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
+                              prompt_length=prompt_length, encoder_length=encoder_length,
+                              checks=checks, cache_dtype=cache_dtype)
+    fns.pop("generate")
+    return signatures_to_tflite(fns, quantization)
+
+
+def export_tflite(model, path, **kwargs):
+    """Writes `tflite_bytes(model, **kwargs)` to `path`; returns the path."""
+    content = tflite_bytes(model, **kwargs)
+    with open(path, "wb") as f:
+        f.write(content)
+    return path
+
+
+def _flattened(fn, out_names):
+    def flat(*args):
+        outputs = fn(*args)
+        return [outputs[k] for k in out_names]
+
+    return flat
+
+
+def onnx_models(model, *, max_length, opset=17, checks="flag"):
+    """`{"prefill": ModelProto, "decode": ModelProto}` converted with tf2onnx.
+
+    Inputs and outputs carry the signature names, except that an output
+    named like an input gets `_out` appended (`cache_out`). Raises a ValueError if
+    tf2onnx leaves any op that is not a standard ONNX op. `checks` as for
+    `tflite_bytes` ("flag" adds the `valid` output).
+    """
+    import onnx
+    import tf2onnx
+
+    if checks not in ("flag", "none"):
+        raise ValueError(
+            "Received an invalid value for argument `checks`, expected 'flag' or "
+            f"'none' (ONNX has no assert op). Received: checks={checks!r}"
+        )
+    fns = signature_functions(model, max_length=max_length, checks=checks)
+    protos = {}
+    for name in ("prefill", "decode"):
+        concrete = fns[name].get_concrete_function()
+        specs = [tf.TensorSpec(t.shape, t.dtype, name=t.name.split(":")[0])
+                 for t in concrete.inputs if t.dtype != tf.resource]
+        out_names = sorted(concrete.structured_outputs)
+
+        flat_fn = tf.function(_flattened(fns[name], out_names), input_signature=specs,
+                              autograph=False)
+        proto, _ = tf2onnx.convert.from_function(flat_fn, input_signature=specs, opset=opset)
+        bad = sorted({n.op_type for n in proto.graph.node
+                      if not onnx.defs.has(n.op_type, n.domain or "")})
+        if bad:
+            raise ValueError(f"tf2onnx left non-ONNX ops in `{name}`: {bad}")
+        input_names = {spec.name for spec in specs}
+        for output, out_name in zip(list(proto.graph.output), out_names):
+            # ONNX names are unique per graph: `cache` in, `cache_out` out.
+            rename_value(proto.graph, output.name, out_name + "_out" if out_name in input_names
+                    else out_name)
+        for graph_input, spec in zip(list(proto.graph.input), specs):
+            if graph_input.name != spec.name:
+                rename_value(proto.graph, graph_input.name, spec.name)
+        protos[name] = proto
+    return protos
+
+
+def export_onnx(model, directory, *, max_length, opset=17, checks="flag"):
+    """Writes `prefill.onnx` and `decode.onnx` into `directory`; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = {}
+    for name, proto in onnx_models(model, max_length=max_length, opset=opset,
+                                   checks=checks).items():
+        paths[name] = os.path.join(directory, f"{name}.onnx")
+        with open(paths[name], "wb") as f:
+            f.write(proto.SerializeToString())
+    return paths

@@ -1,0 +1,159 @@
+"""One trace of a keras_attn language model, shared by every runtime writer.
+
+A runtime writer (the prefill/decode signatures, LiteRT-LM, ONNX Runtime
+GenAI) owns its I/O contract: names, dtypes, shapes, the layout its caches
+travel in. What the model is (its cache, how many layers, heads and slots,
+whether the cache is a ring buffer, how it prefills and steps) is read here
+once, from the model's generation protocol (`init_cache`, `call_with_cache`
+and, for encoder-decoder models, `encode`; see `keras_attn.generation`):
+
+    trace = DecoderTrace(model, max_length=256, cache_dtype="float16")
+    logits, cache, encoder_padding_mask = trace.prefill(token_ids)
+    logits, cache = trace.decode(token_ids, trace.cache(keys_values), index)
+    outputs = [trace.store(t) for t in trace.keys_values(cache)]
+
+`prefill` starts from an empty cache at position 0; `decode` continues a
+cache at `index` with any number of tokens (LiteRT-LM's chunked
+`prefill_<T>` signatures are `decode` calls). Caches are the model's own
+(`keras_attn.generation.cache`), in float32 inside a call; between calls a
+writer keeps them in `cache_dtype` (`store` on the way out, `cache` or
+`load` on the way in). A writer wraps these in its `tf.function`s.
+"""
+
+import tensorflow as tf
+
+CACHE_DTYPES = ("float32", "float16")
+
+
+def cache_storage_dtype(cache_dtype):
+    """The `tf.DType` the exported caches travel in between calls (validated)."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"Received an invalid value for argument `cache_dtype`, expected one of "
+            f"{list(CACHE_DTYPES)}. Received: cache_dtype={cache_dtype!r}")
+    return tf.as_dtype(cache_dtype)
+
+
+def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
+    """`model` must be a keras_attn decoder-only LM with a plain (not ring-buffer)
+    cache: what the LLM runtimes (ONNX Runtime GenAI, LiteRT-LM) drive."""
+    if hasattr(model, "encode"):
+        raise ValueError(
+            f"{runtime} exports support decoder-only models (`DecoderOnlyLM`); "
+            f"encoder-decoder models have no layout there. Received: {type(model).__name__}"
+        )
+    for name in ("init_cache", "call_with_cache", "num_layers", "num_key_value_heads", "head_dim"):
+        if not hasattr(model, name):
+            raise ValueError(
+                "`model` must be a keras_attn decoder such as `DecoderOnlyLM` (it needs "
+                f"`{name}`). Received: {type(model).__name__}"
+            )
+    if getattr(model, "sliding_window", None) is not None:
+        raise ValueError(
+            f"A sliding-window model's ring-buffer cache has no {runtime} layout "
+            f"here. Received: sliding_window={model.sliding_window}"
+        )
+
+
+class DecoderTrace:
+    """A model's prefill and decode steps, and its cache layout, for runtime writers.
+
+    Args:
+        model: a model with the generation protocol (`DecoderOnlyLM`,
+            `Seq2SeqLM` or any model offering `init_cache`,
+            `call_with_cache` and, encoder-decoder, `encode`).
+        max_length: the context the exported caches hold (prompt and
+            generated tokens).
+        cache_dtype: "float32" or "float16": what the caches travel in
+            between calls (each call computes in float32).
+
+    Attributes:
+        model, max_length: as given.
+        cache_dtype: the storage `tf.DType`.
+        num_layers: the number of self-attention caches (decoder blocks).
+        num_key_value_heads, head_dim: each cache's last two axes.
+        cache_length: its slots: `max_length`, or the window of a
+            sliding-window model, whose cache is then a ring buffer.
+        ring: whether it is one (the cache wraps; any position is valid).
+        seq2seq: the model has an encoder (`encode`).
+        vocabulary_size: the logits' size, or None if the model does not say.
+        max_positions: the model's position bound (a learned table), or None.
+    """
+
+    def __init__(self, model, *, max_length, cache_dtype="float32"):
+        self.model = model
+        self.max_length = max_length
+        self.cache_dtype = cache_storage_dtype(cache_dtype)
+        # A batch of zero rows: the shapes without allocating a cache.
+        empty = model.init_cache(0, max_length)
+        key = empty[0]["self_attention"][0]
+        self.num_layers = len(empty)
+        self.cache_length, self.num_key_value_heads, self.head_dim = (
+            int(key.shape[1]), int(key.shape[2]), int(key.shape[3]))
+        self.ring = self.cache_length < max_length
+        self.seq2seq = hasattr(model, "encode")
+        vocab = getattr(model, "vocabulary_size", None)
+        self.vocabulary_size = (vocab if isinstance(vocab, int) and not isinstance(vocab, bool)
+                                else None)
+        self.max_positions = getattr(model, "max_positions", None)
+
+    def cache_shape(self, batch_size, length):
+        """One key or value cache: `(batch_size, length, num_key_value_heads, head_dim)`
+        (None for a dynamic axis; `length` is `cache_length` for self-attention)."""
+        return (batch_size, length, self.num_key_value_heads, self.head_dim)
+
+    def load(self, tensor):
+        """A stored cache tensor in float32, what a call computes in (None stays None)."""
+        return None if tensor is None else tf.cast(tensor, tf.float32)
+
+    def store(self, tensor):
+        """A cache tensor in `cache_dtype`, what travels between calls."""
+        return tf.cast(tensor, self.cache_dtype)
+
+    def cache(self, keys_values, cross_keys_values=None):
+        """The model's cache from flat per-layer tensors `[key_0, value_0, key_1, ...]`
+        (`(B, S, H_kv, D)`, stored or float32), loaded into float32."""
+        layers = []
+        for i in range(self.num_layers):
+            cross = None
+            if cross_keys_values is not None:
+                cross = tuple(self.load(t) for t in cross_keys_values[2 * i: 2 * i + 2])
+            layers.append({"self_attention": tuple(self.load(t)
+                                                   for t in keys_values[2 * i: 2 * i + 2]),
+                           "cross_attention": cross})
+        return layers
+
+    @staticmethod
+    def keys_values(cache, part="self_attention"):
+        """The flat `[key_0, value_0, key_1, ...]` of a model cache (inverse of `cache`)."""
+        return [t for layer in cache for t in layer[part]]
+
+    def prefill(self, token_ids, encoder_ids=None):
+        """`token_ids` at positions `[0, P)` from an empty cache.
+
+        Returns `(logits, cache, encoder_padding_mask)`: the model's cache
+        (float32; an encoder-decoder model's holds the cross-attention
+        caches too) and the encoder's padding mask (None for a decoder).
+        """
+        cache = self.model.init_cache(tf.shape(token_ids)[0], self.max_length)
+        if encoder_ids is None:
+            logits, cache = self.model.call_with_cache(token_ids, cache, 0)
+            return logits, cache, None
+        encoded, mask = self.model.encode(encoder_ids)
+        logits, cache = self.model.call_with_cache(
+            token_ids, cache, 0, encoder_outputs=encoded, encoder_padding_mask=mask)
+        return logits, cache, mask
+
+    def decode(self, token_ids, cache, index, *, padding_mask=None, encoder_padding_mask=None):
+        """`token_ids` at positions `[index, ...)` after `cache`; returns `(logits, cache)`.
+
+        `padding_mask` `(B, cache_length)` marks the cache slots holding a
+        token (None: all up to the causal bound); `encoder_padding_mask`
+        is the encoder's (encoder-decoder models).
+        """
+        kwargs = {}
+        if padding_mask is not None:
+            kwargs["padding_mask"] = padding_mask
+        if encoder_padding_mask is not None:
+            kwargs["encoder_padding_mask"] = encoder_padding_mask
+        return self.model.call_with_cache(token_ids, cache, index, **kwargs)
