@@ -51,7 +51,7 @@ def _check_config(config, classify):
         common.refuse("is_decoder", True, "(a causal BERT) is not supported; convert encoders")
     if getattr(config, "add_cross_attention", False):
         common.refuse("add_cross_attention", True, "is not supported")
-    common.check_activation("hidden_act", config.hidden_act)
+    common.mapped_activation("hidden_act", config.hidden_act)
     if config.hidden_size % config.num_attention_heads:
         common.refuse("num_attention_heads", config.num_attention_heads, "does not divide hidden_size")
     problem = getattr(config, "problem_type", None)

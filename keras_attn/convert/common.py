@@ -112,7 +112,7 @@ def refuse_architecture(checkpoint, supported):
     )
 
 
-def check_activation(field, value, activation=None):
+def mapped_activation(field, value, activation=None):
     """`activation` (default `value`) if the blocks map it, else a refusal of `field=value`."""
     activation = value if activation is None else activation
     if not isinstance(activation, str) or activation not in activations.ALIASES:

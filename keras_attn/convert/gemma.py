@@ -22,7 +22,7 @@ class GemmaConverter(llama.LlamaConverter):
     def activation(self):
         config = self.config
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        return common.check_activation("hidden_act", act)
+        return common.mapped_activation("hidden_act", act)
 
     def model_options(self):
         options = super().model_options()

@@ -45,7 +45,7 @@ def convert(checkpoint, *, dropout=None):
     config, architecture = checkpoint.config, checkpoint.architecture
     if getattr(config, "add_cross_attention", False):
         common.refuse("add_cross_attention", True, "is not supported (decoder-only models only)")
-    common.check_activation("activation_function", config.activation_function)
+    common.mapped_activation("activation_function", config.activation_function)
     hidden, heads = config.n_embd, config.n_head
     if hidden % heads:
         common.refuse("n_head", heads, "does not divide n_embd")

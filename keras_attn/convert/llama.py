@@ -91,7 +91,7 @@ class LlamaConverter:
                               "(sliding windows on some layers only, from `max_window_layers`) is not represented")
 
     def activation(self):
-        return common.check_activation("hidden_act", getattr(self.config, "hidden_act", None))
+        return common.mapped_activation("hidden_act", getattr(self.config, "hidden_act", None))
 
     def model_options(self):
         """The `DecoderOnlyLM` arguments."""

@@ -43,7 +43,7 @@ def _feedforward(config):
     act = getattr(config, "dense_act_fn", None) or config.feed_forward_proj.split("-")[-1]
     if act == "gelu" and gated:
         act = "gelu_new"  # T5 v1.1's "gated-gelu" is the tanh approximation
-    return common.check_activation("feed_forward_proj", config.feed_forward_proj, act), gated
+    return common.mapped_activation("feed_forward_proj", config.feed_forward_proj, act), gated
 
 
 def _block_options(config):
