@@ -104,8 +104,8 @@ def main(argv=None):
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="token_accuracy")],
     )
-    model.fit(train, validation_data=validation, epochs=args.epochs, verbose=args.verbose,
-              shuffle=False)
+    model.fit(train, validation_data=validation, epochs=args.epochs,
+              verbose=quickstart.fit_verbosity(args.verbose), shuffle=False)
     encoder_inputs, targets = quickstart.test_arrays(test)
     accuracy, predictions = quickstart.evaluate_dates(model, encoder_inputs, targets, target)
     print(f"test exact-match accuracy: {accuracy:.4f} on {len(targets)} dates")

@@ -50,8 +50,8 @@ def main(argv=None):
         args, source, target, dynamic_length=True
     )
     print(f"dates Transformer: {model.count_params():,} parameters")
-    model.fit(train, validation_data=validation, epochs=args.epochs, verbose=args.verbose,
-              shuffle=False)
+    model.fit(train, validation_data=validation, epochs=args.epochs,
+              verbose=quickstart.fit_verbosity(args.verbose), shuffle=False)
 
     encoder_inputs, targets = quickstart.test_arrays(test)
     accuracy, predictions = quickstart.evaluate_dates(model, encoder_inputs, targets, target)

@@ -129,7 +129,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path):
 
     paths = gen_export.export_onnx(lm, str(tmp_path / "t5_onnx"), max_length=10)
     sessions = {k: ort.InferenceSession(p, providers=["CPUExecutionProvider"])
-                for k, p in paths.items()}
+                for k, p in paths.files.items()}
 
     got = _artifact_greedy(ort_runner(sessions["prefill"]), ort_runner(sessions["decode"]), enc, 10)
     np.testing.assert_array_equal(got, want)

@@ -10,6 +10,7 @@ classifier). The default-scale figures the README quotes come from
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,7 +82,8 @@ def dates_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("examples")
     data_dir = str(tmp / "tfds")
     commands = {
-        "demo": [sys.executable, "-m", "keras_attn.cli", "demo", *DATES_LEARN,
+        # No --verbose: the demo picks a line per epoch itself, its output being a pipe.
+        "demo": [sys.executable, "-m", "keras_attn.cli", "demo", *DATES_LEARN[:-2],
                  "--data-dir", data_dir, "--output-dir", str(tmp / "demo")],
         "translate": [sys.executable, str(EXAMPLES / "translate_dates.py"), *DATES_LEARN,
                       "--data-dir", str(tmp / "tfds2"), "--output-dir", str(tmp / "translate")],
@@ -108,6 +110,13 @@ def test_demo_runs_quickstart_end_to_end_with_export(dates_runs):
     tmp, outs = dates_runs
     out = outs["demo"]
     assert "human_dates through tfds" in out
+    # Written to a pipe (a log file), the demo's training prints one line per
+    # epoch: no progress bar's carriage returns, backspaces or ANSI colours.
+    assert not re.search("[\r\b\x1b]", out), repr(out[:2000])
+    lines = out.splitlines()
+    for epoch in (1, 2, 3):
+        at = lines.index(f"Epoch {epoch}/3")
+        assert "loss:" in lines[at + 1] and "val_loss:" in lines[at + 1], lines[at:at + 2]
     assert (tmp / "tfds" / "human_dates").is_dir()
     assert "test exact-match accuracy:" in out
     assert "'3rd of March 1999'" in out

@@ -376,15 +376,24 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
                           agreement=agreement, min_agreement=threshold)
 
 
-def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_template=False):
+def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_template=False,
+             verbose=None):
     """Greedy generation from `text` in `litert_lm.Engine` (CPU); returns the text.
 
     `engine`: an open `litert_lm.Engine` on `path` to reuse (loading one
     takes a while); `max_new_tokens` caps the output (default: up to the
-    bundle's `max_num_tokens`).
+    bundle's `max_num_tokens`). LiteRT-LM's C++ log lines (some twenty INFO
+    and WARNING lines per engine: accelerators registered, sections not
+    found) are hidden unless `verbose=True` or the environment variable
+    `KERAS_ATTN_VERBOSE=1` (the `keras-attn` CLI's switch); errors are
+    always shown. The log level is LiteRT-LM's, for the whole process.
     """
     import litert_lm
 
+    if verbose is None:
+        verbose = os.environ.get("KERAS_ATTN_VERBOSE", "") not in ("", "0")
+    litert_lm.set_min_log_severity(
+        litert_lm.LogSeverity.INFO if verbose else litert_lm.LogSeverity.ERROR)
     own = engine is None
     if own:
         engine = litert_lm.Engine(os.fspath(path), backend=litert_lm.Backend.CPU())

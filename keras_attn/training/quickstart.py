@@ -38,8 +38,23 @@ def add_dates_arguments(parser, epochs, num_train, output_dir="outputs/demo"):
                         help="where tfds writes the generated data set")
     parser.add_argument("--output-dir", default=output_dir,
                         help="the .keras model, PNG heatmap and exported models go here")
-    parser.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (1 = bar)")
+    parser.add_argument("--verbose", type=int, default=None,
+                        help="Keras fit verbosity: 1 = progress bar, 2 = one line per "
+                        "epoch (default: the bar on a terminal, a line per epoch when "
+                        "the output goes to a file or a pipe)")
     return parser
+
+
+def fit_verbosity(verbose=None, stream=None):
+    """Keras `fit`'s `verbose`: `verbose` if given, else 1 (a progress bar) when
+    `stream` (default stdout) is a terminal and 2 (one line per epoch) when it
+    is a file or a pipe, where a bar's carriage returns and ANSI codes would
+    fill the log with one long line per batch."""
+    if verbose is not None:
+        return verbose
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return 1 if isatty is not None and isatty() else 2
 
 
 def load_dates_task(args):
@@ -234,8 +249,9 @@ def run(args, export=True):
     (train, validation, test), _, (source, target) = load_dates_task(args)
     print(f"data: ready in {time.perf_counter() - begin:.1f}s", flush=True)
     model, attention_model = build_dates_model(args, source, target)
-    model.fit(train, validation_data=validation, epochs=args.epochs, verbose=args.verbose,
-              shuffle=False, callbacks=[compile_notice()])  # the pipeline shuffles (seeded)
+    model.fit(train, validation_data=validation, epochs=args.epochs,
+              verbose=fit_verbosity(args.verbose), shuffle=False,
+              callbacks=[compile_notice()])  # the pipeline shuffles (seeded)
     trained = time.perf_counter()
     print(f"trained in {trained - begin:.1f}s")
     os.makedirs(args.output_dir, exist_ok=True)

@@ -1,0 +1,148 @@
+"""What the prefill/decode exports return: the artifact run against Keras.
+
+`verify_prefill_decode` drives an exported `prefill` and `decode` (any
+runtime: a TFLite signature runner, onnxruntime, a SavedModel signature) over
+one random sequence, teacher-forced: `prefill` on its first tokens, then one
+`decode` per remaining token, and compares every position's logits with the
+Keras model's forward pass over the whole sequence. The exporters put the
+result in a `SignatureReport`, the model exports' `ExportReport` with the
+artifact's files.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+from keras_attn.export.report import ExportReport, ParityError
+
+# float32 exports: the runtimes reorder float32 sums, nothing more; the bound
+# is relative to the largest Keras logit (as for the LiteRT-LM bundles).
+FLOAT32_RTOL = 1e-4
+# Quantized weights or a float16 cache are judged by the next token: the
+# share of positions whose argmax equals Keras's.
+DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int4": 0.8}
+# The verification sequence: long enough for a few decode steps, short enough
+# to cost well under a second on any runtime.
+VERIFY_LENGTH = 12
+
+
+@dataclasses.dataclass
+class SignatureReport(ExportReport):
+    """An `ExportReport` of a prefill/decode export (`export_saved_model`,
+    `export_tflite`, `export_onnx`, `export_onnx_genai`).
+
+    `path` is the SavedModel folder, the `.tflite` file or the output folder;
+    `files` names each file written (`{"prefill": ..., "decode": ...}` for
+    ONNX). `checks` holds one entry per signature run (`prefill`, `decode`)
+    with its inputs' shapes and largest logit error. The report stands where
+    the exporters used to return a path: `os.fspath(report)` is `path`, and
+    `report["prefill"]` is `files["prefill"]` (ONNX used to return that
+    dict).
+    """
+
+    files: dict = dataclasses.field(default_factory=dict)
+
+    def __fspath__(self):
+        return self.path
+
+    def __getitem__(self, name):
+        return self.files[name]
+
+
+def verification_ids(model, batch, length, seed=0):
+    """Random `(batch, length)` int32 ids without the model's padding id (the
+    Keras forward pass masks padding, an exported cache does not)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, model.vocabulary_size, size=(batch, length)).astype("int32")
+    pad = getattr(model, "pad_token_id", None)
+    if pad is not None:
+        ids[ids == pad] = (pad + 1) % model.vocabulary_size
+    return ids
+
+
+def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size=None,
+                          prompt_length=None, encoder_length=None, quantization=None,
+                          cache_dtype="float32", seed=0):
+    """Runs `prefill` / `decode` (callables over NumPy dicts named as the
+    signatures) against Keras; returns `(checks, atol, agreement, min_agreement)`.
+
+    Static shapes (TFLite) are given by `batch_size`, `prompt_length` and
+    `encoder_length`; otherwise a batch of 2, a prompt of 4 and an encoder
+    input of 6 are used. Raises `ParityError` when a float32 export's logits
+    differ from Keras's by more than `FLOAT32_RTOL` of the largest logit, or
+    when a quantized one (or a float16 cache) picks Keras's next token at
+    fewer positions than `DEFAULT_MIN_AGREEMENT`.
+    """
+    batch = batch_size or 2
+    length = max(2, min(max_length, VERIFY_LENGTH))
+    prompt = prompt_length or min(4, length - 1)
+    length = max(length, prompt)
+    ids = verification_ids(model, batch, length, seed)
+    encoder_ids = None
+    if hasattr(model, "encode"):
+        encoder_ids = verification_ids(model, batch, encoder_length or 6, seed + 1)
+        reference = np.asarray(model((encoder_ids, ids)), np.float64)
+    else:
+        reference = np.asarray(model(ids), np.float64)
+    inputs = {"token_ids": ids[:, :prompt]}
+    if encoder_ids is not None:
+        inputs["encoder_ids"] = encoder_ids
+    out = prefill(**inputs)
+    got = [np.asarray(out["logits"], np.float64)]
+    checks = [_check("prefill", inputs, got[0], reference[:, :prompt])]
+    state = {k: out[k] for k in ("cache", "cross_cache", "encoder_padding_mask") if k in out}
+    steps = []
+    for i in range(prompt, length):
+        step = dict(token_ids=ids[:, i:i + 1], index=np.array(i, np.int32), **state)
+        out = decode(**step)
+        state["cache"] = out["cache"]
+        steps.append(np.asarray(out["logits"], np.float64)[:, 0])
+    if steps:
+        decoded = np.stack(steps, axis=1)
+        got.append(decoded)
+        checks.append(_check("decode", {"token_ids": (batch, 1)}, decoded,
+                             reference[:, prompt:], steps=len(steps)))
+    got = np.concatenate(got, axis=1)
+    error = max(c["max_abs_error"] for c in checks)
+    agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
+    if quantization is None and cache_dtype == "float32":
+        atol = FLOAT32_RTOL * max(1.0, float(np.max(np.abs(reference))))
+        if not error <= atol:
+            raise ParityError(
+                f"The {fmt} prefill/decode export's logits differ from Keras's by "
+                f"{error:.3g} > atol={atol:.3g} on the verification sequence "
+                f"(batch {batch}, {length} tokens); nothing was written.")
+        return checks, atol, None, None
+    threshold = DEFAULT_MIN_AGREEMENT[quantization or "float16"]
+    if not agreement >= threshold:
+        raise ParityError(
+            f"The {fmt} prefill/decode export (quantization={quantization}, "
+            f"cache_dtype={cache_dtype}) picks Keras's next token at {agreement:.3f} of "
+            f"the positions < {threshold} (max logit error {error:.3g}); nothing was "
+            "written.")
+    return checks, None, agreement, threshold
+
+
+def _check(name, inputs, got, reference, steps=1):
+    shapes = {k: tuple(np.shape(v)) if not isinstance(v, tuple) else v
+              for k, v in inputs.items()}
+    matches = np.argmax(got, -1) == np.argmax(reference, -1)
+    return {"signature": name, "shapes": shapes, "calls": steps,
+            "max_abs_error": float(np.max(np.abs(got - reference))),
+            "argmax_matches": [int(matches.sum()), int(matches.size)]}
+
+
+def signature_report(fmt, path, verified, *, ops, details, files=None):
+    """The `SignatureReport` of an artifact written at `path`, from what
+    `verify_prefill_decode` returned."""
+    from keras_attn.export.staging import size_of
+
+    checks, atol, agreement, min_agreement = verified
+    path = os.path.abspath(os.fspath(path))
+    size = sum(size_of(f) for f in files.values()) if files else size_of(path)
+    return SignatureReport(
+        format=fmt, path=path, size_bytes=size,
+        max_abs_error=max(c["max_abs_error"] for c in checks), atol=atol, ops=ops,
+        checks=checks, details=details, agreement=agreement, min_agreement=min_agreement,
+        files=dict(files or {}))
