@@ -21,6 +21,9 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     where NumPy can tell (negative ids, wrong rank or dtype), and after a call
     whose `valid` output (TFLite / ONNX exports with `checks="flag"`) is
     False, e.g. an id >= the vocabulary size, which the artifact clamped.
+    A callable that names its inputs (a LiteRT `SignatureRunner`, a
+    SavedModel signature) and takes other names than these signatures' is
+    refused with a ValueError listing the names it takes.
 
     The exported cache holds the `max_length` it was exported with, and
     `max_length` here may not exceed it (a ValueError): positions past a
@@ -47,7 +50,7 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     inputs = {"token_ids": prompt_ids}
     if encoder_ids is not None:
         inputs["encoder_ids"] = _checked_ids("encoder_ids", encoder_ids)
-    out = prefill(**inputs)
+    out = _call(prefill, "prefill", inputs)
     vocab = out["logits"].shape[-1]
     for key, ids in inputs.items():
         name = "prompt_ids" if key == "token_ids" else key
@@ -87,7 +90,7 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
         if done.all():
             break
         step = dict(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
-        out = _check_valid(decode(**step), "decode", step)
+        out = _check_valid(_call(decode, "decode", step), "decode", step)
         state["cache"] = out["cache"]
         chosen = np.argmax(out["logits"][:, 0], axis=-1).astype(np.int32)
         chosen = np.where(done, pad_token_id, chosen)
@@ -95,6 +98,36 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
         done |= ~in_prompt[:, i] & np.isin(chosen, stop_token_ids)
         tokens[:, i] = chosen
     return tokens
+
+
+def input_names(fn):
+    """The input names of an exported signature, where the callable tells
+    them (a TFLite / LiteRT `SignatureRunner`, a SavedModel signature), else None."""
+    details = getattr(fn, "get_input_details", None)
+    if details is not None:
+        return sorted(details())
+    structured = getattr(fn, "structured_input_signature", None)
+    if structured is not None:
+        return sorted(structured[1])
+    return None
+
+
+def _call(fn, signature, inputs):
+    """`fn(**inputs)`, refused with the names `fn` takes when they differ
+    (the runtimes' own errors name one input: `Invalid Input name (tokens)
+    for SignatureDef`)."""
+    expected = input_names(fn)
+    if expected is not None and sorted(inputs) != expected:
+        raise ValueError(
+            f"The `{signature}` callable takes inputs {expected}; greedy_loop feeds "
+            f"{sorted(inputs)}, the names of keras_attn's prefill/decode exports "
+            "(`keras_attn.runtimes.signatures`: `token_ids`, `cache`, `index`, and "
+            "`encoder_ids`, `cross_cache`, `encoder_padding_mask` for encoder-decoder "
+            "models). A LiteRT-LM bundle's model (`tokens`, `input_pos`, "
+            "`kv_cache_*`) runs in `litert_lm.Engine` "
+            "(`keras_attn.runtimes.litertlm.generate`); a model export's signature "
+            "(`keras_attn.export`, e.g. a classifier's `tokens`) is not a generator.")
+    return fn(**inputs)
 
 
 def _checked_ids(name, ids):
