@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from tests import browser
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PUBLIC = ["keras_attn.layers", "keras_attn.ops", "keras_attn.data", "keras_attn.training",
@@ -45,6 +47,22 @@ def test_strict_build_renders_every_page(site):
         rel = page.relative_to(DOCS).with_suffix("")
         html = site / ("index.html" if rel.name == "index" else rel / "index.html")
         assert html.is_file(), f"{page} was not rendered"
+
+
+@pytest.mark.skipif(browser.chromium() is None, reason=browser.NO_CHROMIUM)
+@pytest.mark.parametrize("page", ["index", "guides/generation", "guides/visualize"])
+def test_built_pages_render_in_a_browser(site, page, tmp_path):
+    """A built page opened in headless Chromium: its title in the DOM after the
+    theme's scripts ran, its heading on screen, and a screenshot that is not blank."""
+    source = (DOCS / page).with_suffix(".md") if page == "index" else DOCS / f"{page}.md"
+    built = site / ("index.html" if page == "index" else f"{page}/index.html")
+    heading = re.search(r"^# (.+)$", source.read_text(), re.M).group(1)
+    title = re.search(r"<title>(.*?)</title>", built.read_text()).group(1)
+    dom = browser.dump_dom(built.as_uri())
+    assert f"<title>{title}</title>" in dom and "keras_attn" in title
+    assert heading.replace("`", "") in re.sub(r"<[^>]+>", "", dom)
+    image = browser.screenshot(built.as_uri(), tmp_path / "page.png", size=(1280, 900))
+    assert 0.02 < browser.ink(image) < 0.98
 
 
 def test_api_reference_covers_every_public_name(site):

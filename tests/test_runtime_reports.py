@@ -47,6 +47,7 @@ def _shape_report(report, fmt, path):
     assert fmt in str(report)
 
 
+@pytest.mark.slow
 def test_tflite_export_returns_a_report_and_the_same_bytes(lm, tmp_path):
     kwargs = dict(max_length=MAX_LEN, batch_size=2, prompt_length=3)
     report = export_tflite(lm, tmp_path / "lm.tflite", **kwargs)
@@ -59,6 +60,7 @@ def test_tflite_export_returns_a_report_and_the_same_bytes(lm, tmp_path):
     assert "FULLY_CONNECTED" in report.ops
 
 
+@pytest.mark.slow
 def test_saved_model_and_onnx_exports_return_reports(lm, tmp_path):
     report = export_saved_model(lm, str(tmp_path / "sm"), max_length=MAX_LEN,
                                 include_generate=False)
@@ -72,6 +74,7 @@ def test_saved_model_and_onnx_exports_return_reports(lm, tmp_path):
     assert report.size_bytes == sum(os.path.getsize(p) for p in report.files.values())
 
 
+@pytest.mark.slow
 def test_an_artifact_that_disagrees_with_keras_is_refused(tmp_path):
     shifted = _lm(ShiftedLM)
     for export, target in ((lambda p: export_tflite(shifted, p, max_length=MAX_LEN,

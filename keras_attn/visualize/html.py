@@ -24,9 +24,9 @@ body{font-family:sans-serif;margin:16px;color:#222}
 .col div{padding:1px 6px;cursor:default;white-space:pre}
 .col div.pad{color:#aaa}
 #lines{position:absolute;left:0;top:0;pointer-events:none}
-#model-view{display:grid;gap:4px;margin-top:16px}
+#model-view{display:grid;gap:4px;margin-top:16px;justify-content:start;align-items:start}
 #model-view canvas{border:1px solid #ccc;cursor:pointer}
-.label{font-size:11px}
+.label{font-size:11px;max-width:220px;overflow-wrap:anywhere}
 </style></head><body>
 <h3>__TITLE__</h3>
 <div id="controls">Layer: <select id="layer"></select> <span id="heads"></span>
@@ -85,6 +85,7 @@ function draw(query) {
   })));
 }
 function headView() {
+  document.getElementById("head-view").dataset.layer = map().name;
   headBoxes();
   const m = map();
   column("left", tokens("q"), m.query_padding ? m.query_padding[example] : null, true);
@@ -112,7 +113,23 @@ function modelView() {
 }
 layerSel.onchange = () => { layer = +layerSel.value; headView(); };
 exSel.onchange = () => { example = +exSel.value; headView(); modelView(); };
-headView(); modelView();
+// A link can open a view: #layer=<index or name>&example=<b>&query=<position>.
+function fromFragment() {
+  const p = new URLSearchParams(location.hash.slice(1));
+  if (p.has("example") && +p.get("example") >= 0 && +p.get("example") < data.batch) {
+    example = +p.get("example"); exSel.value = example;
+  }
+  if (p.has("layer")) {
+    const v = p.get("layer"), byName = data.maps.findIndex(m => m.name === v);
+    const i = byName >= 0 ? byName : +v;
+    if (Number.isInteger(i) && i >= 0 && i < data.maps.length) { layer = i; layerSel.value = i; }
+  }
+  headView(); modelView();
+  const q = +p.get("query");
+  if (p.has("query") && Number.isInteger(q) && q >= 0 && q < document.getElementById("left").children.length) draw(q);
+}
+window.onhashchange = fromFragment;
+fromFragment();
 </script></body></html>
 """
 
@@ -154,7 +171,10 @@ def html_view(maps, tokens=None, path="attention.html", *, key_tokens=None,
         decimals: weights are rounded to this many decimals in the file.
 
     Returns:
-        `path`. The file needs no network: open it in any browser.
+        `path`. The file needs no network: open it in any browser. A URL
+        fragment opens a given view: `attention.html#layer=1` (an index or
+        a layer's name), `&example=0` (the batch row), `&query=2` (the
+        lines of one query token, as when hovering it).
     """
     payload = json.dumps(view_data(maps, tokens, key_tokens, decimals))
     # Inside <script>, "</" would end the element: escape it.
