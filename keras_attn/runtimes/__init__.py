@@ -11,7 +11,9 @@ contract:
 - `onnx_genai`: model folders for ONNX Runtime GenAI;
 - `tflite_convert`: several `tf.function`s into one TFLite flatbuffer;
 - `tokenizers`: `tokenizer.json` files for keras_attn's own vocabularies;
-- `loop`: the NumPy greedy loop an app runs next to the signatures.
+- `loop`: the NumPy greedy loop an app runs next to the signatures;
+- `verification`: each prefill/decode artifact run against Keras, and the
+  `SignatureReport` its writer returns.
 
 The models and the searches are `keras_attn.generation`'s.
 """
@@ -29,10 +31,12 @@ from keras_attn.runtimes.signatures import (
 )
 from keras_attn.runtimes.tokenizers import character_tokenizer, word_tokenizer, write_tokenizer
 from keras_attn.runtimes.trace import DecoderTrace
+from keras_attn.runtimes.verification import SignatureReport
 
 __all__ = [
     "DecoderTrace",
     "LitertLmReport",
+    "SignatureReport",
     "character_tokenizer",
     "export_litertlm",
     "export_onnx",
