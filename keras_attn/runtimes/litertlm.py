@@ -382,11 +382,11 @@ def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_templ
 
     `engine`: an open `litert_lm.Engine` on `path` to reuse (loading one
     takes a while); `max_new_tokens` caps the output (default: up to the
-    bundle's `max_num_tokens`). LiteRT-LM's C++ log lines (some twenty INFO
-    and WARNING lines per engine: accelerators registered, sections not
-    found) are hidden unless `verbose=True` or the environment variable
-    `KERAS_ATTN_VERBOSE=1` (the `keras-attn` CLI's switch); errors are
-    always shown. The log level is LiteRT-LM's, for the whole process.
+    bundle's `max_num_tokens`). LiteRT-LM's C++ log lines (about forty INFO
+    and WARNING lines per call with a new engine: accelerators registered,
+    sections not found) are hidden unless `verbose=True` or the environment
+    variable `KERAS_ATTN_VERBOSE=1` (the `keras-attn` CLI's switch); errors
+    are always shown. The log level is LiteRT-LM's, for the whole process.
     """
     import litert_lm
 

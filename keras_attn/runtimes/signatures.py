@@ -179,7 +179,8 @@ def _module(model, functions):
 def _numpy_runner(fn):
     """A SavedModel signature as a callable over NumPy dicts."""
     def run(**kwargs):
-        return {k: v.numpy() for k, v in fn(**{k: tf.constant(v) for k, v in kwargs.items()}).items()}
+        outputs = fn(**{k: tf.constant(v) for k, v in kwargs.items()})
+        return {k: v.numpy() for k, v in outputs.items()}
 
     return run
 

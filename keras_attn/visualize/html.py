@@ -125,8 +125,8 @@ function fromFragment() {
     if (Number.isInteger(i) && i >= 0 && i < data.maps.length) { layer = i; layerSel.value = i; }
   }
   headView(); modelView();
-  const q = +p.get("query");
-  if (p.has("query") && Number.isInteger(q) && q >= 0 && q < document.getElementById("left").children.length) draw(q);
+  const q = +p.get("query"), rows = document.getElementById("left").children.length;
+  if (p.has("query") && Number.isInteger(q) && q >= 0 && q < rows) draw(q);
 }
 window.onhashchange = fromFragment;
 fromFragment();
