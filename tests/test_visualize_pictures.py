@@ -66,3 +66,28 @@ def test_plot_heads_shares_one_colour_scale_with_a_colour_bar():
     assert len(bars) == 1
     assert bars[0].get_ylim() == pytest.approx((0.0, largest))
     plt.close(fig)
+
+
+def test_long_key_axes_get_labels_that_do_not_overlap():
+    """Decoder self-attention (10 keys) above cross-attention (40 encoder keys):
+    each row shows its own key labels, and 40 labels under a 1.6 inch map are
+    sized to fit rather than printed over each other."""
+    rng = np.random.default_rng(1)
+    decoder, encoder = [f"d{i}" for i in range(10)], [f"e{i}" for i in range(40)]
+    maps = []
+    for name, keys in (("decoder_0/self_attention", 10), ("decoder_0/cross_attention", 40)):
+        scores = rng.random((1, 2, 10, keys))
+        maps.append(AttentionMap(name, (scores / scores.sum(-1, keepdims=True)).astype("f4")))
+    fig = plot_heads(maps, decoder, key_tokens=encoder)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    drawn = [ax for ax in fig.axes if ax.images]
+    for ax, keys in zip(drawn, (decoder, decoder, encoder, encoder)):
+        labels = [t for t in ax.get_xticklabels() if t.get_text()]
+        assert [t.get_text() for t in labels] == keys
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        for left, right in zip(boxes, boxes[1:]):
+            assert left.x1 <= right.x0 + 0.5, (left, right)  # side by side, not over
+        assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1)
+                   for b in boxes)
+    plt.close(fig)

@@ -156,11 +156,19 @@ def plot_heads(maps, tokens=None, *, key_tokens=None, batch_index=0, layers=None
     rows = np.atleast_1d(grid.subfigures(len(maps), 1))
     title_width = 0.9 * grid_width * 72  # points, with a margin each side
     image = None
+    def key_axis(m):  # what a map's columns are: a row shows them unless the next row repeats them
+        return (m.scores.shape[-1], m.scores.shape[-1] == m.scores.shape[-2])
+
     for row, (m, panel) in enumerate(zip(maps, rows)):
         panel.suptitle(_wrap_name(m.name, title_width), fontsize=_TITLE_SIZE, fontweight="bold")
         axes = np.atleast_1d(panel.subplots(1, len(heads)))
         scores = m.scores[batch_index]
         keys = tokens if scores.shape[-1] == scores.shape[-2] else key_tokens
+        # Token labels no larger than a map's cell (72 points per inch), so
+        # long sequences get small labels rather than overlapping ones.
+        label_size = {"x": min(7.0, 0.8 * 72 * cell_size / scores.shape[-1]),
+                      "y": min(7.0, 0.8 * 72 * cell_size / scores.shape[-2])}
+        last = row == len(maps) - 1 or key_axis(maps[row + 1]) != key_axis(m)
         for col, (ax, h) in enumerate(zip(axes, heads)):
             if h >= m.num_heads:
                 ax.axis("off")
@@ -168,9 +176,11 @@ def plot_heads(maps, tokens=None, *, key_tokens=None, batch_index=0, layers=None
             plot_attention(scores[h], tokens, keys, ax=ax, cmap=cmap, vmax=vmax,
                            padding=m.key_padding()[batch_index], title=f"head {h}")
             image = ax.images[-1]
+            for axis, size in label_size.items():
+                ax.tick_params(axis=axis, labelsize=size)
             if col:
                 ax.set_yticklabels([])
-            if row != len(maps) - 1:
+            if not last:
                 ax.set_xticklabels([])
     # The bar's own axes, placed by hand: a narrow strip (about 0.15 inch)
     # beside the maps, its ticks and label in the rest of the 0.9 inch.
