@@ -19,19 +19,35 @@ rows of equal length. A left-padded batch is exact for rotary models (their
 attention depends on position differences only) and not for learned
 positions (GPT-2), whose padded rows Hugging Face numbers from the mask.
 
-The graph is converted with tf2onnx from `call_with_cache`, so anything
-`keras_attn.runtimes.signatures` exports exports here (GQA, rotary, RMSNorm,
-gated feed-forward, relative bias); not a sliding-window ring buffer (GenAI
-would need its windowed cache layout) and not encoder-decoder models.
+The graph is written one of two ways (`writer=`):
+
+- "fused" (`keras_attn.export.onnx_decoder`): onnxruntime's fused kernels
+  (`GroupQueryAttention` with rotary and sliding windows inside,
+  `SkipSimplifiedLayerNormalization`, packed Q/K/V, `MatMulNBits` for int8
+  and int4 weights) from the Keras weights, as the ONNX Runtime GenAI model
+  builder writes its graphs; for rotary, RMSNorm decoders (the Llama-like
+  families of `keras_attn.convert`).
+- "tf2onnx": `call_with_cache` converted by tf2onnx, so anything
+  `keras_attn.runtimes.signatures` exports exports here (learned positions,
+  LayerNorm, relative bias); not a sliding-window ring buffer and not
+  encoder-decoder models.
+
+"auto" (the default) takes the fused writer where it covers the model and
+falls back to tf2onnx with a warning that says why.
 """
 
 import json
 import os
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
+from keras_attn import checks
+from keras_attn.export import onnx_decoder
 from keras_attn.export.onnx import rename_value
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.onnx_quantize import matmul_nbits
 from keras_attn.export.onnx_quantize import quantize_matmul_weights
 from keras_attn.runtimes.tokenizers import tokenizer_model_type
 from keras_attn.runtimes.tokenizers import write_tokenizer
@@ -137,9 +153,40 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
     }
 
 
+_QUANTIZATIONS = (None, "dynamic", "int8", "int4")
+_WRITERS = ("auto", "fused", "tf2onnx")
+
+
+def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
+                      opset=17):
+    """The GenAI graph of `model` as an ONNX `ModelProto`, quantized (see
+    `export_onnx_genai` for the arguments)."""
+    checks.check_choice("quantization", quantization, _QUANTIZATIONS)
+    checks.check_choice("writer", writer, _WRITERS)
+    bits = {"int8": 8, "int4": 4}.get(quantization)
+    proto = None
+    if writer != "tf2onnx":
+        try:
+            proto = onnx_decoder.decoder_model_proto(
+                model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset)
+        except NotFusableError as error:
+            if writer == "fused":
+                raise
+            warnings.warn(
+                f"export_onnx_genai: the fused decoder writer does not cover this model ({error}); "
+                "writing the tf2onnx graph instead (slower in onnxruntime).", stacklevel=3)
+    if proto is None:
+        proto = onnx_genai_model(model, max_length=max_length, opset=opset)
+        if bits is not None:
+            proto = matmul_nbits(proto, bits=bits, accuracy_level=accuracy_level)
+    if quantization == "dynamic":
+        proto = quantize_matmul_weights(proto)
+    return proto
+
+
 def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
-                      quantization=None):
+                      quantization=None, writer="auto", accuracy_level=4):
     """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
 
     Args:
@@ -153,11 +200,19 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         bos_token_id, eos_token_id, pad_token_id: for `genai_config.json`
             (eos may be a list); default the model's `pad_token_id`.
         opset: ONNX opset.
-        quantization: None (float32) or "dynamic": int8 weights (per
+        quantization: None (float32); "dynamic": int8 weights (per
             channel, 7-bit range) for every MatMul with a constant weight,
-            activations quantized at run time; the integer arithmetic is
-            exact on every CPU, with or without VNNI
-            (`keras_attn.export.onnx_quantize`).
+            activations quantized at run time (`MatMulInteger`); the integer
+            arithmetic is exact on every CPU, with or without VNNI
+            (`keras_attn.export.onnx_quantize`); "int8" / "int4": weights in
+            symmetric blocks of 32 as `MatMulNBits` (what the GenAI model
+            builder writes), computed per `accuracy_level`.
+        writer: "auto" (the fused graph where it covers the model, else
+            tf2onnx with a warning), "fused" (raise `NotFusableError` where
+            it does not) or "tf2onnx" (see the module docstring).
+        accuracy_level: `MatMulNBits`' compute precision for "int8"/"int4":
+            4 (int8 arithmetic on CPUs with AVX2/AVX-512/ARM dot products,
+            float32 elsewhere) or 0 (as the weights: float32).
 
     Returns:
         The folder's path.
@@ -177,10 +232,12 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
-    if quantization not in (None, "dynamic"):
-        raise ValueError("Received an invalid value for argument `quantization`, expected None "
-                         f"or 'dynamic'. Received: quantization={quantization!r}")
-    check_runtime_decoder(model)
+    checks.check_choice("quantization", quantization, _QUANTIZATIONS)
+    checks.check_choice("writer", writer, _WRITERS)
+    if writer == "tf2onnx" or getattr(model, "sliding_window", None) is None:
+        # The fused graph handles windows itself (GroupQueryAttention's
+        # `local_window_size` on a full-length cache); tf2onnx's would not.
+        check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
     if tokenizer_model_type(folder) == "WordPiece":
@@ -189,10 +246,9 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
             "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
             "`export_litertlm`.)")
-    proto = onnx_genai_model(model, max_length=max_length, opset=opset)
+    proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
+                              writer=writer, accuracy_level=accuracy_level, opset=opset)
     path = os.path.join(folder, "model.onnx")
-    if quantization == "dynamic":
-        proto = quantize_matmul_weights(proto)
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
