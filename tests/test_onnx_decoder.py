@@ -37,10 +37,10 @@ FAMILIES = {
     "llama3_rope": dict(num_heads=6, num_key_value_heads=3, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}),
-    # Not gated, ReLU, biased everywhere.
+    # Not gated, ReLU, biased everywhere (the head too).
     "plain_ffn": dict(num_heads=4, use_gated_feedforward=False, activation="relu",
                       feedforward_use_bias=True, attention_use_bias=True,
-                      attention_output_use_bias=True),
+                      attention_output_use_bias=True, lm_head_use_bias=True),
 }
 
 
@@ -122,12 +122,13 @@ def test_graph_is_the_fused_kernels():
 
 def _dequantized(kernel, bits, block=32):
     """What symmetric `bits`-bit blocks of `block` along the input axis give
-    back (written here, independently of the writer)."""
+    back (written here, independently of the writer). In float32, as the
+    weights are: a code exactly between two integers rounds the same way."""
     k, n = kernel.shape
-    padded = np.zeros((-(-k // block) * block, n), np.float64)
+    padded = np.zeros((-(-k // block) * block, n), np.float32)
     padded[:k] = kernel
     blocks = padded.reshape(-1, block, n)
-    top = 2 ** (bits - 1) - 1
+    top = np.float32(2 ** (bits - 1) - 1)
     scale = np.abs(blocks).max(axis=1, keepdims=True) / top
     codes = np.clip(np.rint(blocks / np.where(scale == 0, 1, scale)), -top, top)
     return (codes * scale).reshape(-1, n)[:k].astype(np.float32)

@@ -47,7 +47,6 @@ from keras_attn.export.onnx_fused import activation_name
 _MODEL_DEFAULTS_OK = {
     "position": ("rotary",),
     "normalization": ("rms_norm",),
-    "lm_head_use_bias": (False,),
 }
 _KNOWN_MODEL_KEYS = {
     "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
@@ -107,10 +106,12 @@ def check_fusable_decoder(model):
             raise NotFusableError(f"{block.name}: cross-attention")
 
 
-def _value(variable):
+def _value(x):
+    """A Keras variable or tensor as float32 NumPy (any backend)."""
     import keras
 
-    return np.asarray(keras.ops.convert_to_numpy(variable), dtype=np.float32)
+    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
+    return np.asarray(value, dtype=np.float32)
 
 
 def _projection_kernel(dense, heads_first_input=False):

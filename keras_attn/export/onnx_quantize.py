@@ -54,7 +54,10 @@ def quantize_matmul_weights(proto):
         path = os.path.join(tmp, "model.onnx")
         quantize_dynamic(proto, path, op_types_to_quantize=["MatMul"], per_channel=True,
                          reduce_range=True, weight_type=QuantType.QInt8,
-                         extra_options={"MatMulConstBOnly": True})
+                         # Shape inference stops at contrib ops (GroupQueryAttention):
+                         # the MatMuls after them are float32 all the same.
+                         extra_options={"MatMulConstBOnly": True,
+                                        "DefaultTensorType": onnx.TensorProto.FLOAT})
         quantized = onnx.load(path)
     check_no_int8_saturation(quantized)
     return quantized
