@@ -178,6 +178,24 @@ def test_model_trained_with_keras_attn_generates_from_text(trained_dates_lm, tmp
         assert len(got) >= 3
 
 
+@pytest.mark.slow
+def test_weights_past_the_threshold_go_to_external_data(trained_dates_lm, tmp_path, monkeypatch):
+    """Past `EXTERNAL_DATA_BYTES` (forced to 0 here; 1 GiB by default, under
+    ONNX's 2 GB protobuf limit) the weights are written to model.onnx.data as
+    they are made; GenAI loads the folder and gives Keras's tokens."""
+    from keras_attn.runtimes import onnx_genai
+
+    monkeypatch.setattr(onnx_genai, "EXTERNAL_DATA_BYTES", 0)
+    lm, tok, width, *_ = trained_dates_lm
+    export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS)
+    graph_bytes = (tmp_path / "model.onnx").stat().st_size
+    assert graph_bytes < 100_000 < (tmp_path / "model.onnx.data").stat().st_size
+    assert (tmp_path / "model.onnx.data").stat().st_size >= 4 * lm.count_params()
+    prompt = tok.encode("March 3, 1999=").ids
+    got, _ = genai_tokens(tmp_path, prompt, width)
+    assert got == keras_tokens(lm, prompt, width) and len(got) >= 3
+
+
 def _next_tokens(path, held_out, quantized_ops):
     """Next-token argmax of the GenAI graph at `path` over the held-out rows,
     in one call from position 0 (causal: the padding after a row's end does

@@ -32,7 +32,9 @@ setting; `keras_attn.runtimes.onnx_genai.export_onnx_genai` then falls back
 to the tf2onnx graph with a warning.
 """
 
+import contextlib
 import math
+import os
 
 import numpy as np
 
@@ -146,18 +148,42 @@ def rotary_caches(rotary, head_dim, max_length):
     return np.concatenate(cos), np.concatenate(sin)
 
 
+# Tensors at least this large go to the external data file (when there is
+# one), each at an offset onnxruntime can memory-map.
+_EXTERNAL_MIN_BYTES = 1024
+_EXTERNAL_ALIGNMENT = 4096
+
+
 class _Graph:
-    def __init__(self, bits, block_size, accuracy_level):
+    def __init__(self, bits, block_size, accuracy_level, data_file=None):
         self.nodes = []
         self.initializers = []
         self.bits = bits
         self.block_size = block_size
         self.accuracy_level = accuracy_level
+        self.data_file = data_file  # open binary file, or None: weights inside the proto
 
     def const(self, array, name):
+        from onnx import TensorProto
+        from onnx import helper
         from onnx import numpy_helper
 
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.ascontiguousarray(array)
+        if self.data_file is None or array.nbytes < _EXTERNAL_MIN_BYTES:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        # Written as it is made: the proto holds only where it is, so memory
+        # holds one tensor at a time, and the graph has no 2 GB limit.
+        offset = -(-self.data_file.tell() // _EXTERNAL_ALIGNMENT) * _EXTERNAL_ALIGNMENT
+        self.data_file.seek(offset)
+        self.data_file.write(array.tobytes())
+        tensor = TensorProto(name=name, dims=array.shape,
+                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", os.path.basename(self.data_file.name)),
+                           ("offset", str(offset)), ("length", str(array.nbytes))):
+            tensor.external_data.add(key=key, value=value)
+        self.initializers.append(tensor)
         return name
 
     def node(self, op, inputs, name, outputs=1, domain="", **attrs):
@@ -200,7 +226,8 @@ class _Graph:
         raise NotFusableError(f"activation {kind!r}")
 
 
-def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17):
+def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
+                        external_data=None):
     """The GenAI decoder graph of `model` (a `DecoderOnlyLM`) as an ONNX
     `ModelProto` with onnxruntime's fused ops (see the module docstring).
 
@@ -212,19 +239,29 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
         accuracy_level: `MatMulNBits`' `accuracy_level` (4: int8 arithmetic
             where the CPU has it; 0: as the weights).
         opset: the ONNX opset.
+        external_data: None (weights inside the proto, under 2 GB in all), or
+            the path of a file to write the weights to as they are made (the
+            proto then refers to it by its file name: save the proto in the
+            same folder).
 
     Raises:
         NotFusableError: `model` has an option the writer does not cover.
     """
-    from onnx import TensorProto
-    from onnx import helper
-
     check_fusable_decoder(model)
     if bits not in (None, 4, 8):
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
-    graph = _Graph(bits, block_size, accuracy_level)
+    with contextlib.ExitStack() as stack:
+        data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
+        return _decoder_graph(model, _Graph(bits, block_size, accuracy_level, data_file),
+                              max_length, opset)
+
+
+def _decoder_graph(model, graph, max_length, opset):
+    from onnx import TensorProto
+    from onnx import helper
+
     heads, kv_heads, head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
-    hidden, eps = model.hidden_dim, float(model.layer_norm_epsilon)
+    eps = float(model.layer_norm_epsilon)
 
     # seqlens_k = tokens per row - 1; total_sequence_length = mask width.
     one = graph.const(np.array([1], np.int64), "/model/constants/INT64/[1]")

@@ -154,13 +154,19 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
 
 
 _QUANTIZATIONS = (None, "dynamic", "int8", "int4")
+# Float32 weights past this many bytes go to `model.onnx.data` (ONNX's
+# protobuf holds 2 GB at most; written tensor by tensor, they never sit in
+# memory twice).
+EXTERNAL_DATA_BYTES = 1 << 30
 _WRITERS = ("auto", "fused", "tf2onnx")
 
 
 def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
-                      opset=17):
+                      opset=17, external_data=None):
     """The GenAI graph of `model` as an ONNX `ModelProto`, quantized (see
-    `export_onnx_genai` for the arguments)."""
+    `export_onnx_genai` for the arguments; `external_data`: as
+    `keras_attn.export.onnx_decoder.decoder_model_proto`'s, for the fused
+    graph without "dynamic" quantization)."""
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
     checks.check_choice("writer", writer, _WRITERS)
     bits = {"int8": 8, "int4": 4}.get(quantization)
@@ -168,7 +174,8 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
     if writer != "tf2onnx":
         try:
             proto = onnx_decoder.decoder_model_proto(
-                model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset)
+                model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
+                external_data=None if quantization == "dynamic" else external_data)
         except NotFusableError as error:
             if writer == "fused":
                 raise
@@ -246,9 +253,13 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
             "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
             "`export_litertlm`.)")
-    proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
-                              writer=writer, accuracy_level=accuracy_level, opset=opset)
     path = os.path.join(folder, "model.onnx")
+    large = model.count_params() * 4 > EXTERNAL_DATA_BYTES
+    if os.path.exists(path + ".data"):
+        os.remove(path + ".data")  # an earlier export's weights
+    proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
+                              writer=writer, accuracy_level=accuracy_level, opset=opset,
+                              external_data=path + ".data" if large else None)
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
