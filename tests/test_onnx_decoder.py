@@ -189,3 +189,49 @@ def test_refuses_what_it_does_not_cover_by_name():
         decoder_model_proto(make_lm(num_heads=4, head_dim=24), max_length=8)
     with pytest.raises(ValueError, match="`bits`"):
         decoder_model_proto(make_lm(num_heads=4), max_length=8, bits=3)
+
+
+def test_genai_folder_generates_keras_greedy_tokens_on_this_backend(tmp_path):
+    """`export_onnx_genai(writer="fused")` needs no TensorFlow graph: on any
+    Keras backend, onnxruntime_genai's greedy tokens are those of Keras's
+    full forward pass taken token by token."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from keras_attn.runtimes import export_onnx_genai
+
+    lm = make_lm(**FAMILIES["qwen2"])
+    export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="fused", eos_token_id=0)
+    prompt = [5, 17, 33, 2, 60, 41]
+    model = og.Model(str(tmp_path))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 10, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    got = list(np.asarray(generator.get_sequence(0)))
+    # One shape for every step (one compilation): causal, so the zeros after
+    # the tokens so far do not reach them.
+    want = np.zeros((1, len(got)), np.int64)
+    want[0, :len(prompt)] = prompt
+    for i in range(len(prompt), len(got)):
+        want[0, i] = keras.ops.convert_to_numpy(lm(want))[0, i - 1].argmax()
+    want = list(want[0])
+    assert got == want
+    assert len(set(got[len(prompt):])) >= 3, "degenerate generation tests nothing"
+
+
+def test_fused_encoder_export_runs_on_this_backend(tmp_path):
+    """`export_onnx(fused=True)` writes an encoder from the Keras weights and
+    verifies it against Keras on any backend (tf2onnx, its fallback, needs
+    TensorFlow)."""
+    import keras_attn as ka
+    from keras_attn.export import export_onnx
+
+    ids = keras.Input((None,), dtype="int32", name="tokens")
+    h = ka.TokenAndPositionEmbedding(vocabulary_size=VOCAB, sequence_length=16, embedding_dim=32,
+                                     position="learned")(ids)
+    h = ka.TransformerEncoderBlock(num_heads=4, intermediate_dim=64, activation="gelu")(h)
+    model = keras.Model(ids, keras.layers.Dense(3, name="logits")(h))
+    sample = {"tokens": np.random.default_rng(0).integers(1, VOCAB, (2, 8)).astype("int32")}
+    report = export_onnx(model, str(tmp_path / "encoder.onnx"), fused=True, sample_inputs=sample)
+    assert report.details["fused"]["Attention"] == 1 and report.details["fused"]["BiasGelu"] == 1
