@@ -68,10 +68,21 @@ def test_generates_keras_greedy_from_text(exported):
         assert og.Tokenizer(model).decode(np.array(prompt, np.int32)) == text
 
 
+def hf_tokens(hf, prompt):
+    """transformers' greedy tokens after `prompt`, up to the stop token."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                          do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
+    want = list(out.numpy()[0, len(prompt):])
+    return want[:want.index(EOS)] if EOS in want else want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_converted_models_generate_hf_tokens(tmp_path, family):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
@@ -79,11 +90,7 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
     lm = from_huggingface(hf)
     export_onnx_genai(lm, tmp_path, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
     prompt = word_tokenizer().encode("the red cat sat on the").ids
-    with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                             do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
-    want = list(hf_out.numpy()[0, len(prompt):])
-    want = want[:want.index(EOS)] if EOS in want else want
+    want = hf_tokens(hf, prompt)
     got, _ = genai_tokens(tmp_path, prompt, MAX_LEN)
     assert got == want == keras_tokens(lm, prompt, MAX_LEN)
 
@@ -284,7 +291,7 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
 
     import onnx
 
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
@@ -302,11 +309,7 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
     ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx")).graph.node}
     assert "GroupQueryAttention" in ops and "Transpose" not in ops, ops
     prompt = word_tokenizer().encode("the red cat sat on the big mat then").ids
-    with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                             do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
-    want = list(hf_out.numpy()[0, len(prompt):])
-    want = want[:want.index(EOS)] if EOS in want else want
+    want = hf_tokens(hf, prompt)
     got, _ = genai_tokens(tmp_path, prompt, MAX_LEN)
     assert got == want == keras_tokens(lm, prompt, MAX_LEN)
     assert len(want) >= 8 and len(set(want)) >= 3, "degenerate generation tests nothing"
