@@ -291,7 +291,7 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
 
     import onnx
 
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
