@@ -137,6 +137,26 @@ def test_streaming_conversion_equals_the_transformers_models_bit_for_bit(folders
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
+def test_older_layer_norm_names_are_read_as_transformers_reads_them(folders, tmp_path):
+    """Older BERT checkpoints name LayerNorm parameters `gamma`/`beta`;
+    transformers renames them when loading, and so does the folder reader."""
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from keras_attn.convert import from_huggingface
+
+    hf, folder = folders["bert"]["float32"]
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in hf.state_dict().items()}
+    assert any(k.endswith("LayerNorm.gamma") for k in old)
+    safetensors_torch.save_file(old, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(tmp_path)
+    loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path, local_files_only=True)
+    want = _weights(from_huggingface(loaded))
+    got = _weights(from_huggingface(tmp_path))
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
 @pytest.mark.parametrize("name, dtype", [("llama_tied", "bfloat16"), ("t5", "float16")])
 def test_dtype_rounds_the_float32_conversion_to_nearest_even(folders, name, dtype):
     """`dtype=` gives the float32 conversion's variables rounded by torch

@@ -62,6 +62,9 @@ _SAFETENSORS_DTYPES = {
     "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
     "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?",
 }
+# Names of older checkpoints that `transformers` renames when it loads any
+# model (its "legacy" conversion mapping), renamed here alike.
+_LEGACY_NAMES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
 # Tensors are converted to float32 this many bytes at a time, so that a big
 # table is never held twice (as stored and as float32).
 _READ_BLOCK = 64 * 2**20
@@ -133,6 +136,8 @@ class SafetensorsTensors(collections.abc.Mapping):
         self._where = {}  # name -> (path, dtype, shape, start, end)
         for path in files:
             for name, entry in _safetensors_header(path).items():
+                for old, new in _LEGACY_NAMES:
+                    name = name.replace(old, new)
                 self._where[name] = (path, *entry)
 
     def dtype(self, name):
