@@ -34,13 +34,15 @@ the architecture. Every tensor of the checkpoint must be consumed by the
 family's mapping, else a ValueError lists the leftovers (an unsupported
 head, say).
 
-A `save_pretrained` folder with safetensors files is read without PyTorch:
-its `config.json` through `transformers.AutoConfig`, each tensor from disk
-when the converter copies it (`common.SafetensorsTensors`), so the peak
-memory is about the Keras model and its biggest tensor in float32. A
-`transformers` model object, or a folder of PyTorch `.bin` files, needs
-`torch`. `transformers` and `torch` (the `test` extra) are imported only
-when `from_huggingface` is called.
+A `save_pretrained` folder with safetensors files is converted without
+building the PyTorch model: its `config.json` is read by
+`transformers.AutoConfig` (which imports torch when it is installed), each
+tensor from disk when the converter copies it (`common.SafetensorsTensors`),
+so no copy of the checkpoint stays in memory (the peak is building the Keras
+model plus one tensor in float32; `benchmarks/RESULTS.md`, "Real sizes"). A
+`transformers` model object, or a folder of PyTorch `.bin` files, goes
+through the torch model's state dict. `transformers` and `torch` (the `test`
+extra) are imported only when `from_huggingface` is called.
 """
 
 import os
@@ -69,8 +71,8 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32"):
             local files are read; the class is taken from the config's
             `architectures`). A directory with safetensors files (one or
             shards) is read tensor by tensor into the Keras variables,
-            without PyTorch; one with PyTorch `.bin` files is loaded with
-            `transformers`.
+            without building the PyTorch model; one with PyTorch `.bin`
+            files is loaded with `transformers`.
         dropout: dropout of the converted encoder (embeddings, attention,
             residual branches, classifier head), for fine-tuning; None uses
             the config's `hidden_dropout_prob`. Decoders have none.
