@@ -34,11 +34,13 @@ the architecture. Every tensor of the checkpoint must be consumed by the
 family's mapping, else a ValueError lists the leftovers (an unsupported
 head, say).
 
-Requires `torch` and `transformers` (the `test` extra); they are imported
-only when `from_huggingface` is called.
+Requires `torch` and `transformers` (`pip install "keras-attn[huggingface]"`);
+they are imported only when `from_huggingface` is called.
 """
 
+import importlib
 import os
+import sys
 
 from keras_attn.convert import bert
 from keras_attn.convert import common
@@ -99,18 +101,14 @@ def _load(model_or_local_dir):
                 "local directory written by `save_pretrained` (nothing is "
                 f"downloaded). Received: model_or_local_dir={path!r}"
             )
-        import transformers
-
+        transformers = _require("transformers")
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         names = getattr(config, "architectures", None) or []
         cls = getattr(transformers, names[0], None) if names else None
         if cls is None:
             cls = transformers.AutoModel
         return cls.from_pretrained(path, local_files_only=True)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is in the test extra
-        torch = None
+    torch = sys.modules.get("torch")  # a torch model was built with torch imported
     if torch is not None and isinstance(model_or_local_dir, torch.nn.Module) and hasattr(
         model_or_local_dir, "config"
     ):
@@ -120,3 +118,13 @@ def _load(model_or_local_dir):
         "PyTorch transformers.PreTrainedModel or a local directory path. "
         f"Received: model_or_local_dir={type(model_or_local_dir).__name__}"
     )
+
+
+def _require(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(
+            f"from_huggingface needs `{name}` (and torch) to read a checkpoint: "
+            f'pip install "keras-attn[huggingface]". Cause: {error}'
+        ) from error
