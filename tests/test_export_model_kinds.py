@@ -124,3 +124,29 @@ def test_subclassed_dtype_comes_from_the_samples(tmp_path):
 def test_uncalled_subclassed_model_is_refused():
     with pytest.raises(ValueError, match="never called.*sample_inputs"):
         export.export_saved_model(SubclassedClassifier(), "unused")
+
+
+class DictModel(keras.Model):
+    """Dict in, dict out: the signature keeps both sets of keys."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Embedding(VOCAB, 4)
+
+    def call(self, inputs):
+        pooled = keras.ops.mean(self.embed(inputs["tokens"]), axis=1)
+        return {"pooled": pooled, "scaled": pooled * inputs["scale"]}
+
+
+def test_subclassed_dict_inputs_and_outputs(tmp_path):
+    model = DictModel(name="dict_model")
+    samples = [{"tokens": np.array([[1, 2, 3]], "int32"), "scale": np.ones((1, 4), "float32")},
+               {"tokens": np.array([[4, 5], [6, 7]], "int32"),
+                "scale": np.full((2, 4), 2.0, "float32")}]
+    model(samples[0])
+    report = export.export_saved_model(model, tmp_path, sample_inputs=samples)
+    assert report.details["inputs"] == ["tokens", "scale"]
+    assert report.details["outputs"] == ["pooled", "scaled"]
+    assert report.details["signature"]["inputs"]["scale"] == {"dtype": "float32",
+                                                              "shape": [None, 4]}
+    assert report.details["checked_ids"] == {"tokens": VOCAB}
