@@ -45,8 +45,8 @@ def _subclassed_inputs(model, sample_inputs):
     shapes = getattr(model, "_build_shapes_dict", None) or {}
     if not getattr(model, "built", False) or len(shapes) != 1:
         raise ValueError(
-            f"Received a subclassed model `{model.name}` that was never called "
-            "(or whose call takes several tensor arguments): export needs the "
+            f"Received an unbuilt model `{model.name}`: a subclassed model that was "
+            "never called (or whose call takes several tensor arguments); export needs the "
             "shapes of its inputs. Call it once on a batch (`model(x)`) and "
             "pass that batch as `sample_inputs`, or build it functionally with "
             f"`keras.Input`s. Received: model.built={getattr(model, 'built', None)}"
