@@ -41,11 +41,14 @@ tensor from disk when the converter copies it (`common.SafetensorsTensors`),
 so no copy of the checkpoint stays in memory (the peak is building the Keras
 model plus one tensor in float32; `benchmarks/RESULTS.md`, "Real sizes"). A
 `transformers` model object, or a folder of PyTorch `.bin` files, goes
-through the torch model's state dict. `transformers` and `torch` (the `test`
-extra) are imported only when `from_huggingface` is called.
+through the torch model's state dict. Requires `transformers` and `torch`
+(`pip install "keras-attn[huggingface]"`), imported only when
+`from_huggingface` is called.
 """
 
+import importlib
 import os
+import sys
 
 import keras
 
@@ -126,8 +129,7 @@ def _checkpoint(model_or_local_dir):
                 "local directory written by `save_pretrained` (nothing is "
                 f"downloaded). Received: model_or_local_dir={path!r}"
             )
-        import transformers
-
+        transformers = _require("transformers")
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         names = getattr(config, "architectures", None) or []
         if names and common.safetensors_files(path):
@@ -152,10 +154,7 @@ def _load(model_or_local_dir):
         if cls is None:
             cls = transformers.AutoModel
         return cls.from_pretrained(path, local_files_only=True)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is in the test extra
-        torch = None
+    torch = sys.modules.get("torch")  # a torch model was built with torch imported
     if torch is not None and isinstance(model_or_local_dir, torch.nn.Module) and hasattr(
         model_or_local_dir, "config"
     ):
@@ -165,3 +164,13 @@ def _load(model_or_local_dir):
         "PyTorch transformers.PreTrainedModel or a local directory path. "
         f"Received: model_or_local_dir={type(model_or_local_dir).__name__}"
     )
+
+
+def _require(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(
+            f"from_huggingface needs `{name}` (and torch) to read a checkpoint: "
+            f'pip install "keras-attn[huggingface]". Cause: {error}'
+        ) from error
