@@ -3,7 +3,9 @@
 One Hugging Face Llama (random weights, seeded; a real tokenizer trained here),
 exported twice per precision: `keras_attn.convert.from_huggingface` +
 `export_onnx_genai`, and `python -m onnxruntime_genai.models.builder` (CPU);
-fp32, and int8 weights (ours `quantization="dynamic"`, the builder's `-p int8`). Both folders run
+fp32, int8 and int4 weights (both `MatMulNBits`, blocks of 32, accuracy level 4:
+ours `quantization="int8"|"int4"`, the builder's `-p int8|int4`), and ours
+`quantization="dynamic"` (7-bit `MatMulInteger`) alone. All folders run
 in `onnxruntime_genai` in this process, in alternating rounds: prefill time of a
 `--prompt`-token prompt and decode tokens/s over `--new` greedy tokens; the
 generated tokens of the two must agree. Prints a table and ratios (ours / peer
@@ -70,6 +72,15 @@ def build_hf(folder, args):
     return hf, tok
 
 
+# (label, ours `quantization`, the builder's `-p` or None)
+PRECISIONS = (
+    ("fp32", None, "fp32"),
+    ("int8 weights", "int8", "int8"),
+    ("int4 weights", "int4", "int4"),
+    ("int8 dynamic (MatMulInteger)", "dynamic", None),
+)
+
+
 def run_genai(folder, prompt, max_length):
     """(prefill seconds, decode seconds per token, tokens) in onnxruntime_genai."""
     import onnxruntime_genai as og
@@ -93,6 +104,8 @@ def run_genai(folder, prompt, max_length):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _common.add_llm_size_args(parser)
+    parser.add_argument("--writer", default="auto", choices=("auto", "fused", "tf2onnx"),
+                        help="export_onnx_genai's graph writer (tf2onnx: the graph before the fused writer)")
     args = parser.parse_args()
     _common.apply_quick(args)
 
@@ -105,12 +118,14 @@ def main():
     max_length = args.prompt + args.new
     lm = from_huggingface(hf_dir)
     folders, export_s = {}, {}
-    for precision, ours_q, peer_p in (("fp32", None, "fp32"), ("int8 weights", "dynamic", "int8")):
-        name, folder = f"keras_attn {precision}", os.path.join(work, f"ours_{peer_p}")
+    for precision, ours_q, peer_p in PRECISIONS:
+        name, folder = f"keras_attn {precision}", os.path.join(work, f"ours_{ours_q}")
         start = time.perf_counter()
         export_onnx_genai(lm, folder, max_length=max_length, tokenizer=hf_dir, eos_token_id=1,
-                          quantization=ours_q)
+                          quantization=ours_q, writer=args.writer)
         folders[name], export_s[name] = folder, time.perf_counter() - start
+        if peer_p is None:
+            continue
         name, folder = f"genai builder {precision}", os.path.join(work, f"builder_{peer_p}")
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir,
@@ -152,7 +167,7 @@ def main():
               f"{row['decode_ms']:.2f} | {row['decode_tps']:.1f} | {row['export_s']:.1f} |")
     by_name = {row["name"]: row for row in rows}
     ratios = {}
-    for precision in ("fp32", "int8 weights"):
+    for precision in (p for p, _, peer_p in PRECISIONS if peer_p):
         ours, peer = by_name[f"keras_attn {precision}"], by_name[f"genai builder {precision}"]
         agree = float(np.mean([a == b for a, b in zip(tokens[ours["name"]], tokens[peer["name"]])]))
         ratios[precision] = dict(prefill=ours["prefill_tps"] / peer["prefill_tps"],

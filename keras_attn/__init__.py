@@ -2,6 +2,12 @@
 
 __version__ = "0.2.0"
 
+# Before anything imports TensorFlow: Triton (PyTorch) imported after it must not
+# bind to its LLVM (see keras_attn/native_libraries.py).
+from keras_attn import native_libraries  # noqa: E402
+
+native_libraries.install()
+
 from keras_attn import config  # noqa: F401
 from keras_attn import ops  # noqa: F401
 from keras_attn.layers import activations  # noqa: F401

@@ -482,3 +482,42 @@ def check_members(arg_name, values, allowed, kind="subset"):
             f"non-empty {kind} of {list(allowed)}. Received: {arg_name}={values!r}"
         )
     return values
+
+
+def concrete_values(x):
+    """`x` as a NumPy array when its values are known now (NumPy input, an
+    eager tensor), else None: symbolic tensors (Keras placeholders, a traced
+    `tf.function`, `jax.jit` or a compiled export) have no values to check."""
+    if isinstance(x, keras.KerasTensor) or _in_symbolic_scope():
+        return None
+    if isinstance(x, np.ndarray):
+        return x
+    try:  # each backend raises its own type for a traced tensor
+        return np.asarray(ops.convert_to_numpy(x))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def check_ids_in_range(layer_name, name, x, vocabulary_size, size_name="vocabulary_size"):
+    """Raises a ValueError naming the layer, the id and the vocabulary size if
+    a concrete (eager) id of `x` lies outside `[0, vocabulary_size)`.
+
+    An embedding lookup would otherwise fail deep in the backend's gather
+    (TensorFlow on CPU), or read a clamped or unspecified row (GPU, JAX).
+    Traced calls (`model.fit`, `predict`, exports) are not checked here: an
+    exported signature checks ids as its `check_ids` says
+    (docs/guides/serving_validation.md).
+    """
+    ids = concrete_values(x)
+    if ids is None or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        return
+    low, high = ids.min(), ids.max()
+    if low >= 0 and high < vocabulary_size:
+        return
+    bad = low if low < 0 else high
+    where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
+    raise ValueError(
+        f"{layer_name} received a token id outside its vocabulary: `{name}` must "
+        f"hold ids in [0, {size_name}={vocabulary_size}). Received: {name}{list(where)}"
+        f"={int(bad)} (min {int(low)}, max {int(high)}, shape {tuple(ids.shape)})"
+    )

@@ -5,12 +5,14 @@ one environment overwrite each other's files. Each case asks pip to resolve
 (`pip install --dry-run --report -`: nothing is downloaded beyond metadata and
 nothing is installed) keras-attn with all its extras, from scratch next to a
 pinned `tensorflow` or `tensorflow[and-cuda]`, and in the test environment
-itself next to the TensorFlow already installed there.
+itself next to the TensorFlow already installed there; and each extra that
+docs/install.md documents, on its own, next to a pinned `tensorflow`.
 """
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -31,6 +33,18 @@ def _extras():
 
     with open(ROOT / "pyproject.toml", "rb") as handle:
         return sorted(tomllib.load(handle)["project"]["optional-dependencies"])
+
+
+def _documented_extras():
+    """The extras docs/install.md tells users to install (`keras-attn[a,b]`)."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    found = set()
+    for group in re.findall(r"keras-attn\[([a-z0-9,-]+)\]", text):
+        found.update(group.split(","))
+    return sorted(found)
+
+
+DOCUMENTED_EXTRAS = _documented_extras()
 
 
 def _normalize(name):
@@ -66,11 +80,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def resolutions():
-    """The three resolutions, run side by side (pip mostly waits on the network)."""
+    """The resolutions, run side by side (pip mostly waits on the network)."""
     ours = f".[{','.join(_extras())}]"
     started = {name: _start(*extra, ours, ignore_installed=True)
                for name, extra in CASES.items()}
     started["environment"] = _start(ours, ignore_installed=False)
+    for extra in DOCUMENTED_EXTRAS:
+        started[f"extra {extra}"] = _start(*CASES["cpu"], f".[{extra}]", ignore_installed=True)
     return {name: _finish(s) for name, s in started.items()}
 
 
@@ -101,3 +117,19 @@ def test_install_next_to_this_environments_tensorflow(resolutions):
     assert len(_tensorflows(present)) == 1, _tensorflows(present)
     added = resolutions["environment"]
     assert _tensorflows(added) == [], f"would add {_tensorflows(added)} next to {_tensorflows(present)}"
+
+
+def test_every_extra_is_documented():
+    assert DOCUMENTED_EXTRAS == _extras(), (
+        f"docs/install.md documents {DOCUMENTED_EXTRAS}, pyproject.toml defines {_extras()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", DOCUMENTED_EXTRAS)
+def test_each_documented_extra_resolves_with_one_tensorflow(resolutions, extra):
+    installed = resolutions[f"extra {extra}"]
+    assert "keras-attn" in installed
+    assert _tensorflows(installed) == ["tensorflow"], installed
+    if extra == "huggingface":  # what from_huggingface imports, torch at the pinned version
+        assert {"transformers", "safetensors", "torch"} <= set(installed), installed
+        assert installed["torch"].split("+")[0] == "2.13.0", installed["torch"]

@@ -4,14 +4,17 @@ record the table holds, the refusals, and the weight copies.
 A family converter is `convert(checkpoint, *, dropout=None) -> keras.Model`.
 It reads the Hugging Face config object (`checkpoint.config`) and the tensors
 through `checkpoint.tensors`, a read-only mapping from tensor name to array
-(`keys()` and `[name]`, nothing else). Today that mapping is a `transformers`
-state dict (`StateDictTensors`, each tensor turned into float32 NumPy when it
-is read); a reader of safetensors files that opens each tensor on demand is
-the same mapping, so a converter never sees where the numbers come from.
+(`keys()` and `[name]`, nothing else), so a converter never sees where the
+numbers come from. Two mappings exist: a `transformers` model's state dict
+(`StateDictTensors`) and the safetensors files of a `save_pretrained` folder
+(`SafetensorsTensors`, each tensor read from disk when it is asked for: no
+PyTorch model is built). Both give float32 NumPy arrays.
 
 `Weights` wraps the mapping for one conversion: each tensor taken once,
 shapes checked on assignment, torch `Linear` layouts turned into Keras
-kernels, the leftovers an error at the end. `refuse` is the one way a
+kernels, the leftovers an error at the end. `assign` copies a float32 array
+into a variable of any float dtype (rounded to nearest even, in NumPy, the
+same on every backend). `refuse` is the one way a
 converter says what it cannot represent: a ValueError naming the config
 field and its value.
 """
@@ -19,8 +22,12 @@ field and its value.
 import collections.abc
 import dataclasses
 import fnmatch
+import json
+import os
+import struct
 from typing import Callable, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from keras_attn.layers import activations
@@ -48,6 +55,113 @@ class StateDictTensors(collections.abc.Mapping):
 
     def __len__(self):
         return len(self._state)
+
+
+# safetensors dtype names -> NumPy dtypes (little-endian, as the format is).
+_SAFETENSORS_DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
+    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?",
+}
+# Names of older checkpoints that `transformers` renames when it loads any
+# model (its "legacy" conversion mapping), renamed here alike.
+_LEGACY_NAMES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
+# Tensors are converted to float32 this many bytes at a time, so that a big
+# table is never held twice (as stored and as float32).
+_READ_BLOCK = 64 * 2**20
+
+
+def safetensors_files(folder):
+    """The safetensors files of a `save_pretrained` folder: the shards listed
+    in `model.safetensors.index.json`, else `model.safetensors`; `[]` if it
+    has neither (a PyTorch `.bin` checkpoint)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(folder, "model.safetensors")
+    return [single] if os.path.isfile(single) else []
+
+
+def _safetensors_header(path):
+    """`{name: (dtype, shape, start byte, end byte)}` of one safetensors file
+    (8 bytes of header length, a JSON header, then the data)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    size = os.path.getsize(path)
+    entries = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"Checkpoint tensor `{name}` in {path} has dtype {entry['dtype']}, "
+                             f"which keras_attn does not read (supported: {sorted(_SAFETENSORS_DTYPES)})")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+        begin, end = (8 + length + offset for offset in entry["data_offsets"])
+        shape = tuple(entry["shape"])
+        if end - begin != int(np.prod(shape)) * dtype.itemsize or end > size:
+            raise ValueError(f"Checkpoint tensor `{name}` in {path}: its bytes {entry['data_offsets']} "
+                             f"do not hold shape {shape} of {entry['dtype']} (file of {size} bytes)")
+        entries[name] = (dtype, shape, begin, end)
+    return entries
+
+
+def aligned_empty(shape, dtype, alignment=64):
+    """An uninitialized C-contiguous array whose data starts on `alignment`
+    bytes (TensorFlow copies an unaligned array once more on assignment)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.empty(nbytes + alignment, np.uint8)
+    start = -buffer.ctypes.data % alignment
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class SafetensorsTensors(collections.abc.Mapping):
+    """The safetensors files of a `save_pretrained` folder (one file or
+    shards) as the name -> float32 array mapping converters read.
+
+    Only the headers are read up front. Each tensor is read from disk when it
+    is asked for (plain reads, not a memory map that would keep the pages it
+    touched resident until closed) and converted to float32 block by block
+    (bfloat16 and float16 exactly), so reading a tensor costs its float32
+    array and nothing else. Integer tensors keep their dtype.
+    """
+
+    def __init__(self, folder):
+        files = safetensors_files(folder)
+        if not files:
+            raise ValueError(f"No safetensors checkpoint in {folder!r}: expected model.safetensors "
+                             "or model.safetensors.index.json")
+        self._where = {}  # name -> (path, dtype, shape, start, end)
+        for path in files:
+            for name, entry in _safetensors_header(path).items():
+                for old, new in _LEGACY_NAMES:
+                    name = name.replace(old, new)
+                self._where[name] = (path, *entry)
+
+    def dtype(self, name):
+        """The dtype `name` is stored in."""
+        return self._where[name][1]
+
+    def __getitem__(self, name):
+        path, dtype, shape, begin, end = self._where[name]
+        floating = np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
+        out = aligned_empty(shape, "float32" if floating else dtype)
+        flat = out.reshape(-1)
+        step = max(1, _READ_BLOCK // dtype.itemsize)
+        with open(path, "rb") as f:
+            f.seek(begin)
+            for i in range(0, flat.size, step):
+                block = np.frombuffer(f.read(min(step, flat.size - i) * dtype.itemsize), dtype)
+                flat[i : i + block.size] = block
+        return out
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +274,25 @@ class Weights:
             )
 
 
+# Keras variable dtypes -> NumPy dtypes.
+_VARIABLE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                    "float64": np.float64}
+
+
 def assign(variable, value, name):
+    """Copies float32 `value` into `variable`, rounded (to nearest even) to
+    its dtype."""
     value = np.asarray(value, dtype="float32")
     if tuple(variable.shape) != value.shape:
         raise ValueError(
             f"Checkpoint tensor `{name}` has shape {value.shape}; the keras_attn "
             f"variable `{variable.path}` expects {tuple(variable.shape)}."
         )
+    dtype = _VARIABLE_DTYPES[variable.dtype]
+    if value.dtype != dtype or not value.flags.c_contiguous:
+        converted = aligned_empty(value.shape, dtype)
+        converted[...] = value
+        value = converted
     variable.assign(value)
 
 

@@ -34,12 +34,25 @@ the architecture. Every tensor of the checkpoint must be consumed by the
 family's mapping, else a ValueError lists the leftovers (an unsupported
 head, say).
 
-Requires `torch` and `transformers` (the `test` extra); they are imported
-only when `from_huggingface` is called.
+A `save_pretrained` folder with safetensors files is converted without
+building the PyTorch model: its `config.json` is read by
+`transformers.AutoConfig` (which imports torch when it is installed), each
+tensor from disk when the converter copies it (`common.SafetensorsTensors`),
+so no copy of the checkpoint stays in memory (the peak is building the Keras
+model plus one tensor in float32; `benchmarks/RESULTS.md`, "Real sizes"). A
+`transformers` model object, or a folder of PyTorch `.bin` files, goes
+through the torch model's state dict. Requires `transformers` and `torch`
+(`pip install "keras-attn[huggingface]"`), imported only when
+`from_huggingface` is called.
 """
 
+import importlib
 import os
+import sys
 
+import keras
+
+from keras_attn import checks
 from keras_attn.convert import bert
 from keras_attn.convert import common
 from keras_attn.convert import gpt2
@@ -49,17 +62,28 @@ ENCODER_TYPES = bert.FAMILY.model_types
 DECODER_TYPES = gpt2.FAMILY.model_types
 
 
-def from_huggingface(model_or_local_dir, *, dropout=None):
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32"):
     """Converts a Hugging Face BERT-, RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- or T5-style model.
 
     Args:
         model_or_local_dir: a `transformers.PreTrainedModel` (PyTorch) or the
             path of a local directory written by `save_pretrained` (only
             local files are read; the class is taken from the config's
-            `architectures`).
+            `architectures`). A directory with safetensors files (one or
+            shards) is read tensor by tensor into the Keras variables,
+            without building the PyTorch model; one with PyTorch `.bin`
+            files is loaded with `transformers`.
         dropout: dropout of the converted encoder (embeddings, attention,
             residual branches, classifier head), for fine-tuning; None uses
             the config's `hidden_dropout_prob`. Decoders have none.
+        dtype: the dtype of the converted model's variables and computations
+            (its Keras dtype policy): `"float32"`, `"bfloat16"` or
+            `"float16"`, whatever the checkpoint's. The checkpoint's tensors
+            are read as float32 (exactly, from bfloat16 or float16) and
+            rounded to nearest even into `dtype`.
 
     Returns:
         A functional `keras.Model` for encoders (BERT family,
@@ -68,7 +92,7 @@ def from_huggingface(model_or_local_dir, *, dropout=None):
 
     Raises:
         ValueError: a model type, head or config field that keras_attn
-            cannot represent, named with its value.
+            cannot represent, named with its value; an unknown `dtype`.
         TypeError: `model_or_local_dir` is neither a model nor a path.
 
     Example:
@@ -81,16 +105,22 @@ def from_huggingface(model_or_local_dir, *, dropout=None):
     >>> sorted(model.output_names)  # doctest: +SKIP
     ['last_hidden_state', 'pooler_output']
     """
-    hf_model = _load(model_or_local_dir)
-    checkpoint = common.Checkpoint(
-        config=hf_model.config,
-        architecture=type(hf_model).__name__,
-        tensors=common.StateDictTensors(hf_model.state_dict()),
-    )
-    return registry.convert(checkpoint, dropout=dropout)
+    checks.check_choice("dtype", dtype, DTYPES)
+    checkpoint = _checkpoint(model_or_local_dir)
+    # The family converters build their layers under the global policy.
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)
+    try:
+        return registry.convert(checkpoint, dropout=dropout)
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
-def _load(model_or_local_dir):
+def _checkpoint(model_or_local_dir):
+    """The `common.Checkpoint` of a model or a folder: a folder with
+    safetensors files and an architecture in its config is read lazily
+    (`common.SafetensorsTensors`); anything else goes through a
+    `transformers` model."""
     if isinstance(model_or_local_dir, (str, os.PathLike)):
         path = os.fspath(model_or_local_dir)
         if not os.path.isdir(path):
@@ -99,6 +129,23 @@ def _load(model_or_local_dir):
                 "local directory written by `save_pretrained` (nothing is "
                 f"downloaded). Received: model_or_local_dir={path!r}"
             )
+        transformers = _require("transformers")
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        names = getattr(config, "architectures", None) or []
+        if names and common.safetensors_files(path):
+            return common.Checkpoint(config=config, architecture=names[0],
+                                     tensors=common.SafetensorsTensors(path))
+    hf_model = _load(model_or_local_dir)
+    return common.Checkpoint(
+        config=hf_model.config,
+        architecture=type(hf_model).__name__,
+        tensors=common.StateDictTensors(hf_model.state_dict()),
+    )
+
+
+def _load(model_or_local_dir):
+    if isinstance(model_or_local_dir, (str, os.PathLike)):
+        path = os.fspath(model_or_local_dir)
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -107,10 +154,7 @@ def _load(model_or_local_dir):
         if cls is None:
             cls = transformers.AutoModel
         return cls.from_pretrained(path, local_files_only=True)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is in the test extra
-        torch = None
+    torch = sys.modules.get("torch")  # a torch model was built with torch imported
     if torch is not None and isinstance(model_or_local_dir, torch.nn.Module) and hasattr(
         model_or_local_dir, "config"
     ):
@@ -120,3 +164,13 @@ def _load(model_or_local_dir):
         "PyTorch transformers.PreTrainedModel or a local directory path. "
         f"Received: model_or_local_dir={type(model_or_local_dir).__name__}"
     )
+
+
+def _require(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(
+            f"from_huggingface needs `{name}` (and torch) to read a checkpoint: "
+            f'pip install "keras-attn[huggingface]". Cause: {error}'
+        ) from error

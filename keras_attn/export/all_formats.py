@@ -56,7 +56,8 @@ def export_all(
     sharing a name get unique names (`name`, `name_1`, ...).
 
     Args:
-        model: a built functional or Sequential Keras model.
+        model: a built functional or Sequential Keras model, or a
+            subclassed one that has been called (see `samples.as_functional`).
         output_dir: directory for every artifact (created if needed).
         sample_inputs: inputs to verify with (array, list, dict by input name,
             or a list of dicts, e.g. two batch sizes); None generates two sets
@@ -101,6 +102,7 @@ def export_all(
         ExportError: an export failed (UnsupportedOpsError, ParityError) and
             `on_error="raise"`.
     """
+    model = model_io.as_functional(model, sample_inputs)
     model_io.input_specs(model)
     arguments.check_formats(formats)
     if check_ids is not None:

@@ -63,6 +63,7 @@ def check_exportable(model, formats=FORMATS):
     True
     """
     arguments.check_formats(formats)
+    model = model_io.as_functional(model)
     model_io.input_specs(model)
     problems = {}
     warnings = []

@@ -104,7 +104,8 @@ def export_onnx(
     """Exports `model` to ONNX with tf2onnx and verifies it in onnxruntime.
 
     Args:
-        model: a built functional or Sequential Keras model.
+        model: a built functional or Sequential Keras model, or a
+            subclassed one that has been called (see `samples.as_functional`).
         path: the `.onnx` file to write.
         opset: ONNX opset, 17 or 18.
         sample_inputs: inputs to verify with (see `export_saved_model`).
@@ -129,6 +130,7 @@ def export_onnx(
         UnsupportedOpsError: tf2onnx cannot convert some TF op.
         ParityError: onnxruntime differs from Keras beyond `atol`.
     """
+    model = model_io.as_functional(model, sample_inputs)
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
     atol = arguments.resolve_atol(atol, 1e-4)

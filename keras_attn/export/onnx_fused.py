@@ -37,15 +37,15 @@ class NotFusableError(ValueError):
     """The model has a layer or setting the fused writer does not cover."""
 
 
-def _activation_name(fn):
-    """`"gelu"`, `"gelu_tanh"`, `"relu"`, `"tanh"`, `"linear"` or None (unknown)."""
+def activation_name(fn):
+    """`"gelu"`, `"gelu_tanh"`, `"silu"`, `"relu"`, `"tanh"`, `"linear"` or None (unknown)."""
     from keras_attn.layers import activations
 
     import keras
 
     if fn is None or fn is keras.activations.linear:
         return "linear"
-    for name in ("gelu", "gelu_tanh", "relu"):
+    for name in ("gelu", "gelu_tanh", "silu", "relu"):
         if fn is activations.ALIASES[name]:
             return name
     if fn is keras.activations.gelu:
@@ -54,6 +54,8 @@ def _activation_name(fn):
         return "relu"
     if fn is keras.activations.tanh:
         return "tanh"
+    if fn is keras.activations.silu:
+        return "silu"
     return None
 
 
@@ -139,7 +141,7 @@ def _norm_weights(norm, name):
 def _dense_weights(dense, name):
     kernel = np.asarray(dense.kernel)
     bias = np.asarray(dense.bias) if dense.use_bias else None
-    activation = _activation_name(dense.activation)
+    activation = activation_name(dense.activation)
     if activation is None:
         raise NotFusableError(f"{name}: activation {dense.activation!r}")
     return kernel, bias, activation

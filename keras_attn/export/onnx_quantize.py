@@ -54,7 +54,10 @@ def quantize_matmul_weights(proto):
         path = os.path.join(tmp, "model.onnx")
         quantize_dynamic(proto, path, op_types_to_quantize=["MatMul"], per_channel=True,
                          reduce_range=True, weight_type=QuantType.QInt8,
-                         extra_options={"MatMulConstBOnly": True})
+                         # Shape inference stops at contrib ops (GroupQueryAttention):
+                         # the MatMuls after them are float32 all the same.
+                         extra_options={"MatMulConstBOnly": True,
+                                        "DefaultTensorType": onnx.TensorProto.FLOAT})
         quantized = onnx.load(path)
     check_no_int8_saturation(quantized)
     return quantized
@@ -112,6 +115,19 @@ def _blockwise_symmetric(weight, bits, block_size):
     return np.clip(codes, -top, top).astype(np.int32), scales.astype(np.float32)
 
 
+def nbits_weight(weight, bits, block_size):
+    """`(stored, scales)`: a float32 `(K, N)` weight as `MatMulNBits` reads it,
+    symmetric `bits`-bit codes (4 or 8) in blocks of `block_size` along K
+    with the default zero point 2^(bits-1): `stored` uint8 `(N, blocks,
+    block_size * bits / 8)` (two 4-bit codes a byte, the first in the low
+    nibble), `scales` float32 `(N * blocks,)`."""
+    codes, scales = _blockwise_symmetric(np.asarray(weight, np.float32), bits, block_size)
+    stored = (codes + (1 << (bits - 1))).astype(np.uint8)
+    if bits == 4:
+        stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
+    return stored, scales.reshape(-1)
+
+
 def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):
     """Every `MatMul` of `proto` with a constant 2-D float32 weight as a
     `com.microsoft` `MatMulNBits` (symmetric codes, the default zero point
@@ -130,12 +146,9 @@ def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):
             nodes.append(node)
             continue
         k, n = weight.shape
-        codes, scales = _blockwise_symmetric(weight, bits, block_size)
-        stored = (codes + (1 << (bits - 1))).astype(np.uint8)
-        if bits == 4:  # two codes a byte, the first in the low nibble
-            stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
+        stored, scales = nbits_weight(weight, bits, block_size)
         packed = numpy_helper.from_array(stored, f"{tensor.name}_q{bits}")
-        scale = numpy_helper.from_array(scales.reshape(-1), f"{tensor.name}_scales")
+        scale = numpy_helper.from_array(scales, f"{tensor.name}_scales")
         graph.initializer.extend([packed, scale])
         nodes.append(helper.make_node(
             "MatMulNBits", [node.input[0], packed.name, scale.name], list(node.output),

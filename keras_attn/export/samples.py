@@ -3,6 +3,7 @@ sample inputs (random ones within each input's range, or the user's
 normalized to dicts) and the Keras outputs the artifacts are compared with."""
 
 import dataclasses
+import inspect
 
 import keras
 import numpy as np
@@ -15,12 +16,124 @@ class InputSpec:
     dtype: str
 
 
+def _embeds_tokens(model):
+    return any(
+        isinstance(getattr(layer, attr, None), int) and not isinstance(getattr(layer, attr), bool)
+        for layer in model._flatten_layers(include_self=False)
+        for attr in ("vocabulary_size", "input_dim")
+    )
+
+
+def _is_shape(structure):
+    return isinstance(structure, (list, tuple)) and all(
+        isinstance(d, (int, type(None))) for d in structure)
+
+
+def _sample_sets(sample_inputs):
+    if (isinstance(sample_inputs, (list, tuple)) and sample_inputs
+            and all(isinstance(s, dict) for s in sample_inputs)):
+        return list(sample_inputs)
+    return None if sample_inputs is None else [sample_inputs]
+
+
+def _subclassed_inputs(model, sample_inputs):
+    """`(structure, [(name, shape, dtype)])` of a called subclassed model's
+    inputs: the structure Keras recorded at its first call (one tensor, a
+    list or a dict), names from the dict keys or the call's first argument,
+    dtypes from `sample_inputs` (else int32 for a single input of a model
+    with an embedding, the model's input dtype otherwise)."""
+    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    if not getattr(model, "built", False) or len(shapes) != 1:
+        raise ValueError(
+            f"Received an unbuilt model `{model.name}`: a subclassed model that was "
+            "never called (or whose call takes several tensor arguments); export needs the "
+            "shapes of its inputs. Call it once on a batch (`model(x)`) and "
+            "pass that batch as `sample_inputs`, or build it functionally with "
+            f"`keras.Input`s. Received: model.built={getattr(model, 'built', None)}"
+        )
+    structure = next(iter(shapes.values()))
+    arg = next(iter(inspect.signature(model.call).parameters), "inputs")
+    if isinstance(structure, dict):
+        entries = [(str(k), structure[k]) for k in structure]
+    elif _is_shape(structure):
+        entries = [(arg, structure)]
+    else:
+        entries = [(f"{arg}_{i}", shape) for i, shape in enumerate(structure)]
+    given = _sample_sets(sample_inputs)
+    samples = []
+    for sample in given or ():
+        if isinstance(sample, dict):
+            samples.append([np.asarray(sample.get(k, np.zeros(0))) for k, _ in entries])
+        elif len(entries) == 1 and not isinstance(sample, (list, tuple)):
+            samples.append([np.asarray(sample)])
+        elif isinstance(sample, (list, tuple)) and len(sample) == len(entries):
+            samples.append([np.asarray(x) for x in sample])
+    inputs = []
+    for i, (name, shape) in enumerate(entries):
+        shape = tuple(shape)
+        if samples:
+            dtype = str(samples[0][i].dtype)
+        elif len(entries) == 1 and _embeds_tokens(model):
+            dtype = "int32"
+        else:
+            dtype = str(model.input_dtype)
+        # Token ids: every axis dynamic (batch and sequence); other inputs keep
+        # the recorded axes unless the given sample sets differ along them.
+        dims = [None] + [
+            None if "int" in dtype or len({s[i].shape[k] for s in samples
+                                           if s[i].ndim == len(shape)}) > 1 else d
+            for k, d in enumerate(shape[1:], start=1)
+        ]
+        inputs.append((name, tuple(dims), "int32" if dtype == "int64" else dtype))
+    return structure, inputs
+
+
+def as_functional(model, sample_inputs=None):
+    """`model` as a functional model whose inputs name the exported signature.
+
+    A functional model is returned as it is. A `keras.Sequential` becomes the
+    functional model of its layers (it has no `output_names` nor graph
+    nodes). A subclassed model that has been called becomes a functional
+    model with one `keras.Input` per tensor it was called with (see
+    `_subclassed_inputs`) whose output is the model's (a dict output keeps
+    its keys as output names). Every variant shares `model`'s layers and
+    weights.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Expected `model` to be a keras.Model. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    if isinstance(model, keras.Sequential):
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            return model  # unbuilt: input_specs says so
+        return keras.Model(inputs[0] if len(inputs) == 1 else inputs, outputs, name=model.name)
+    if hasattr(model, "inputs") and hasattr(model, "outputs"):
+        return model
+    structure, entries = _subclassed_inputs(model, sample_inputs)
+    tensors = [keras.Input(shape=shape[1:], dtype=dtype, name=name)
+               for name, shape, dtype in entries]
+    if isinstance(structure, dict):
+        call_inputs = {name: t for (name, _, _), t in zip(entries, tensors)}
+    elif _is_shape(structure):
+        call_inputs = tensors[0]
+    else:
+        call_inputs = list(tensors)
+    outputs = model(call_inputs, training=False)
+    if isinstance(outputs, dict):
+        outputs = [keras.layers.Identity(name=str(k))(v) for k, v in outputs.items()]
+    return keras.Model(tensors[0] if len(tensors) == 1 else tensors, outputs, name=model.name)
+
+
 def input_specs(model):
-    """The named inputs of a built functional/Sequential model.
+    """The named inputs of a built functional/Sequential model (a subclassed
+    one goes through `as_functional` first).
 
     Raises:
-        ValueError: the model has no known inputs (never built or called, or
-            a subclassed model), or two inputs share a name.
+        ValueError: the model has no known inputs (never built or called),
+            or two inputs share a name.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -58,7 +171,10 @@ def output_names(model):
     first gets the suffix `_1`, `_2`, ... (skipping names already taken):
     `["mha", "mha"]` -> `["mha", "mha_1"]`.
     """
-    names = [str(n) for n in model.output_names]
+    names = getattr(model, "output_names", None)
+    if names is None:  # a Sequential: its functional graph's output layers
+        names = [t._keras_history[0].name for t in model.outputs]
+    names = [str(n) for n in names]
     taken = set(names)
     unique, seen = [], set()
     for name in names:

@@ -23,14 +23,33 @@ SIGNATURE_KEY = "serving_default"
 SERVING_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
 
 
+def _vocabulary(layer):
+    vocab = getattr(layer, "vocabulary_size", getattr(layer, "input_dim", None))
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        return None
+    return vocab
+
+
+def _layer_vocabulary(layer):
+    """The layer's vocabulary size; for a subclassed model (whose sublayers are
+    called on its inputs inside `call`, out of the functional graph's sight),
+    the smallest of its embeddings'."""
+    vocab = _vocabulary(layer)
+    if vocab is None and isinstance(layer, keras.Model) and not hasattr(layer, "inputs"):
+        sizes = [v for v in map(_vocabulary, layer._flatten_layers(include_self=False)) if v]
+        vocab = min(sizes) if sizes else None
+    return vocab
+
+
 def embedded_inputs(model):
     """`{input name: vocabulary size}` of the integer inputs fed straight into an
-    embedding layer (a layer with an int `input_dim` or `vocabulary_size`)."""
+    embedding layer (a layer with an int `input_dim` or `vocabulary_size`, or a
+    subclassed model holding one)."""
     by_id = {id(t): t.name for t in model.inputs if "int" in str(t.dtype)}
     found = {}
     for layer in model._flatten_layers(include_self=False):
-        vocab = getattr(layer, "vocabulary_size", getattr(layer, "input_dim", None))
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        vocab = _layer_vocabulary(layer)
+        if vocab is None:
             continue
         for node in getattr(layer, "_inbound_nodes", []):
             for tensor in keras.tree.flatten(node.arguments.args):
@@ -202,7 +221,8 @@ def export_saved_model(
     SavedModel needs no keras_attn code to load or serve.
 
     Args:
-        model: a built functional or Sequential Keras model.
+        model: a built functional or Sequential Keras model, or a
+            subclassed one that has been called (see `samples.as_functional`).
         export_dir: the TF Serving model base directory's parent.
         model_name: the model's name for TF Serving; defaults to `model.name`.
         version: positive integer version directory.
@@ -229,6 +249,7 @@ def export_saved_model(
         ValueError: bad arguments, an unbuilt model, an unwritable path.
         ParityError: the loaded SavedModel differs from Keras beyond `atol`.
     """
+    model = model_io.as_functional(model, sample_inputs)
     specs = model_io.input_specs(model)
     if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
         raise ValueError(

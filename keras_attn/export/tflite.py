@@ -325,7 +325,8 @@ def export_tflite(
     `ai_edge_litert.interpreter.Interpreter` on the sample inputs.
 
     Args:
-        model: a built functional or Sequential Keras model.
+        model: a built functional or Sequential Keras model, or a
+            subclassed one that has been called (see `samples.as_functional`).
         path: the `.tflite` file to write.
         quantization: None (float32), "float16" (float16 weights),
             "dynamic" (int8 weights, float activations), "int8" (int8
@@ -395,6 +396,7 @@ def export_tflite(
             an output's measure is worse than its threshold (the message
             names the output, the measure, its value and the threshold).
     """
+    model = model_io.as_functional(model, sample_inputs)
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)

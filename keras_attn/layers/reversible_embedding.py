@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_attn import checks
 from keras_attn import saving
 
 
@@ -23,8 +24,10 @@ class ReversibleEmbedding(keras.layers.Embedding):
         `output_dim` = embedding size).
 
     Call arguments:
-        inputs: integer ids `(...)`, or with `reverse=True` hidden states
-            `(..., output_dim)`.
+        inputs: integer ids `(...)` in `[0, input_dim)`, or with
+            `reverse=True` hidden states `(..., output_dim)`. Float ids
+            raise a TypeError; in an eager call, an id out of range raises
+            a ValueError naming it (traced calls are not checked).
         reverse: project onto the vocabulary instead of embedding.
 
     Returns:
@@ -41,6 +44,10 @@ class ReversibleEmbedding(keras.layers.Embedding):
 
     def call(self, inputs, reverse=False):
         if not reverse:
+            layer = f"ReversibleEmbedding '{self.name}'"
+            checks.check_integer_ids(layer, "inputs", inputs)
+            checks.check_ids_in_range(layer, "inputs", inputs, self.input_dim,
+                                      "vocabulary_size (input_dim)")
             return super().call(inputs)
         if inputs.shape[-1] is not None and inputs.shape[-1] != self.output_dim:
             raise ValueError(

@@ -50,7 +50,11 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         layer_norm_epsilon: epsilon of that LayerNorm.
 
     Call arguments:
-        inputs: integer ids `(B, T)`.
+        inputs: integer ids `(B, T)` in `[0, vocabulary_size)`. Float ids
+            raise a TypeError; in an eager call (concrete values), an id out
+            of range raises a ValueError naming it. Traced calls (`fit`,
+            `predict`, exports) are not checked; an exported signature
+            checks ids as its `check_ids` says.
         start_index: position of the first token (for cached decoding).
         token_type_ids: integer `(B, T)` token types (segment ids), only with
             `type_vocabulary_size`; None means type 0 everywhere.
@@ -148,7 +152,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     def call(self, inputs, start_index=0, token_type_ids=None, reverse=False):
         if reverse:
             return self.token_embedding(inputs, reverse=True)
-        checks.check_integer_ids("TokenAndPositionEmbedding", "inputs", inputs)
+        layer = f"TokenAndPositionEmbedding '{self.name}'"
+        checks.check_integer_ids(layer, "inputs", inputs)
+        checks.check_ids_in_range(layer, "inputs", inputs, self.vocabulary_size)
         if self.position == "learned":
             checks.check_start_index(
                 start_index, inputs.shape[1], self.sequence_length, "TokenAndPositionEmbedding"
@@ -171,6 +177,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                     f"token_type_ids.shape={tuple(token_type_ids.shape)}, "
                     f"inputs.shape={tuple(inputs.shape)}"
                 )
+            checks.check_integer_ids(layer, "token_type_ids", token_type_ids)
+            checks.check_ids_in_range(layer, "token_type_ids", token_type_ids,
+                                      self.type_vocabulary_size, "type_vocabulary_size")
             x = x + self.token_type_embedding(token_type_ids)
         if self.layer_norm is not None:
             x = self.layer_norm(x)

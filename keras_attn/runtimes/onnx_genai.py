@@ -19,20 +19,37 @@ rows of equal length. A left-padded batch is exact for rotary models (their
 attention depends on position differences only) and not for learned
 positions (GPT-2), whose padded rows Hugging Face numbers from the mask.
 
-The graph is converted with tf2onnx from `call_with_cache`, so anything
-`keras_attn.runtimes.signatures` exports exports here (GQA, rotary, RMSNorm,
-gated feed-forward, relative bias); not a sliding-window ring buffer (GenAI
-would need its windowed cache layout) and not encoder-decoder models.
+The graph is written one of two ways (`writer=`):
+
+- "fused" (`keras_attn.export.onnx_decoder`): onnxruntime's fused kernels
+  (`GroupQueryAttention` with rotary and sliding windows inside,
+  `SkipSimplifiedLayerNormalization`, packed Q/K/V, `MatMulNBits` for int8
+  and int4 weights) from the Keras weights, as the ONNX Runtime GenAI model
+  builder writes its graphs; for rotary, RMSNorm decoders (the Llama-like
+  families of `keras_attn.convert`).
+- "tf2onnx": `call_with_cache` converted by tf2onnx, so anything
+  `keras_attn.runtimes.signatures` exports exports here (learned positions,
+  LayerNorm, relative bias); not a sliding-window ring buffer and not
+  encoder-decoder models.
+
+"auto" (the default) takes the fused writer where it covers the model and
+falls back to tf2onnx with a warning that says why.
 """
 
 import json
 import os
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
+from keras_attn import checks
+from keras_attn.export import onnx_decoder
 from keras_attn.export.onnx import rename_value
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.onnx_quantize import matmul_nbits
 from keras_attn.export.onnx_quantize import quantize_matmul_weights
+from keras_attn.export.report import ParityError
 from keras_attn.runtimes import verification
 from keras_attn.runtimes.tokenizers import tokenizer_model_type
 from keras_attn.runtimes.tokenizers import write_tokenizer
@@ -138,9 +155,47 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
     }
 
 
+_QUANTIZATIONS = (None, "dynamic", "int8", "int4")
+# Float32 weights past this many bytes go to `model.onnx.data` (ONNX's
+# protobuf holds 2 GB at most; written tensor by tensor, they never sit in
+# memory twice).
+EXTERNAL_DATA_BYTES = 1 << 30
+_WRITERS = ("auto", "fused", "tf2onnx")
+
+
+def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
+                      opset=17, external_data=None):
+    """The GenAI graph of `model` as an ONNX `ModelProto`, quantized (see
+    `export_onnx_genai` for the arguments; `external_data`: as
+    `keras_attn.export.onnx_decoder.decoder_model_proto`'s, for the fused
+    graph without "dynamic" quantization)."""
+    checks.check_choice("quantization", quantization, _QUANTIZATIONS)
+    checks.check_choice("writer", writer, _WRITERS)
+    bits = {"int8": 8, "int4": 4}.get(quantization)
+    proto = None
+    if writer != "tf2onnx":
+        try:
+            proto = onnx_decoder.decoder_model_proto(
+                model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
+                external_data=None if quantization == "dynamic" else external_data)
+        except NotFusableError as error:
+            if writer == "fused":
+                raise
+            warnings.warn(
+                f"export_onnx_genai: the fused decoder writer does not cover this model ({error}); "
+                "writing the tf2onnx graph instead (slower in onnxruntime).", stacklevel=3)
+    if proto is None:
+        proto = onnx_genai_model(model, max_length=max_length, opset=opset)
+        if bits is not None:
+            proto = matmul_nbits(proto, bits=bits, accuracy_level=accuracy_level)
+    if quantization == "dynamic":
+        proto = quantize_matmul_weights(proto)
+    return proto
+
+
 def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
-                      quantization=None):
+                      quantization=None, writer="auto", accuracy_level=4):
     """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
 
     Args:
@@ -154,11 +209,19 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         bos_token_id, eos_token_id, pad_token_id: for `genai_config.json`
             (eos may be a list); default the model's `pad_token_id`.
         opset: ONNX opset.
-        quantization: None (float32) or "dynamic": int8 weights (per
+        quantization: None (float32); "dynamic": int8 weights (per
             channel, 7-bit range) for every MatMul with a constant weight,
-            activations quantized at run time; the integer arithmetic is
-            exact on every CPU, with or without VNNI
-            (`keras_attn.export.onnx_quantize`).
+            activations quantized at run time (`MatMulInteger`); the integer
+            arithmetic is exact on every CPU, with or without VNNI
+            (`keras_attn.export.onnx_quantize`); "int8" / "int4": weights in
+            symmetric blocks of 32 as `MatMulNBits` (what the GenAI model
+            builder writes), computed per `accuracy_level`.
+        writer: "auto" (the fused graph where it covers the model, else
+            tf2onnx with a warning), "fused" (raise `NotFusableError` where
+            it does not) or "tf2onnx" (see the module docstring).
+        accuracy_level: `MatMulNBits`' compute precision for "int8"/"int4":
+            4 (int8 arithmetic on CPUs with AVX2/AVX-512/ARM dot products,
+            float32 elsewhere) or 0 (as the weights: float32).
 
     Returns:
         A `SignatureReport` (`keras_attn.runtimes.verification`; `path` is
@@ -166,9 +229,10 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         `os.fspath(report)` the folder): `model.onnx`, run in onnxruntime
         as GenAI runs it (a prompt, then one token per call on the shared
         cache) over a random sequence before writing, against the Keras
-        model's logits: float32 within 1e-4 of the largest logit, int8
-        weights by the share of next tokens equal to Keras's (0.9); a
-        `ParityError` otherwise, and no `model.onnx` is written.
+        model's logits: float32 within 1e-4 of the largest logit, quantized
+        weights by the share of next tokens equal to Keras's (0.9 "dynamic"
+        and "int8", 0.8 "int4"); a `ParityError` otherwise, and
+        `model.onnx` is removed.
 
     Example (needs `onnxruntime-genai`):
 
@@ -185,10 +249,12 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
-    if quantization not in (None, "dynamic"):
-        raise ValueError("Received an invalid value for argument `quantization`, expected None "
-                         f"or 'dynamic'. Received: quantization={quantization!r}")
-    check_runtime_decoder(model)
+    checks.check_choice("quantization", quantization, _QUANTIZATIONS)
+    checks.check_choice("writer", writer, _WRITERS)
+    if writer == "tf2onnx" or getattr(model, "sliding_window", None) is None:
+        # The fused graph handles windows itself (GroupQueryAttention's
+        # `local_window_size` on a full-length cache); tf2onnx's would not.
+        check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
     if tokenizer_model_type(folder) == "WordPiece":
@@ -197,15 +263,23 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             "WordPiece (a word vocabulary from `word_tokenizer`): use a character or BPE "
             "tokenizer, or tokenizer=None and feed token ids. (LiteRT-LM reads WordPiece: "
             "`export_litertlm`.)")
-    proto = onnx_genai_model(model, max_length=max_length, opset=opset)
     path = os.path.join(folder, "model.onnx")
-    if quantization == "dynamic":
-        proto = quantize_matmul_weights(proto)
-    content = proto.SerializeToString()
-    verified = verify_genai_model(model, content, max_length=max_length,
-                                  quantization=quantization)
+    large = model.count_params() * 4 > EXTERNAL_DATA_BYTES
+    if os.path.exists(path + ".data"):
+        os.remove(path + ".data")  # an earlier export's weights
+    proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
+                              writer=writer, accuracy_level=accuracy_level, opset=opset,
+                              external_data=path + ".data" if large else None)
     with open(path, "wb") as f:
-        f.write(content)
+        f.write(proto.SerializeToString())
+    try:  # from the file: a large model's weights are in `model.onnx.data`
+        verified = verify_genai_model(model, path, max_length=max_length,
+                                      quantization=quantization)
+    except ParityError:
+        for written in (path, path + ".data"):
+            if os.path.exists(written):
+                os.remove(written)
+        raise
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                           pad_token_id=pad_token_id)
     with open(os.path.join(folder, "genai_config.json"), "w") as f:
@@ -213,19 +287,19 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     files = {name: os.path.abspath(os.path.join(folder, name))
              for name in sorted(os.listdir(folder))
              if name in ("model.onnx", "genai_config.json", "tokenizer.json",
-                         "tokenizer_config.json")}
+                         "tokenizer_config.json", "model.onnx.data")}
     return verification.signature_report(
         "onnx_genai", folder, verified, ops=sorted({n.op_type for n in proto.graph.node}),
         files=files, details={"max_length": max_length, "opset": opset,
                               "quantization": quantization})
 
 
-def verify_genai_model(model, content, *, max_length, quantization=None):
-    """The GenAI graph (`content`, serialized ONNX) run in onnxruntime as
-    GenAI runs it, against Keras (`verification.verify_prefill_decode`)."""
+def verify_genai_model(model, path, *, max_length, quantization=None):
+    """The GenAI graph at `path` (`model.onnx`) run in onnxruntime as GenAI
+    runs it, against Keras (`verification.verify_prefill_decode`)."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(content, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
 
     def call(token_ids, total, cache):

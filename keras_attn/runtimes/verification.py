@@ -21,7 +21,7 @@ from keras_attn.export.report import ExportReport, ParityError
 FLOAT32_RTOL = 1e-4
 # Quantized weights or a float16 cache are judged by the next token: the
 # share of positions whose argmax equals Keras's.
-DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int4": 0.8}
+DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int8": 0.9, "int4": 0.8}
 # The verification sequence: long enough for a few decode steps, short enough
 # to cost well under a second on any runtime.
 VERIFY_LENGTH = 12

@@ -1,0 +1,433 @@
+"""Real sizes (issue 36): time, peak memory and artifact size of each stage on
+random weights in published model shapes.
+
+Models (the published configurations, written below; random weights, saved
+as bfloat16 safetensors the way the published checkpoints are):
+BERT-base and BERT-large encoders (`BertModel`), Qwen2.5-0.5B, Llama-3.2-1B
+and Qwen2.5-1.5B (`*ForCausalLM`). `--quick`: one tiny Llama, sharded.
+
+Stages (`STAGES`, one entry each; later stages are added there):
+
+- `checkpoint`: writes the model folder (`config.json` + safetensors
+  shards, as `save_pretrained` lays them out). Not ours: it is the input,
+  made once and reused from `--work`.
+- `convert`: `keras_attn.convert.from_huggingface(folder)`.
+- `save_weights`: converts, then times one `model.save_weights(...h5)`.
+
+Each stage runs in a fresh subprocess. The parent samples the child's RSS
+with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
+times its stage and samples its own RSS per phase (`convert`: reading the
+checkpoint, building the Keras model, copying the weights; the phase
+boundaries come from wrapping `keras_attn.convert` functions, so the same
+script measures an older revision). `--max-rss-gb` kills a child past that
+peak (reported as such). `Keras bytes` is the size of the converted
+model's variables; `peak / Keras` is the peak RSS over it.
+
+    python benchmarks/bench_real_size.py --models bert-base,qwen2.5-0.5b --stages convert
+    python benchmarks/bench_real_size.py --quick
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import _common  # noqa: F401  (sets the environment first)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GB = 1e9
+
+# The published configurations (config.json of each Hub repository).
+MODELS = {
+    "bert-base": dict(
+        architecture="BertModel", model_type="bert",
+        config=dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2,
+                    hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0),
+    ),
+    "bert-large": dict(
+        architecture="BertModel", model_type="bert",
+        config=dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                    intermediate_size=4096, max_position_embeddings=512, type_vocab_size=2,
+                    hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0),
+    ),
+    "qwen2.5-0.5b": dict(
+        architecture="Qwen2ForCausalLM", model_type="qwen2",
+        config=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                    rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+                    use_sliding_window=False, sliding_window=32768, max_window_layers=24,
+                    bos_token_id=151643, eos_token_id=151643),
+    ),
+    "llama-3.2-1b": dict(
+        architecture="LlamaForCausalLM", model_type="llama",
+        config=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+                    rope_theta=500000.0, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+                    rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                      original_max_position_embeddings=8192, rope_type="llama3"),
+                    bos_token_id=128000, eos_token_id=128001),
+    ),
+    "qwen2.5-1.5b": dict(
+        architecture="Qwen2ForCausalLM", model_type="qwen2",
+        config=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072,
+                    rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+                    use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+                    bos_token_id=151643, eos_token_id=151643),
+    ),
+    # --quick: small enough for a test, sharded to exercise the index.
+    "tiny-llama": dict(
+        architecture="LlamaForCausalLM", model_type="llama", shard_bytes=40_000,
+        config=dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False),
+    ),
+}
+
+DEFAULT_MODELS = ("bert-base", "qwen2.5-0.5b", "llama-3.2-1b")
+
+
+# ---------------------------------------------------------------------------
+# Measurement inside the child
+
+
+class Sampler:
+    """This process's RSS every `interval` seconds, with named phases: the
+    peak within each phase and the RSS at its end."""
+
+    def __init__(self, interval=0.02):
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._phase_peak = 0
+        self.phases = []  # (name, seconds, peak bytes, end bytes)
+        self._name, self._start = None, None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _rss(self):
+        return self._process.memory_info().rss
+
+    def _run(self):
+        while not self._stop.is_set():
+            rss = self._rss()
+            with self._lock:
+                self._phase_peak = max(self._phase_peak, rss)
+            self._stop.wait(self._interval)
+
+    def mark(self, name):
+        """Ends the current phase (if any) and starts `name` (None: stop)."""
+        now, rss = time.perf_counter(), self._rss()
+        with self._lock:
+            if self._name is not None:
+                peak = max(self._phase_peak, rss)
+                self.phases.append((self._name, now - self._start, peak, rss))
+            self._name, self._start, self._phase_peak = name, now, rss
+        if name is None:
+            self._stop.set()
+
+
+def _wrap(module, attribute, before=None, after=None, once=False):
+    """Calls `before()` / `after()` around `module.attribute` (if it exists)."""
+    original = getattr(module, attribute, None)
+    if original is None:
+        return
+    state = {"done": False}
+
+    def wrapper(*args, **kwargs):
+        active = not (once and state["done"])
+        state["done"] = True
+        if active and before:
+            before()
+        result = original(*args, **kwargs)
+        if active and after:
+            after()
+        return result
+
+    setattr(module, attribute, wrapper)
+
+
+def _convert(sampler, folder, dtype):
+    """`from_huggingface(folder)` with phases: import (keras_attn, Keras,
+    TensorFlow), read (from the call to the family converter: torch model or
+    checkpoint index, and what they import), build (the Keras model with its
+    initial values), copy (the weights)."""
+    sampler.mark("import")
+    from keras_attn.convert import common
+    from keras_attn.convert import from_huggingface
+    from keras_attn.convert import registry
+
+    # read: from the call until the family converter starts.
+    _wrap(registry, "convert", before=lambda: sampler.mark("build"))
+    # build ends at the first weight copied.
+    _wrap(common, "assign", before=lambda: sampler.mark("copy"), once=True)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    sampler.mark("read")
+    start = time.perf_counter()
+    model = from_huggingface(folder, **kwargs)
+    seconds = time.perf_counter() - start
+    sampler.mark(None)
+    return model, seconds
+
+
+def _keras_bytes(model):
+    import numpy as np
+
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.weights))
+
+
+def _dir_bytes(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+# ---------------------------------------------------------------------------
+# Stages: run(spec, paths, args) -> dict (in the child); `paths` has
+# "checkpoint" (the model folder) and "work" (this model's scratch directory).
+
+
+def stage_checkpoint(name, spec, paths, args):
+    """Random bfloat16 tensors for the model's parameters, written straight
+    into safetensors shards (the model is built on the meta device: no
+    float32 copy), with `config.json` and the shard index as `save_pretrained`
+    writes them."""
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    folder = paths["checkpoint"]
+    config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
+    config.architectures = [spec["architecture"]]
+    if hasattr(config, "dtype"):
+        config.dtype = torch.bfloat16
+    config.torch_dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = getattr(transformers, spec["architecture"])(config)
+    # named_parameters() drops tied duplicates (lm_head.weight of a tied
+    # model), as save_pretrained does.
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    del model
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    config.save_pretrained(tmp)
+    generator = torch.Generator().manual_seed(0)
+    shard_bytes = spec.get("shard_bytes", args.shard_gb * GB)
+    shards, current, size = [], {}, 0
+    for n, shape in shapes.items():
+        if "norm" in n.lower() and n.endswith("weight"):
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        nbytes = tensor.numel() * 2
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[n] = tensor
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update({n: file for n in shard})
+            total += sum(t.numel() * 2 for t in shard.values())
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+    info = {"parameters": int(sum(np.prod(s) for s in shapes.values())), "artifact_bytes": _dir_bytes(folder)}
+    with open(os.path.join(paths["work"], "checkpoint.json"), "w") as f:
+        json.dump(info, f)
+    return info
+
+
+def stage_convert(name, spec, paths, args):
+    sampler = Sampler()
+    model, seconds = _convert(sampler, paths["checkpoint"], args.dtype)
+    return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases}
+
+
+def stage_save_weights(name, spec, paths, args):
+    sampler = Sampler()
+    model, _ = _convert(sampler, paths["checkpoint"], args.dtype)
+    path = os.path.join(paths["work"], "model.weights.h5")
+    sampler.mark("save")
+    start = time.perf_counter()
+    model.save_weights(path)
+    seconds = time.perf_counter() - start
+    sampler.mark(None)
+    return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases[-1:],
+            "artifact_bytes": _dir_bytes(path)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One row kind of the table: `run` in a fresh child; `ours` False for a
+    stage that only prepares the input (not a measurement of keras_attn)."""
+
+    run: object
+    what: str
+    ours: bool = True
+
+
+STAGES = {
+    "checkpoint": Stage(stage_checkpoint, "random bf16 safetensors (input, not ours)", ours=False),
+    "convert": Stage(stage_convert, "from_huggingface(folder)"),
+    "save_weights": Stage(stage_save_weights, "model.save_weights(.weights.h5)"),
+}
+
+
+# ---------------------------------------------------------------------------
+# The parent: one child per (model, stage)
+
+
+def _paths(args, name):
+    work = os.path.join(args.work, name)
+    return {"work": work, "checkpoint": os.path.join(work, "checkpoint")}
+
+
+def run_child(args, name, stage):
+    """Runs `stage` of `name` in a fresh subprocess; its result with the
+    parent's sampled peak RSS and the child's ru_maxrss."""
+    import psutil
+
+    os.makedirs(_paths(args, name)["work"], exist_ok=True)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--models", name,
+               "--work", args.work, "--shard-gb", str(args.shard_gb)]
+        if args.dtype:
+            cmd += ["--dtype", args.dtype]
+        start = time.perf_counter()
+        child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE)
+        process = psutil.Process(child.pid)
+        peak, killed = 0, False
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid:
+                break
+            try:
+                peak = max(peak, process.memory_info().rss)
+            except psutil.Error:
+                pass
+            if peak > args.max_rss_gb * GB and not killed:
+                child.kill()
+                killed = True
+            time.sleep(0.02)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        lines = out.read().strip().splitlines()
+        result = {"model": name, "stage": stage, "child_seconds": wall, "sampled_peak": peak,
+                  "ru_maxrss": usage.ru_maxrss * 1024}
+        if killed:
+            result["error"] = f"killed past {args.max_rss_gb} GB"
+        elif child.returncode != 0 or not lines:
+            result["error"] = (err.read().strip().splitlines() or ["?"])[-1][:200]
+        else:
+            result.update(json.loads(lines[-1]))
+        return result
+
+
+def _gb(x):
+    return "" if x is None else f"{x / GB:.2f}"
+
+
+def table(results):
+    header = ["model", "params", "stage", "seconds", "peak RSS sampled (GB)", "ru_maxrss (GB)",
+              "artifact (GB)", "Keras bytes (GB)", "peak / Keras", "phases: s, peak GB -> end GB"]
+    rows = []
+    params = {r["model"]: r["parameters"] for r in results if "parameters" in r}
+    for r in results:
+        if "error" in r:
+            rows.append([r["model"], "", r["stage"], "", _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]),
+                         "", "", "", "failed: " + r["error"]])
+            continue
+        keras_bytes = r.get("keras_bytes")
+        ratio = f"{r['ru_maxrss'] / keras_bytes:.2f}" if keras_bytes else ""
+        phases = "; ".join(f"{p[0]} {p[1]:.1f} s, {p[2] / GB:.2f} -> {p[3] / GB:.2f}"
+                           for p in r.get("phases", []))
+        seconds = r.get("seconds", r["child_seconds"])
+        n = params.get(r["model"])
+        rows.append([r["model"], f"{n / 1e6:.{0 if n > 1e7 else 2}f}M" if n else "", r["stage"], f"{seconds:.1f}",
+                     _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]), _gb(r.get("artifact_bytes")),
+                     _gb(keras_bytes), ratio, phases])
+    return _common.markdown_table(header, rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--stages", default="convert",
+                        help=f"comma-separated, of {list(STAGES)} (the checkpoint is made when missing)")
+    parser.add_argument("--dtype", default=None, help="from_huggingface(dtype=...) (default: not passed)")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "keras_attn_real_size"),
+                        help="where checkpoints are written and reused")
+    parser.add_argument("--shard-gb", type=float, default=5.0, help="max shard size of the checkpoints")
+    parser.add_argument("--max-rss-gb", type=float, default=9.0, help="kill a child past this RSS")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, every stage, in a temporary --work")
+    parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if args.child:
+        name = models[0]
+        result = STAGES[args.child].run(name, MODELS[name], _paths(args, name), args)
+        print(json.dumps(result))
+        return
+    if args.quick:
+        models, stages = ["tiny-llama"], list(STAGES)
+        args.work = tempfile.mkdtemp(prefix="real_size_")
+    else:
+        stages = args.stages.split(",")
+    for value, known, flag in ((models, MODELS, "--models"), (stages, STAGES, "--stages")):
+        unknown = [v for v in value if v not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; expected some of {list(known)}")
+    results = []
+    try:
+        for name in models:
+            checkpoint = _paths(args, name)["checkpoint"]
+            if "checkpoint" in stages or not os.path.isdir(checkpoint):
+                results.append(run_child(args, name, "checkpoint"))
+                if "error" in results[-1]:
+                    continue
+            else:
+                with open(os.path.join(_paths(args, name)["work"], "checkpoint.json")) as f:
+                    info = json.load(f)
+                results.append({"model": name, "stage": "checkpoint (reused)", "child_seconds": 0.0,
+                                "sampled_peak": None, "ru_maxrss": None, **info})
+            for stage in stages:
+                if stage != "checkpoint":
+                    results.append(run_child(args, name, stage))
+    finally:
+        if args.quick:
+            shutil.rmtree(args.work, ignore_errors=True)
+    lines = [f"Conditions: {_common.conditions()}; dtype={args.dtype or 'default'}; "
+             f"max RSS per child {args.max_rss_gb} GB", "", table(results)]
+    _common.emit("\n".join(lines), args, results=results)
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

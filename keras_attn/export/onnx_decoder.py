@@ -1,0 +1,367 @@
+"""Decoder graphs with onnxruntime's fused kernels, written from the Keras weights.
+
+The graph `onnxruntime_genai` runs for a decoder-only LM, with Hugging Face's
+I/O names (see `keras_attn.runtimes.onnx_genai`), written op by op as the ONNX
+Runtime GenAI model builder writes its own (onnxruntime-genai,
+`src/python/py/models/builders/base.py`) instead of converting the Keras
+graph with tf2onnx:
+
+- the token table as a `Gather` (times `embedding_scale`, Gemma);
+- per block, `SimplifiedLayerNormalization` (the first) or
+  `SkipSimplifiedLayerNormalization` (residual add and RMSNorm in one
+  kernel); one packed Q/K/V `MatMul` (+ its bias); `com.microsoft`
+  `GroupQueryAttention` with `do_rotary=1` and cos/sin caches, grouped or
+  multi-query heads, the block's `sliding_window` as `local_window_size`,
+  the past/present caches `(B, H_kv, max_length, head_dim)` in one shared
+  buffer; the output projection; the feed-forward (gated or not);
+- the final RMSNorm and the head (the transposed table when tied).
+
+`seqlens_k` (tokens per row minus one) and `total_sequence_length` come from
+`attention_mask`, as in the builder's graph. The rotary caches are the
+model's own `RotaryEmbedding` evaluated at every position, so any static
+`rope_scaling` (linear, llama3) is exact; dynamic NTK scaling, which depends
+on the call's length, is not representable and is refused.
+
+Weights are float32 `MatMul`s, or `com.microsoft` `MatMulNBits` with
+`bits=8` or `4` (symmetric blocks along the input axis,
+`keras_attn.export.onnx_quantize.nbits_weight`), quantized as they are
+written.
+
+A model this writer does not cover raises `NotFusableError` naming the
+setting; `keras_attn.runtimes.onnx_genai.export_onnx_genai` then falls back
+to the tf2onnx graph with a warning.
+"""
+
+import contextlib
+import math
+import os
+
+import numpy as np
+
+from keras_attn.export import onnx_quantize
+from keras_attn.export.onnx_fused import MS_DOMAIN
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.onnx_fused import activation_name
+
+# Options of a DecoderOnlyLM (get_config) the writer reads; any other option
+# away from its default is refused by name, so that a new model option never
+# exports silently wrong.
+_MODEL_DEFAULTS_OK = {
+    "position": ("rotary",),
+    "normalization": ("rms_norm",),
+}
+_KNOWN_MODEL_KEYS = {
+    "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
+    "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",
+    "pad_token_id", "sliding_window", "activation", "layer_norm_epsilon", "tie_embeddings",
+    "mask_padded_queries", "head_dim", "normalization", "use_gated_feedforward",
+    "attention_use_bias", "attention_output_use_bias", "feedforward_use_bias",
+    "lm_head_use_bias", "rope_max_wavelength", "rope_scaling", "embedding_scale",
+    "relative_attention_num_buckets", "relative_attention_max_distance",
+    "share_embeddings", "num_decoder_layers",
+}
+# Self-attention options (MultiHeadAttention.get_config) the writer honours.
+_KNOWN_ATTENTION_KEYS = {
+    "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
+    "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
+    "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
+    "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
+    "output_shape", "attention_axes", "rotary_embedding",
+}
+_ROTARY_PROBE_POSITIONS = 512
+
+
+def check_fusable_decoder(model):
+    """Raises `NotFusableError` naming the first option of `model` the fused
+    decoder writer does not cover."""
+    from keras_attn.generation.models import DecoderOnlyLM
+
+    if not isinstance(model, DecoderOnlyLM):
+        raise NotFusableError(f"the fused decoder writer takes a DecoderOnlyLM, not {type(model).__name__}")
+    config = model.get_config()
+    unknown = sorted(set(config) - _KNOWN_MODEL_KEYS)
+    if unknown:
+        raise NotFusableError(f"model option(s) {unknown} are not covered by the fused decoder writer")
+    for key, allowed in _MODEL_DEFAULTS_OK.items():
+        if config[key] not in allowed:
+            raise NotFusableError(f"{key}={config[key]!r} (the fused decoder writer takes {list(allowed)})")
+    if model.head_dim % 16:
+        # onnxruntime's GroupQueryAttention kernels take these sizes only.
+        raise NotFusableError(f"head_dim={model.head_dim} (GroupQueryAttention needs a multiple of 16)")
+    scaling = model.rope_scaling or {}
+    if scaling.get("rope_type") == "dynamic":
+        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
+    if activation_name(model.blocks[0].feedforward_intermediate_dense.activation
+                       if not model.use_gated_feedforward
+                       else model.blocks[0].feedforward_gate_dense.activation) is None:
+        raise NotFusableError(f"activation={model.activation!r}")
+    for block in model.blocks:
+        attention = block.self_attention
+        extra = sorted(set(attention.get_config()) - _KNOWN_ATTENTION_KEYS)
+        if extra:
+            raise NotFusableError(f"{block.name}: attention option(s) {extra}")
+        if attention.use_gate:
+            raise NotFusableError(f"{block.name}: use_gate=True")
+        if attention.value_dim != attention.key_dim:
+            raise NotFusableError(f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
+        if getattr(block, "cross_attention", None) is not None:
+            raise NotFusableError(f"{block.name}: cross-attention")
+
+
+def _value(x):
+    """A Keras variable or tensor as float32 NumPy (any backend)."""
+    import keras
+
+    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
+    return np.asarray(value, dtype=np.float32)
+
+
+def _projection_kernel(dense, heads_first_input=False):
+    """`(in, out)` kernel of an attention projection: query/key/value
+    `(D, H, d)` -> `(D, H*d)`; the output projection `(H, d, D)` -> `(H*d, D)`."""
+    kernel = _value(dense.kernel)
+    return kernel.reshape(-1, kernel.shape[-1]) if heads_first_input else kernel.reshape(kernel.shape[0], -1)
+
+
+def _bias(dense):
+    bias = getattr(dense, "bias", None)
+    return None if bias is None else _value(bias).reshape(-1)
+
+
+def rotary_caches(rotary, head_dim, max_length):
+    """`(cos, sin)`, each `(max_length, head_dim / 2)`: the angles keras_attn's
+    `RotaryEmbedding` uses, read off the layer by rotating unit vectors (so
+    its scaling options are the layer's, not re-derived here)."""
+    half = head_dim // 2
+    # One "head" per frequency i, holding the unit vector e_i: the rotated
+    # vector is cos at feature i and sin at feature i + half.
+    probe = np.zeros((1, 1, half, head_dim), np.float32)
+    probe[0, 0, np.arange(half), np.arange(half)] = 1.0
+    cos, sin = [], []
+    for start in range(0, max_length, _ROTARY_PROBE_POSITIONS):
+        count = min(_ROTARY_PROBE_POSITIONS, max_length - start)
+        rotated = _value(rotary(np.repeat(probe, count, axis=1), start_index=start))[0]
+        # rotated: (count, half, head_dim)
+        index = np.arange(half)
+        cos.append(rotated[:, index, index])
+        sin.append(rotated[:, index, index + half])
+    return np.concatenate(cos), np.concatenate(sin)
+
+
+# Tensors at least this large go to the external data file (when there is
+# one), each at an offset onnxruntime can memory-map.
+_EXTERNAL_MIN_BYTES = 1024
+_EXTERNAL_ALIGNMENT = 4096
+
+
+class _Graph:
+    def __init__(self, bits, block_size, accuracy_level, data_file=None):
+        self.nodes = []
+        self.initializers = []
+        self.bits = bits
+        self.block_size = block_size
+        self.accuracy_level = accuracy_level
+        self.data_file = data_file  # open binary file, or None: weights inside the proto
+
+    def const(self, array, name):
+        from onnx import TensorProto
+        from onnx import helper
+        from onnx import numpy_helper
+
+        array = np.ascontiguousarray(array)
+        if self.data_file is None or array.nbytes < _EXTERNAL_MIN_BYTES:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        # Written as it is made: the proto holds only where it is, so memory
+        # holds one tensor at a time, and the graph has no 2 GB limit.
+        offset = -(-self.data_file.tell() // _EXTERNAL_ALIGNMENT) * _EXTERNAL_ALIGNMENT
+        self.data_file.seek(offset)
+        self.data_file.write(array.tobytes())
+        tensor = TensorProto(name=name, dims=array.shape,
+                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", os.path.basename(self.data_file.name)),
+                           ("offset", str(offset)), ("length", str(array.nbytes))):
+            tensor.external_data.add(key=key, value=value)
+        self.initializers.append(tensor)
+        return name
+
+    def node(self, op, inputs, name, outputs=1, domain="", **attrs):
+        from onnx import helper
+
+        names = [f"{name}/output_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op, inputs, names, name=name, domain=domain, **attrs))
+        return names[0] if len(names) == 1 else names
+
+    def matmul(self, x, kernel, bias, name):
+        """`x @ kernel (+ bias)`: float32, or MatMulNBits with `self.bits`."""
+        k, n = kernel.shape
+        if self.bits is None:
+            y = self.node("MatMul", [x, self.const(kernel, name + ".weight")], name + "/MatMul")
+        else:
+            stored, scales = onnx_quantize.nbits_weight(kernel, self.bits, self.block_size)
+            y = self.node(
+                "MatMulNBits",
+                [x, self.const(stored, name + f".weight_q{self.bits}"), self.const(scales, name + ".weight_scales")],
+                name + "/MatMulNBits", domain=MS_DOMAIN, K=k, N=n, bits=self.bits,
+                block_size=self.block_size, accuracy_level=self.accuracy_level,
+            )
+        if bias is not None and np.any(bias):
+            y = self.node("Add", [y, self.const(bias, name + ".bias")], name + "/Add")
+        return y
+
+    def activation(self, x, name, kind):
+        if kind == "linear":
+            return x
+        if kind == "silu":
+            return self.node("Mul", [x, self.node("Sigmoid", [x], name + "/Sigmoid")], name + "/Mul")
+        if kind == "relu":
+            return self.node("Relu", [x], name + "/Relu")
+        if kind == "tanh":
+            return self.node("Tanh", [x], name + "/Tanh")
+        if kind == "gelu":
+            return self.node("Gelu", [x], name + "/Gelu", domain=MS_DOMAIN)
+        if kind == "gelu_tanh":
+            return self.node("FastGelu", [x], name + "/FastGelu", domain=MS_DOMAIN)
+        raise NotFusableError(f"activation {kind!r}")
+
+
+def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
+                        external_data=None):
+    """The GenAI decoder graph of `model` (a `DecoderOnlyLM`) as an ONNX
+    `ModelProto` with onnxruntime's fused ops (see the module docstring).
+
+    Args:
+        model: a built `DecoderOnlyLM` with rotary positions and RMSNorm.
+        max_length: the cache length (prompt and generated tokens).
+        bits: None (float32 weights), 8 or 4 (`MatMulNBits`).
+        block_size: quantization block along the input axis (power of 2, >= 16).
+        accuracy_level: `MatMulNBits`' `accuracy_level` (4: int8 arithmetic
+            where the CPU has it; 0: as the weights).
+        opset: the ONNX opset.
+        external_data: None (weights inside the proto, under 2 GB in all), or
+            the path of a file to write the weights to as they are made (the
+            proto then refers to it by its file name: save the proto in the
+            same folder).
+
+    Raises:
+        NotFusableError: `model` has an option the writer does not cover.
+    """
+    check_fusable_decoder(model)
+    if bits not in (None, 4, 8):
+        raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
+    with contextlib.ExitStack() as stack:
+        data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
+        return _decoder_graph(model, _Graph(bits, block_size, accuracy_level, data_file),
+                              max_length, opset)
+
+
+def _decoder_graph(model, graph, max_length, opset):
+    from onnx import TensorProto
+    from onnx import helper
+
+    heads, kv_heads, head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
+    eps = float(model.layer_norm_epsilon)
+
+    # seqlens_k = tokens per row - 1; total_sequence_length = mask width.
+    one = graph.const(np.array([1], np.int64), "/model/constants/INT64/[1]")
+    total_tokens = graph.node("ReduceSum", ["attention_mask", one], "/model/attn_mask/ReduceSum", keepdims=0)
+    seqlens = graph.node("Sub", [total_tokens, one], "/model/attn_mask/Sub")
+    seqlens = graph.node("Cast", [seqlens], "/model/attn_mask/Sub/Cast", to=TensorProto.INT32)
+    width = graph.node("Shape", ["attention_mask"], "/model/attn_mask/Shape")
+    width = graph.node("Gather", [width, graph.const(np.array(1, np.int64), "/model/constants/INT64/1")],
+                       "/model/attn_mask/Gather", axis=0)
+    total = graph.node("Cast", [width], "/model/attn_mask/Gather/Cast", to=TensorProto.INT32)
+
+    table = _value(model.embedding.embeddings)
+    x = graph.node("Gather", [graph.const(table, "model.embed_tokens.weight"), "input_ids"],
+                   "/model/embed_tokens/Gather")
+    if model.embedding_scale is not None:
+        scale = graph.const(np.array(model.embedding_scale, np.float32), "/model/constants/embedding_scale")
+        x = graph.node("Mul", [x, scale], "/model/embed_tokens/Mul")
+
+    cos, sin = rotary_caches(model.blocks[0].self_attention.rotary_embedding, head_dim, max_length)
+    cos_name, sin_name = graph.const(cos, "cos_cache"), graph.const(sin, "sin_cache")
+
+    residual, pending = x, None  # pending: the last sublayer output not yet added
+    for i, block in enumerate(model.blocks):
+        base = f"/model/layers.{i}"
+        attention = block.self_attention
+        residual, h = _norm(graph, residual, pending, block.self_attention_layer_norm, eps, f"{base}/input_layernorm")
+        kernels = [_projection_kernel(d) for d in (attention.query_dense, attention.key_dense, attention.value_dense)]
+        biases = [_bias(d) for d in (attention.query_dense, attention.key_dense, attention.value_dense)]
+        packed_bias = None
+        if any(b is not None for b in biases):
+            packed_bias = np.concatenate([b if b is not None else np.zeros(k.shape[1], np.float32)
+                                          for b, k in zip(biases, kernels)])
+        qkv = graph.matmul(h, np.concatenate(kernels, axis=1), packed_bias, f"{base}/attn/qkv_proj")
+        window = attention.sliding_window
+        attn, _, _ = graph.node(
+            "GroupQueryAttention",
+            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total,
+             cos_name, sin_name],
+            f"{base}/attn/GroupQueryAttention",
+            outputs=[f"{base}/attn/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
+            domain=MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
+            scale=1.0 / math.sqrt(head_dim), do_rotary=1, rotary_interleaved=0,
+            # Both count the keys a query sees, its own included (checked
+            # against Keras in tests/test_onnx_decoder.py).
+            local_window_size=-1 if window is None else int(window),
+        )
+        pending = graph.matmul(attn, _projection_kernel(attention.output_dense, heads_first_input=True),
+                               _bias(attention.output_dense), f"{base}/attn/o_proj")
+        residual, h = _norm(graph, residual, pending, block.feedforward_layer_norm, eps,
+                            f"{base}/post_attention_layernorm")
+        pending = _feedforward(graph, h, block, f"{base}/mlp")
+    _, h = _norm(graph, residual, pending, model.final_norm, eps, "/model/norm")
+    head = table.T if model.lm_head is None else _value(model.lm_head.kernel)
+    head_bias = None if model.lm_head is None else _bias(model.lm_head)
+    logits = graph.matmul(h, head, head_bias, "/lm_head")
+    graph.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/lm_head/Identity"))
+
+    batch, sequence, total_dim, cache = "batch_size", "sequence_length", "total_sequence_length", int(max_length)
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, sequence]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [batch, total_dim]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, sequence, model.vocabulary_size])]
+    for i in range(model.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(
+                f"past_key_values.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
+            outputs.append(helper.make_tensor_value_info(
+                f"present.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
+    onnx_graph = helper.make_graph(graph.nodes, "keras_attn_decoder", inputs, outputs, graph.initializers)
+    return helper.make_model(
+        onnx_graph, producer_name="keras_attn",
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
+    )
+
+
+def _norm(graph, residual, pending, layer, eps, name):
+    """RMSNorm of `residual + pending` (`pending` None: of `residual`); returns
+    `(new residual, normalized)`."""
+    gamma = graph.const(_value(layer.scale), name + ".weight")
+    if pending is None:
+        out = graph.node("SimplifiedLayerNormalization", [residual, gamma], name + "/SimplifiedLayerNorm",
+                         axis=-1, epsilon=eps, stash_type=1)
+        return residual, out
+    outputs = [f"{name}/output_{k}" for k in range(4)]
+    graph.node("SkipSimplifiedLayerNormalization", [pending, residual, gamma],
+               name + "/SkipSimplifiedLayerNorm", outputs=outputs, domain=MS_DOMAIN, epsilon=eps)
+    return outputs[3], outputs[0]
+
+
+def _feedforward(graph, h, block, name):
+    output = block.feedforward_output_dense
+    if block.feedforward_gate_dense is not None:
+        gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
+        kind = activation_name(gate_dense.activation)
+        gate = graph.matmul(h, _value(gate_dense.kernel), _bias(gate_dense), name + "/gate_proj")
+        up = graph.matmul(h, _value(up_dense.kernel), _bias(up_dense), name + "/up_proj")
+        h = graph.node("Mul", [graph.activation(gate, name + "/act", kind), up], name + "/Mul")
+    else:
+        dense = block.feedforward_intermediate_dense
+        h = graph.matmul(h, _value(dense.kernel), _bias(dense), name + "/fc1")
+        h = graph.activation(h, name + "/act", activation_name(dense.activation))
+    return graph.matmul(h, _value(output.kernel), _bias(output), name + "/down_proj")

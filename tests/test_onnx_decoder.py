@@ -1,0 +1,237 @@
+"""The fused decoder graph (keras_attn.export.onnx_decoder) against Keras.
+
+onnxruntime runs the written graph (GroupQueryAttention, SkipSimplified-
+LayerNormalization, packed Q/K/V, MatMulNBits) for a prefill and then one
+token at a time, feeding the present caches back as the past ones, as ONNX
+Runtime GenAI does; every step's logits must be Keras's full forward pass
+within float32 rounding. Backend-agnostic: the writer reads the Keras weights
+and never TensorFlow's graph (runs on jax and torch in CI too).
+"""
+
+import numpy as np
+import pytest
+
+import keras
+
+from keras_attn.export.onnx_decoder import decoder_model_proto
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.generation import DecoderOnlyLM
+from tests import tolerance
+
+ort = pytest.importorskip("onnxruntime")
+
+VOCAB, CACHE = 97, 32
+
+# The options of the decoder families keras_attn.convert produces.
+FAMILIES = {
+    # Llama: grouped-query heads, SiLU-gated feed-forward, untied head.
+    "llama": dict(num_heads=6, num_key_value_heads=2),
+    # Qwen2: biased q/k/v, tied head.
+    "qwen2": dict(num_heads=6, num_key_value_heads=2, attention_use_bias=True, tie_embeddings=True),
+    # Gemma: multi-query, head_dim unlike hidden/heads, tanh-GELU gate, scaled embeddings.
+    "gemma": dict(num_heads=4, num_key_value_heads=1, head_dim=32, activation="gelu_tanh",
+                  embedding_scale=48 ** 0.5, tie_embeddings=True),
+    # Mistral: a sliding window shorter than the prompt.
+    "mistral": dict(num_heads=6, num_key_value_heads=2, sliding_window=5),
+    # Llama 3.1 frequencies.
+    "llama3_rope": dict(num_heads=6, num_key_value_heads=3, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}),
+    # Not gated, ReLU, biased everywhere (the head too).
+    "plain_ffn": dict(num_heads=4, use_gated_feedforward=False, activation="relu",
+                      feedforward_use_bias=True, attention_use_bias=True,
+                      attention_output_use_bias=True, lm_head_use_bias=True),
+}
+
+
+def make_lm(**options):
+    keras.utils.set_random_seed(0)
+    # head_dim 16: GroupQueryAttention's kernels take multiples of 16.
+    base = dict(vocabulary_size=VOCAB, sequence_length=64, hidden_dim=48, num_layers=2, head_dim=16,
+                intermediate_dim=80, position="rotary", normalization="rms_norm",
+                use_gated_feedforward=True, activation="silu", attention_use_bias=False,
+                attention_output_use_bias=False, feedforward_use_bias=False,
+                lm_head_use_bias=False, mask_padded_queries=False, rope_max_wavelength=500.0)
+    base.update(options)
+    lm = DecoderOnlyLM(**base)
+    lm(np.zeros((1, 1), "int32"))
+    rng = np.random.default_rng(0)
+    for w in lm.weights:
+        # Sharp attention (logits of order 10) and visible biases and norms.
+        value = keras.ops.convert_to_numpy(w)
+        if "query" in w.path or "key" in w.path:
+            value = value * 3
+        if "bias" in w.path or "scale" in w.path:
+            value = value + rng.standard_normal(value.shape).astype("float32") * 0.3
+        w.assign(value)
+    return lm
+
+
+def run_steps(session, ids, steps, kv_heads, head_dim, num_layers):
+    """Logits of a prefill of `ids[:, :-steps]` and then of each of the last
+    `steps` tokens alone, with the caches carried over."""
+    batch, total = ids.shape
+    past = {f"past_key_values.{i}.{kind}": np.zeros((batch, kv_heads, CACHE, head_dim), np.float32)
+            for i in range(num_layers) for kind in ("key", "value")}
+    names = [o.name for o in session.get_outputs()]
+    logits = []
+    start = 0
+    for end in [total - steps] + list(range(total - steps + 1, total + 1)):
+        feeds = {"input_ids": ids[:, start:end].astype(np.int64),
+                 "attention_mask": np.ones((batch, end), np.int64), **past}
+        out = dict(zip(names, session.run(None, feeds)))
+        logits.append(out["logits"])
+        past = {f"past_key_values.{k[len('present.'):]}": v for k, v in out.items() if k.startswith("present.")}
+        start = end
+    return np.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_and_decode_logits_are_keras(family):
+    lm = make_lm(**FAMILIES[family])
+    proto = decoder_model_proto(lm, max_length=CACHE)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(1).integers(1, VOCAB, (2, 14))
+    got = run_steps(session, ids, 3, lm.num_key_value_heads, lm.head_dim, lm.num_layers)
+    want = keras.ops.convert_to_numpy(lm(ids))
+    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * lm.num_layers,
+                           err_msg=family)
+    # The window is really applied: without it the logits differ.
+    if lm.sliding_window is not None:
+        unwindowed = make_lm(**{k: v for k, v in FAMILIES[family].items() if k != "sliding_window"})
+        assert np.abs(keras.ops.convert_to_numpy(unwindowed(ids)) - want).max() > 0.1
+
+
+def test_graph_is_the_fused_kernels():
+    lm = make_lm(**FAMILIES["llama"])
+    graph = decoder_model_proto(lm, max_length=CACHE).graph
+    counts = {}
+    for node in graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    assert counts["GroupQueryAttention"] == lm.num_layers
+    assert counts["SkipSimplifiedLayerNormalization"] == 2 * lm.num_layers
+    # q/k/v packed, output, gate, up, down per layer; the head.
+    assert counts["MatMul"] == 5 * lm.num_layers + 1
+    # A handful of nodes per layer, not hundreds (tf2onnx's graph).
+    assert len(graph.node) <= 12 * lm.num_layers + 12
+    gqa = next(n for n in graph.node if n.op_type == "GroupQueryAttention")
+    attrs = {a.name: keras.ops.convert_to_numpy(a.i if a.type == 2 else a.f) for a in gqa.attribute}
+    assert attrs["do_rotary"] == 1 and attrs["num_heads"] == 6 and attrs["kv_num_heads"] == 2
+    assert np.isclose(attrs["scale"], 1 / np.sqrt(lm.head_dim))
+
+
+def _dequantized(kernel, bits, block=32):
+    """What symmetric `bits`-bit blocks of `block` along the input axis give
+    back (written here, independently of the writer). In float32, as the
+    weights are: a code exactly between two integers rounds the same way."""
+    k, n = kernel.shape
+    padded = np.zeros((-(-k // block) * block, n), np.float32)
+    padded[:k] = kernel
+    blocks = padded.reshape(-1, block, n)
+    top = np.float32(2 ** (bits - 1) - 1)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / top
+    codes = np.clip(np.rint(blocks / np.where(scale == 0, 1, scale)), -top, top)
+    return (codes * scale).reshape(-1, n)[:k].astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_nbits_weights_are_the_blockwise_quantized_kernels(bits):
+    """With `accuracy_level=0` onnxruntime computes in float32 on the
+    dequantized weights: the logits are those of the Keras model whose
+    projection kernels are replaced by their quantized values (computed in
+    this test), on every CPU."""
+    lm = make_lm(**FAMILIES["qwen2"])
+    proto = decoder_model_proto(lm, max_length=CACHE, bits=bits, accuracy_level=0)
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 5 * lm.num_layers + 1
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(2).integers(1, VOCAB, (1, 12))
+    got = run_steps(session, ids, 2, lm.num_key_value_heads, lm.head_dim, lm.num_layers)
+    reference = make_lm(**FAMILIES["qwen2"])
+    for w in reference.weights:
+        if w.path.endswith("kernel"):
+            value = keras.ops.convert_to_numpy(w)
+            w.assign(_dequantized(value.reshape(value.shape[0], -1) if "attention_output" not in w.path
+                                  else value.reshape(-1, value.shape[-1]), bits).reshape(value.shape))
+    # The tied head is the quantized transposed table; the embedding lookup is not quantized.
+    table = keras.ops.convert_to_numpy(lm.embedding.embeddings)
+    head = _dequantized(table.T, bits)
+    hidden = _final_hidden(reference, ids)
+    want = hidden @ head
+    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * lm.num_layers)
+    float_logits = keras.ops.convert_to_numpy(lm(ids))
+    assert np.abs(got - float_logits).max() > tolerance.bound(tolerance.magnitude(want), terms=128)
+
+
+def _final_hidden(lm, ids):
+    """The normalized last hidden states of `lm` (the head's input)."""
+    x = lm.embedding(ids)
+    if lm.embedding_scale is not None:
+        x = x * lm.embedding_scale
+    for block in lm.blocks:
+        x = block(x)
+    return keras.ops.convert_to_numpy(lm.final_norm(x))
+
+
+def test_refuses_what_it_does_not_cover_by_name():
+    learned = DecoderOnlyLM(VOCAB, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
+                            position="learned")
+    learned(np.zeros((1, 1), "int32"))
+    with pytest.raises(NotFusableError, match="position='learned'"):
+        decoder_model_proto(learned, max_length=8)
+    layer_norm = make_lm(normalization="layer_norm", num_heads=4)
+    with pytest.raises(NotFusableError, match="normalization='layer_norm'"):
+        decoder_model_proto(layer_norm, max_length=8)
+    dynamic = make_lm(num_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                 "original_max_position_embeddings": 8})
+    with pytest.raises(NotFusableError, match="dynamic"):
+        decoder_model_proto(dynamic, max_length=8)
+    with pytest.raises(NotFusableError, match="head_dim=24"):
+        decoder_model_proto(make_lm(num_heads=4, head_dim=24), max_length=8)
+    with pytest.raises(ValueError, match="`bits`"):
+        decoder_model_proto(make_lm(num_heads=4), max_length=8, bits=3)
+
+
+def test_genai_folder_generates_keras_greedy_tokens_on_this_backend(tmp_path):
+    """`export_onnx_genai(writer="fused")` needs no TensorFlow graph: on any
+    Keras backend, onnxruntime_genai's greedy tokens are those of Keras's
+    full forward pass taken token by token."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from keras_attn.runtimes import export_onnx_genai
+
+    lm = make_lm(**FAMILIES["qwen2"])
+    export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="fused", eos_token_id=0)
+    prompt = [5, 17, 33, 2, 60, 41]
+    model = og.Model(str(tmp_path))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 10, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    got = list(np.asarray(generator.get_sequence(0)))
+    # One shape for every step (one compilation): causal, so the zeros after
+    # the tokens so far do not reach them.
+    want = np.zeros((1, len(got)), np.int64)
+    want[0, :len(prompt)] = prompt
+    for i in range(len(prompt), len(got)):
+        want[0, i] = keras.ops.convert_to_numpy(lm(want))[0, i - 1].argmax()
+    want = list(want[0])
+    assert got == want
+    assert len(set(got[len(prompt):])) >= 3, "degenerate generation tests nothing"
+
+
+def test_fused_encoder_export_runs_on_this_backend(tmp_path):
+    """`export_onnx(fused=True)` writes an encoder from the Keras weights and
+    verifies it against Keras on any backend (tf2onnx, its fallback, needs
+    TensorFlow)."""
+    import keras_attn as ka
+    from keras_attn.export import export_onnx
+
+    ids = keras.Input((None,), dtype="int32", name="tokens")
+    h = ka.TokenAndPositionEmbedding(vocabulary_size=VOCAB, sequence_length=16, embedding_dim=32,
+                                     position="learned")(ids)
+    h = ka.TransformerEncoderBlock(num_heads=4, intermediate_dim=64, activation="gelu")(h)
+    model = keras.Model(ids, keras.layers.Dense(3, name="logits")(h))
+    sample = {"tokens": np.random.default_rng(0).integers(1, VOCAB, (2, 8)).astype("int32")}
+    report = export_onnx(model, str(tmp_path / "encoder.onnx"), fused=True, sample_inputs=sample)
+    assert report.details["fused"]["Attention"] == 1 and report.details["fused"]["BiasGelu"] == 1
