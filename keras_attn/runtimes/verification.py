@@ -12,6 +12,7 @@ artifact's files.
 import dataclasses
 import os
 
+import keras
 import numpy as np
 
 from keras_attn.export.report import ExportReport, ParityError
@@ -82,9 +83,11 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
     encoder_ids = None
     if hasattr(model, "encode"):
         encoder_ids = verification_ids(model, batch, encoder_length or 6, seed + 1)
-        reference = np.asarray(model((encoder_ids, ids)), np.float64)
+        reference = model((encoder_ids, ids))
     else:
-        reference = np.asarray(model(ids), np.float64)
+        reference = model(ids)
+    # Any backend's tensor (torch's may carry gradients): NumPy, float64.
+    reference = keras.ops.convert_to_numpy(reference).astype(np.float64)
     inputs = {"token_ids": ids[:, :prompt]}
     if encoder_ids is not None:
         inputs["encoder_ids"] = encoder_ids
