@@ -229,10 +229,10 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         `os.fspath(report)` the folder): `model.onnx`, run in onnxruntime
         as GenAI runs it (a prompt, then one token per call on the shared
         cache) over a random sequence before writing, against the Keras
-        model's logits: float32 within 1e-4 of the largest logit, quantized
-        weights by the share of next tokens equal to Keras's (0.9 "dynamic"
-        and "int8", 0.8 "int4"); a `ParityError` otherwise, and
-        `model.onnx` is removed.
+        model's logits: float32 within 1e-4 of the largest logit (a
+        `ParityError` otherwise, and `model.onnx` is removed); quantized
+        weights: the share of next tokens equal to Keras's is reported
+        (`agreement`), not checked.
 
     Example (needs `onnxruntime-genai`):
 

@@ -257,10 +257,10 @@ def export_tflite(model, path, **kwargs):
         A `SignatureReport`: the model's `prefill` and `decode`, run in
         LiteRT over a random sequence (the static batch and prompt shapes)
         before writing, against the Keras model's logits: float32 within
-        1e-4 of the largest logit, quantized weights or a float16 cache by
-        the share of next tokens equal to Keras's (0.99 float16, 0.9
-        dynamic, 0.8 int4); a `ParityError` otherwise, and nothing is
-        written. `os.fspath(report)` is `path`.
+        1e-4 of the largest logit (a `ParityError` otherwise, and nothing
+        is written); quantized weights or a float16 cache: the share of
+        next tokens equal to Keras's is reported (`agreement`), not
+        checked. `os.fspath(report)` is `path`.
     """
     from ai_edge_litert import interpreter as litert
 

@@ -20,9 +20,6 @@ from keras_attn.export.report import ExportReport, ParityError
 # float32 exports: the runtimes reorder float32 sums, nothing more; the bound
 # is relative to the largest Keras logit (as for the LiteRT-LM bundles).
 FLOAT32_RTOL = 1e-4
-# Quantized weights or a float16 cache are judged by the next token: the
-# share of positions whose argmax equals Keras's.
-DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int8": 0.9, "int4": 0.8}
 # The verification sequence: long enough for a few decode steps, short enough
 # to cost well under a second on any runtime.
 VERIFY_LENGTH = 12
@@ -46,6 +43,11 @@ class SignatureReport(ExportReport):
 
     def __fspath__(self):
         return self.path
+
+    def tolerance_text(self):
+        if self.atol is None and self.min_agreement is None and self.agreement is not None:
+            return f"argmax agreement {self.agreement:.3f} on random ids, reported, not checked"
+        return super().tolerance_text()
 
     def __getitem__(self, name):
         return self.files[name]
@@ -71,9 +73,10 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
     Static shapes (TFLite) are given by `batch_size`, `prompt_length` and
     `encoder_length`; otherwise a batch of 2, a prompt of 4 and an encoder
     input of 6 are used. Raises `ParityError` when a float32 export's logits
-    differ from Keras's by more than `FLOAT32_RTOL` of the largest logit, or
-    when a quantized one (or a float16 cache) picks Keras's next token at
-    fewer positions than `DEFAULT_MIN_AGREEMENT`.
+    differ from Keras's by more than `FLOAT32_RTOL` of the largest logit.
+    Quantized weights or a float16 cache are reported, not checked: the
+    share of positions whose next token (argmax) equals Keras's
+    (`agreement`), and the largest logit error.
     """
     batch = batch_size or 2
     length = max(2, min(max_length, VERIFY_LENGTH))
@@ -117,14 +120,10 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
                 f"{error:.3g} > atol={atol:.3g} on the verification sequence "
                 f"(batch {batch}, {length} tokens); nothing was written.")
         return checks, atol, None, None
-    threshold = DEFAULT_MIN_AGREEMENT[quantization or "float16"]
-    if not agreement >= threshold:
-        raise ParityError(
-            f"The {fmt} prefill/decode export (quantization={quantization}, "
-            f"cache_dtype={cache_dtype}) picks Keras's next token at {agreement:.3f} of "
-            f"the positions < {threshold} (max logit error {error:.3g}); nothing was "
-            "written.")
-    return checks, None, agreement, threshold
+    # Reported, not checked: on random ids (far from what a trained model
+    # reads) the share of equal next tokens says little about a quantized
+    # model's quality, which its own data measures.
+    return checks, None, agreement, None
 
 
 def _check(name, inputs, got, reference, steps=1):
