@@ -219,3 +219,21 @@ def test_windowed_layers_have_ring_caches(family):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         assert tuple(keys.shape) == (2, window if windowed else 16, config.num_key_value_heads, head_dim)
         assert tuple(values.shape) == tuple(keys.shape)
+
+
+@pytest.mark.parametrize("build, match", [
+    # A scaled local rotary base: only the global one takes `rope_scaling`.
+    (lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**COMMON, **FAMILIES["gemma3"][2], "rope_scaling": None},
+        rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+     r"rope_parameters.sliding_attention"),
+    (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **{**COMMON, **FAMILIES["qwen3"][2]}, rope_scaling=dict(rope_type="yarn", factor=2.0))),
+     r"rope_scaling.*yarn"),
+    (lambda: transformers.Gemma2Model(transformers.Gemma2Config(**{**COMMON, **FAMILIES["gemma2"][2]})),
+     r"Received: architecture='Gemma2Model'"),
+])
+def test_refuses_what_it_cannot_represent(build, match):
+    with pytest.raises(ValueError, match=match):
+        from_huggingface(build())
