@@ -449,10 +449,28 @@ class DecoderOnlyLM(_LMBase):
     - `rope_max_wavelength`, `rope_scaling`: of the `RotaryEmbedding`
       (`position="rotary"`);
     - `embedding_scale`: multiplies the token embeddings before the first
-      block (Gemma: `sqrt(hidden_dim)`); a tied head uses the unscaled table.
+      block (Gemma: `sqrt(hidden_dim)`); a tied head uses the unscaled table;
+    - `use_qk_norm`, `use_sandwich_norm`: passed to the blocks (RMSNorm of
+      each query and key head; a norm after each residual branch too);
+    - `attention_logit_soft_cap`: the blocks' `logit_soft_cap`;
+      `final_logit_soft_cap`: the output logits become `cap * tanh(x / cap)`
+      (Gemma 2);
+    - `partial_rotary_factor`: of the `RotaryEmbedding` (Phi-3).
+
+    Per layer (decoder-only):
+
+    - `sliding_window`: an int for every layer, or a list with one int or
+      None (full attention) per layer (Gemma 2/3, Qwen3); `init_cache` gives
+      each windowed layer a ring buffer of its window;
+    - `local_rope_max_wavelength`: the rotary base of the windowed layers,
+      without `rope_scaling` (Gemma 3's `rope_local_base_freq`); None: the
+      model's;
+    - `rotary_layers`: None, or a list of one bool per layer, False for a
+      layer without rotary positions (SmolLM3's `no_rope_layers`).
 
     `keras_attn.convert.from_huggingface` builds one from a Llama, Mistral,
-    Qwen2 or Gemma `*ForCausalLM` with these options.
+    Qwen2/3, Gemma (1, 2, 3), SmolLM3 or Phi-3 `*ForCausalLM` with these
+    options.
 
     Example:
 
