@@ -330,3 +330,12 @@ def test_decoder_lm_per_layer_config_and_errors():
         DecoderOnlyLM(**kwargs, final_logit_soft_cap=-2.0)
     with pytest.raises(ValueError, match="position='rotary'"):
         DecoderOnlyLM(**dict(kwargs, position="learned"), local_rope_max_wavelength=10.0)
+
+
+def test_caches_of_different_lengths_are_not_stacked():
+    """The runtimes' one-tensor cache layout needs one length for every layer."""
+    from keras_attn.generation import cache as cache_lib
+
+    caches = _per_layer_lm().init_cache(1, 8)
+    with pytest.raises(ValueError, match=r"cache lengths per layer: \[3, 8, 3\]"):
+        cache_lib.stack_cache(caches)
