@@ -48,10 +48,12 @@ FAMILIES = {
         sliding_window=4, query_pre_attn_scalar=4, attn_logit_softcapping=3.0,
         final_logit_softcapping=2.5, tie_word_embeddings=False)),
     # QK-norm, sandwich norms, local and global rotary bases (the global one
-    # linearly scaled), sliding window 4 on 2 of 3 layers.
+    # linearly scaled), sliding window 4 on 2 of 3 layers, a final soft cap
+    # (an attention cap in the config, which Gemma 3's attention ignores).
     "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, dict(
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
         sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=16,
+        attn_logit_softcapping=1.0, final_logit_softcapping=4.0,
         rope_local_base_freq=100.0, rope_theta=1000.0,
         rope_scaling=dict(rope_type="linear", factor=2.0), tie_word_embeddings=False)),
     # Layers 0 and 2 rotary, 1 and 3 not.

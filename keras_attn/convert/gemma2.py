@@ -11,8 +11,9 @@ RMSNorm scale `1 + w`) with what Gemma 2 and 3 add.
   is multiplied by `sqrt(head_dim / query_pre_attn_scalar)` (in the query
   kernel for Gemma 2, in the query norm's scale for Gemma 3, whose query
   is normalised after the projection);
-- Gemma 2: attention-logit and final-logit soft-capping
-  (`attn_logit_softcapping`, `final_logit_softcapping`: `cap * tanh(x / cap)`);
+- attention-logit and final-logit soft-capping (`attn_logit_softcapping`,
+  `final_logit_softcapping`: `cap * tanh(x / cap)`); Gemma 3 applies only
+  the final one (its attention ignores `attn_logit_softcapping`);
 - Gemma 3: an RMSNorm over each query and key head (`use_qk_norm`), and two
   rotary bases: `rope_parameters["sliding_attention"]` (`rope_local_base_freq`,
   unscaled) on the sliding layers, `rope_parameters["full_attention"]`
@@ -59,7 +60,8 @@ class Gemma2Converter(gemma.GemmaConverter):
         options = super().model_options()
         options.update(
             use_sandwich_norm=True,
-            attention_logit_soft_cap=getattr(config, "attn_logit_softcapping", None),
+            # Gemma 3 keeps the field but its attention does not cap (transformers' Gemma3Attention).
+            attention_logit_soft_cap=None if self.gemma3 else getattr(config, "attn_logit_softcapping", None),
             final_logit_soft_cap=getattr(config, "final_logit_softcapping", None),
         )
         if self.gemma3:
