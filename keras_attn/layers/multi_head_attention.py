@@ -72,7 +72,6 @@ class MultiHeadAttention(keras.layers.Layer):
             exact attention blocked over queries and keys (see
             `keras_attn.ops.dot_product_attention`); None uses it only for
             long sequences, 0 never.
-        output_use_bias: see above.
         use_qk_norm: an RMSNorm (`keras.layers.RMSNormalization`, sublayers
             `query_norm` and `key_norm`, a scale of `key_dim` each) over each
             projected query and key head, before the rotary embedding
