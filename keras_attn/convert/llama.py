@@ -1,5 +1,6 @@
 """Llama-like decoders (Llama, Mistral, Qwen2) onto `DecoderOnlyLM`; the base
-that other decoder families (`gemma.py`) subclass.
+that other decoder families (`gemma.py`, `gemma2.py`, `qwen3.py`,
+`smollm3.py`, `phi3.py`) subclass.
 
 All are the same network with different switches: pre-norm blocks with
 RMSNorm, a gated feed-forward (SwiGLU), rotary positions (with the config's
@@ -10,9 +11,10 @@ field the result would not honour is refused by name.
 
 `LlamaConverter` is the conversion in overridable pieces, as the ONNX
 Runtime GenAI model builder writes its families: `check_config`,
-`activation`, `model_options` (the `DecoderOnlyLM` arguments),
-`norm_scale` (a checkpoint norm weight into an RMSNorm scale) and
-`set_block` (one block's tensors). A family that differs in a piece
+`activation`, `rope` (base and scaling), `sliding_window` (one window, or
+one per layer from `layer_types`), `model_options` (the `DecoderOnlyLM`
+arguments), `norm_scale` (a checkpoint norm weight into an RMSNorm scale),
+`set_attention` (one attention's tensors) and `set_block` (one block's). A family that differs in a piece
 subclasses it and overrides that piece only.
 
 | Hugging Face tensor (prefix `model.`)       | keras_attn variable (`DecoderOnlyLM`)                    |
