@@ -271,7 +271,8 @@ def test_int8_weights_keep_keras_next_tokens_on_any_cpu(trained_dates_lm, tmp_pa
 # Converted families whose head size GroupQueryAttention takes (multiples of
 # 16): the fused writer, no tf2onnx. Mistral's window is shorter than the
 # generation, Qwen2 has q/k/v biases and one key/value head, Gemma scales its
-# embeddings and gates with tanh-GELU.
+# embeddings and gates with tanh-GELU; the windows of Qwen3 and Gemma 2/3 are
+# on some layers only (a cache of one length, the window inside the kernel).
 FUSED_FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1)),
@@ -279,6 +280,31 @@ FUSED_FAMILIES = {
                 dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6)),
     "gemma": ("GemmaForCausalLM", "GemmaConfig",
               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)),
+    # QK-norm; a window on the second layer only.
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
+              dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                   sliding_window=6, max_window_layers=1, tie_word_embeddings=False)),
+    # Sandwich norms, soft caps, sliding and full layers.
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
+                    query_pre_attn_scalar=16, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=5.0, tie_word_embeddings=False)),
+    # QK-norm, sandwich norms, local and global rotary bases.
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
+                    sliding_window_pattern=2, rope_local_base_freq=100.0, tie_word_embeddings=False)),
+    # A layer without rotary positions.
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config",
+                dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
+                     tie_word_embeddings=False)),
+    # Rotary on half of each head, LongRoPE's short factors (the cache stays
+    # within the original length).
+    "phi3": ("Phi3ForCausalLM", "Phi3Config",
+             dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5,
+                  max_position_embeddings=128, original_max_position_embeddings=64,
+                  rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                    long_factor=[2.0] * 8),
+                  tie_word_embeddings=False)),
 }
 
 
