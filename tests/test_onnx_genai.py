@@ -13,7 +13,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.runtimes.onnx_genai import export_onnx_genai  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
-    EOS, MAX_LEN, VOCAB, hf_model, keras_tokens, scaled_lm, word_tokenizer)
+    EOS, HF_FAMILIES, MAX_LEN, hf_family, hf_model, keras_tokens, scaled_lm, word_tokenizer)
 
 
 def genai_tokens(folder, prompt_ids, max_length):
@@ -268,48 +268,8 @@ def test_int8_weights_keep_keras_next_tokens_on_any_cpu(trained_dates_lm, tmp_pa
     assert same / total >= 0.9, same / total
 
 
-# Converted families whose head size GroupQueryAttention takes (multiples of
-# 16): the fused writer, no tf2onnx. Mistral's window is shorter than the
-# generation, Qwen2 has q/k/v biases and one key/value head, Gemma scales its
-# embeddings and gates with tanh-GELU; the windows of Qwen3 and Gemma 2/3 are
-# on some layers only (a cache of one length, the window inside the kernel).
-FUSED_FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1)),
-    "mistral": ("MistralForCausalLM", "MistralConfig",
-                dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6)),
-    "gemma": ("GemmaForCausalLM", "GemmaConfig",
-              dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)),
-    # QK-norm; a window on the second layer only.
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
-              dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
-                   sliding_window=6, max_window_layers=1, tie_word_embeddings=False)),
-    # Sandwich norms, soft caps, sliding and full layers.
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
-               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
-                    query_pre_attn_scalar=16, attn_logit_softcapping=3.0,
-                    final_logit_softcapping=5.0, tie_word_embeddings=False)),
-    # QK-norm, sandwich norms, local and global rotary bases.
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
-               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
-                    sliding_window_pattern=2, rope_local_base_freq=100.0, tie_word_embeddings=False)),
-    # A layer without rotary positions.
-    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config",
-                dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
-                     tie_word_embeddings=False)),
-    # Rotary on half of each head, LongRoPE's short factors (the cache stays
-    # within the original length).
-    "phi3": ("Phi3ForCausalLM", "Phi3Config",
-             dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5,
-                  max_position_embeddings=128, original_max_position_embeddings=64,
-                  rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
-                                    long_factor=[2.0] * 8),
-                  tie_word_embeddings=False)),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FUSED_FAMILIES))
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def test_fused_graph_generates_hf_tokens(tmp_path, family):
     """From text: GenAI's tokens over the fused graph = transformers'
     `generate(do_sample=False)` = Keras's greedy search."""
@@ -317,16 +277,11 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
 
     import onnx
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
-    model_cls, config_cls, extra = FUSED_FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-        initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, **extra)
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(config).eval()
+    hf = hf_family(family)
     lm = from_huggingface(hf)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to tf2onnx

@@ -345,7 +345,7 @@ class _LMBase(keras.Model):
             ring = window is not None and window == length
             cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
 
-    def init_cache(self, batch_size, max_length, dtype="float32"):
+    def init_cache(self, batch_size, max_length, dtype="float32", ring_buffers=True):
         """Zero caches for `max_length` positions.
 
         A layer with a `sliding_window` shorter than `max_length` gets a
@@ -353,10 +353,15 @@ class _LMBase(keras.Model):
         (slot = position mod window), so its memory stays bounded however
         long the generation. With a window per layer, windowed layers' caches
         are rings and the others hold `max_length` positions.
+        `ring_buffers=False` gives every layer `max_length` positions, the
+        window then a band over them (one cache length for every layer, as
+        the LLM runtimes' cache layouts need).
         """
+        _checks.check_bool("ring_buffers", ring_buffers)
         return [
             cache_lib.empty_cache(
-                batch_size, max_length if window is None else min(max_length, window), 1,
+                batch_size,
+                max_length if window is None or not ring_buffers else min(max_length, window), 1,
                 self.num_key_value_heads, self.head_dim, dtype,
             )[0]
             for window in self.layer_sliding_windows()
