@@ -203,6 +203,18 @@ def check_sliding_window(sliding_window):
     return sliding_window
 
 
+def check_soft_cap(name, value):
+    """None or a positive float (a logit soft cap `cap * tanh(x / cap)`), returned."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected None or a "
+            f"positive number. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
 def check_chunk_size(chunk_size, name="chunk_size"):
     """The block sizes of the blocked attention path: None, 0 (never
     blocked), a positive int or a pair `(q_chunk, k_chunk)`. Returns None, 0

@@ -62,8 +62,8 @@ def set_attention_implementation(name):
 
     A forced kernel runs every call it can serve, whatever the call's
     `chunk_size` (which only guides `"auto"`). The blocked and `"keras"`
-    kernels never build the score matrix, so calls that return it or apply
-    dropout to it run on `"reference"`; `keras_attn.ops.last_kernel()` tells
+    kernels never build the score matrix, so calls that return it, apply
+    dropout to it or soft-cap the logits run on `"reference"`; `keras_attn.ops.last_kernel()` tells
     which one ran.
     """
     _state["implementation"] = None if name is None else _check_implementation(name)

@@ -24,6 +24,7 @@ BACKEND_AGNOSTIC_FILES = {
     "test_blocks.py",
     "test_cache_masks.py",
     "test_errors.py",
+    "test_family_options.py",
     "test_mha_keras_compat.py",
     "test_onnx_decoder.py",
     "test_ops.py",

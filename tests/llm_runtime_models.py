@@ -74,3 +74,57 @@ def hf_model(family):
             num_key_value_heads=2, intermediate_size=64, initializer_range=0.2,
             bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0))
     return hf.eval()
+
+
+# Small random checkpoints of the decoder families keras_attn.convert takes,
+# with head sizes ONNX Runtime's GroupQueryAttention takes (multiples of 16).
+# Mistral's window is shorter than the generation, Qwen2 has q/k/v biases and
+# one key/value head, Gemma scales its embeddings and gates with tanh-GELU;
+# the windows of Qwen3 and Gemma 2/3 are on some layers only.
+HF_FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "mistral": ("MistralForCausalLM", "MistralConfig",
+                dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig",
+              dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)),
+    # QK-norm; a window on the second layer only.
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
+              dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                   sliding_window=6, max_window_layers=1, tie_word_embeddings=False)),
+    # Sandwich norms, soft caps, sliding and full layers.
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
+                    query_pre_attn_scalar=16, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=5.0, tie_word_embeddings=False)),
+    # QK-norm, sandwich norms, local and global rotary bases.
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
+                    sliding_window_pattern=2, rope_local_base_freq=100.0, tie_word_embeddings=False)),
+    # A layer without rotary positions.
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config",
+                dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
+                     tie_word_embeddings=False)),
+    # Rotary on half of each head, LongRoPE's short factors (the cache stays
+    # within the original length).
+    "phi3": ("Phi3ForCausalLM", "Phi3Config",
+             dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5,
+                  max_position_embeddings=128, original_max_position_embeddings=64,
+                  rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                    long_factor=[2.0] * 8),
+                  tie_word_embeddings=False)),
+}
+
+
+def hf_family(name):
+    """A seeded random Hugging Face causal LM of `HF_FAMILIES[name]` on this
+    vocabulary (EOS = stop token), in eval mode."""
+    import torch
+    import transformers
+
+    model_cls, config_cls, extra = HF_FAMILIES[name]
+    config = getattr(transformers, config_cls)(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+        initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).eval()

@@ -52,8 +52,28 @@ def test_refused_by_name_with_the_value(model_type, architecture, match):
         registry.find(checkpoint(model_type, architecture))
 
 
+@pytest.mark.parametrize("model_type, architecture, match", [
+    ("qwen3_moe", "Qwen3MoeForCausalLM", r"`model_type`='qwen3_moe' is a mixture-of-experts"),
+    ("qwen3_next", "Qwen3NextForCausalLM", r"`model_type`='qwen3_next' has linear-attention"),
+    ("qwen3_5_text", "Qwen3_5ForCausalLM", r"`model_type`='qwen3_5_text' has linear-attention"),
+    ("gemma3n_text", "Gemma3nForCausalLM", r"`model_type`='gemma3n_text' has AltUp and Laurel"),
+    ("gemma3", "Gemma3ForConditionalGeneration",
+     r"`model_type`='gemma3' has a vision tower.*Gemma3ForCausalLM"),
+    ("phimoe", "PhimoeForCausalLM", r"`model_type`='phimoe' is a mixture-of-experts"),
+])
+def test_relatives_that_cannot_be_represented_are_refused_by_what_they_have(
+        model_type, architecture, match):
+    with pytest.raises(ValueError, match=match):
+        registry.find(checkpoint(model_type, architecture))
+
+
 def test_the_table_finds_each_family_by_model_type_and_architecture():
     assert registry.find(checkpoint("xlm-roberta", "XLMRobertaForSequenceClassification")).name == "BERT"
+    assert registry.find(checkpoint("qwen3", "Qwen3ForCausalLM")).name == "Qwen3"
+    assert registry.find(checkpoint("gemma3_text", "Gemma3ForCausalLM")).name == "Gemma 2/3"
+    assert registry.find(checkpoint("gemma2", "Gemma2ForCausalLM")).name == "Gemma 2/3"
+    assert registry.find(checkpoint("smollm3", "SmolLM3ForCausalLM")).name == "SmolLM3"
+    assert registry.find(checkpoint("phi3", "Phi3ForCausalLM")).name == "Phi-3"
     assert registry.find(checkpoint("qwen2", "Qwen2ForCausalLM")).name == "Llama"
     assert registry.find(checkpoint("gemma", "GemmaForCausalLM")).name == "Gemma"
     assert registry.find(checkpoint("t5", "T5EncoderModel")).name == "T5"

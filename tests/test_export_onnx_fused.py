@@ -133,6 +133,18 @@ def test_unsupported_layer_falls_back_to_tf2onnx_with_a_warning(tmp_path):
     tolerance.assert_close(got, np.asarray(model(feed)), terms=tolerance.LAYER_TERMS)
 
 
+@pytest.mark.parametrize("option", [dict(use_qk_norm=True), dict(use_sandwich_norm=True),
+                                    dict(logit_soft_cap=2.0)])
+def test_block_options_the_fused_kernels_lack_are_refused_by_name(option):
+    from keras_attn.export.onnx_fused import NotFusableError, fused_model_proto
+
+    inputs = keras.Input((None, DIM), name="x")
+    block = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalize_first=True, **option)
+    model = keras.Model(inputs, block(inputs))
+    with pytest.raises(NotFusableError, match=list(option)[0]):
+        fused_model_proto(model, opset=17, check_ids="clamp")
+
+
 def test_fused_must_be_a_bool(post_norm, tmp_path):
     with pytest.raises(ValueError, match=r"`fused`.*fused='yes'"):
         export_onnx(post_norm[0], tmp_path / "m.onnx", fused="yes")

@@ -153,10 +153,6 @@ def test_refuses_what_litertlm_cannot_carry(tmp_path):
     s2s = Seq2SeqLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
     with pytest.raises(ValueError, match="decoder-only"):
         export_litertlm(s2s, tmp_path / "a.litertlm", tokenizer=tok, max_length=8)
-    windowed = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
-                             sliding_window=4)
-    with pytest.raises(ValueError, match="sliding_window"):
-        export_litertlm(windowed, tmp_path / "a.litertlm", tokenizer=tok, max_length=8)
     learned = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
                             position="learned")
     with pytest.raises(ValueError, match="max_length \\+ max\\(prefill_lengths\\) - 1 = 23"):
@@ -194,6 +190,39 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
     want = [int(t) for t in hf_out.numpy()[0, len(prompt):]]
     want = want[:want.index(EOS)] if EOS in want else want
     assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 4
+    engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
+    try:
+        assert litertlm.generate(path, text, engine=engine) == engine.detokenize(want)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_windowed_models_generate_hf_tokens(tmp_path, family):
+    """Sliding windows shorter than the generation, on every layer (Mistral)
+    or on some layers beside full ones (Gemma 3: QK-norm, sandwich norms,
+    two rotary bases): the bundle's caches hold every position and the
+    window is a band over them; LiteRT-LM's text = transformers' greedy
+    `generate`."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from keras_attn.convert import from_huggingface
+    from tests.llm_runtime_models import hf_family
+
+    hf = hf_family(family)
+    lm = from_huggingface(hf)
+    path = tmp_path / "windowed.litertlm"
+    export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
+                    prefill_lengths=(8, 16), bos_token_id=EOS, stop_token_ids=[EOS])
+    text = "the red cat sat on the big mat then"
+    prompt = [EOS] + word_tokenizer().encode(text).ids
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), do_sample=False,
+                             max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
+    want = [int(t) for t in hf_out.numpy()[0, len(prompt):]]
+    want = want[:want.index(EOS)] if EOS in want else want
+    assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 8
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
         assert litertlm.generate(path, text, engine=engine) == engine.detokenize(want)

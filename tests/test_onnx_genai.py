@@ -13,7 +13,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.runtimes.onnx_genai import export_onnx_genai  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
-    EOS, MAX_LEN, VOCAB, hf_model, keras_tokens, scaled_lm, word_tokenizer)
+    EOS, HF_FAMILIES, MAX_LEN, hf_family, hf_model, keras_tokens, scaled_lm, word_tokenizer)
 
 
 def genai_tokens(folder, prompt_ids, max_length):
@@ -268,22 +268,8 @@ def test_int8_weights_keep_keras_next_tokens_on_any_cpu(trained_dates_lm, tmp_pa
     assert same / total >= 0.9, same / total
 
 
-# Converted families whose head size GroupQueryAttention takes (multiples of
-# 16): the fused writer, no tf2onnx. Mistral's window is shorter than the
-# generation, Qwen2 has q/k/v biases and one key/value head, Gemma scales its
-# embeddings and gates with tanh-GELU.
-FUSED_FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1)),
-    "mistral": ("MistralForCausalLM", "MistralConfig",
-                dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6)),
-    "gemma": ("GemmaForCausalLM", "GemmaConfig",
-              dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FUSED_FAMILIES))
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def test_fused_graph_generates_hf_tokens(tmp_path, family):
     """From text: GenAI's tokens over the fused graph = transformers'
     `generate(do_sample=False)` = Keras's greedy search."""
@@ -291,16 +277,11 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
 
     import onnx
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
-    model_cls, config_cls, extra = FUSED_FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-        initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, **extra)
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(config).eval()
+    hf = hf_family(family)
     lm = from_huggingface(hf)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to tf2onnx

@@ -24,12 +24,18 @@ its tensor name mapping):
   `*ForCausalLM`: a `DecoderOnlyLM` with RMSNorm, gated feed-forward, rotary
   positions (with the config's `rope_scaling`), grouped-query heads, the
   family's biases and window.
+- **Qwen3** (`qwen3.py`), **Gemma 2 and Gemma 3 text** (`gemma2.py`),
+  **SmolLM3** (`smollm3.py`), **Phi-3 / Phi-4-mini** (`phi3.py`)
+  `*ForCausalLM`: the same, plus what each adds (QK-norm, sandwich norms,
+  soft-capping, per-layer windows and rotary bases, rotary-free layers,
+  fused projections, partial rotary, LongRoPE).
 - **T5** (`T5ForConditionalGeneration`, `T5EncoderModel`; `t5.py`): a
   `Seq2SeqLM` with relative position buckets, or a functional encoder.
 
 What the converter cannot represent, it refuses with a ValueError naming
 the config field (e.g. `position_embedding_type="relative_key"`,
-`add_cross_attention=True`, an unknown `hidden_act`), the `model_type` or
+`add_cross_attention=True`, an unknown `hidden_act`, `model_type="qwen3_moe"`
+with what it has), the `model_type` or
 the architecture. Every tensor of the checkpoint must be consumed by the
 family's mapping, else a ValueError lists the leftovers (an unsupported
 head, say).

@@ -1,5 +1,6 @@
 """Llama-like decoders (Llama, Mistral, Qwen2) onto `DecoderOnlyLM`; the base
-that other decoder families (`gemma.py`) subclass.
+that other decoder families (`gemma.py`, `gemma2.py`, `qwen3.py`,
+`smollm3.py`, `phi3.py`) subclass.
 
 All are the same network with different switches: pre-norm blocks with
 RMSNorm, a gated feed-forward (SwiGLU), rotary positions (with the config's
@@ -10,9 +11,10 @@ field the result would not honour is refused by name.
 
 `LlamaConverter` is the conversion in overridable pieces, as the ONNX
 Runtime GenAI model builder writes its families: `check_config`,
-`activation`, `model_options` (the `DecoderOnlyLM` arguments),
-`norm_scale` (a checkpoint norm weight into an RMSNorm scale) and
-`set_block` (one block's tensors). A family that differs in a piece
+`activation`, `rope` (base and scaling), `sliding_window` (one window, or
+one per layer from `layer_types`), `model_options` (the `DecoderOnlyLM`
+arguments), `norm_scale` (a checkpoint norm weight into an RMSNorm scale),
+`set_attention` (one attention's tensors) and `set_block` (one block's). A family that differs in a piece
 subclasses it and overrides that piece only.
 
 | Hugging Face tensor (prefix `model.`)       | keras_attn variable (`DecoderOnlyLM`)                    |
@@ -34,26 +36,32 @@ import numpy as np
 from keras_attn.convert import common
 from keras_attn.generation.models import DecoderOnlyLM
 
-_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
-def rope(config):
+def rope(config, params=None, rope_types=ROPE_TYPES):
     """`(rope_theta, rope_scaling or None)` from `rope_parameters` (transformers
-    >= 5) or the older `rope_theta` / `rope_scaling` fields."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None)
-    if not params and legacy:
-        params = dict(legacy)
+    >= 5) or the older `rope_theta` / `rope_scaling` fields; `params`: one
+    layer type's `rope_parameters` (Gemma 3) instead of the config's."""
+    if params is None:
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        legacy = getattr(config, "rope_scaling", None)
+        if not params and legacy:
+            params = dict(legacy)
+    params = dict(params)
+    params.pop("partial_rotary_factor", None)  # RotaryEmbedding's own argument
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _ROPE_TYPES:
-        common.refuse("rope_scaling", params, f"has a rope_type keras_attn does not represent (supported: {list(_ROPE_TYPES)})")
+    if kind not in rope_types:
+        common.refuse("rope_scaling", params, f"has a rope_type keras_attn does not represent (supported: {list(rope_types)})")
     if kind == "default":
         return theta, None
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
     scaling["rope_type"] = kind
     if kind in ("dynamic", "llama3"):
         scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if kind == "longrope":  # its attention factor is RotaryEmbedding's
+        return theta, scaling
     for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
         if scaling.get(key) not in (None, 1.0):
             common.refuse(f"rope_scaling.{key}", scaling[key], "is not represented")
@@ -63,6 +71,10 @@ def rope(config):
 
 class LlamaConverter:
     """One Llama-like `*ForCausalLM` checkpoint into a `DecoderOnlyLM`."""
+
+    # What a subclass represents that Llama has not: refused here otherwise.
+    soft_capping = False
+    partial_rotary = False
 
     def __init__(self, checkpoint):
         self.checkpoint = checkpoint
@@ -75,14 +87,17 @@ class LlamaConverter:
     def check_config(self):
         """Refuses, by name, the config fields the result would not honour."""
         config = self.config
-        if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        if not self.partial_rotary and getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
             common.refuse("partial_rotary_factor", config.partial_rotary_factor,
                           "is not represented (rotary on every feature only)")
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             common.refuse("pretraining_tp", config.pretraining_tp, "is not supported")
         if getattr(config, "use_bidirectional_attention", None):
             common.refuse("use_bidirectional_attention", True, "is not supported (causal decoders only)")
-        if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        if not self.soft_capping and (
+            getattr(config, "attn_logit_softcapping", None)
+            or getattr(config, "final_logit_softcapping", None)
+        ):
             common.refuse("attn_logit_softcapping", config.attn_logit_softcapping, "is not supported")
         if self.model_type == "qwen2":
             layer_types = getattr(config, "layer_types", None) or []
@@ -100,8 +115,8 @@ class LlamaConverter:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
             common.refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads={heads}")
-        theta, scaling = rope(config)
-        qwen2 = self.model_type == "qwen2"
+        theta, scaling = self.rope()
+        qwen2 = self.model_type == "qwen2"  # biased q/k/v, whatever `attention_bias` says
         attention_bias = True if qwen2 else bool(getattr(config, "attention_bias", False))
         pad = getattr(config, "pad_token_id", None)
         return dict(
@@ -110,7 +125,7 @@ class LlamaConverter:
             num_key_value_heads=kv_heads, intermediate_dim=config.intermediate_size,
             head_dim=getattr(config, "head_dim", None) or hidden // heads, position="rotary",
             rope_max_wavelength=theta, rope_scaling=scaling,
-            sliding_window=getattr(config, "sliding_window", None) if self.model_type == "mistral" else None,
+            sliding_window=self.sliding_window(),
             activation=self.activation(), layer_norm_epsilon=config.rms_norm_eps,
             normalization="rms_norm", use_gated_feedforward=True,
             attention_use_bias=attention_bias,
@@ -121,18 +136,43 @@ class LlamaConverter:
             name=f"{self.model_type}_keras_attn",
         )
 
+    def rope(self):
+        """`(rope_max_wavelength, rope_scaling)` of the model (`rope`)."""
+        return rope(self.config)
+
+    def sliding_window(self):
+        """`DecoderOnlyLM(sliding_window=...)`: Mistral's window on every
+        layer; with `layer_types` (Qwen3, Gemma 2/3, SmolLM3), the window on
+        the "sliding_attention" layers only."""
+        config = self.config
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if self.model_type == "mistral" or window is None:
+            return window if self.model_type == "mistral" else None
+        if not layer_types or not getattr(config, "use_sliding_window", True):
+            return None
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            common.refuse("layer_types", layer_types, f"has layer types keras_attn does not represent: {unknown}")
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+        return windows if any(w is not None for w in windows) else None
+
     def norm_scale(self, weight):
         """The RMSNorm scale of a checkpoint norm weight."""
         return weight
 
+    def set_attention(self, attention, prefix):
+        """The attention projections (`prefix` = `model.layers.i.self_attn.`)."""
+        linear = self.weights.linear
+        common.set_attention(
+            attention, linear(prefix + "q_proj"), linear(prefix + "k_proj"),
+            linear(prefix + "v_proj"), linear(prefix + "o_proj"),
+        )
+
     def set_block(self, block, prefix):
         """Copies one decoder block's tensors (`prefix` = `model.layers.i.`)."""
         linear = self.weights.linear
-        common.set_attention(
-            block.self_attention,
-            linear(prefix + "self_attn.q_proj"), linear(prefix + "self_attn.k_proj"),
-            linear(prefix + "self_attn.v_proj"), linear(prefix + "self_attn.o_proj"),
-        )
+        self.set_attention(block.self_attention, prefix + "self_attn.")
         self.set_norm(block.self_attention_layer_norm, prefix + "input_layernorm")
         self.set_norm(block.feedforward_layer_norm, prefix + "post_attention_layernorm")
         for dense, name in (

@@ -10,17 +10,23 @@ graph with tf2onnx:
 - per block, `SimplifiedLayerNormalization` (the first) or
   `SkipSimplifiedLayerNormalization` (residual add and RMSNorm in one
   kernel); one packed Q/K/V `MatMul` (+ its bias); `com.microsoft`
-  `GroupQueryAttention` with `do_rotary=1` and cos/sin caches, grouped or
-  multi-query heads, the block's `sliding_window` as `local_window_size`,
+  `GroupQueryAttention` with `do_rotary=1` and the layer's cos/sin caches
+  (per-layer rotary bases, partial rotary; `do_rotary=0` on layers without
+  rotary), grouped or multi-query heads, the layer's `sliding_window` as
+  `local_window_size`, QK-norm as its `q_norm_weight`/`k_norm_weight` (Q, K
+  and V then split from the packed product), `logit_soft_cap` as `softcap`,
   the past/present caches `(B, H_kv, max_length, head_dim)` in one shared
-  buffer; the output projection; the feed-forward (gated or not);
-- the final RMSNorm and the head (the transposed table when tied).
+  buffer; the output projection; the feed-forward (gated or not); the
+  sandwich norms after each branch where the block has them;
+- the final RMSNorm, the head (the transposed table when tied) and the
+  final soft cap.
 
 `seqlens_k` (tokens per row minus one) and `total_sequence_length` come from
 `attention_mask`, as in the builder's graph. The rotary caches are the
 model's own `RotaryEmbedding` evaluated at every position, so any static
 `rope_scaling` (linear, llama3) is exact; dynamic NTK scaling, which depends
-on the call's length, is not representable and is refused.
+on the call's length, is not representable and is refused, as is LongRoPE
+past its original length (its factors switch with the call's length).
 
 Weights are float32 `MatMul`s, or `com.microsoft` `MatMulNBits` with
 `bits=8` or `4` (symmetric blocks along the input axis,
@@ -58,7 +64,9 @@ _KNOWN_MODEL_KEYS = {
     "attention_use_bias", "attention_output_use_bias", "feedforward_use_bias",
     "lm_head_use_bias", "rope_max_wavelength", "rope_scaling", "embedding_scale",
     "relative_attention_num_buckets", "relative_attention_max_distance",
-    "share_embeddings", "num_decoder_layers",
+    "share_embeddings", "num_decoder_layers", "use_qk_norm", "use_sandwich_norm",
+    "attention_logit_soft_cap", "final_logit_soft_cap", "local_rope_max_wavelength",
+    "rotary_layers", "partial_rotary_factor",
 }
 # Self-attention options (MultiHeadAttention.get_config) the writer honours.
 _KNOWN_ATTENTION_KEYS = {
@@ -66,14 +74,15 @@ _KNOWN_ATTENTION_KEYS = {
     "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
     "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
     "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
-    "output_shape", "attention_axes", "rotary_embedding",
+    "output_shape", "attention_axes", "rotary_embedding", "use_qk_norm", "qk_norm_epsilon",
+    "logit_soft_cap",
 }
 _ROTARY_PROBE_POSITIONS = 512
 
 
-def check_fusable_decoder(model):
+def check_fusable_decoder(model, max_length=None):
     """Raises `NotFusableError` naming the first option of `model` the fused
-    decoder writer does not cover."""
+    decoder writer does not cover (for a cache of `max_length`, when given)."""
     from keras_attn.generation.models import DecoderOnlyLM
 
     if not isinstance(model, DecoderOnlyLM):
@@ -91,6 +100,17 @@ def check_fusable_decoder(model):
     scaling = model.rope_scaling or {}
     if scaling.get("rope_type") == "dynamic":
         raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
+    rotary_dim = int(model.head_dim * model.partial_rotary_factor)
+    if rotary_dim % 16:
+        raise NotFusableError(
+            f"partial_rotary_factor={model.partial_rotary_factor} rotates {rotary_dim} of "
+            f"{model.head_dim} features (GroupQueryAttention needs a multiple of 16)")
+    if scaling.get("rope_type") == "longrope" and (
+            max_length is None or max_length > scaling["original_max_position_embeddings"]):
+        raise NotFusableError(
+            f"rope_scaling of type 'longrope' with max_length={max_length} past "
+            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
+            "(its factors switch with the call's length)")
     if activation_name(model.blocks[0].feedforward_intermediate_dense.activation
                        if not model.use_gated_feedforward
                        else model.blocks[0].feedforward_gate_dense.activation) is None:
@@ -129,20 +149,21 @@ def _bias(dense):
 
 
 def rotary_caches(rotary, head_dim, max_length):
-    """`(cos, sin)`, each `(max_length, head_dim / 2)`: the angles keras_attn's
-    `RotaryEmbedding` uses, read off the layer by rotating unit vectors (so
-    its scaling options are the layer's, not re-derived here)."""
-    half = head_dim // 2
+    """`(cos, sin)`, each `(max_length, rotary_dim / 2)`: the angles keras_attn's
+    `RotaryEmbedding` uses (times LongRoPE's attention factor), read off the
+    layer by rotating unit vectors (so its scaling options are the layer's,
+    not re-derived here)."""
+    half = rotary.rotary_dim(head_dim) // 2
     # One "head" per frequency i, holding the unit vector e_i: the rotated
     # vector is cos at feature i and sin at feature i + half.
     probe = np.zeros((1, 1, half, head_dim), np.float32)
-    probe[0, 0, np.arange(half), np.arange(half)] = 1.0
+    index = np.arange(half)
+    probe[0, 0, index, index] = 1.0
     cos, sin = [], []
     for start in range(0, max_length, _ROTARY_PROBE_POSITIONS):
         count = min(_ROTARY_PROBE_POSITIONS, max_length - start)
         rotated = _value(rotary(np.repeat(probe, count, axis=1), start_index=start))[0]
         # rotated: (count, half, head_dim)
-        index = np.arange(half)
         cos.append(rotated[:, index, index])
         sin.append(rotated[:, index, index + half])
     return np.concatenate(cos), np.concatenate(sin)
@@ -247,7 +268,7 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
     Raises:
         NotFusableError: `model` has an option the writer does not cover.
     """
-    check_fusable_decoder(model)
+    check_fusable_decoder(model, max_length)
     if bits not in (None, 4, 8):
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
@@ -261,7 +282,6 @@ def _decoder_graph(model, graph, max_length, opset):
     from onnx import helper
 
     heads, kv_heads, head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
-    eps = float(model.layer_norm_epsilon)
 
     # seqlens_k = tokens per row - 1; total_sequence_length = mask width.
     one = graph.const(np.array([1], np.int64), "/model/constants/INT64/[1]")
@@ -280,43 +300,72 @@ def _decoder_graph(model, graph, max_length, opset):
         scale = graph.const(np.array(model.embedding_scale, np.float32), "/model/constants/embedding_scale")
         x = graph.node("Mul", [x, scale], "/model/embed_tokens/Mul")
 
-    cos, sin = rotary_caches(model.blocks[0].self_attention.rotary_embedding, head_dim, max_length)
-    cos_name, sin_name = graph.const(cos, "cos_cache"), graph.const(sin, "sin_cache")
+    caches = {}  # id(RotaryEmbedding) -> (cos, sin) names: layers share their rotary
+
+    def rotary_inputs(rotary):
+        if rotary is None:
+            return ["", ""]
+        if id(rotary) not in caches:
+            cos, sin = rotary_caches(rotary, head_dim, max_length)
+            suffix = f"_{len(caches)}" if caches else ""
+            caches[id(rotary)] = [graph.const(cos, "cos_cache" + suffix), graph.const(sin, "sin_cache" + suffix)]
+        return caches[id(rotary)]
 
     residual, pending = x, None  # pending: the last sublayer output not yet added
-    for i, block in enumerate(model.blocks):
+    for i, (block, window) in enumerate(zip(model.blocks, model.layer_sliding_windows())):
         base = f"/model/layers.{i}"
         attention = block.self_attention
-        residual, h = _norm(graph, residual, pending, block.self_attention_layer_norm, eps, f"{base}/input_layernorm")
-        kernels = [_projection_kernel(d) for d in (attention.query_dense, attention.key_dense, attention.value_dense)]
-        biases = [_bias(d) for d in (attention.query_dense, attention.key_dense, attention.value_dense)]
+        residual, h = _norm(graph, residual, pending, block.self_attention_layer_norm, f"{base}/input_layernorm")
+        dense = (attention.query_dense, attention.key_dense, attention.value_dense)
+        kernels = [_projection_kernel(d) for d in dense]
+        biases = [_bias(d) for d in dense]
         packed_bias = None
         if any(b is not None for b in biases):
             packed_bias = np.concatenate([b if b is not None else np.zeros(k.shape[1], np.float32)
                                           for b, k in zip(biases, kernels)])
         qkv = graph.matmul(h, np.concatenate(kernels, axis=1), packed_bias, f"{base}/attn/qkv_proj")
-        window = attention.sliding_window
+        qkv_inputs = [qkv, "", ""]
+        if attention.query_norm is not None:
+            # QK-norm: RMSNorm over each head of Q and K, before the rotary
+            # inside GroupQueryAttention (whose own q/k norm inputs onnxruntime
+            # runs on CUDA and WebGPU only).
+            sizes = graph.const(np.array([k.shape[1] for k in kernels], np.int64), f"{base}/attn/qkv_sizes")
+            q, k, v = graph.node("Split", [qkv, sizes], f"{base}/attn/qkv_proj/Split", outputs=3, axis=-1)
+            qkv_inputs = [_head_norm(graph, q, attention.query_norm, head_dim, f"{base}/attn/q_norm"),
+                          _head_norm(graph, k, attention.key_norm, head_dim, f"{base}/attn/k_norm"), v]
+        rotary = attention.rotary_embedding
         attn, _, _ = graph.node(
             "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total,
-             cos_name, sin_name],
+            list(qkv_inputs) + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total]
+            + rotary_inputs(rotary),
             f"{base}/attn/GroupQueryAttention",
             outputs=[f"{base}/attn/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
             domain=MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
-            scale=1.0 / math.sqrt(head_dim), do_rotary=1, rotary_interleaved=0,
+            scale=1.0 / math.sqrt(head_dim), do_rotary=int(rotary is not None), rotary_interleaved=0,
             # Both count the keys a query sees, its own included (checked
             # against Keras in tests/test_onnx_decoder.py).
             local_window_size=-1 if window is None else int(window),
+            softcap=float(attention.logit_soft_cap or 0.0),
         )
         pending = graph.matmul(attn, _projection_kernel(attention.output_dense, heads_first_input=True),
                                _bias(attention.output_dense), f"{base}/attn/o_proj")
-        residual, h = _norm(graph, residual, pending, block.feedforward_layer_norm, eps,
-                            f"{base}/post_attention_layernorm")
+        pending = _post_norm(graph, pending, getattr(block, "self_attention_post_norm", None),
+                             f"{base}/post_attention_norm")
+        residual, h = _norm(graph, residual, pending, block.feedforward_layer_norm,
+                            f"{base}/pre_feedforward_layernorm")
         pending = _feedforward(graph, h, block, f"{base}/mlp")
-    _, h = _norm(graph, residual, pending, model.final_norm, eps, "/model/norm")
+        pending = _post_norm(graph, pending, getattr(block, "feedforward_post_norm", None),
+                             f"{base}/post_feedforward_norm")
+    _, h = _norm(graph, residual, pending, model.final_norm, "/model/norm")
     head = table.T if model.lm_head is None else _value(model.lm_head.kernel)
     head_bias = None if model.lm_head is None else _bias(model.lm_head)
     logits = graph.matmul(h, head, head_bias, "/lm_head")
+    cap = model.final_logit_soft_cap
+    if cap is not None:
+        cap_name = graph.const(np.array(cap, np.float32), "/model/constants/final_logit_soft_cap")
+        logits = graph.node("Div", [logits, cap_name], "/lm_head/softcap/Div")
+        logits = graph.node("Tanh", [logits], "/lm_head/softcap/Tanh")
+        logits = graph.node("Mul", [logits, cap_name], "/lm_head/softcap/Mul")
     graph.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/lm_head/Identity"))
 
     batch, sequence, total_dim, cache = "batch_size", "sequence_length", "total_sequence_length", int(max_length)
@@ -338,10 +387,11 @@ def _decoder_graph(model, graph, max_length, opset):
     )
 
 
-def _norm(graph, residual, pending, layer, eps, name):
+def _norm(graph, residual, pending, layer, name):
     """RMSNorm of `residual + pending` (`pending` None: of `residual`); returns
     `(new residual, normalized)`."""
     gamma = graph.const(_value(layer.scale), name + ".weight")
+    eps = float(layer.epsilon)
     if pending is None:
         out = graph.node("SimplifiedLayerNormalization", [residual, gamma], name + "/SimplifiedLayerNorm",
                          axis=-1, epsilon=eps, stash_type=1)
@@ -350,6 +400,24 @@ def _norm(graph, residual, pending, layer, eps, name):
     graph.node("SkipSimplifiedLayerNormalization", [pending, residual, gamma],
                name + "/SkipSimplifiedLayerNorm", outputs=outputs, domain=MS_DOMAIN, epsilon=eps)
     return outputs[3], outputs[0]
+
+
+def _head_norm(graph, x, layer, head_dim, name):
+    """RMSNorm `layer` over each `head_dim` slice of `x` `(B, T, heads * head_dim)`."""
+    heads_last = graph.const(np.array([0, 0, -1, head_dim], np.int64), name + "/heads_shape")
+    flat = graph.const(np.array([0, 0, -1], np.int64), name + "/flat_shape")
+    x = graph.node("Reshape", [x, heads_last], name + "/Reshape")
+    x = graph.node("SimplifiedLayerNormalization", [x, graph.const(_value(layer.scale), name + ".weight")],
+                   name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
+    return graph.node("Reshape", [x, flat], name + "/Reshape_back")
+
+
+def _post_norm(graph, x, layer, name):
+    """`layer` (a sandwich norm after a residual branch) applied to `x`, or `x`."""
+    if layer is None:
+        return x
+    return graph.node("SimplifiedLayerNormalization", [x, graph.const(_value(layer.scale), name + ".weight")],
+                      name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
 
 
 def _feedforward(graph, h, block, name):

@@ -33,7 +33,19 @@ def empty_cache(batch_size, max_length, num_layers, num_key_value_heads, head_di
 
 
 def stack_cache(cache, part="self_attention"):
-    """One `(num_layers, 2, B, L, H_kv, D)` tensor from a cache list."""
+    """One `(num_layers, 2, B, L, H_kv, D)` tensor from a cache list.
+
+    Every layer's cache must have the same length `L`: a model with a
+    window on some layers only (ring buffers beside full caches) has no
+    stacked layout, and gets a ValueError naming the lengths.
+    """
+    lengths = [layer[part][0].shape[1] for layer in cache]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            "The layers' caches have different lengths (a sliding window on some layers "
+            "only: ring buffers beside full caches), so they cannot be stacked into one "
+            f"tensor. Received cache lengths per layer: {lengths}"
+        )
     return ops.stack([ops.stack(list(layer[part]), axis=0) for layer in cache], axis=0)
 
 

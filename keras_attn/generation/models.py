@@ -64,6 +64,13 @@ class _LMBase(keras.Model):
         relative_attention_max_distance=128,
         share_embeddings=False,
         num_decoder_layers=None,
+        use_qk_norm=False,
+        use_sandwich_norm=False,
+        attention_logit_soft_cap=None,
+        final_logit_soft_cap=None,
+        local_rope_max_wavelength=None,
+        rotary_layers=None,
+        partial_rotary_factor=1.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -82,8 +89,10 @@ class _LMBase(keras.Model):
             "position", position, ("sinusoidal", "learned", "rotary", "relative")
         )
         self.pad_token_id = pad_token_id
-        self.sliding_window = _checks.check_positive_int(
-            "sliding_window", sliding_window, allow_none=True
+        self.sliding_window = _check_per_layer(
+            "sliding_window", sliding_window, self.num_decoder_layers,
+            lambda name, w: _checks.check_positive_int(name, w, allow_none=True),
+            "None, a positive int",
         )
         activations.get(activation)  # raises a ValueError naming `activation`
         self.activation = activation
@@ -111,12 +120,40 @@ class _LMBase(keras.Model):
             "rope_max_wavelength", rope_max_wavelength
         )
         self.rope_scaling = check_rope_scaling(rope_scaling)
-        if (rope_scaling is not None or rope_max_wavelength != 10000) and position != "rotary":
+        self.local_rope_max_wavelength = (
+            None if local_rope_max_wavelength is None
+            else _checks.check_positive_float("local_rope_max_wavelength", local_rope_max_wavelength)
+        )
+        self.rotary_layers = _check_per_layer(
+            "rotary_layers", rotary_layers, self.num_decoder_layers,
+            lambda name, r: _checks.check_bool(name, r), "None",
+            allow_scalar=False,
+        )
+        self.partial_rotary_factor = _checks.check_positive_float(
+            "partial_rotary_factor", partial_rotary_factor
+        )
+        rotary_options = (
+            rope_scaling is not None or rope_max_wavelength != 10000
+            or self.local_rope_max_wavelength is not None or self.rotary_layers is not None
+            or self.partial_rotary_factor != 1.0
+        )
+        if rotary_options and position != "rotary":
             raise ValueError(
-                "`rope_max_wavelength` and `rope_scaling` need position='rotary'. Received: "
+                "`rope_max_wavelength`, `rope_scaling`, `local_rope_max_wavelength`, "
+                "`rotary_layers` and `partial_rotary_factor` need position='rotary'. Received: "
                 f"position={position!r}, rope_max_wavelength={rope_max_wavelength}, "
-                f"rope_scaling={rope_scaling!r}"
+                f"rope_scaling={rope_scaling!r}, local_rope_max_wavelength="
+                f"{local_rope_max_wavelength!r}, rotary_layers={rotary_layers!r}, "
+                f"partial_rotary_factor={partial_rotary_factor!r}"
             )
+        self.use_qk_norm = _checks.check_bool("use_qk_norm", use_qk_norm)
+        self.use_sandwich_norm = _checks.check_bool("use_sandwich_norm", use_sandwich_norm)
+        self.attention_logit_soft_cap = _checks.check_soft_cap(
+            "attention_logit_soft_cap", attention_logit_soft_cap
+        )
+        self.final_logit_soft_cap = _checks.check_soft_cap(
+            "final_logit_soft_cap", final_logit_soft_cap
+        )
         # position="relative": T5's bucketed bias, one table per stack (the
         # first layer's in Hugging Face's T5, shared by the others).
         self.relative_attention_num_buckets = _checks.check_positive_int(
@@ -171,9 +208,20 @@ class _LMBase(keras.Model):
 
     def _logits(self, embedding, x):
         if self.lm_head is not None:
-            return self.lm_head(x)
-        table = embedding if self.position in ("rotary", "relative") else embedding.token_embedding
-        return table(x, reverse=True)
+            logits = self.lm_head(x)
+        else:
+            table = embedding if self.position in ("rotary", "relative") else embedding.token_embedding
+            logits = table(x, reverse=True)
+        cap = self.final_logit_soft_cap
+        if cap is not None:
+            logits = ops.tanh(logits / ops.cast(cap, logits.dtype)) * ops.cast(cap, logits.dtype)
+        return logits
+
+    def layer_sliding_windows(self):
+        """The self-attention window of each decoder layer (None: full attention)."""
+        if isinstance(self.sliding_window, list):
+            return list(self.sliding_window)
+        return [self.sliding_window] * self.num_decoder_layers
 
     def _block_kwargs(self):
         return dict(
@@ -186,12 +234,36 @@ class _LMBase(keras.Model):
             attention_use_bias=self.attention_use_bias,
             attention_output_use_bias=self.attention_output_use_bias,
             feedforward_use_bias=self.feedforward_use_bias,
+            use_qk_norm=self.use_qk_norm,
+            use_sandwich_norm=self.use_sandwich_norm,
+            logit_soft_cap=self.attention_logit_soft_cap,
         )
 
     def _rotary(self):
         if self.position != "rotary":
             return None
-        return RotaryEmbedding(self.rope_max_wavelength, rope_scaling=self.rope_scaling)
+        return RotaryEmbedding(
+            self.rope_max_wavelength, rope_scaling=self.rope_scaling,
+            partial_rotary_factor=self.partial_rotary_factor,
+        )
+
+    def _layer_rotaries(self):
+        """The rotary embedding of each decoder layer: None where
+        `rotary_layers` says so, `local_rope_max_wavelength` (unscaled) on
+        windowed layers when it is set, else the model's."""
+        shared = self._rotary()
+        if shared is None:
+            return [None] * self.num_decoder_layers
+        local = shared
+        if self.local_rope_max_wavelength is not None:
+            local = RotaryEmbedding(
+                self.local_rope_max_wavelength, partial_rotary_factor=self.partial_rotary_factor,
+            )
+        uses = self.rotary_layers or [True] * self.num_decoder_layers
+        return [
+            None if not use else (shared if window is None else local)
+            for use, window in zip(uses, self.layer_sliding_windows())
+        ]
 
     def _relative_bias(self, name, bidirectional):
         if self.position != "relative":
@@ -212,16 +284,17 @@ class _LMBase(keras.Model):
         return layer(x, cache[0]["self_attention"][0], start_index=cache_index)
 
     def _decoder_blocks(self):
-        rotary = self._rotary()
         return [
             TransformerDecoderBlock(
                 self.num_heads, intermediate_dim=self.intermediate_dim,
                 num_key_value_heads=self.num_key_value_heads,
                 normalize_first=True, rotary_embedding=rotary,
-                sliding_window=self.sliding_window, name=f"decoder_{i}",
+                sliding_window=window, name=f"decoder_{i}",
                 **self._block_kwargs(),
             )
-            for i in range(self.num_decoder_layers)
+            for i, (rotary, window) in enumerate(
+                zip(self._layer_rotaries(), self.layer_sliding_windows())
+            )
         ]
 
     @property
@@ -267,24 +340,32 @@ class _LMBase(keras.Model):
         # them when the sizes are static (a ring buffer wraps by design).
         if not cache:
             return
-        length = cache[0]["self_attention"][0].shape[1]
-        ring = self.sliding_window is not None and self.sliding_window == length
-        cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
+        for layer, window in zip(cache, self.layer_sliding_windows()):
+            length = layer["self_attention"][0].shape[1]
+            ring = window is not None and window == length
+            cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
 
-    def init_cache(self, batch_size, max_length, dtype="float32"):
+    def init_cache(self, batch_size, max_length, dtype="float32", ring_buffers=True):
         """Zero caches for `max_length` positions.
 
-        With `sliding_window` set and `max_length > sliding_window`, the
-        self-attention caches hold only `sliding_window` positions: a ring
-        buffer (slot = position mod window), so memory stays bounded however
-        long the generation.
+        A layer with a `sliding_window` shorter than `max_length` gets a
+        self-attention cache of only `sliding_window` positions: a ring buffer
+        (slot = position mod window), so its memory stays bounded however
+        long the generation. With a window per layer, windowed layers' caches
+        are rings and the others hold `max_length` positions.
+        `ring_buffers=False` gives every layer `max_length` positions, the
+        window then a band over them (one cache length for every layer, as
+        the LLM runtimes' cache layouts need).
         """
-        if self.sliding_window is not None:
-            max_length = min(max_length, self.sliding_window)
-        return cache_lib.empty_cache(
-            batch_size, max_length, self.num_decoder_layers, self.num_key_value_heads,
-            self.head_dim, dtype,
-        )
+        _checks.check_bool("ring_buffers", ring_buffers)
+        return [
+            cache_lib.empty_cache(
+                batch_size,
+                max_length if window is None or not ring_buffers else min(max_length, window), 1,
+                self.num_key_value_heads, self.head_dim, dtype,
+            )[0]
+            for window in self.layer_sliding_windows()
+        ]
 
     def get_config(self):
         config = super().get_config()
@@ -315,9 +396,34 @@ class _LMBase(keras.Model):
                 relative_attention_max_distance=self.relative_attention_max_distance,
                 share_embeddings=self.share_embeddings,
                 num_decoder_layers=self.num_decoder_layers,
+                use_qk_norm=self.use_qk_norm,
+                use_sandwich_norm=self.use_sandwich_norm,
+                attention_logit_soft_cap=self.attention_logit_soft_cap,
+                final_logit_soft_cap=self.final_logit_soft_cap,
+                local_rope_max_wavelength=self.local_rope_max_wavelength,
+                rotary_layers=self.rotary_layers,
+                partial_rotary_factor=self.partial_rotary_factor,
             )
         )
         return config
+
+
+def _check_per_layer(name, value, num_layers, check, scalars, allow_scalar=True):
+    """`value` checked by `check(name, v)`: one value for every layer
+    (`allow_scalar`) or a list with one per layer (returned as a list)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_layers:
+            raise ValueError(
+                f"Received an invalid value for argument `{name}`, expected {scalars} or a "
+                f"list of one value per layer ({num_layers}). Received: {name}={value!r}"
+            )
+        return [check(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if value is not None and not allow_scalar:
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected None or a list of "
+            f"one value per layer ({num_layers}). Received: {name}={value!r}"
+        )
+    return check(name, value) if value is not None else None
 
 
 @register
@@ -348,10 +454,28 @@ class DecoderOnlyLM(_LMBase):
     - `rope_max_wavelength`, `rope_scaling`: of the `RotaryEmbedding`
       (`position="rotary"`);
     - `embedding_scale`: multiplies the token embeddings before the first
-      block (Gemma: `sqrt(hidden_dim)`); a tied head uses the unscaled table.
+      block (Gemma: `sqrt(hidden_dim)`); a tied head uses the unscaled table;
+    - `use_qk_norm`, `use_sandwich_norm`: passed to the blocks (RMSNorm of
+      each query and key head; a norm after each residual branch too);
+    - `attention_logit_soft_cap`: the blocks' `logit_soft_cap`;
+      `final_logit_soft_cap`: the output logits become `cap * tanh(x / cap)`
+      (Gemma 2);
+    - `partial_rotary_factor`: of the `RotaryEmbedding` (Phi-3).
+
+    Per layer (decoder-only):
+
+    - `sliding_window`: an int for every layer, or a list with one int or
+      None (full attention) per layer (Gemma 2/3, Qwen3); `init_cache` gives
+      each windowed layer a ring buffer of its window;
+    - `local_rope_max_wavelength`: the rotary base of the windowed layers,
+      without `rope_scaling` (Gemma 3's `rope_local_base_freq`); None: the
+      model's;
+    - `rotary_layers`: None, or a list of one bool per layer, False for a
+      layer without rotary positions (SmolLM3's `no_rope_layers`).
 
     `keras_attn.convert.from_huggingface` builds one from a Llama, Mistral,
-    Qwen2 or Gemma `*ForCausalLM` with these options.
+    Qwen2/3, Gemma (1, 2, 3), SmolLM3 or Phi-3 `*ForCausalLM` with these
+    options.
 
     Example:
 

@@ -37,6 +37,9 @@ class BlockBase(keras.layers.Layer):
         attention_use_bias=True,
         attention_output_use_bias=None,
         feedforward_use_bias=True,
+        use_qk_norm=False,
+        use_sandwich_norm=False,
+        logit_soft_cap=None,
         **kwargs,
     ):
         name = type(self).__name__
@@ -85,6 +88,19 @@ class BlockBase(keras.layers.Layer):
             attention_output_use_bias, feedforward_use_bias,
         ).items():
             setattr(self, name, value)
+        # RMSNorm of each query and key head in every attention sublayer
+        # (Qwen3, Gemma 3), with `layer_norm_epsilon`.
+        self.use_qk_norm = checks.check_bool("use_qk_norm", use_qk_norm)
+        # A second norm on each residual branch's output, `x + post(f(pre(x)))`
+        # (Gemma 2 and 3); needs pre-norm.
+        self.use_sandwich_norm = checks.check_bool("use_sandwich_norm", use_sandwich_norm)
+        if self.use_sandwich_norm and not self.normalize_first:
+            raise ValueError(
+                "`use_sandwich_norm=True` adds a norm after each branch of a pre-norm "
+                "block: it needs `normalize_first=True`. Received: "
+                f"use_sandwich_norm=True, normalize_first={normalize_first!r}"
+            )
+        self.logit_soft_cap = checks.check_soft_cap("logit_soft_cap", logit_soft_cap)
         self.supports_masking = True
 
     def _query_padding(self, padding_mask):
@@ -125,6 +141,9 @@ class BlockBase(keras.layers.Layer):
             chunk_size=self.chunk_size,
             use_bias=self.attention_use_bias,
             output_use_bias=self.attention_output_use_bias,
+            use_qk_norm=self.use_qk_norm,
+            qk_norm_epsilon=self.layer_norm_epsilon,
+            logit_soft_cap=self.logit_soft_cap,
             name=name,
             **self._dense_kwargs(),
         )
@@ -138,6 +157,14 @@ class BlockBase(keras.layers.Layer):
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
 
+    def _post_norm(self, name, shape):
+        """The norm after a residual branch (`use_sandwich_norm`), built; else None."""
+        if not self.use_sandwich_norm:
+            return None
+        norm = self._norm(name)
+        norm.build(shape)
+        return norm
+
     def _dropout(self, name):
         return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
 
@@ -145,6 +172,7 @@ class BlockBase(keras.layers.Layer):
         hidden = sequence_shape[-1]
         self.feedforward_layer_norm = self._norm("feedforward_layer_norm")
         self.feedforward_layer_norm.build(sequence_shape)
+        self.feedforward_post_norm = self._post_norm("feedforward_post_norm", sequence_shape)
         activation = activations.get(self.activation)
         bias = self.feedforward_use_bias
         self.feedforward_gate_dense = None
@@ -168,12 +196,15 @@ class BlockBase(keras.layers.Layer):
         self.feedforward_output_dense.build(tuple(sequence_shape[:-1]) + (self.intermediate_dim,))
         self.feedforward_dropout = self._dropout("feedforward_dropout")
 
-    def _residual(self, x, norm, dropout, fn, training):
-        """`norm(x + f(x))` (post-norm) or `x + f(norm(x))` (pre-norm)."""
+    def _residual(self, x, norm, dropout, fn, training, post_norm=None):
+        """`norm(x + f(x))` (post-norm), `x + f(norm(x))` (pre-norm) or
+        `x + post_norm(f(norm(x)))` (sandwich)."""
         residual = x
         if self.normalize_first:
             x = norm(x)
         x, extra = fn(x)
+        if post_norm is not None:
+            x = post_norm(x)
         x = residual + dropout(x, training=training)
         if not self.normalize_first:
             x = norm(x)
@@ -196,7 +227,8 @@ class BlockBase(keras.layers.Layer):
             return (ops.reshape(h2, shape) if flat else h2), None
 
         x, _ = self._residual(
-            x, self.feedforward_layer_norm, self.feedforward_dropout, ffn, training
+            x, self.feedforward_layer_norm, self.feedforward_dropout, ffn, training,
+            self.feedforward_post_norm,
         )
         return x
 
@@ -232,6 +264,9 @@ class BlockBase(keras.layers.Layer):
                 "attention_use_bias": self.attention_use_bias,
                 "attention_output_use_bias": self.attention_output_use_bias,
                 "feedforward_use_bias": self.feedforward_use_bias,
+                "use_qk_norm": self.use_qk_norm,
+                "use_sandwich_norm": self.use_sandwich_norm,
+                "logit_soft_cap": self.logit_soft_cap,
             }
         )
         return config

@@ -35,6 +35,9 @@ class MultiHeadAttention(keras.layers.Layer):
       and keys.
     - `attention_bias=` at call time: an additive `(B|1, H|1, T_q, T_k)`
       logits bias, e.g. from `AlibiBias` or `RelativePositionBias`.
+    - `use_qk_norm`: RMSNorm over each query and key head after the
+      projection, before the rotary embedding (Qwen3, Gemma 3).
+    - `logit_soft_cap`: logits become `cap * tanh(logits / cap)` (Gemma 2).
     - A query row whose keys are all masked outputs zeros (before the output
       projection), never NaN and never an average of the values.
 
@@ -69,6 +72,14 @@ class MultiHeadAttention(keras.layers.Layer):
             exact attention blocked over queries and keys (see
             `keras_attn.ops.dot_product_attention`); None uses it only for
             long sequences, 0 never.
+        use_qk_norm: an RMSNorm (`keras.layers.RMSNormalization`, sublayers
+            `query_norm` and `key_norm`, a scale of `key_dim` each) over each
+            projected query and key head, before the rotary embedding
+            (Dehghani et al., 2023; Qwen3, Gemma 3).
+        qk_norm_epsilon: the epsilon of those norms.
+        logit_soft_cap: None, or a positive float `c`: the scaled logits
+            become `c * tanh(logits / c)` before masks and biases (Gemma 2;
+            see `keras_attn.ops.dot_product_attention`).
 
     Call arguments:
         query: `(B, T_q, D_q)`.
@@ -141,6 +152,9 @@ class MultiHeadAttention(keras.layers.Layer):
         rotary_embedding=None,
         chunk_size=None,
         output_use_bias=None,
+        use_qk_norm=False,
+        qk_norm_epsilon=1e-6,
+        logit_soft_cap=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -157,6 +171,14 @@ class MultiHeadAttention(keras.layers.Layer):
             "output_use_bias", self.use_bias if output_use_bias is None else output_use_bias
         )
         self.use_gate = checks.check_bool("use_gate", use_gate)
+        self.use_qk_norm = checks.check_bool("use_qk_norm", use_qk_norm)
+        self.qk_norm_epsilon = checks.check_positive_float("qk_norm_epsilon", qk_norm_epsilon)
+        self.logit_soft_cap = checks.check_soft_cap("logit_soft_cap", logit_soft_cap)
+        if self.logit_soft_cap is not None and flash_attention:
+            raise ValueError(
+                "Flash attention does not soft-cap logits. Received: flash_attention="
+                f"{flash_attention!r}, logit_soft_cap={logit_soft_cap!r}"
+            )
         output_shape = proj.check_output_shape(output_shape)
         self._output_shape = output_shape
         self._attention_axes = proj.check_attention_axes(attention_axes)
@@ -268,6 +290,18 @@ class MultiHeadAttention(keras.layers.Layer):
             "attention_output", tuple(query_shape[:-1]) + (heads, self.value_dim), 2,
             self._output_shape or (query_shape[-1],), use_bias=self.output_use_bias,
         )
+        self.query_norm = self.key_norm = None
+        if self.use_qk_norm:
+            # query = [B, T, H, key_dim]: one scale of key_dim shared by the heads.
+            head_shape = tuple(query_shape[:-1]) + (heads, self.key_dim)
+            self.query_norm, self.key_norm = (
+                keras.layers.RMSNormalization(
+                    epsilon=self.qk_norm_epsilon, dtype=self.dtype_policy, name=name
+                )
+                for name in ("query_norm", "key_norm")
+            )
+            self.query_norm.build(head_shape)
+            self.key_norm.build(head_shape)
 
     def call(
         self,
@@ -391,6 +425,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 outputs = proj.project(x, group) if fused else [d(x) for d in group]
                 results.update(zip(map(id, group), outputs))
         q, k, v, gate = (results.get(id(dense)) for dense in denses)
+        if self.use_qk_norm:
+            q = None if q is None else self.query_norm(q)
+            k = None if k is None else self.key_norm(k)
         if self.rotary_embedding is not None:
             if q is not None:
                 q = self.rotary_embedding(q, start_index=start_index)
@@ -540,6 +577,7 @@ class MultiHeadAttention(keras.layers.Layer):
             chunk_size=self.chunk_size,
             sliding_window=sliding_window,
             flash_attention=self._flash_attention or None,
+            logit_soft_cap=self.logit_soft_cap,
         )
         return result if return_attention_scores else (result, None)
 
@@ -630,6 +668,7 @@ class MultiHeadAttention(keras.layers.Layer):
         for name in (
             "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "sliding_window",
             "use_gate", "seed", "num_key_value_heads", "chunk_size", "output_use_bias",
+            "use_qk_norm", "qk_norm_epsilon", "logit_soft_cap",
         ):
             config[name] = getattr(self, name)
         for name in ("kernel_initializer", "bias_initializer"):

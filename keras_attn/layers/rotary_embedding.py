@@ -38,7 +38,21 @@ class RotaryEmbedding(keras.layers.Layer):
               does while a generation grows);
             - `{"rope_type": "llama3", "factor", "low_freq_factor",
               "high_freq_factor", "original_max_position_embeddings"}`:
-              Llama 3.1's frequency-dependent interpolation.
+              Llama 3.1's frequency-dependent interpolation;
+            - `{"rope_type": "longrope", "short_factor", "long_factor",
+              "original_max_position_embeddings", "attention_factor"}`:
+              LongRoPE (Phi-3): frequency `i` divided by `short_factor[i]`,
+              or by `long_factor[i]` once a call reaches a position
+              `L > original_max_position_embeddings` (`L` as for
+              "dynamic"); the rotated features are multiplied by
+              `attention_factor` (default 1.0; Hugging Face's default is
+              `sqrt(1 + log(s) / log(original_max_position_embeddings))`
+              with `s` the context extension, which `from_huggingface`
+              fills in). Each factor list has `rotary_dim / 2` numbers.
+        partial_rotary_factor: the fraction of each head's features that is
+            rotated: the first `rotary_dim = int(D * partial_rotary_factor)`
+            (an even number), the others pass unchanged (Phi-3 / Phi-4-mini,
+            GPT-NeoX); frequencies are those of a `rotary_dim`-sized head.
 
     Call arguments:
         inputs: `(B, T, H, D)` or `(B, T, D)`, with an even `D`.
@@ -54,12 +68,20 @@ class RotaryEmbedding(keras.layers.Layer):
 
     def __init__(
         self, max_wavelength=10000, scaling_factor=1.0, sequence_axis=1, rope_scaling=None,
-        **kwargs,
+        partial_rotary_factor=1.0, **kwargs,
     ):
         super().__init__(**kwargs)
         self.max_wavelength = checks.check_positive_float("max_wavelength", max_wavelength)
         self.scaling_factor = checks.check_positive_float("scaling_factor", scaling_factor)
         self.rope_scaling = check_rope_scaling(rope_scaling)
+        self.partial_rotary_factor = checks.check_positive_float(
+            "partial_rotary_factor", partial_rotary_factor
+        )
+        if self.partial_rotary_factor > 1.0:
+            raise ValueError(
+                "Received an invalid value for argument `partial_rotary_factor`, expected a "
+                f"fraction in (0, 1]. Received: partial_rotary_factor={partial_rotary_factor!r}"
+            )
         if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
             raise TypeError(f"`sequence_axis` must be an int. Received: sequence_axis={sequence_axis!r}")
         self.sequence_axis = sequence_axis
@@ -77,20 +99,48 @@ class RotaryEmbedding(keras.layers.Layer):
                 f"axis and a sequence axis before it. Received: inputs.shape="
                 f"{tuple(inputs.shape)}, sequence_axis={self.sequence_axis}"
             )
+        rotary_dim = self.rotary_dim(dim)
         x = ops.cast(inputs, "float32")
+        passed = None
+        if rotary_dim < dim:
+            x, passed = x[..., :rotary_dim], x[..., rotary_dim:]
         length = ops.shape(inputs)[axis]
         pos = _positions.positions(length, start_index)
-        inv_freq = self._inverse_frequencies(dim, pos[-1] + 1.0)
+        inv_freq = self._inverse_frequencies(rotary_dim, pos[-1] + 1.0)
         freqs = (pos[:, None] / self.scaling_factor) * inv_freq[None, :]
-        angles = ops.concatenate([freqs, freqs], axis=-1)  # (T, D)
+        angles = ops.concatenate([freqs, freqs], axis=-1)  # (T, rotary_dim)
         shape = [1] * rank
         shape[axis] = -1
-        shape[-1] = dim
+        shape[-1] = rotary_dim
         cos = ops.reshape(ops.cos(angles), shape)
         sin = ops.reshape(ops.sin(angles), shape)
         x1, x2 = ops.split(x, 2, axis=-1)
         rotated = ops.concatenate([-x2, x1], axis=-1)
-        return ops.cast(x * cos + rotated * sin, self.compute_dtype)
+        out = x * cos + rotated * sin
+        attention_factor = (self.rope_scaling or {}).get("attention_factor", 1.0)
+        if attention_factor != 1.0:
+            out = out * attention_factor
+        if passed is not None:
+            out = ops.concatenate([out, passed], axis=-1)
+        return ops.cast(out, self.compute_dtype)
+
+    def rotary_dim(self, dim):
+        """How many of `dim` features are rotated (`partial_rotary_factor`)."""
+        rotary_dim = int(dim * self.partial_rotary_factor)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"`partial_rotary_factor`={self.partial_rotary_factor} of a feature size of "
+                f"{dim} rotates {rotary_dim} features; an even number (at least 2) is needed."
+            )
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != rotary_dim // 2:
+                    raise ValueError(
+                        f"`rope_scaling['{key}']` needs one number per rotated feature pair: "
+                        f"{rotary_dim // 2} for {rotary_dim} rotated features. Received "
+                        f"{len(self.rope_scaling[key])}."
+                    )
+        return rotary_dim
 
     def _inverse_frequencies(self, dim, seq_len):
         """`(D/2,)` float32 frequencies; `seq_len` (a float32 scalar tensor)
@@ -109,6 +159,17 @@ class RotaryEmbedding(keras.layers.Layer):
             inv_freq = inv_freq / float(scaling["factor"])
         elif kind == "llama3":
             inv_freq = _llama3_frequencies(inv_freq, scaling)
+        elif kind == "longrope":
+            long = ops.greater(
+                ops.cast(seq_len, "float32"), scaling["original_max_position_embeddings"]
+            )
+            factors = ops.where(
+                long,
+                ops.convert_to_tensor(scaling["long_factor"], "float32"),
+                ops.convert_to_tensor(scaling["short_factor"], "float32"),
+            )
+            # As Hugging Face: 1 / (factor * base^(2i/D)).
+            inv_freq = 1.0 / (factors * ops.power(base, exponent))
         return inv_freq
 
     def compute_output_shape(self, inputs_shape):
@@ -122,6 +183,7 @@ class RotaryEmbedding(keras.layers.Layer):
                 "scaling_factor": self.scaling_factor,
                 "sequence_axis": self.sequence_axis,
                 "rope_scaling": self.rope_scaling,
+                "partial_rotary_factor": self.partial_rotary_factor,
             }
         )
         return config
@@ -163,7 +225,9 @@ _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("original_max_position_embeddings",),
 }
+_FACTOR_LISTS = ("short_factor", "long_factor")
 
 
 def check_rope_scaling(rope_scaling):
@@ -179,8 +243,7 @@ def check_rope_scaling(rope_scaling):
     if kind not in _ROPE_SCALING_KEYS:
         raise ValueError(
             "Received an unsupported `rope_scaling`: `rope_type` must be one of "
-            f"{sorted(_ROPE_SCALING_KEYS)} (attention scaling of 'yarn'/'longrope' is not "
-            f"represented). Received: rope_scaling={rope_scaling!r}"
+            f"{sorted(_ROPE_SCALING_KEYS)} ('yarn' is not represented). Received: rope_scaling={rope_scaling!r}"
         )
     if kind == "default":
         return None
@@ -193,6 +256,24 @@ def check_rope_scaling(rope_scaling):
                 f"Received: rope_scaling={rope_scaling!r}"
             )
         normalized[key] = float(value)
+    if kind == "longrope":
+        for key in _FACTOR_LISTS:
+            value = rope_scaling.get(key)
+            if not isinstance(value, (list, tuple)) or not value or any(
+                isinstance(f, bool) or not isinstance(f, (int, float)) or f <= 0 for f in value
+            ):
+                raise ValueError(
+                    f"`rope_scaling` of type 'longrope' needs `{key}`, a list of positive "
+                    f"numbers. Received: rope_scaling={rope_scaling!r}"
+                )
+            normalized[key] = [float(f) for f in value]
+        factor = rope_scaling.get("attention_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(
+                "`rope_scaling['attention_factor']` must be a positive number. Received: "
+                f"rope_scaling={rope_scaling!r}"
+            )
+        normalized["attention_factor"] = float(factor)
     if kind == "llama3" and normalized["high_freq_factor"] <= normalized["low_freq_factor"]:
         raise ValueError(
             "`rope_scaling` of type 'llama3' needs high_freq_factor > low_freq_factor. "

@@ -95,6 +95,9 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         self.self_attention.build(decoder_sequence_shape, decoder_sequence_shape)
         self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
         self.self_attention_layer_norm.build(decoder_sequence_shape)
+        self.self_attention_post_norm = self._post_norm(
+            "self_attention_post_norm", decoder_sequence_shape
+        )
         self.self_attention_dropout = self._dropout("self_attention_dropout")
         self.cross_attention = None
         if encoder_sequence_shape is not None:
@@ -103,6 +106,9 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             self.cross_attention.build(decoder_sequence_shape, encoder_sequence_shape)
             self.cross_attention_layer_norm = self._norm("cross_attention_layer_norm")
             self.cross_attention_layer_norm.build(decoder_sequence_shape)
+            self.cross_attention_post_norm = self._post_norm(
+                "cross_attention_post_norm", decoder_sequence_shape
+            )
             self.cross_attention_dropout = self._dropout("cross_attention_dropout")
         self._build_feedforward(decoder_sequence_shape)
         self.built = True
@@ -203,6 +209,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             self.self_attention_dropout,
             self_branch,
             training,
+            self.self_attention_post_norm,
         )
         scores = {"self_attention": self_scores}
         if self.cross_attention is not None:
@@ -220,6 +227,7 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 self.cross_attention_dropout,
                 cross_branch,
                 training,
+                self.cross_attention_post_norm,
             )
         x = self._feedforward(x, training)
         outputs = (x, scores) if return_attention_scores else (x,)

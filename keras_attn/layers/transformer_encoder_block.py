@@ -58,6 +58,16 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         attention_output_use_bias: bias on the attention output projection;
             None follows `attention_use_bias` (Qwen2: True, False).
         feedforward_use_bias: biases on the feed-forward denses.
+        use_qk_norm: an RMSNorm over each query and key head of every
+            attention sublayer, before the rotary embedding (Qwen3, Gemma 3;
+            `layer_norm_epsilon`; see `MultiHeadAttention`).
+        use_sandwich_norm: with `normalize_first=True`, a second norm
+            (`normalization`) on the output of each residual branch:
+            `x + post_norm(f(norm(x)))` (Gemma 2 and 3). Sublayers
+            `self_attention_post_norm`, `cross_attention_post_norm`,
+            `feedforward_post_norm`.
+        logit_soft_cap: None or a positive float: attention logits become
+            `cap * tanh(logits / cap)` (Gemma 2; see `MultiHeadAttention`).
 
     Call arguments:
         inputs: `(B, T, D)`.
@@ -113,6 +123,7 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         self.self_attention.build(inputs_shape, inputs_shape)
         self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
         self.self_attention_layer_norm.build(inputs_shape)
+        self.self_attention_post_norm = self._post_norm("self_attention_post_norm", inputs_shape)
         self.self_attention_dropout = self._dropout("self_attention_dropout")
         self._build_feedforward(inputs_shape)
         self.built = True
@@ -148,7 +159,8 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             return result if return_attention_scores else (result, None)
 
         x, scores = self._residual(
-            inputs, self.self_attention_layer_norm, self.self_attention_dropout, attend, training
+            inputs, self.self_attention_layer_norm, self.self_attention_dropout, attend, training,
+            self.self_attention_post_norm,
         )
         x = self._feedforward(x, training)
         if return_attention_scores:

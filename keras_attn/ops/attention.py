@@ -68,7 +68,7 @@ def attend_from_logits(
 
 
 def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_attention_scores,
-          flash_attention=None):
+          flash_attention=None, logit_soft_cap=None):
     """Validates the call's sizes and options; returns `(plan, chunks, dropout_rate)`."""
     checks.check_heads_and_sizes(query, key, value)
     dropout_rate = checks.check_dropout("dropout_rate", dropout_rate)
@@ -82,6 +82,17 @@ def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_atten
             f"chunk_size={chunk_size!r}, return_attention_scores="
             f"{return_attention_scores}, dropout active={dropout_active}"
         )
+    if isinstance(chunks, tuple) and logit_soft_cap is not None:
+        raise ValueError(
+            "The blocked attention path (`chunk_size`) does not soft-cap logits. Pass "
+            "chunk_size=None or 0 with `logit_soft_cap`. Received: chunk_size="
+            f"{chunk_size!r}, logit_soft_cap={logit_soft_cap!r}"
+        )
+    if flash_attention and logit_soft_cap is not None:
+        raise ValueError(
+            "Flash attention does not soft-cap logits. Received: flash_attention="
+            f"{flash_attention!r}, logit_soft_cap={logit_soft_cap!r}"
+        )
     plan = dispatch.select_kernel(
         query_length=query.shape[1],
         key_length=key.shape[1],
@@ -89,6 +100,7 @@ def _plan(query, key, value, *, chunk_size, dropout_rate, training, return_atten
         dropout_active=dropout_active,
         return_attention_scores=return_attention_scores,
         flash_attention=flash_attention,
+        logit_soft_cap=logit_soft_cap,
     )
     if plan.attention == "blocked" and not isinstance(chunks, tuple):
         chunks = (dispatch.DEFAULT_CHUNK_SIZE,) * 2
@@ -104,6 +116,7 @@ def explain_kernel(
     dropout_rate=0.0,
     training=False,
     return_attention_scores=False,
+    logit_soft_cap=None,
     **unused,
 ):
     """The name of the kernel `dot_product_attention` would run for these
@@ -123,6 +136,7 @@ def explain_kernel(
     return _plan(
         query, key, value, chunk_size=chunk_size, dropout_rate=dropout_rate,
         training=training, return_attention_scores=return_attention_scores,
+        logit_soft_cap=checks.check_soft_cap("logit_soft_cap", logit_soft_cap),
     )[0].attention
 
 
@@ -144,6 +158,7 @@ def dot_product_attention(
     sliding_window=None,
     chunk_size=None,
     flash_attention=None,
+    logit_soft_cap=None,
 ):
     """Scaled dot-product attention, `softmax(q k^T * scale + bias) v`.
 
@@ -184,6 +199,11 @@ def dot_product_attention(
         flash_attention: True runs `keras.ops.dot_product_attention(
             flash_attention=True)` (as `keras.layers.MultiHeadAttention`'s
             argument; an error where Keras has no flash kernel).
+        logit_soft_cap: None, or a positive float `c`: the scaled logits
+            become `c * tanh(logits / c)` before the bias and the mask
+            (Gemma 2). Run by the `reference` and `tf_cpu` kernels
+            (`select_kernel` sends capped calls there); not with an explicit
+            `chunk_size` pair nor `flash_attention`.
 
     Which kernel runs: `keras_attn.ops.dispatch.select_kernel`, under the
     setting `keras_attn.config.set_attention_implementation`;
@@ -204,10 +224,11 @@ def dot_product_attention(
     """
     # NumPy inputs as tensors: on torch, `ndarray * Tensor` is an error.
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+    logit_soft_cap = checks.check_soft_cap("logit_soft_cap", logit_soft_cap)
     plan, chunks, dropout_rate = _plan(
         query, key, value, chunk_size=chunk_size, dropout_rate=dropout_rate,
         training=training, return_attention_scores=return_attention_scores,
-        flash_attention=flash_attention,
+        flash_attention=flash_attention, logit_soft_cap=logit_soft_cap,
     )
     kernel = plan.attention
     scores_shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
@@ -242,7 +263,8 @@ def dot_product_attention(
     else:
         attend = tf_kernels.tf_cpu_attention if kernel == "tf_cpu" else reference.reference_attention
         result = attend(
-            query, key, value, dropout_rate=dropout_rate, training=training, seed=seed,
+            query, key, value, logit_soft_cap=logit_soft_cap,
+            dropout_rate=dropout_rate, training=training, seed=seed,
             return_attention_scores=return_attention_scores, **common,
         )
     # Padded query rows give zeros (with the scores, they are part of `mask`).

@@ -61,19 +61,22 @@ def _cpu_kernels(implementation, backend, device):
 
 
 def _attention_kernel(implementation, backend, device, query_length, key_length, chunk_size,
-                      needs_scores, flash):
+                      needs_scores, flash, soft_capped=False):
     if flash:
         return "keras"
     if implementation == "reference":
         return "reference"
     if implementation in ("blocked", "keras"):
-        # Neither kernel builds the score matrix.
-        return "reference" if needs_scores else implementation
+        # Neither kernel builds the score matrix, nor caps logits.
+        return "reference" if needs_scores or soft_capped else implementation
     if implementation == "tf_cpu":
         return "tf_cpu"
     # "auto"
     if isinstance(chunk_size, tuple):
         return "blocked"
+    if soft_capped:
+        # Only the kernels that form the logits cap them.
+        return "tf_cpu" if backend == "tensorflow" and device == "cpu" else "reference"
     if (
         chunk_size is None
         and not needs_scores
@@ -97,6 +100,7 @@ def select_kernel(
     dropout_active=False,
     return_attention_scores=False,
     flash_attention=None,
+    logit_soft_cap=None,
     implementation=None,
     backend=None,
     device=None,
@@ -112,6 +116,11 @@ def select_kernel(
         return_attention_scores: the caller wants the probabilities.
         flash_attention: a layer's `flash_attention=True` runs
             `keras.ops.dot_product_attention(flash_attention=True)`, as Keras.
+        logit_soft_cap: the call's soft cap (None: none). Capped logits
+            are formed by `reference` and `tf_cpu` only: a capped call goes
+            to one of them (the setting "blocked" or "keras" runs
+            `reference`; an explicit `chunk_size` pair with a cap is refused
+            by `dot_product_attention`).
         implementation, backend, device: default to
             `config.get_attention_implementation()`, the Keras backend and
             `config.get_device_type()`.
@@ -127,6 +136,7 @@ def select_kernel(
     kernel = _attention_kernel(
         implementation, backend, device, query_length, key_length, chunk_size,
         dropout_active or return_attention_scores, flash_attention,
+        soft_capped=logit_soft_cap is not None,
     )
     return KernelPlan(
         attention=kernel,

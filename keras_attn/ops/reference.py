@@ -1,6 +1,6 @@
 """The reference attention kernel, in plain `keras.ops`.
 
-`logits = (q * scale) k^T + bias`, masked logits replaced, a float32 softmax,
+`logits = soft_cap((q * scale) k^T) + bias`, masked logits replaced, a float32 softmax,
 the weighted sum of values; query rows that see no key give zeros (outputs,
 scores and gradients). Every other kernel is tested against this one, and
 `keras_attn.config.set_attention_implementation("reference")` runs it for
@@ -70,6 +70,15 @@ def logits(query, key, scale):
     return ops.cast(result, "float32")
 
 
+def soft_cap(logits, cap):
+    """`cap * tanh(logits / cap)` (Gemma 2's attention-logit soft-capping);
+    `logits` unchanged when `cap` is None."""
+    if cap is None:
+        return logits
+    cap = ops.cast(cap, logits.dtype)
+    return ops.tanh(logits / cap) * cap
+
+
 def weighted_sum(weights, value):
     """`(B, H, T_q, T_k) x (B, T_k, H_kv, D) -> (B, T_q, H, D)`, H_kv | H."""
     num_kv_heads = value.shape[2]
@@ -136,6 +145,7 @@ def reference_attention(
     mask,
     bias,
     scale,
+    logit_soft_cap=None,
     dropout_rate=0.0,
     training=False,
     seed=None,
@@ -144,9 +154,9 @@ def reference_attention(
     """The reference kernel for validated inputs: `mask` a
     `masking.AttentionMask` (its band is built here; its padded query rows
     are zeroed by the caller, `dot_product_attention`); `bias` checked;
-    `scale` a float."""
+    `scale` a float; `logit_soft_cap` None or a float."""
     return attend_with_bias(
-        logits(query, key, scale),
+        soft_cap(logits(query, key, scale), logit_soft_cap),
         value,
         mask=mask.logits_mask(dim(query, 1), dim(key, 1)),
         bias=bias,

@@ -151,7 +151,8 @@ def _is_key_only(mask):
     return mask is not None and mask.shape[1] == 1 and mask.shape[2] == 1
 
 
-def _one_group(query, key, value, mask, bias, *, scale, every_row_sees_a_key, **common):
+def _one_group(query, key, value, mask, bias, *, scale, every_row_sees_a_key, logit_soft_cap,
+               **common):
     if reference.is_low_precision(query):
         query = ops.cast(query, "float32")
     if reference.is_low_precision(key):
@@ -159,6 +160,7 @@ def _one_group(query, key, value, mask, bias, *, scale, every_row_sees_a_key, **
     if (
         _is_key_only(mask)
         and bias is None
+        and logit_soft_cap is None
         and query.shape[2] == key.shape[2]
         and query.dtype == "float32"
         and key.dtype == "float32"
@@ -180,7 +182,8 @@ def _one_group(query, key, value, mask, bias, *, scale, every_row_sees_a_key, **
             softmax_weighted_sum=softmax_weighted_sum, **common,
         )
     return reference.attend_with_bias(
-        reference.logits(query, key, scale), value, mask=mask, bias=bias,
+        reference.soft_cap(reference.logits(query, key, scale), logit_soft_cap), value,
+        mask=mask, bias=bias,
         every_row_sees_a_key=every_row_sees_a_key,
         softmax_weighted_sum=softmax_weighted_sum, **common,
     )
@@ -194,6 +197,7 @@ def tf_cpu_attention(
     mask,
     bias,
     scale,
+    logit_soft_cap=None,
     dropout_rate=0.0,
     training=False,
     seed=None,
@@ -205,6 +209,7 @@ def tf_cpu_attention(
     `keras.ops.custom_gradient` provides on TensorFlow and JAX)."""
     common = dict(
         scale=scale,
+        logit_soft_cap=logit_soft_cap,
         every_row_sees_a_key=mask.every_row_sees_a_key,
         dropout_rate=dropout_rate,
         training=training,

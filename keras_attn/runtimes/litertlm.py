@@ -90,7 +90,8 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
     check_runtime_decoder(model, RUNTIME)
     max_length = _positive_int("max_length", max_length)
     lengths = _prefill_lengths(prefill_lengths, max_length)
-    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype)
+    # LiteRT-LM's caches hold every position: a window is a band over them.
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype, ring_buffers=False)
     # A prefill chunk of T tokens at position p embeds positions up to
     # p + T - 1 (its padding included), p < max_length.
     reach = max_length + lengths[-1] - 1

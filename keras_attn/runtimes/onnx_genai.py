@@ -29,8 +29,8 @@ The graph is written one of two ways (`writer=`):
   families of `keras_attn.convert`).
 - "tf2onnx": `call_with_cache` converted by tf2onnx, so anything
   `keras_attn.runtimes.signatures` exports exports here (learned positions,
-  LayerNorm, relative bias); not a sliding-window ring buffer and not
-  encoder-decoder models.
+  LayerNorm, relative bias; a sliding window as a band over the full
+  cache); not encoder-decoder models.
 
 "auto" (the default) takes the fused writer where it covers the model and
 falls back to tf2onnx with a warning that says why.
@@ -59,7 +59,8 @@ from keras_attn.runtimes.trace import check_runtime_decoder
 
 def genai_function(model, max_length):
     """The `tf.function` of the GenAI graph and its input signature."""
-    trace = DecoderTrace(model, max_length=max_length)
+    # GenAI's caches hold every position: a window is a band over them.
+    trace = DecoderTrace(model, max_length=max_length, ring_buffers=False)
     length = trace.cache_length
     # Hugging Face's cache layout (B, H_kv, S, d); keras_attn's is (B, S, H_kv, d).
     heads_first = (None, trace.num_key_value_heads, length, trace.head_dim)
@@ -251,10 +252,7 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
     checks.check_choice("writer", writer, _WRITERS)
-    if writer == "tf2onnx" or getattr(model, "sliding_window", None) is None:
-        # The fused graph handles windows itself (GroupQueryAttention's
-        # `local_window_size` on a full-length cache); tf2onnx's would not.
-        check_runtime_decoder(model)
+    check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
     if tokenizer_model_type(folder) == "WordPiece":

@@ -35,8 +35,9 @@ def cache_storage_dtype(cache_dtype):
 
 
 def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
-    """`model` must be a keras_attn decoder-only LM with a plain (not ring-buffer)
-    cache: what the LLM runtimes (ONNX Runtime GenAI, LiteRT-LM) drive."""
+    """`model` must be a keras_attn decoder-only LM: what the LLM runtimes (ONNX
+    Runtime GenAI, LiteRT-LM) drive (their caches hold every position; a
+    sliding window is a band over them: `DecoderTrace(ring_buffers=False)`)."""
     if hasattr(model, "encode"):
         raise ValueError(
             f"{runtime} exports support decoder-only models (`DecoderOnlyLM`); "
@@ -48,11 +49,6 @@ def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
                 "`model` must be a keras_attn decoder such as `DecoderOnlyLM` (it needs "
                 f"`{name}`). Received: {type(model).__name__}"
             )
-    if getattr(model, "sliding_window", None) is not None:
-        raise ValueError(
-            f"A sliding-window model's ring-buffer cache has no {runtime} layout "
-            f"here. Received: sliding_window={model.sliding_window}"
-        )
 
 
 class DecoderTrace:
@@ -66,6 +62,10 @@ class DecoderTrace:
             generated tokens).
         cache_dtype: "float32" or "float16": what the caches travel in
             between calls (each call computes in float32).
+        ring_buffers: whether windowed layers keep ring buffers of their
+            window (`init_cache`'s); None: where every layer has the same
+            window (one cache length for the stacked caches), else False:
+            every cache holds `max_length` positions, the window a band.
 
     Attributes:
         model, max_length: as given.
@@ -80,12 +80,17 @@ class DecoderTrace:
         max_positions: the model's position bound (a learned table), or None.
     """
 
-    def __init__(self, model, *, max_length, cache_dtype="float32"):
+    def __init__(self, model, *, max_length, cache_dtype="float32", ring_buffers=None):
         self.model = model
         self.max_length = max_length
         self.cache_dtype = cache_storage_dtype(cache_dtype)
+        windows = model.layer_sliding_windows() if hasattr(model, "layer_sliding_windows") else [None]
+        if ring_buffers is None:
+            ring_buffers = len(set(windows)) == 1
+        # Only a model with windows knows the argument.
+        self._cache_kwargs = {} if ring_buffers or set(windows) == {None} else {"ring_buffers": False}
         # A batch of zero rows: the shapes without allocating a cache.
-        empty = model.init_cache(0, max_length)
+        empty = model.init_cache(0, max_length, **self._cache_kwargs)
         key = empty[0]["self_attention"][0]
         self.num_layers = len(empty)
         self.cache_length, self.num_key_value_heads, self.head_dim = (
@@ -135,7 +140,7 @@ class DecoderTrace:
         (float32; an encoder-decoder model's holds the cross-attention
         caches too) and the encoder's padding mask (None for a decoder).
         """
-        cache = self.model.init_cache(tf.shape(token_ids)[0], self.max_length)
+        cache = self.model.init_cache(tf.shape(token_ids)[0], self.max_length, **self._cache_kwargs)
         if encoder_ids is None:
             logits, cache = self.model.call_with_cache(token_ids, cache, 0)
             return logits, cache, None
