@@ -13,6 +13,10 @@ Stages (`STAGES`, one entry each; later stages are added there):
   made once and reused from `--work`.
 - `convert`: `keras_attn.convert.from_huggingface(folder)`.
 - `save_weights`: converts, then times one `model.save_weights(...h5)`.
+- `genai_fp32`, `genai_int4`: converts, then times `export_onnx_genai`
+  (`max_length` 1024; the fused graph, verified against Keras).
+- `builder_fp32`, `builder_int4`: the peer, ONNX Runtime GenAI's model
+  builder, on the same folder (its whole run is the stage).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
@@ -277,20 +281,62 @@ def stage_save_weights(name, spec, paths, args):
             "artifact_bytes": _dir_bytes(path)}
 
 
+GENAI_MAX_LENGTH = 1024
+
+
+def _genai_stage(quantization):
+    def stage(name, spec, paths, args):
+        """Converts, then times `export_onnx_genai` (the fused graph, its
+        verification against Keras included)."""
+        from keras_attn.runtimes import export_onnx_genai
+
+        sampler = Sampler()
+        model, _ = _convert(sampler, paths["checkpoint"], args.dtype)
+        folder = os.path.join(paths["work"], f"genai_{quantization or 'fp32'}")
+        shutil.rmtree(folder, ignore_errors=True)
+        sampler.mark("export")
+        start = time.perf_counter()
+        export_onnx_genai(model, folder, max_length=GENAI_MAX_LENGTH, quantization=quantization)
+        seconds = time.perf_counter() - start
+        sampler.mark(None)
+        return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
+                "artifact_bytes": _dir_bytes(folder)}
+    return stage
+
+
+def _builder_command(precision):
+    def command(name, paths):
+        """The ONNX Runtime GenAI model builder on the same folder (the peer)."""
+        folder = os.path.join(paths["work"], f"builder_{precision}")
+        shutil.rmtree(folder, ignore_errors=True)
+        return folder, [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", paths["checkpoint"],
+                        "-o", folder, "-p", precision, "-e", "cpu",
+                        "-c", os.path.join(paths["work"], "builder_cache")]
+    return command
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One row kind of the table: `run` in a fresh child; `ours` False for a
-    stage that only prepares the input (not a measurement of keras_attn)."""
+    """One row kind of the table: `run` in a fresh child (or, for a peer,
+    `command(name, paths) -> (artifact folder, argv)` run as the child);
+    `ours` False for a stage that is not a measurement of keras_attn."""
 
     run: object
     what: str
     ours: bool = True
+    command: object = None
 
 
 STAGES = {
     "checkpoint": Stage(stage_checkpoint, "random bf16 safetensors (input, not ours)", ours=False),
     "convert": Stage(stage_convert, "from_huggingface(folder)"),
     "save_weights": Stage(stage_save_weights, "model.save_weights(.weights.h5)"),
+    "genai_fp32": Stage(_genai_stage(None), "convert + export_onnx_genai fp32"),
+    "genai_int4": Stage(_genai_stage("int4"), "convert + export_onnx_genai int4 (MatMulNBits)"),
+    "builder_fp32": Stage(None, "GenAI model builder -p fp32 (peer)", ours=False,
+                          command=_builder_command("fp32")),
+    "builder_int4": Stage(None, "GenAI model builder -p int4 (peer)", ours=False,
+                          command=_builder_command("int4")),
 }
 
 
@@ -309,11 +355,15 @@ def run_child(args, name, stage):
     import psutil
 
     os.makedirs(_paths(args, name)["work"], exist_ok=True)
+    artifact = None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--models", name,
-               "--work", args.work, "--shard-gb", str(args.shard_gb)]
-        if args.dtype:
-            cmd += ["--dtype", args.dtype]
+        if STAGES[stage].command is not None:
+            artifact, cmd = STAGES[stage].command(name, _paths(args, name))
+        else:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--models", name,
+                   "--work", args.work, "--shard-gb", str(args.shard_gb)]
+            if args.dtype:
+                cmd += ["--dtype", args.dtype]
         start = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE)
         process = psutil.Process(child.pid)
@@ -339,6 +389,8 @@ def run_child(args, name, stage):
                   "ru_maxrss": usage.ru_maxrss * 1024}
         if killed:
             result["error"] = f"killed past {args.max_rss_gb} GB"
+        elif artifact is not None and child.returncode == 0:
+            result["artifact_bytes"] = _dir_bytes(artifact)
         elif child.returncode != 0 or not lines:
             result["error"] = (err.read().strip().splitlines() or ["?"])[-1][:200]
         else:
@@ -383,7 +435,7 @@ def main(argv=None):
                         help="where checkpoints are written and reused")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="max shard size of the checkpoints")
     parser.add_argument("--max-rss-gb", type=float, default=9.0, help="kill a child past this RSS")
-    parser.add_argument("--quick", action="store_true", help="the tiny model, every stage, in a temporary --work")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, every stage of ours, in a temporary --work")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -395,7 +447,8 @@ def main(argv=None):
         print(json.dumps(result))
         return
     if args.quick:
-        models, stages = ["tiny-llama"], list(STAGES)
+        # Ours only: the peers are not installed by the test extra.
+        models, stages = ["tiny-llama"], [s for s in STAGES if STAGES[s].ours or s == "checkpoint"]
         args.work = tempfile.mkdtemp(prefix="real_size_")
     else:
         stages = args.stages.split(",")

@@ -259,3 +259,19 @@ def test_fused_encoder_export_runs_on_this_backend(tmp_path):
     sample = {"tokens": np.random.default_rng(0).integers(1, VOCAB, (2, 8)).astype("int32")}
     report = export_onnx(model, str(tmp_path / "encoder.onnx"), fused=True, sample_inputs=sample)
     assert report.details["fused"]["Attention"] == 1 and report.details["fused"]["BiasGelu"] == 1
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_nbits_weight_layout_past_one_chunk_of_columns(bits):
+    """`nbits_weight` over more output columns than it quantizes at once:
+    the codes unpacked here (low nibble first, zero point 2^(bits-1))
+    times the scales give this test's own blockwise quantization."""
+    from keras_attn.export.onnx_quantize import nbits_weight
+
+    weight = np.random.default_rng(3).standard_normal((40, 9000)).astype(np.float32)
+    stored, scales = nbits_weight(weight, bits, 32)
+    if bits == 4:
+        stored = np.stack([stored & 15, stored >> 4], axis=-1).reshape(stored.shape[0], stored.shape[1], -1)
+    codes = stored.astype(np.float32) - 2 ** (bits - 1)  # (N, blocks, 32)
+    got = (codes * scales.reshape(codes.shape[0], -1, 1)).reshape(codes.shape[0], -1)[:, :40].T
+    np.testing.assert_array_equal(got, _dequantized(weight, bits))

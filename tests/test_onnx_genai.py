@@ -101,10 +101,9 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
     s2s = Seq2SeqLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
     with pytest.raises(ValueError, match="decoder-only"):
         export_onnx_genai(s2s, tmp_path, max_length=8)
-    windowed = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
-                             sliding_window=4)
-    with pytest.raises(ValueError, match="sliding_window"):
-        export_onnx_genai(windowed, tmp_path, max_length=8)
+    unbuilt = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
+    with pytest.raises(ValueError, match="must be built"):
+        export_onnx_genai(unbuilt, tmp_path, max_length=8)
     with pytest.raises(ValueError, match="max_length"):
         export_onnx_genai(scaled_lm(), tmp_path, max_length=0)
     from keras_attn.runtimes.tokenizers import word_tokenizer as words_to_tokenizer
@@ -112,6 +111,20 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
     with pytest.raises(ValueError, match="not WordPiece"):
         export_onnx_genai(scaled_lm(), tmp_path / "words", max_length=8,
                           tokenizer=words_to_tokenizer(["", "[UNK]", "cat", "dog"]))
+
+
+def test_window_through_the_tf2onnx_graph(tmp_path):
+    """A windowed model the fused writer does not cover (sinusoidal
+    positions, LayerNorm): the tf2onnx graph's cache holds every position
+    and the window is a band over it; GenAI gives Keras's tokens (whose
+    cache is a ring buffer of the window)."""
+    lm = scaled_lm(sliding_window=5)
+    with pytest.warns(UserWarning, match="fused decoder writer does not cover"):
+        export_onnx_genai(lm, tmp_path, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
+    prompt = word_tokenizer().encode("the cat sat on the big red mat").ids
+    got, _ = genai_tokens(tmp_path, prompt, MAX_LEN)
+    want = keras_tokens(lm, prompt, MAX_LEN)
+    assert got == want and len(want) >= 8
 
 
 def test_character_tokenizer_ids_are_the_characters():

@@ -121,11 +121,21 @@ def nbits_weight(weight, bits, block_size):
     with the default zero point 2^(bits-1): `stored` uint8 `(N, blocks,
     block_size * bits / 8)` (two 4-bit codes a byte, the first in the low
     nibble), `scales` float32 `(N * blocks,)`."""
-    codes, scales = _blockwise_symmetric(np.asarray(weight, np.float32), bits, block_size)
-    stored = (codes + (1 << (bits - 1))).astype(np.uint8)
-    if bits == 4:
-        stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
-    return stored, scales.reshape(-1)
+    stored, scales = [], []
+    # A few thousand output columns at a time: the float temporaries of a
+    # vocabulary-sized head stay small beside the model.
+    for start in range(0, weight.shape[1], _COLUMNS_PER_CHUNK):
+        chunk = np.asarray(weight[:, start:start + _COLUMNS_PER_CHUNK], np.float32)
+        codes, chunk_scales = _blockwise_symmetric(chunk, bits, block_size)
+        codes = (codes + (1 << (bits - 1))).astype(np.uint8)
+        if bits == 4:
+            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        stored.append(codes)
+        scales.append(chunk_scales)
+    return np.concatenate(stored), np.concatenate(scales).reshape(-1)
+
+
+_COLUMNS_PER_CHUNK = 4096
 
 
 def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):

@@ -49,6 +49,11 @@ def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
                 "`model` must be a keras_attn decoder such as `DecoderOnlyLM` (it needs "
                 f"`{name}`). Received: {type(model).__name__}"
             )
+    if not model.built:
+        raise ValueError(
+            f"`model` must be built before a {runtime} export: call it once on token ids "
+            f"(e.g. `model(np.zeros((1, 1), 'int32'))`). Received: an unbuilt {type(model).__name__}"
+        )
 
 
 class DecoderTrace:
