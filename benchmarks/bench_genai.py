@@ -101,13 +101,56 @@ def run_genai(folder, prompt, max_length):
     return prefill, decode, list(np.asarray(generator.get_sequence(0))[len(prompt):])
 
 
+def _time(folders, prompt, max_length, rounds):
+    """Median prefill seconds and decode seconds per token of each folder, in
+    alternating rounds after one warm-up; the last round's tokens."""
+    times = {name: {"prefill": [], "decode": []} for name in folders}
+    tokens = {}
+    for name, folder in folders.items():  # warm-up
+        run_genai(folder, prompt, max_length)
+    for r in range(rounds):
+        order = list(folders) if r % 2 == 0 else list(reversed(folders))
+        for name in order:
+            prefill, decode, tokens[name] = run_genai(folders[name], prompt, max_length)
+            times[name]["prefill"].append(prefill)
+            times[name]["decode"].append(decode)
+    return {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}, tokens
+
+
+def time_folders(folders, args):
+    """Prefill and decode tokens/s of existing folders (same prompt, same length)."""
+    for folder in folders.values():  # the same generation length for every folder
+        path = os.path.join(folder, "genai_config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["search"]["max_length"] = args.prompt + args.new
+        config["search"]["min_length"] = args.prompt + args.new  # no early stop: the same steps
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(2, args.vocab, args.prompt)]
+    med, _ = _time(folders, prompt, args.prompt + args.new, args.rounds)
+    print(f"\nprompt {args.prompt}, {args.new} new tokens, batch 1, CPU; medians of {args.rounds} "
+          "alternating rounds\n")
+    print("| folder | prefill tok/s | decode tok/s |")
+    print("|---|---|---|")
+    for name, m in med.items():
+        print(f"| {name} | {args.prompt / m['prefill']:.0f} | {1 / m['decode']:.1f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _common.add_llm_size_args(parser)
     parser.add_argument("--writer", default="auto", choices=("auto", "fused", "tf2onnx"),
                         help="export_onnx_genai's graph writer (tf2onnx: the graph before the fused writer)")
+    parser.add_argument("--folders", nargs="+", metavar="NAME=PATH",
+                        help="time these GenAI folders instead of exporting (e.g. the real-size "
+                             "benchmark's, benchmarks/bench_real_size.py); prompt ids from --vocab")
     args = parser.parse_args()
     _common.apply_quick(args)
+    if args.folders:
+        time_folders(dict(item.split("=", 1) for item in args.folders), args)
+        return
 
     from keras_attn.convert import from_huggingface
     from keras_attn.runtimes.onnx_genai import export_onnx_genai
@@ -140,17 +183,7 @@ def main():
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(2, tok.get_vocab_size(), args.prompt)]
-    times = {name: {"prefill": [], "decode": []} for name in folders}
-    tokens = {}
-    for name, folder in folders.items():  # warm-up
-        run_genai(folder, prompt, max_length)
-    for r in range(args.rounds):
-        order = list(folders) if r % 2 == 0 else list(reversed(folders))
-        for name in order:
-            prefill, decode, tokens[name] = run_genai(folders[name], prompt, max_length)
-            times[name]["prefill"].append(prefill)
-            times[name]["decode"].append(decode)
-    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
+    med, tokens = _time(folders, prompt, max_length, args.rounds)
     rows = []
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())} "

@@ -198,13 +198,14 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma3", "mistral"])
-def test_windowed_models_generate_hf_tokens(tmp_path, family):
-    """Sliding windows shorter than the generation, on every layer (Mistral)
-    or on some layers beside full ones (Gemma 3: QK-norm, sandwich norms,
-    two rotary bases): the bundle's caches hold every position and the
-    window is a band over them; LiteRT-LM's text = transformers' greedy
-    `generate`."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "phi3", "qwen3", "smollm3"])
+def test_families_generate_hf_tokens(tmp_path, family):
+    """The families beyond Llama and GPT-2 (tests/llm_runtime_models.HF_FAMILIES):
+    sliding windows shorter than the generation on every layer (Mistral) or
+    on some layers beside full ones (Gemma 2/3, Qwen3: the bundle's caches
+    hold every position and the window is a band over them), QK-norm,
+    sandwich norms, soft caps, two rotary bases, rotary-free layers, partial
+    rotary with LongRoPE; LiteRT-LM's text = transformers' greedy `generate`."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
