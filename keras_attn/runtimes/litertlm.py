@@ -282,8 +282,9 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
     """Writes a `.litertlm` bundle that `litert_lm.Engine` loads and generates with.
 
     Args:
-        model: a built `DecoderOnlyLM` (e.g. from `keras_attn.convert`);
-            not an encoder-decoder or a sliding-window (ring buffer) model.
+        model: a built `DecoderOnlyLM` (e.g. from `keras_attn.convert`),
+            not an encoder-decoder model; sliding windows become a band over
+            caches that hold every position.
         path: the `.litertlm` file to write.
         tokenizer: a Hugging Face `tokenizer.json` path (or a folder with
             one), a `tokenizers.Tokenizer` or a transformers fast tokenizer
