@@ -22,6 +22,7 @@ torch before keras_attn (docs/guides/pretrained.md, "Troubleshooting").
 
 import importlib.machinery
 import os
+import re
 import sys
 
 MODULE = "triton._C.libtriton"
@@ -68,3 +69,35 @@ def install():
     finder = _TritonFinder()
     sys.meta_path.insert(0, finder)
     return finder
+
+
+# absl's lines written before TensorFlow initialises its logging: severity
+# letter, then "0000 00:00:<time>". Info and warnings only; errors are kept.
+_START_UP_NOTE = re.compile(r"^[IW]0000 00:00:")
+
+
+def import_tensorflow_quietly():
+    """Imports TensorFlow with its C++ start-up info and warning lines hidden
+    (the oneDNN notice, CUDA probing on a machine without a GPU): they are
+    written before TensorFlow's logging is initialised, so no environment
+    variable hides them. Every other line it writes (errors included) is
+    written back; on a failed import, all of them with the error."""
+    import importlib
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = True
+        try:
+            importlib.import_module("tensorflow")
+            failed = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            kept = lines if failed else [line for line in lines if not _START_UP_NOTE.match(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()

@@ -156,3 +156,15 @@ def ort_runner(session):
         return {n.removesuffix("_out"): v for n, v in zip(names, session.run(None, kwargs))}
 
     return run
+
+
+def left_padded_prompts(vocabulary_size, seed=6, lengths=(3, 6, 5), width=6):
+    """Prompts of `lengths` tokens (ids from 3) left-padded with 0 to `width`,
+    and their attention mask: Hugging Face's batched-generation layout."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), width), "int32")
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = rng.integers(3, vocabulary_size, size=n)
+        mask[row, width - n:] = 1
+    return ids, mask

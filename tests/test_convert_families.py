@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
+from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
 
 VOCAB = 71
@@ -181,14 +182,8 @@ def test_greedy_tokens_equal_hf_generate(family):
     assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"
 
 
-def left_padded_prompts(seed=6, lengths=(3, 6, 5), width=6):
-    rng = np.random.default_rng(seed)
-    ids = np.zeros((len(lengths), width), "int32")
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = rng.integers(3, VOCAB, size=n)
-        mask[row, width - n:] = 1
-    return ids, mask
+def left_padded_prompts():
+    return model_zoo.left_padded_prompts(VOCAB)
 
 
 @pytest.mark.parametrize("family", GREEDY, indirect=True)

@@ -65,3 +65,19 @@ def test_litertlm_generate_hides_litert_log_lines_unless_verbose(tmp_path):
     assert len(verbose.splitlines()) >= 10 and "accelerator" in verbose, verbose
     texts = done.stdout.splitlines()
     assert len(texts) == 2 and texts[0] == texts[1]  # the same greedy text either way
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_tensorflow_start_up_lines_only_on_request(verbose):
+    """`import keras_attn` (before TensorFlow) hides TensorFlow's C++ info and
+    warning lines unless KERAS_ATTN_VERBOSE is set."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env.update(KERAS_ATTN_VERBOSE=verbose, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
+    run = subprocess.run([sys.executable, "-c", "import keras_attn, tensorflow as tf; tf.constant(1) + 1"],
+                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    info_lines = [line for line in run.stderr.splitlines() if line.startswith(("I0000", "W0000"))]
+    if verbose:
+        assert info_lines, run.stderr  # the oneDNN note at least
+    else:
+        assert not info_lines, info_lines
