@@ -60,6 +60,8 @@ def test_refused_by_name_with_the_value(model_type, architecture, match):
     ("gemma3", "Gemma3ForConditionalGeneration",
      r"`model_type`='gemma3' has a vision tower.*Gemma3ForCausalLM"),
     ("phimoe", "PhimoeForCausalLM", r"`model_type`='phimoe' is a mixture-of-experts"),
+    ("gemma4_text", "Gemma4ForCausalLM",
+     r"`model_type`='gemma4_text' has per-layer input embeddings.*num_kv_shared_layers"),
 ])
 def test_relatives_that_cannot_be_represented_are_refused_by_what_they_have(
         model_type, architecture, match):

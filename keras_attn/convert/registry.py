@@ -53,6 +53,11 @@ REFUSED = {
                     "does not represent",
     "gemma3": _VISION + "; convert the text model, a Gemma3ForCausalLM (model_type "
               "'gemma3_text')",
+    "gemma4_text": "has per-layer input embeddings (`hidden_size_per_layer_input`) and layers "
+                   "that reuse another layer's keys and values (`num_kv_shared_layers`), which "
+                   "keras_attn does not represent yet",
+    "gemma4": "has vision and audio towers, per-layer input embeddings and layers that reuse "
+              "another layer's keys and values, which keras_attn does not represent yet",
     "qwen3_vl": _VISION,
     "paligemma": _VISION,
     "smolvlm": _VISION,
