@@ -435,7 +435,7 @@ def main(argv=None):
                         help="where checkpoints are written and reused")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="max shard size of the checkpoints")
     parser.add_argument("--max-rss-gb", type=float, default=9.0, help="kill a child past this RSS")
-    parser.add_argument("--quick", action="store_true", help="the tiny model, every stage of ours, in a temporary --work")
+    parser.add_argument("--quick", action="store_true", help="the tiny model through checkpoint, save_weights and genai_int4, in a temporary --work")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -447,8 +447,9 @@ def main(argv=None):
         print(json.dumps(result))
         return
     if args.quick:
-        # Ours only: the peers are not installed by the test extra.
-        models, stages = ["tiny-llama"], [s for s in STAGES if STAGES[s].ours or s == "checkpoint"]
+        # One stage of each kind of ours (the peers are not installed by the
+        # test extra; each stage is a fresh process importing TensorFlow).
+        models, stages = ["tiny-llama"], ["checkpoint", "save_weights", "genai_int4"]
         args.work = tempfile.mkdtemp(prefix="real_size_")
     else:
         stages = args.stages.split(",")

@@ -101,9 +101,10 @@ def test_refuses_what_genai_cannot_carry(tmp_path):
     s2s = Seq2SeqLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
     with pytest.raises(ValueError, match="decoder-only"):
         export_onnx_genai(s2s, tmp_path, max_length=8)
-    unbuilt = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16)
-    with pytest.raises(ValueError, match="must be built"):
-        export_onnx_genai(unbuilt, tmp_path, max_length=8)
+    unbuilt = DecoderOnlyLM(20, 16, 16, num_layers=1, num_heads=2, intermediate_dim=16,
+                            position="rotary", normalization="rms_norm", head_dim=16)
+    export_onnx_genai(unbuilt, tmp_path / "unbuilt", max_length=8)  # built by the export
+    assert unbuilt.built and (tmp_path / "unbuilt" / "model.onnx").exists()
     with pytest.raises(ValueError, match="max_length"):
         export_onnx_genai(scaled_lm(), tmp_path, max_length=0)
     from keras_attn.runtimes.tokenizers import word_tokenizer as words_to_tokenizer
