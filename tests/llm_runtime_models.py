@@ -128,3 +128,14 @@ def hf_family(name):
         initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, **extra)
     torch.manual_seed(0)
     return getattr(transformers, model_cls)(config).eval()
+
+
+def hf_tokens(hf, prompt, max_length=MAX_LEN, eos=EOS):
+    """transformers' greedy tokens after `prompt`, up to (not including) the stop token."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                          do_sample=False, max_length=max_length, pad_token_id=0, eos_token_id=eos)
+    want = [int(t) for t in out.numpy()[0, len(prompt):]]
+    return want[:want.index(eos)] if eos in want else want

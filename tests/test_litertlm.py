@@ -16,7 +16,7 @@ from keras_attn.runtimes.litertlm import export_litertlm  # noqa: E402
 
 from tests import tolerance  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
-    EOS, VOCAB, hf_model, keras_tokens, scaled_lm, word_tokenizer)
+    EOS, VOCAB, hf_model, hf_tokens, keras_tokens, scaled_lm, word_tokenizer)
 
 MAX_LEN = 40
 CHUNKS = (4, 16)
@@ -172,7 +172,7 @@ def test_refuses_what_litertlm_cannot_carry(tmp_path):
 def test_converted_models_generate_hf_tokens(tmp_path, family):
     """GPT-2 (learned positions, no start token) and Llama (rotary, GQA,
     start token): LiteRT-LM's text = transformers' greedy `generate`."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
 
@@ -184,11 +184,7 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
                     prefill_lengths=(8, 16), bos_token_id=bos, stop_token_ids=[EOS])
     text = "the red cat sat on the"
     prompt = ([] if bos is None else [bos]) + word_tokenizer().encode(text).ids
-    with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                             do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
-    want = [int(t) for t in hf_out.numpy()[0, len(prompt):]]
-    want = want[:want.index(EOS)] if EOS in want else want
+    want = hf_tokens(hf, prompt, MAX_LEN)
     assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 4
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
@@ -206,7 +202,7 @@ def test_families_generate_hf_tokens(tmp_path, family):
     hold every position and the window is a band over them), QK-norm,
     sandwich norms, soft caps, two rotary bases, rotary-free layers, partial
     rotary with LongRoPE; LiteRT-LM's text = transformers' greedy `generate`."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
     from tests.llm_runtime_models import hf_family
@@ -218,11 +214,7 @@ def test_families_generate_hf_tokens(tmp_path, family):
                     prefill_lengths=(8, 16), bos_token_id=EOS, stop_token_ids=[EOS])
     text = "the red cat sat on the big mat then"
     prompt = [EOS] + word_tokenizer().encode(text).ids
-    with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), do_sample=False,
-                             max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
-    want = [int(t) for t in hf_out.numpy()[0, len(prompt):]]
-    want = want[:want.index(EOS)] if EOS in want else want
+    want = hf_tokens(hf, prompt, MAX_LEN)
     assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 8
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:

@@ -13,7 +13,8 @@ tokenizers = pytest.importorskip("tokenizers")
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.runtimes.onnx_genai import export_onnx_genai  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
-    EOS, HF_FAMILIES, MAX_LEN, hf_family, hf_model, keras_tokens, scaled_lm, word_tokenizer)
+    EOS, HF_FAMILIES, MAX_LEN, hf_family, hf_model, hf_tokens, keras_tokens, scaled_lm,
+    word_tokenizer)
 
 
 def genai_tokens(folder, prompt_ids, max_length):
@@ -68,17 +69,6 @@ def test_generates_keras_greedy_from_text(exported):
         assert og.Tokenizer(model).decode(np.array(prompt, np.int32)) == text
 
 
-def hf_tokens(hf, prompt):
-    """transformers' greedy tokens after `prompt`, up to the stop token."""
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                          do_sample=False, max_length=MAX_LEN, pad_token_id=0, eos_token_id=EOS)
-    want = list(out.numpy()[0, len(prompt):])
-    return want[:want.index(EOS)] if EOS in want else want
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_converted_models_generate_hf_tokens(tmp_path, family):
@@ -90,7 +80,7 @@ def test_converted_models_generate_hf_tokens(tmp_path, family):
     lm = from_huggingface(hf)
     export_onnx_genai(lm, tmp_path, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
     prompt = word_tokenizer().encode("the red cat sat on the").ids
-    want = hf_tokens(hf, prompt)
+    want = hf_tokens(hf, prompt, MAX_LEN)
     got, _ = genai_tokens(tmp_path, prompt, MAX_LEN)
     assert got == want == keras_tokens(lm, prompt, MAX_LEN)
 
@@ -304,7 +294,7 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
     ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx")).graph.node}
     assert "GroupQueryAttention" in ops and "Transpose" not in ops, ops
     prompt = word_tokenizer().encode("the red cat sat on the big mat then").ids
-    want = hf_tokens(hf, prompt)
+    want = hf_tokens(hf, prompt, MAX_LEN)
     got, _ = genai_tokens(tmp_path, prompt, MAX_LEN)
     assert got == want == keras_tokens(lm, prompt, MAX_LEN)
     assert len(want) >= 8 and len(set(want)) >= 3, "degenerate generation tests nothing"
