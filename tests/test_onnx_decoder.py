@@ -171,14 +171,29 @@ def test_nbits_weights_are_the_blockwise_quantized_kernels(bits):
             value = keras.ops.convert_to_numpy(w)
             w.assign(_dequantized(value.reshape(value.shape[0], -1) if "attention_output" not in w.path
                                   else value.reshape(-1, value.shape[-1]), bits).reshape(value.shape))
-    # The tied head is the quantized transposed table; the embedding lookup is not quantized.
+    # The tied table is stored once, as the quantized head: the lookup reads
+    # the same quantized values (GatherBlockQuantized), as the builder does.
     table = keras.ops.convert_to_numpy(lm.embedding.embeddings)
     head = _dequantized(table.T, bits)
+    reference.embedding.embeddings.assign(head.T)
     hidden = _final_hidden(reference, ids)
     want = hidden @ head
     tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * lm.num_layers)
     float_logits = keras.ops.convert_to_numpy(lm(ids))
     assert np.abs(got - float_logits).max() > tolerance.bound(tolerance.magnitude(want), terms=128)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_tied_table_is_stored_once(bits):
+    """A tied table is one initializer (the head's), as the builder writes
+    it: the lookup reads the head's weight, so the file holds no second
+    vocabulary-sized tensor."""
+    lm = make_lm(**FAMILIES["gemma"])
+    proto = decoder_model_proto(lm, max_length=CACHE, bits=bits)
+    by_vocab = [t.name for t in proto.graph.initializer if VOCAB in t.dims]
+    assert len(by_vocab) == (1 if bits is None else 2), by_vocab  # codes (+ scales)
+    lookups = {n.op_type for n in proto.graph.node if n.name.startswith("/model/embed_tokens/")}
+    assert ("GatherBlockQuantized" in lookups) == (bits is not None), lookups
 
 
 def _final_hidden(lm, ids):

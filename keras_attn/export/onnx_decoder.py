@@ -6,20 +6,23 @@ Runtime GenAI model builder writes its own (onnxruntime-genai,
 `src/python/py/models/builders/base.py`) instead of converting the Keras
 graph with tf2onnx:
 
-- the token table as a `Gather` (times `embedding_scale`, Gemma);
+- the token table as a `Gather` (times `embedding_scale`, Gemma); a tied
+  table is stored once, as the head's weight, and looked up through it
+  (`Transpose` + `Gather` in float32, `GatherBlockQuantized` on the head's
+  codes when quantized, as the builder does for tied models);
 - per block, `SimplifiedLayerNormalization` (the first) or
   `SkipSimplifiedLayerNormalization` (residual add and RMSNorm in one
   kernel); one packed Q/K/V `MatMul` (+ its bias); `com.microsoft`
   `GroupQueryAttention` with `do_rotary=1` and the layer's cos/sin caches
   (per-layer rotary bases, partial rotary; `do_rotary=0` on layers without
   rotary), grouped or multi-query heads, the layer's `sliding_window` as
-  `local_window_size`, QK-norm as its `q_norm_weight`/`k_norm_weight` (Q, K
-  and V then split from the packed product), `logit_soft_cap` as `softcap`,
+  `local_window_size`, QK-norm as a per-head `SimplifiedLayerNormalization`
+  of Q and K split from the packed product (GroupQueryAttention's own
+  norm inputs run on CUDA and WebGPU only), `logit_soft_cap` as `softcap`,
   the past/present caches `(B, H_kv, max_length, head_dim)` in one shared
   buffer; the output projection; the feed-forward (gated or not); the
   sandwich norms after each branch where the block has them;
-- the final RMSNorm, the head (the transposed table when tied) and the
-  final soft cap.
+- the final RMSNorm, the head and the final soft cap.
 
 `seqlens_k` (tokens per row minus one) and `total_sequence_length` come from
 `attention_mask`, as in the builder's graph. The rotary caches are the
@@ -214,22 +217,60 @@ class _Graph:
         self.nodes.append(helper.make_node(op, inputs, names, name=name, domain=domain, **attrs))
         return names[0] if len(names) == 1 else names
 
-    def matmul(self, x, kernel, bias, name):
-        """`x @ kernel (+ bias)`: float32, or MatMulNBits with `self.bits`."""
+    def weight(self, kernel, name):
+        """`kernel` (K, N) written once as a `MatMul` weight: float32, or
+        `MatMulNBits` codes and `(N, blocks)` scales with `self.bits`; the
+        returned description is what `apply` (and, for a tied table,
+        `gather_rows`) reads."""
         k, n = kernel.shape
         if self.bits is None:
-            y = self.node("MatMul", [x, self.const(kernel, name + ".weight")], name + "/MatMul")
+            return dict(k=k, n=n, weight=self.const(kernel, name + ".weight"))
+        stored, scales = onnx_quantize.nbits_weight(kernel, self.bits, self.block_size)
+        return dict(k=k, n=n, stored_shape=stored.shape,
+                    weight=self.const(stored, name + f".weight_q{self.bits}"),
+                    scales=self.const(scales.reshape(n, -1), name + ".weight_scales"))
+
+    def apply(self, x, weight, bias, name):
+        """`x @ weight (+ bias)` for a `weight()` description."""
+        if self.bits is None:
+            y = self.node("MatMul", [x, weight["weight"]], name + "/MatMul")
         else:
-            stored, scales = onnx_quantize.nbits_weight(kernel, self.bits, self.block_size)
             y = self.node(
-                "MatMulNBits",
-                [x, self.const(stored, name + f".weight_q{self.bits}"), self.const(scales, name + ".weight_scales")],
-                name + "/MatMulNBits", domain=MS_DOMAIN, K=k, N=n, bits=self.bits,
-                block_size=self.block_size, accuracy_level=self.accuracy_level,
+                "MatMulNBits", [x, weight["weight"], weight["scales"]], name + "/MatMulNBits", domain=MS_DOMAIN,
+                K=weight["k"], N=weight["n"], bits=self.bits, block_size=self.block_size,
+                accuracy_level=self.accuracy_level,
             )
         if bias is not None and np.any(bias):
             y = self.node("Add", [y, self.const(bias, name + ".bias")], name + "/Add")
         return y
+
+    def matmul(self, x, kernel, bias, name):
+        """`x @ kernel (+ bias)`: float32, or MatMulNBits with `self.bits`."""
+        return self.apply(x, self.weight(kernel, name), bias, name)
+
+    def gather_rows(self, weight, ids, name):
+        """Rows `ids` of the table whose transpose is the `weight()`
+        description `weight` (a tied head): the model keeps one copy of the
+        table, as the GenAI model builder does. Float32: a `Gather` of its
+        `Transpose` (onnxruntime folds the transpose when it loads the
+        model). Quantized: `GatherBlockQuantized` on the head's own codes
+        and scales, so the looked-up rows are the head's quantized values."""
+        if self.bits is None:
+            table = self.node("Transpose", [weight["weight"]], name + "/Transpose", perm=[1, 0])
+            return self.node("Gather", [table, ids], name + "/Gather")
+        n, blocks, row_bytes = weight["stored_shape"]
+        flat = self.const(np.array([n, blocks * row_bytes], np.int64), name + "/codes_shape")
+        codes = self.node("Reshape", [weight["weight"], flat], name + "/Reshape")
+        rows = self.node("GatherBlockQuantized", [codes, ids, weight["scales"]], name + "/GatherBlockQuantized",
+                         domain=MS_DOMAIN, bits=self.bits, block_size=self.block_size, gather_axis=0,
+                         quantize_axis=1)
+        if blocks * self.block_size == weight["k"]:
+            return rows
+        # Rows are padded to whole blocks: cut back to the hidden size.
+        starts = self.const(np.array([0], np.int64), name + "/slice_starts")
+        ends = self.const(np.array([weight["k"]], np.int64), name + "/slice_ends")
+        axes = self.const(np.array([-1], np.int64), name + "/slice_axes")
+        return self.node("Slice", [rows, starts, ends, axes], name + "/Slice")
 
     def activation(self, x, name, kind):
         if kind == "linear":
@@ -294,8 +335,14 @@ def _decoder_graph(model, graph, max_length, opset):
     total = graph.node("Cast", [width], "/model/attn_mask/Gather/Cast", to=TensorProto.INT32)
 
     table = _value(model.embedding.embeddings)
-    x = graph.node("Gather", [graph.const(table, "model.embed_tokens.weight"), "input_ids"],
-                   "/model/embed_tokens/Gather")
+    if model.lm_head is None:
+        head = graph.weight(table.T, "/lm_head")
+        x = graph.gather_rows(head, "input_ids", "/model/embed_tokens")
+    else:
+        head = None
+        x = graph.node("Gather", [graph.const(table, "model.embed_tokens.weight"), "input_ids"],
+                       "/model/embed_tokens/Gather")
+    del table
     if model.embedding_scale is not None:
         scale = graph.const(np.array(model.embedding_scale, np.float32), "/model/constants/embedding_scale")
         x = graph.node("Mul", [x, scale], "/model/embed_tokens/Mul")
@@ -357,9 +404,10 @@ def _decoder_graph(model, graph, max_length, opset):
         pending = _post_norm(graph, pending, getattr(block, "feedforward_post_norm", None),
                              f"{base}/post_feedforward_norm")
     _, h = _norm(graph, residual, pending, model.final_norm, "/model/norm")
-    head = table.T if model.lm_head is None else _value(model.lm_head.kernel)
-    head_bias = None if model.lm_head is None else _bias(model.lm_head)
-    logits = graph.matmul(h, head, head_bias, "/lm_head")
+    if head is None:
+        logits = graph.matmul(h, _value(model.lm_head.kernel), _bias(model.lm_head), "/lm_head")
+    else:
+        logits = graph.apply(h, head, None, "/lm_head")
     cap = model.final_logit_soft_cap
     if cap is not None:
         cap_name = graph.const(np.array(cap, np.float32), "/model/constants/final_logit_soft_cap")
