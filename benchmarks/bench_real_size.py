@@ -88,6 +88,28 @@ MODELS = {
                     use_sliding_window=False, sliding_window=131072, max_window_layers=28,
                     bos_token_id=151643, eos_token_id=151643),
     ),
+    # Gemma 3 text: five sliding-window (512) layers to one global, two rotary
+    # bases, QK-norm, sandwich norms, a 262k vocabulary (most of the 270M).
+    "gemma3-270m": dict(
+        architecture="Gemma3ForCausalLM", model_type="gemma3_text",
+        config=dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
+                    query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    rope_local_base_freq=10000.0, sliding_window=512,
+                    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+                    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    ),
+    "gemma3-1b": dict(
+        architecture="Gemma3ForCausalLM", model_type="gemma3_text",
+        config=dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
+                    query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    rope_local_base_freq=10000.0, sliding_window=512,
+                    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+                    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    ),
     # --quick: small enough for a test, sharded to exercise the index.
     "tiny-llama": dict(
         architecture="LlamaForCausalLM", model_type="llama", shard_bytes=40_000,

@@ -201,7 +201,10 @@ def test_families_generate_hf_tokens(tmp_path, family):
     on some layers beside full ones (Gemma 2/3, Qwen3: the bundle's caches
     hold every position and the window is a band over them), QK-norm,
     sandwich norms, soft caps, two rotary bases, rotary-free layers, partial
-    rotary with LongRoPE; LiteRT-LM's text = transformers' greedy `generate`."""
+    rotary with LongRoPE; LiteRT-LM's text = transformers' greedy `generate`.
+    The bundle's TFLite model, driven here by a NumPy loop over its
+    prefill/decode signatures (LiteRT's interpreter), predicts the same
+    tokens."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from keras_attn.convert import from_huggingface
@@ -210,12 +213,27 @@ def test_families_generate_hf_tokens(tmp_path, family):
     hf = hf_family(family)
     lm = from_huggingface(hf)
     path = tmp_path / "windowed.litertlm"
-    export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
-                    prefill_lengths=(8, 16), bos_token_id=EOS, stop_token_ids=[EOS])
+    written = []  # the bundle's TFLite model, kept as export_litertlm makes it
+    make_tflite = litertlm.litertlm_tflite
+
+    def keep(*args, **kwargs):
+        written.append(make_tflite(*args, **kwargs))
+        return written[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(litertlm, "litertlm_tflite", keep)
+        export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
+                        prefill_lengths=(8, 16), bos_token_id=EOS, stop_token_ids=[EOS])
     text = "the red cat sat on the big mat then"
     prompt = [EOS] + word_tokenizer().encode(text).ids
     want = hf_tokens(hf, prompt, MAX_LEN)
     assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 8
+    sequence = prompt + want
+    logits, first = litertlm.runtime_logits(written[0], sequence)
+    # Row i predicts position first + i + 1: compare where that is a generated token.
+    rows = [i for i in range(len(logits)) if len(prompt) <= first + i + 1 < len(sequence)]
+    assert len(rows) >= 8
+    assert [int(np.argmax(logits[i])) for i in rows] == [sequence[first + i + 1] for i in rows]
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
         assert litertlm.generate(path, text, engine=engine) == engine.detokenize(want)
