@@ -13,9 +13,9 @@ Stages (`STAGES`, one entry each; later stages are added there):
   made once and reused from `--work`.
 - `convert`: `keras_attn.convert.from_huggingface(folder)`.
 - `save_weights`: converts, then times one `model.save_weights(...h5)`.
-- `genai_fp32`, `genai_int4`: converts, then times `export_onnx_genai`
+- `genai_fp32`, `genai_int8`, `genai_int4`: converts, then times `export_onnx_genai`
   (`max_length` 1024; the fused graph, verified against Keras).
-- `builder_fp32`, `builder_int4`: the peer, ONNX Runtime GenAI's model
+- `builder_fp32`, `builder_int8`, `builder_int4`: the peer, ONNX Runtime GenAI's model
   builder, on the same folder (its whole run is the stage).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
@@ -354,9 +354,12 @@ STAGES = {
     "convert": Stage(stage_convert, "from_huggingface(folder)"),
     "save_weights": Stage(stage_save_weights, "model.save_weights(.weights.h5)"),
     "genai_fp32": Stage(_genai_stage(None), "convert + export_onnx_genai fp32"),
+    "genai_int8": Stage(_genai_stage("int8"), "convert + export_onnx_genai int8 (MatMulNBits)"),
     "genai_int4": Stage(_genai_stage("int4"), "convert + export_onnx_genai int4 (MatMulNBits)"),
     "builder_fp32": Stage(None, "GenAI model builder -p fp32 (peer)", ours=False,
                           command=_builder_command("fp32")),
+    "builder_int8": Stage(None, "GenAI model builder -p int8 (peer)", ours=False,
+                          command=_builder_command("int8")),
     "builder_int4": Stage(None, "GenAI model builder -p int4 (peer)", ours=False,
                           command=_builder_command("int4")),
 }
