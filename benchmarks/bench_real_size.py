@@ -224,6 +224,18 @@ def _dir_bytes(path):
 # "checkpoint" (the model folder) and "work" (this model's scratch directory).
 
 
+def _write_published_config(spec, folder):
+    """`config.json` as the Hub repository has it: the published keys as
+    written in MODELS. (transformers 5's `save_pretrained` rewrites some of
+    them, e.g. Gemma 3's `rope_theta`/`rope_local_base_freq` become
+    `rope_parameters`, which the GenAI model builder does not read; users
+    convert the published files.)"""
+    config = dict(spec["config"], architectures=[spec["architecture"]], model_type=spec["model_type"],
+                  torch_dtype="bfloat16")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
 def stage_checkpoint(name, spec, paths, args):
     """Random bfloat16 tensors for the model's parameters, written straight
     into safetensors shards (the model is built on the meta device: no
@@ -249,7 +261,7 @@ def stage_checkpoint(name, spec, paths, args):
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    config.save_pretrained(tmp)
+    _write_published_config(spec, tmp)
     generator = torch.Generator().manual_seed(0)
     shard_bytes = spec.get("shard_bytes", args.shard_gb * GB)
     shards, current, size = [], {}, 0
