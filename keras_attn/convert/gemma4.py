@@ -74,15 +74,17 @@ class Gemma4Converter(gemma.GemmaConverter):
         if config.num_kv_shared_layers >= layers:
             common.refuse("num_kv_shared_layers", config.num_kv_shared_layers,
                           f"leaves no layer of the {layers} that projects keys and values")
+        # The full layers' head size and key/value heads (`global_head_dim`,
+        # `num_global_key_value_heads`) against the others'.
         per_layer = config.per_layer_config
-        for i in range(layers):
-            for field, name in (("head_dim", "global_head_dim"),
-                                ("num_key_value_heads", "num_global_key_value_heads")):
-                value, base = getattr(per_layer[i], field), getattr(config, field)
-                if value != base:
-                    common.refuse(name, value, f"differs from {field}={base} (layers with other "
-                                  "head sizes or key/value heads than the others are not "
-                                  "represented)")
+        for field, name in (("head_dim", "global_head_dim"),
+                            ("num_key_value_heads", "num_global_key_value_heads")):
+            values = [getattr(per_layer[i], field) for i in range(layers)]
+            for i, layer_type in enumerate(config.layer_types):
+                if values[i] != values[0]:
+                    common.refuse(name, values[i], f"(of the {layer_type} layers) differs from "
+                                  f"{field}={values[0]}: layers with other head sizes or "
+                                  "key/value heads than the others are not represented")
 
     @property
     def shared_layers(self):
