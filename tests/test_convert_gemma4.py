@@ -151,3 +151,123 @@ def test_only_layers_with_their_own_keys_have_caches(converted):
 def test_refuses_what_it_cannot_represent_by_field(changes, match):
     with pytest.raises(ValueError, match=match):
         from_huggingface(hf_gemma4(**changes))
+
+
+@pytest.mark.parametrize("option, value", [
+    ("key_value_sources", [None, None, 0]), ("per_layer_input_dim", 6),
+    ("use_value_norm", True), ("use_output_scale", True),
+])
+def test_fused_onnx_writer_refuses_each_gemma4_option_by_name(option, value):
+    """The fused GenAI writer (GroupQueryAttention projects and caches each
+    layer's own keys) names what it does not cover; the export then falls
+    back to the tf2onnx graph (test_llm_runtimes_generate_hf_tokens)."""
+    from keras_attn.export.onnx_decoder import check_fusable_decoder
+    from keras_attn.export.onnx_fused import NotFusableError
+    from keras_attn.generation.models import DecoderOnlyLM
+
+    lm = DecoderOnlyLM(40, 16, 32, num_layers=3, num_heads=2, intermediate_dim=32, head_dim=16,
+                       position="rotary", normalization="rms_norm", **{option: value})
+    lm(np.zeros((1, 2), "int32"))
+    with pytest.raises(NotFusableError, match=rf"^{option}="):
+        check_fusable_decoder(lm, max_length=16)
+
+
+def _artifact_greedy(prefill, decode, prompt, max_length):
+    """Greedy decoding with only an artifact's prefill/decode callables."""
+    tokens = np.zeros((prompt.shape[0], max_length), np.int32)
+    tokens[:, :prompt.shape[1]] = prompt
+    out = prefill(token_ids=prompt)
+    for i in range(prompt.shape[1], max_length):
+        out = decode(token_ids=tokens[:, i - 1:i], index=np.array(i - 1, np.int32), cache=out["cache"])
+        tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
+    return tokens
+
+
+@pytest.mark.slow
+def test_tflite_prefill_decode_reproduce_hf_tokens(converted):
+    """The TFLite prefill/decode export (builtin ops only) driven by a NumPy
+    loop: one stacked cache of the three layers with their own keys (every
+    position, the windows a band over them)."""
+    from ai_edge_litert import interpreter as litert
+
+    from keras_attn.runtimes import signatures
+
+    hf, lm = converted
+    prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompts, dtype=torch.long),
+                           attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+                           do_sample=False, max_length=16, pad_token_id=0,
+                           eos_token_id=None).numpy()
+    content = signatures.tflite_bytes(lm, max_length=16, batch_size=2, prompt_length=6)
+    interpreter = litert.Interpreter(model_content=content)
+    ops = {d["op_name"] for d in interpreter._get_ops_details()}
+    assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
+    decode = interpreter.get_signature_runner("decode")
+    assert decode.get_input_details()["cache"]["shape"][0] == 3
+    got = _artifact_greedy(interpreter.get_signature_runner("prefill"), decode, prompts, 16)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"
+
+
+def _runtime_sized():
+    """A Gemma 4 on the runtime tests' word vocabulary, head size 32 (as
+    onnxruntime's attention kernels take): layers 2 and 3 reuse layers 0
+    (sliding, window 6 < the generation) and 1 (full), PLE, k = v, proportional rotary."""
+    from tests.llm_runtime_models import EOS, VOCAB as WORDS
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=WORDS, hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+        initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=32,
+        sliding_window=6, layer_types=[SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=WORDS, attention_k_eq_v=True,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 100.0},
+                         FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                "rope_theta": 1000.0}},
+        final_logit_softcapping=5.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Gemma4ForCausalLM(config).eval()
+
+
+@pytest.mark.slow
+def test_llm_runtimes_generate_hf_tokens(tmp_path):
+    """The `.litertlm` bundle in `litert_lm.Engine` and the ONNX Runtime
+    GenAI folder (the tf2onnx graph: the fused writer refuses
+    `key_value_sources` by name) give transformers' greedy text."""
+    litert_lm = pytest.importorskip("litert_lm")
+    og = pytest.importorskip("onnxruntime_genai")
+    from keras_attn.runtimes import litertlm
+    from keras_attn.runtimes.litertlm import export_litertlm
+    from keras_attn.runtimes.onnx_genai import export_onnx_genai
+    from tests.llm_runtime_models import EOS, MAX_LEN, hf_tokens, keras_tokens, word_tokenizer
+
+    hf = _runtime_sized()
+    lm = from_huggingface(hf)
+    text = "the red cat sat on the big mat then"
+    prompt = [EOS] + word_tokenizer().encode(text).ids
+    want = hf_tokens(hf, prompt, MAX_LEN)
+    assert want == keras_tokens(lm, prompt, MAX_LEN) and len(want) >= 8
+
+    path = tmp_path / "gemma4.litertlm"
+    export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
+                    prefill_lengths=(8, 16), bos_token_id=EOS, stop_token_ids=[EOS])
+    engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
+    try:
+        assert litertlm.generate(path, text, engine=engine) == engine.detokenize(want)
+    finally:
+        engine.close()
+
+    folder = tmp_path / "genai"
+    with pytest.warns(UserWarning, match=r"does not cover this model \(key_value_sources="):
+        export_onnx_genai(lm, folder, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS)
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=MAX_LEN, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    got = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        got.append(int(generator.get_next_tokens()[0]))
+    assert (got[:got.index(EOS)] if EOS in got else got) == want
