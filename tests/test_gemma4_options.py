@@ -216,7 +216,8 @@ def test_decoder_lm_gemma4_options_config_and_keras_file(tmp_path, rng):
     (dict(key_value_sources=[None, 0]), r"`key_value_sources`, expected None or a list of one entry per layer \(5\)"),
     (dict(key_value_sources=[None, None, None, 4, None]), r"key_value_sources\[3\]"),
     (dict(key_value_sources=[None, None, None, 2, 3]), r"key_value_sources\[4\]"),
-    (dict(key_value_sources=[None, 0, None, None, None]), r"Layer 1 reuses the keys and values of layer 0, which has another sliding window \(3 vs None\)"),
+    (dict(key_value_sources=[None, 0, None, None, None]),
+     r"Layer 1 reuses the keys and values of layer 0, which has another sliding window \(3 vs None\)"),
     (dict(per_layer_input_dim=None), r"`per_layer_input_vocabulary_size` needs `per_layer_input_dim`"),
     (dict(per_layer_input_dim=0), r"per_layer_input_dim"),
 ])

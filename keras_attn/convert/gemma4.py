@@ -178,7 +178,8 @@ class Gemma4Converter(gemma.GemmaConverter):
         ):
             common.set_dense(dense, *self.weights.linear(prefix + name))
         if block.per_layer_input_dim is not None:
-            common.set_dense(block.per_layer_input_gate, *self.weights.linear(prefix + "per_layer_input_gate"))
+            common.set_dense(block.per_layer_input_gate,
+                             *self.weights.linear(prefix + "per_layer_input_gate"))
             common.set_dense(block.per_layer_input_projection,
                              *self.weights.linear(prefix + "per_layer_projection"))
             self.set_norm(block.per_layer_input_norm, prefix + "post_per_layer_input_norm")
