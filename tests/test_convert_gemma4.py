@@ -10,7 +10,7 @@ vocabulary size), the last two layers reusing the keys and values of the
 last earlier layer of their type (a sliding and a full one), keys equal to
 values on the full layers (`attention_k_eq_v`), the value norm, QK-norm with
 unscaled logits, sandwich norms, `layer_scalar`s away from 1, sliding
-windows (4) shorter than the prompts on 3 of 5 layers, a local rotary base
+windows (4) shorter than the prompts on 2 of 4 layers, a local rotary base
 on them and "proportional" rotary (half the pairs) on the full ones, a
 final soft cap, grouped query heads, `head_dim` unlike hidden / heads;
 weights scaled so that attention is sharp.
@@ -30,9 +30,9 @@ from tests import tolerance  # noqa: E402
 VOCAB = 71
 SLIDING, FULL = "sliding_attention", "full_attention"
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=36, intermediate_size=52, num_hidden_layers=5,
+    vocab_size=VOCAB, hidden_size=36, intermediate_size=52, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=12, global_head_dim=12,
-    sliding_window=4, layer_types=[SLIDING, FULL, SLIDING, SLIDING, FULL],
+    sliding_window=4, layer_types=[SLIDING, FULL, SLIDING, FULL],
     num_kv_shared_layers=2, hidden_size_per_layer_input=6, vocab_size_per_layer_input=VOCAB + 5,
     attention_k_eq_v=True,
     rope_parameters={
@@ -74,16 +74,17 @@ def hf_logits(hf, ids, mask):
 
 
 def test_the_test_model_has_what_it_claims(converted):
-    """KV-shared layers 3 (sliding) and 4 (full) without key/value tensors,
-    full layers without values (`attention_k_eq_v`), PLE tensors."""
+    """KV-shared layers 2 (sliding) and 3 (full) without key/value tensors,
+    the full layer 1 without values (`attention_k_eq_v`), PLE tensors."""
     hf, lm = converted
-    assert hf.config.kv_sharing_modes == [None, "store", "store", "reuse", "reuse"]
+    assert hf.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     names = set(hf.state_dict())
+    assert "model.layers.2.self_attn.k_proj.weight" not in names
     assert "model.layers.3.self_attn.k_proj.weight" not in names
     assert "model.layers.1.self_attn.v_proj.weight" not in names
-    assert "model.layers.2.self_attn.v_proj.weight" in names
+    assert "model.layers.0.self_attn.v_proj.weight" in names
     assert "model.embed_tokens_per_layer.weight" in names
-    assert lm.key_value_sources == [None, None, None, 2, 1]
+    assert lm.key_value_sources == [None, None, 0, 1]
 
 
 def test_logits_with_padding(converted):
@@ -127,11 +128,11 @@ def test_left_padded_batch_equals_hf_generate(converted):
 
 
 def test_only_layers_with_their_own_keys_have_caches(converted):
-    """Layers 0-2 cache (sliding ones a ring of the window), the two
+    """Layers 0 and 1 cache (the sliding one a ring of the window), the two
     KV-shared layers none."""
     hf, lm = converted
     shapes = [tuple(layer["self_attention"][0].shape) for layer in lm.init_cache(2, 16)]
-    assert shapes == [(2, 4, 2, 12), (2, 16, 2, 12), (2, 4, 2, 12)]
+    assert shapes == [(2, 4, 2, 12), (2, 16, 2, 12)]
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -186,7 +187,7 @@ def _artifact_greedy(prefill, decode, prompt, max_length):
 @pytest.mark.slow
 def test_tflite_prefill_decode_reproduce_hf_tokens(converted):
     """The TFLite prefill/decode export (builtin ops only) driven by a NumPy
-    loop: one stacked cache of the three layers with their own keys (every
+    loop: one stacked cache of the two layers with their own keys (every
     position, the windows a band over them)."""
     from ai_edge_litert import interpreter as litert
 
@@ -204,7 +205,7 @@ def test_tflite_prefill_decode_reproduce_hf_tokens(converted):
     ops = {d["op_name"] for d in interpreter._get_ops_details()}
     assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
     decode = interpreter.get_signature_runner("decode")
-    assert decode.get_input_details()["cache"]["shape"][0] == 3
+    assert decode.get_input_details()["cache"]["shape"][0] == 2
     got = _artifact_greedy(interpreter.get_signature_runner("prefill"), decode, prompts, 16)
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"
