@@ -225,3 +225,14 @@ def test_decoder_lm_gemma4_option_errors(changes, match):
     config = {**_gemma4_like_lm().get_config(), **changes}
     with pytest.raises(ValueError, match=match):
         DecoderOnlyLM.from_config(config)
+
+
+def test_layout_map_checks_the_per_layer_table():
+    """The per-layer input table is sharded as the token table, over its vocabulary."""
+    import types
+
+    lm = DecoderOnlyLM(30, 16, 8, num_layers=2, num_heads=2, intermediate_dim=16,
+                       position="rotary", per_layer_input_dim=2, per_layer_input_vocabulary_size=31)
+    mesh = types.SimpleNamespace(axis_names=("model",), shape=(2,))
+    with pytest.raises(ValueError, match="`per_layer_input_vocabulary_size`=31 is not divisible by the 2"):
+        lm.get_layout_map(mesh)
