@@ -25,6 +25,7 @@ BACKEND_AGNOSTIC_FILES = {
     "test_cache_masks.py",
     "test_errors.py",
     "test_family_options.py",
+    "test_gemma4_options.py",
     "test_mha_keras_compat.py",
     "test_onnx_decoder.py",
     "test_ops.py",

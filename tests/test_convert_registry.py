@@ -60,8 +60,8 @@ def test_refused_by_name_with_the_value(model_type, architecture, match):
     ("gemma3", "Gemma3ForConditionalGeneration",
      r"`model_type`='gemma3' has a vision tower.*Gemma3ForCausalLM"),
     ("phimoe", "PhimoeForCausalLM", r"`model_type`='phimoe' is a mixture-of-experts"),
-    ("gemma4_text", "Gemma4ForCausalLM",
-     r"`model_type`='gemma4_text' has per-layer input embeddings.*num_kv_shared_layers"),
+    ("gemma4", "Gemma4ForConditionalGeneration",
+     r"`model_type`='gemma4' has vision and audio towers.*Gemma4ForCausalLM"),
 ])
 def test_relatives_that_cannot_be_represented_are_refused_by_what_they_have(
         model_type, architecture, match):
@@ -74,6 +74,7 @@ def test_the_table_finds_each_family_by_model_type_and_architecture():
     assert registry.find(checkpoint("qwen3", "Qwen3ForCausalLM")).name == "Qwen3"
     assert registry.find(checkpoint("gemma3_text", "Gemma3ForCausalLM")).name == "Gemma 2/3"
     assert registry.find(checkpoint("gemma2", "Gemma2ForCausalLM")).name == "Gemma 2/3"
+    assert registry.find(checkpoint("gemma4_text", "Gemma4ForCausalLM")).name == "Gemma 4"
     assert registry.find(checkpoint("smollm3", "SmolLM3ForCausalLM")).name == "SmolLM3"
     assert registry.find(checkpoint("phi3", "Phi3ForCausalLM")).name == "Phi-3"
     assert registry.find(checkpoint("qwen2", "Qwen2ForCausalLM")).name == "Llama"

@@ -1,10 +1,10 @@
 """Pretrained models from other libraries onto keras_attn layers.
 
 `from_huggingface` converts Hugging Face `transformers` checkpoints: BERT-,
-RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2/3-, Gemma (1, 2, 3)-, SmolLM3-,
+RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2/3-, Gemma (1, 2, 3, 4)-, SmolLM3-,
 Phi-3- and T5-style models (see `keras_attn.convert.huggingface` for what
 each becomes). One module per family (`bert`, `gpt2`, `llama`, `gemma`,
-`gemma2`, `qwen3`, `smollm3`, `phi3`, `t5`), found through the table in
+`gemma2`, `gemma4`, `qwen3`, `smollm3`, `phi3`, `t5`), found through the table in
 `keras_attn.convert.registry`; what they share (the checkpoint and weight
 source, the refusals, the weight copies) is `keras_attn.convert.common`.
 """

@@ -333,10 +333,20 @@ def _fit(value, shape):
 def set_attention(mha, q, k, v, out):
     """`q, k, v, out`: `(kernel (in, out), bias or None, name)` with `in`-major
     kernels; the output axis is head-major (`(heads, head_dim)` flattened),
-    so a reshape gives the EinsumDense layouts, grouped-query heads included."""
-    for dense, (kernel, bias, name) in zip(
+    so a reshape gives the EinsumDense layouts, grouped-query heads included.
+    `k` and `v` are None for a layer without key/value projections
+    (`shared_key_value`)."""
+    for dense, weights in zip(
         (mha.query_dense, mha.key_dense, mha.value_dense, mha.output_dense), (q, k, v, out)
     ):
+        if dense is None and weights is None:
+            continue
+        if dense is None or weights is None:
+            raise ValueError(
+                f"The keras_attn layer `{mha.path}` has {'no ' if dense is None else 'a '}key/value "
+                f"projection; the checkpoint {'has' if weights is not None else 'has none'}."
+            )
+        kernel, bias, name = weights
         set_dense(dense, _fit(kernel, dense.kernel.shape), bias, name)
 
 

@@ -29,6 +29,11 @@ its tensor name mapping):
   `*ForCausalLM`: the same, plus what each adds (QK-norm, sandwich norms,
   soft-capping, per-layer windows and rotary bases, rotary-free layers,
   fused projections, partial rotary, LongRoPE).
+- **Gemma 4 text** (`Gemma4ForCausalLM`; `gemma4.py`): the same, plus
+  per-layer input embeddings, layers reusing an earlier layer's keys and
+  values (and cache), the value norm, per-layer output scales and
+  "proportional" rotary; full-attention layers with another head size,
+  experts and wider feed-forwards on the shared layers are refused by field.
 - **T5** (`T5ForConditionalGeneration`, `T5EncoderModel`; `t5.py`): a
   `Seq2SeqLM` with relative position buckets, or a functional encoder.
 

@@ -1,7 +1,7 @@
 """The converter table: which family converts which `model_type`.
 
 Each family module (`bert.py`, `gpt2.py`, `llama.py`, `gemma.py`,
-`gemma2.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
+`gemma2.py`, `gemma4.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
 declares a `FAMILY` (`common.Family`): the `model_type`s and architectures it
 takes and its `convert(checkpoint, *, dropout=None)`. `FAMILIES` lists them,
 one row each; adding a family is adding its module and its row. `REFUSED`
@@ -13,6 +13,7 @@ from keras_attn.convert import common
 from keras_attn.convert import gemma
 from keras_attn.convert import gpt2
 from keras_attn.convert import gemma2
+from keras_attn.convert import gemma4
 from keras_attn.convert import llama
 from keras_attn.convert import phi3
 from keras_attn.convert import qwen3
@@ -25,6 +26,7 @@ FAMILIES = (
     llama.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
+    gemma4.FAMILY,
     qwen3.FAMILY,
     smollm3.FAMILY,
     phi3.FAMILY,
@@ -53,11 +55,8 @@ REFUSED = {
                     "does not represent",
     "gemma3": _VISION + "; convert the text model, a Gemma3ForCausalLM (model_type "
               "'gemma3_text')",
-    "gemma4_text": "has per-layer input embeddings (`hidden_size_per_layer_input`) and layers "
-                   "that reuse another layer's keys and values (`num_kv_shared_layers`), which "
-                   "keras_attn does not represent yet",
-    "gemma4": "has vision and audio towers, per-layer input embeddings and layers that reuse "
-              "another layer's keys and values, which keras_attn does not represent yet",
+    "gemma4": "has vision and audio towers, which keras_attn does not represent; convert "
+              "the text model, a Gemma4ForCausalLM (model_type 'gemma4_text')",
     "qwen3_vl": _VISION,
     "paligemma": _VISION,
     "smolvlm": _VISION,

@@ -71,6 +71,15 @@ _KNOWN_MODEL_KEYS = {
     "attention_logit_soft_cap", "final_logit_soft_cap", "local_rope_max_wavelength",
     "rotary_layers", "partial_rotary_factor",
 }
+# Gemma 4's options: known, and refused by name away from their default.
+_MODEL_OPTIONS_NOT_FUSED = {
+    "key_value_sources": (None, "layers attending over another layer's keys and values "
+                                "(GroupQueryAttention projects and caches each layer's own)"),
+    "per_layer_input_dim": (None, "per-layer input embeddings"),
+    "per_layer_input_vocabulary_size": (None, "per-layer input embeddings"),
+    "use_value_norm": (False, "a norm of each value head"),
+    "use_output_scale": (False, "a scale on each block's output"),
+}
 # Self-attention options (MultiHeadAttention.get_config) the writer honours.
 _KNOWN_ATTENTION_KEYS = {
     "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
@@ -78,7 +87,7 @@ _KNOWN_ATTENTION_KEYS = {
     "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
     "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
     "output_shape", "attention_axes", "rotary_embedding", "use_qk_norm", "qk_norm_epsilon",
-    "logit_soft_cap",
+    "logit_soft_cap", "use_value_norm", "shared_key_value",
 }
 _ROTARY_PROBE_POSITIONS = 512
 
@@ -91,9 +100,12 @@ def check_fusable_decoder(model, max_length=None):
     if not isinstance(model, DecoderOnlyLM):
         raise NotFusableError(f"the fused decoder writer takes a DecoderOnlyLM, not {type(model).__name__}")
     config = model.get_config()
-    unknown = sorted(set(config) - _KNOWN_MODEL_KEYS)
+    unknown = sorted(set(config) - _KNOWN_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_FUSED))
     if unknown:
         raise NotFusableError(f"model option(s) {unknown} are not covered by the fused decoder writer")
+    for key, (default, what) in _MODEL_OPTIONS_NOT_FUSED.items():
+        if config.get(key, default) != default:
+            raise NotFusableError(f"{key}={config[key]!r} ({what}) is not covered by the fused decoder writer")
     for key, allowed in _MODEL_DEFAULTS_OK.items():
         if config[key] not in allowed:
             raise NotFusableError(f"{key}={config[key]!r} (the fused decoder writer takes {list(allowed)})")
@@ -123,8 +135,9 @@ def check_fusable_decoder(model, max_length=None):
         extra = sorted(set(attention.get_config()) - _KNOWN_ATTENTION_KEYS)
         if extra:
             raise NotFusableError(f"{block.name}: attention option(s) {extra}")
-        if attention.use_gate:
-            raise NotFusableError(f"{block.name}: use_gate=True")
+        for option in ("use_gate", "use_value_norm", "shared_key_value"):
+            if getattr(attention, option):
+                raise NotFusableError(f"{block.name}: {option}=True")
         if attention.value_dim != attention.key_dim:
             raise NotFusableError(f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
         if getattr(block, "cross_attention", None) is not None:

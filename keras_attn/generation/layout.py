@@ -23,8 +23,10 @@ def layout_map(model, device_mesh, model_axis="model", data_axis="data"):
             f"{model_axis!r}, device_mesh.axis_names={names}"
         )
     size = device_mesh.shape[names.index(model_axis)]
-    for name in ("num_heads", "num_key_value_heads", "intermediate_dim", "vocabulary_size"):
-        if getattr(model, name) % size:
+    for name in ("num_heads", "num_key_value_heads", "intermediate_dim", "vocabulary_size",
+                 "per_layer_input_vocabulary_size"):
+        # The per-layer input table (Gemma 4) is sharded as the token table.
+        if (getattr(model, name, None) or 0) % size:
             raise ValueError(
                 f"`{name}`={getattr(model, name)} is not divisible by the {size} devices "
                 f"of mesh axis {model_axis!r}."

@@ -16,6 +16,7 @@ position is clamped silently instead of raising.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_attn import checks as _checks
@@ -283,6 +284,10 @@ class _LMBase(keras.Model):
             return layer(x)
         return layer(x, cache[0]["self_attention"][0], start_index=cache_index)
 
+    def _decoder_block_options(self, index):
+        """Options of decoder block `index` beyond `_block_kwargs` (none here)."""
+        return {}
+
     def _decoder_blocks(self):
         return [
             TransformerDecoderBlock(
@@ -290,7 +295,7 @@ class _LMBase(keras.Model):
                 num_key_value_heads=self.num_key_value_heads,
                 normalize_first=True, rotary_embedding=rotary,
                 sliding_window=window, name=f"decoder_{i}",
-                **self._block_kwargs(),
+                **self._block_kwargs(), **self._decoder_block_options(i),
             )
             for i, (rotary, window) in enumerate(
                 zip(self._layer_rotaries(), self.layer_sliding_windows())
@@ -340,7 +345,7 @@ class _LMBase(keras.Model):
         # them when the sizes are static (a ring buffer wraps by design).
         if not cache:
             return
-        for layer, window in zip(cache, self.layer_sliding_windows()):
+        for layer, window in zip(cache, self._cache_windows()):
             length = layer["self_attention"][0].shape[1]
             ring = window is not None and window == length
             cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
@@ -364,8 +369,12 @@ class _LMBase(keras.Model):
                 max_length if window is None or not ring_buffers else min(max_length, window), 1,
                 self.num_key_value_heads, self.head_dim, dtype,
             )[0]
-            for window in self.layer_sliding_windows()
+            for window in self._cache_windows()
         ]
+
+    def _cache_windows(self):
+        """The window of each layer that has a cache (every layer here)."""
+        return self.layer_sliding_windows()
 
     def get_config(self):
         config = super().get_config()
@@ -471,10 +480,32 @@ class DecoderOnlyLM(_LMBase):
       without `rope_scaling` (Gemma 3's `rope_local_base_freq`); None: the
       model's;
     - `rotary_layers`: None, or a list of one bool per layer, False for a
-      layer without rotary positions (SmolLM3's `no_rope_layers`).
+      layer without rotary positions (SmolLM3's `no_rope_layers`);
+    - `key_value_sources`: None, or a list with one entry per layer: None
+      (the layer projects its own keys and values) or the index `j` of an
+      earlier layer whose keys and values it attends over with its own
+      queries (Gemma 4's `num_kv_shared_layers`). Layer `j` must project its
+      own and have the same `sliding_window`. Such a layer has no key/value
+      projections and no cache: `init_cache` returns one entry per layer
+      that projects its own keys and values, in layer order.
+
+    Gemma 4 (decoder-only):
+
+    - `per_layer_input_dim` (`P`), `per_layer_input_vocabulary_size`
+      (default `vocabulary_size`): per-layer input embeddings. A second
+      token table `per_layer_embedding` `(vocabulary, num_layers * P)`,
+      multiplied by `sqrt(P)`, plus a projection of the scaled token
+      embeddings `per_layer_model_projection` `(hidden_dim -> num_layers *
+      P)` multiplied by `hidden_dim ** -0.5` and normalised over each
+      layer's `P` features (`per_layer_projection_norm`), their sum times
+      `2 ** -0.5`, give each block `i` its `per_layer_input` (the blocks'
+      `per_layer_input_dim`);
+    - `use_value_norm`: an RMSNorm without scale on each value head;
+    - `use_output_scale`: each block's output times a constant scalar
+      weight (`output_scale`, Gemma 4's `layer_scalar`).
 
     `keras_attn.convert.from_huggingface` builds one from a Llama, Mistral,
-    Qwen2/3, Gemma (1, 2, 3), SmolLM3 or Phi-3 `*ForCausalLM` with these
+    Qwen2/3, Gemma (1, 2, 3, 4), SmolLM3 or Phi-3 `*ForCausalLM` with these
     options.
 
     Example:
@@ -485,7 +516,16 @@ class DecoderOnlyLM(_LMBase):
     (1, 3, 50)
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(
+        self,
+        *args,
+        key_value_sources=None,
+        per_layer_input_dim=None,
+        per_layer_input_vocabulary_size=None,
+        use_value_norm=False,
+        use_output_scale=False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         if self.num_decoder_layers != self.num_layers:
             raise ValueError(
@@ -493,17 +533,130 @@ class DecoderOnlyLM(_LMBase):
                 f"blocks. Received: num_layers={self.num_layers}, "
                 f"num_decoder_layers={self.num_decoder_layers}"
             )
+        self.key_value_sources = self._check_key_value_sources(key_value_sources)
+        self.per_layer_input_dim = _checks.check_positive_int(
+            "per_layer_input_dim", per_layer_input_dim, allow_none=True
+        )
+        self.per_layer_input_vocabulary_size = _checks.check_positive_int(
+            "per_layer_input_vocabulary_size", per_layer_input_vocabulary_size, allow_none=True
+        )
+        if self.per_layer_input_vocabulary_size is not None and self.per_layer_input_dim is None:
+            raise ValueError(
+                "`per_layer_input_vocabulary_size` needs `per_layer_input_dim`. Received: "
+                f"per_layer_input_vocabulary_size={per_layer_input_vocabulary_size}, "
+                "per_layer_input_dim=None"
+            )
+        self.use_value_norm = _checks.check_bool("use_value_norm", use_value_norm)
+        self.use_output_scale = _checks.check_bool("use_output_scale", use_output_scale)
+        self.per_layer_embedding = None
+        if self.per_layer_input_dim is not None:
+            width = self.num_layers * self.per_layer_input_dim
+            self.per_layer_embedding = keras.layers.Embedding(
+                self.per_layer_input_vocabulary_size or self.vocabulary_size, width,
+                name="per_layer_embedding",
+            )
+            self.per_layer_model_projection = keras.layers.Dense(
+                width, use_bias=False, name="per_layer_model_projection"
+            )
+            self.per_layer_projection_norm = self._norm("per_layer_projection_norm")
         self.embedding = self._embedding("embedding")
         self.position_bias = self._relative_bias("relative_position_bias", bidirectional=False)
         self.blocks = self._decoder_blocks()
         self.final_norm = self._norm("final_norm")
         self.lm_head = self._head()
 
+    def _check_key_value_sources(self, sources):
+        if sources is None:
+            return None
+        if not isinstance(sources, (list, tuple)) or len(sources) != self.num_layers:
+            raise ValueError(
+                "Received an invalid value for argument `key_value_sources`, expected None or "
+                f"a list of one entry per layer ({self.num_layers}). Received: "
+                f"key_value_sources={sources!r}"
+            )
+        windows = self.layer_sliding_windows()
+        sources = list(sources)
+        for i, j in enumerate(sources):
+            if j is None:
+                continue
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < i or sources[j] is not None:
+                raise ValueError(
+                    f"Received an invalid value for argument `key_value_sources[{i}]`, expected "
+                    "None or the index of an earlier layer that projects its own keys and "
+                    f"values. Received: key_value_sources={sources!r}"
+                )
+            if windows[j] != windows[i]:
+                raise ValueError(
+                    f"Layer {i} reuses the keys and values of layer {j}, which has another "
+                    f"sliding window ({windows[j]} vs {windows[i]}); they must be equal. "
+                    f"Received: key_value_sources={sources!r}, sliding_window={self.sliding_window!r}"
+                )
+        return sources
+
+    def _decoder_block_options(self, index):
+        sources = self.key_value_sources
+        return dict(
+            use_value_norm=self.use_value_norm,
+            shared_key_value=sources is not None and sources[index] is not None,
+            per_layer_input_dim=self.per_layer_input_dim,
+            use_output_scale=self.use_output_scale,
+        )
+
+    def _cache_windows(self):
+        """The window of each layer that has a cache (those that project
+        their own keys and values)."""
+        sources = self.key_value_sources or [None] * self.num_layers
+        return [w for w, j in zip(self.layer_sliding_windows(), sources) if j is None]
+
+    def _per_layer_inputs(self, token_ids, x):
+        """`(B, T, num_layers, P)` per-layer inputs (None without them):
+        Gemma 4's token table and projection of the scaled embeddings `x`."""
+        if self.per_layer_embedding is None:
+            return None
+        layers, dim = self.num_layers, self.per_layer_input_dim
+        shape = (ops.shape(x)[0], -1, layers, dim)
+        tokens = self.per_layer_embedding(token_ids)
+        tokens = ops.reshape(tokens * ops.cast(float(np.float32(dim**0.5)), tokens.dtype), shape)
+        projected = self.per_layer_model_projection(x)
+        projected = projected * ops.cast(self.hidden_dim**-0.5, projected.dtype)
+        projected = self.per_layer_projection_norm(ops.reshape(projected, shape))
+        return (projected + ops.cast(tokens, projected.dtype)) * ops.cast(2.0**-0.5, projected.dtype)
+
+    def _run_blocks(self, x, per_layer_inputs, cache=None, cache_index=None, **kwargs):
+        """Every block over `x`; with a cache, returns the new one too."""
+        sources = self.key_value_sources or [None] * self.num_layers
+        needed = {j for j in sources if j is not None}
+        key_values = {}
+        caches = iter(cache or ())
+        new_cache = []
+        for i, (block, source) in enumerate(zip(self.blocks, sources)):
+            options = dict(kwargs)
+            if per_layer_inputs is not None:
+                options["per_layer_input"] = per_layer_inputs[:, :, i, :]
+            if source is not None:
+                options["key_value"] = key_values[source]
+            elif cache is not None:
+                options["cache"] = next(caches)
+            if cache is not None:
+                options["cache_index"] = cache_index
+            if i in needed:
+                options["return_key_value"] = True
+            out = block(x, **options)
+            out = list(out) if isinstance(out, (tuple, list)) else [out]
+            if i in needed:
+                key_values[i] = out.pop()
+            if cache is not None and source is None:
+                new_cache.append(out.pop())
+            x = out[0]
+        return (x, new_cache) if cache is not None else x
+
     def call(self, token_ids, padding_mask=None):
         x = self._embed(self.embedding, token_ids)
+        per_layer_inputs = self._per_layer_inputs(token_ids, x)
         bias = self._self_bias(self.position_bias, x)
-        for block in self.blocks:
-            x = block(x, decoder_padding_mask=padding_mask, decoder_attention_bias=bias)
+        x = self._run_blocks(
+            x, per_layer_inputs, decoder_padding_mask=padding_mask, decoder_attention_bias=bias
+        )
         return self._logits(self.embedding, self.final_norm(x))
 
     def call_with_cache(self, token_ids, cache, cache_index, padding_mask=None):
@@ -515,15 +668,24 @@ class DecoderOnlyLM(_LMBase):
         token_ids = ops.convert_to_tensor(token_ids)
         self._check_cache_write(token_ids, cache, cache_index)
         x = self._embed(self.embedding, token_ids, start_index=cache_index)
+        per_layer_inputs = self._per_layer_inputs(token_ids, x)
         bias = self._self_bias(self.position_bias, x, cache, cache_index)
-        new_cache = []
-        for block, layer_cache in zip(self.blocks, cache):
-            x, layer_cache = block(
-                x, decoder_padding_mask=padding_mask, cache=layer_cache, cache_index=cache_index,
-                decoder_attention_bias=bias,
-            )
-            new_cache.append(layer_cache)
+        x, new_cache = self._run_blocks(
+            x, per_layer_inputs, cache=cache, cache_index=cache_index,
+            decoder_padding_mask=padding_mask, decoder_attention_bias=bias,
+        )
         return self._logits(self.embedding, self.final_norm(x)), new_cache
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            key_value_sources=self.key_value_sources,
+            per_layer_input_dim=self.per_layer_input_dim,
+            per_layer_input_vocabulary_size=self.per_layer_input_vocabulary_size,
+            use_value_norm=self.use_value_norm,
+            use_output_scale=self.use_output_scale,
+        )
+        return config
 
 
 @register

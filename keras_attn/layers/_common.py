@@ -102,3 +102,11 @@ def merge_attention_masks(
         sliding_window=sliding_window,
         query_valid=masking.as_bool(query_mask),
     )
+
+
+def rms_normalize(x, epsilon):
+    """`x / sqrt(mean(x^2) + epsilon)` over the last axis, without a scale, in
+    float32 (Gemma 4's value norm); cast back to `x`'s dtype."""
+    x32 = keras.ops.cast(x, "float32")
+    mean_square = keras.ops.mean(keras.ops.square(x32), axis=-1, keepdims=True)
+    return keras.ops.cast(x32 * keras.ops.rsqrt(mean_square + epsilon), x.dtype)

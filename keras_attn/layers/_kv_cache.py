@@ -35,6 +35,20 @@ class CachedKeys(NamedTuple):
     query_positions: object
 
 
+class KeyValue:
+    """The keys and values one attention call attended over, for a
+    `shared_key_value` layer: `keys` is the projected `(key, value)` pair
+    (uncached) or the call's `CachedKeys` (`cached`). A plain object, so that
+    Keras passes it through a layer call as it is (a `CachedKeys` mixes
+    tensors with Python flags, which Keras refuses in call arguments)."""
+
+    __slots__ = ("keys", "cached")
+
+    def __init__(self, keys, cached):
+        self.keys = keys
+        self.cached = cached
+
+
 def check_cache(cache, static_length=True):
     """`(key_cache, value_cache)`, each `(B, L, H_kv, D)` with a static `L`."""
     if (

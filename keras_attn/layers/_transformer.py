@@ -130,7 +130,7 @@ class BlockBase(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
-    def _attention(self, name, hidden_dim, rotary, sliding_window=None):
+    def _attention(self, name, hidden_dim, rotary, sliding_window=None, **options):
         return MultiHeadAttention(
             num_heads=self.num_heads,
             key_dim=self._head_size(hidden_dim, "inputs"),
@@ -145,6 +145,7 @@ class BlockBase(keras.layers.Layer):
             qk_norm_epsilon=self.layer_norm_epsilon,
             logit_soft_cap=self.logit_soft_cap,
             name=name,
+            **options,
             **self._dense_kwargs(),
         )
 

@@ -38,6 +38,10 @@ class MultiHeadAttention(keras.layers.Layer):
     - `use_qk_norm`: RMSNorm over each query and key head after the
       projection, before the rotary embedding (Qwen3, Gemma 3).
     - `logit_soft_cap`: logits become `cap * tanh(logits / cap)` (Gemma 2).
+    - `use_value_norm`: an RMSNorm without scale over each value head (Gemma 4).
+    - `shared_key_value`: a layer without key/value projections that attends
+      over another layer's keys and values (`return_key_value=` on that
+      layer, `key_value=` on this one; Gemma 4's KV-shared layers).
     - A query row whose keys are all masked outputs zeros (before the output
       projection), never NaN and never an average of the values.
 
@@ -80,6 +84,13 @@ class MultiHeadAttention(keras.layers.Layer):
         logit_soft_cap: None, or a positive float `c`: the scaled logits
             become `c * tanh(logits / c)` before masks and biases (Gemma 2;
             see `keras_attn.ops.dot_product_attention`).
+        use_value_norm: an RMSNorm without scale (epsilon `qk_norm_epsilon`)
+            over each projected value head (Gemma 4).
+        shared_key_value: True for a layer with no key and value projections
+            (nor key norm): every call attends over the keys and values that
+            another layer's call returned (`key_value=`), with this layer's
+            queries. The other layer must have the same `num_key_value_heads`,
+            `key_dim`, `value_dim` and `sliding_window`.
 
     Call arguments:
         query: `(B, T_q, D_q)`.
@@ -104,6 +115,16 @@ class MultiHeadAttention(keras.layers.Layer):
             `(B, T_q)` (e.g. the Keras mask of the new tokens), only the new
             tokens' positions.
         cache_index: scalar int position of the first new token.
+        return_key_value: also return (last) the keys and values this call
+            attended over, for a `shared_key_value` layer's `key_value=`: an
+            opaque object holding, uncached, the projected keys and values
+            `(B, T_k, H_kv, D)` (key norm and rotary applied); cached, the
+            cache's keys with their positions and validity (ring buffers
+            included).
+        key_value: a `shared_key_value` layer's keys and values: what another
+            layer's call over the same sequence returned with
+            `return_key_value=True` (with `cache_index` when that call was
+            cached; this layer then takes no `cache` and returns none).
 
     Override point: `_compute_attention(query, key, value, attention_mask=None,
     training=None, return_attention_scores=False, use_causal_mask=False)`
@@ -155,6 +176,8 @@ class MultiHeadAttention(keras.layers.Layer):
         use_qk_norm=False,
         qk_norm_epsilon=1e-6,
         logit_soft_cap=None,
+        use_value_norm=False,
+        shared_key_value=False,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -174,6 +197,8 @@ class MultiHeadAttention(keras.layers.Layer):
         self.use_qk_norm = checks.check_bool("use_qk_norm", use_qk_norm)
         self.qk_norm_epsilon = checks.check_positive_float("qk_norm_epsilon", qk_norm_epsilon)
         self.logit_soft_cap = checks.check_soft_cap("logit_soft_cap", logit_soft_cap)
+        self.use_value_norm = checks.check_bool("use_value_norm", use_value_norm)
+        self.shared_key_value = checks.check_bool("shared_key_value", shared_key_value)
         if self.logit_soft_cap is not None and flash_attention:
             raise ValueError(
                 "Flash attention does not soft-cap logits. Received: flash_attention="
@@ -282,10 +307,13 @@ class MultiHeadAttention(keras.layers.Layer):
             return sublayer
 
         self._query_dense = dense("query", query_shape, 1, (heads, self.key_dim))
-        self._key_dense = dense("key", key_shape, 1, (kv_heads, self.key_dim))
+        self._key_dense = self._value_dense = None
+        if not self.shared_key_value:
+            self._key_dense = dense("key", key_shape, 1, (kv_heads, self.key_dim))
         if self.use_gate:
             self._gate_dense = dense("gate", query_shape, 1, (heads, self.value_dim), "sigmoid")
-        self._value_dense = dense("value", value_shape, 1, (kv_heads, self.value_dim))
+        if not self.shared_key_value:
+            self._value_dense = dense("value", value_shape, 1, (kv_heads, self.value_dim))
         self._output_dense = dense(
             "attention_output", tuple(query_shape[:-1]) + (heads, self.value_dim), 2,
             self._output_shape or (query_shape[-1],), use_bias=self.output_use_bias,
@@ -301,7 +329,10 @@ class MultiHeadAttention(keras.layers.Layer):
                 for name in ("query_norm", "key_norm")
             )
             self.query_norm.build(head_shape)
-            self.key_norm.build(head_shape)
+            if self.shared_key_value:
+                self.key_norm = None
+            else:
+                self.key_norm.build(head_shape)
 
     def call(
         self,
@@ -320,18 +351,21 @@ class MultiHeadAttention(keras.layers.Layer):
         start_index=0,
         cache=None,
         cache_index=None,
+        return_key_value=False,
+        key_value=None,
     ):
         masks = _common.attention_call_preamble(
             "MultiHeadAttention", query, value, key,
             query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
             attention_mask=attention_mask,
         )
-        if cache is None and cache_index is not None:
+        shared = self._check_key_value(key_value, cache, cache_index)
+        if cache is None and cache_index is not None and not shared:
             raise ValueError(
                 "`cache_index` was given without a `cache`. Received: "
                 f"cache_index={cache_index!r}, cache=None"
             )
-        self._check_inputs(query, value, key, cached=cache is not None)
+        self._check_inputs(query, value, key, cached=cache is not None or cache_index is not None)
         # keras_attn.visualize: the probabilities are computed (and recorded)
         # only inside `ops.recording.recording()`.
         # Flash attention never forms them: such a layer is not recorded.
@@ -345,12 +379,18 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache is not None and cache_index is None:
             # A complete (cross-attention) cache: the query alone is projected.
             value = key = None
+        # Another layer's keys and values (`shared`): the query alone is projected.
+        kv_inputs = (None, None) if shared else (value if key is None else key, value)
         # query = [B, T_q, H, key_dim]; key = [B, T_k, H_kv, key_dim]
         q, k, v, gate = self._project(
-            query, value if key is None else key, value,
-            start_index=start_index if cache_index is None else cache_index,
+            query, *kv_inputs, start_index=start_index if cache_index is None else cache_index,
         )
         keys = None
+        if shared and key_value.cached:
+            keys = key_value.keys
+            k, v = keys.key, keys.value
+        elif shared:
+            k, v = key_value.keys
         if cache is not None:
             keys = _kv_cache.attend_to_cache(
                 cache, cache_index, k, v, shapes.dim(query, 1), self.sliding_window,
@@ -373,7 +413,32 @@ class MultiHeadAttention(keras.layers.Layer):
         result = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
             result += (keys.new_cache,)
+        if return_key_value:
+            result += (_kv_cache.KeyValue(keys if keys is not None else (k, v), keys is not None),)
         return result if len(result) > 1 else output
+
+    def _check_key_value(self, key_value, cache, cache_index):
+        """Whether this call attends over another layer's keys (`key_value`)."""
+        if not self.shared_key_value:
+            if key_value is not None:
+                raise ValueError(
+                    "`key_value` is for a layer built with `shared_key_value=True`; this one "
+                    "projects its own keys and values. Received: key_value="
+                    f"{type(key_value).__name__}"
+                )
+            return False
+        if (
+            cache is not None or not isinstance(key_value, _kv_cache.KeyValue)
+            or key_value.cached != (cache_index is not None)
+        ):
+            raise ValueError(
+                "A layer with `shared_key_value=True` has no keys, values or cache of its own: "
+                "pass `key_value=`, what another layer's call returned with "
+                "`return_key_value=True` (with `cache_index` if and only if that call was "
+                f"cached), and no `cache`. Received: key_value={type(key_value).__name__}, "
+                f"cache={'None' if cache is None else 'given'}, cache_index={cache_index!r}"
+            )
+        return True
 
     def _check_inputs(self, query, value, key, cached):
         """Ranks and feature sizes of a call against what the layer was built for."""
@@ -428,6 +493,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.use_qk_norm:
             q = None if q is None else self.query_norm(q)
             k = None if k is None else self.key_norm(k)
+        if self.use_value_norm and v is not None:
+            v = _common.rms_normalize(v, self.qk_norm_epsilon)
         if self.rotary_embedding is not None:
             if q is not None:
                 q = self.rotary_embedding(q, start_index=start_index)
@@ -668,7 +735,8 @@ class MultiHeadAttention(keras.layers.Layer):
         for name in (
             "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "sliding_window",
             "use_gate", "seed", "num_key_value_heads", "chunk_size", "output_use_bias",
-            "use_qk_norm", "qk_norm_epsilon", "logit_soft_cap",
+            "use_qk_norm", "qk_norm_epsilon", "logit_soft_cap", "use_value_norm",
+            "shared_key_value",
         ):
             config[name] = getattr(self, name)
         for name in ("kernel_initializer", "bias_initializer"):

@@ -48,7 +48,12 @@ class RotaryEmbedding(keras.layers.Layer):
               `attention_factor` (default 1.0; Hugging Face's default is
               `sqrt(1 + log(s) / log(original_max_position_embeddings))`
               with `s` the context extension, which `from_huggingface`
-              fills in). Each factor list has `rotary_dim / 2` numbers.
+              fills in). Each factor list has `rotary_dim / 2` numbers;
+            - `{"rope_type": "proportional", "partial_rotary_factor": p,
+              "factor": f}` (Gemma 4's global layers): frequencies of the
+              whole head (`max_wavelength^(-2i/D)`, divided by `f`, default
+              1) on the first `int(p * D // 2)` feature pairs `(i, i + D/2)`,
+              zero on the others, which therefore pass unchanged.
         partial_rotary_factor: the fraction of each head's features that is
             rotated: the first `rotary_dim = int(D * partial_rotary_factor)`
             (an even number), the others pass unchanged (Phi-3 / Phi-4-mini,
@@ -157,6 +162,11 @@ class RotaryEmbedding(keras.layers.Layer):
         inv_freq = ops.power(base, -exponent)
         if kind == "linear":
             inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "proportional":
+            # As Hugging Face: only the first `int(p * D // 2)` pairs rotate.
+            rotated = int(scaling["partial_rotary_factor"] * dim // 2)
+            keep = ops.cast(ops.less(ops.arange(dim // 2), rotated), "float32")
+            inv_freq = inv_freq * keep / scaling["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_frequencies(inv_freq, scaling)
         elif kind == "longrope":
@@ -226,7 +236,10 @@ _ROPE_SCALING_KEYS = {
     "dynamic": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("original_max_position_embeddings",),
+    "proportional": (),
 }
+# Optional keys with their defaults.
+_ROPE_SCALING_DEFAULTS = {"proportional": {"partial_rotary_factor": 1.0, "factor": 1.0}}
 _FACTOR_LISTS = ("short_factor", "long_factor")
 
 
@@ -256,6 +269,19 @@ def check_rope_scaling(rope_scaling):
                 f"Received: rope_scaling={rope_scaling!r}"
             )
         normalized[key] = float(value)
+    for key, default in _ROPE_SCALING_DEFAULTS.get(kind, {}).items():
+        value = rope_scaling.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(
+                f"`rope_scaling` of type {kind!r} needs a positive number `{key}` (default "
+                f"{default}). Received: rope_scaling={rope_scaling!r}"
+            )
+        normalized[key] = float(value)
+    if kind == "proportional" and normalized["partial_rotary_factor"] > 1.0:
+        raise ValueError(
+            "`rope_scaling['partial_rotary_factor']` of type 'proportional' must be a fraction "
+            f"in (0, 1]. Received: rope_scaling={rope_scaling!r}"
+        )
     if kind == "longrope":
         for key in _FACTOR_LISTS:
             value = rope_scaling.get(key)

@@ -7,6 +7,7 @@ from keras_attn import checks
 from keras_attn import saving
 from keras_attn.layers import _peer_weights
 from keras_attn.layers import _transformer
+from keras_attn.layers import activations
 from keras_attn.ops import masking
 
 
@@ -24,7 +25,24 @@ class TransformerDecoderBlock(_transformer.BlockBase):
     and LayerNorm (post-norm by default, pre-norm with `normalize_first`).
     Sublayer names follow KerasHub's `TransformerDecoder`.
 
-    Args: as `TransformerEncoderBlock`.
+    Args: as `TransformerEncoderBlock`, and for the self-attention:
+        use_value_norm: an RMSNorm without scale over each value head
+            (Gemma 4; see `MultiHeadAttention`).
+        shared_key_value: the self-attention has no key/value projections and
+            attends over another block's keys and values, passed as
+            `key_value=` (what that block returned with
+            `return_key_value=True`); such a block has no self-attention
+            cache (Gemma 4's KV-shared layers; see `MultiHeadAttention`).
+        per_layer_input_dim: None, or the size `P` of a per-layer input
+            (Gemma 4's per-layer embeddings): after the feed-forward branch,
+            `x + norm(projection(act(gate(x)) * per_layer_input))` with
+            `gate` `(D -> P)` and `projection` `(P -> D)` denses without bias
+            (`per_layer_input_gate`, `per_layer_input_projection`), the
+            feed-forward's `activation` and a `normalization` norm
+            (`per_layer_input_norm`). Each call then takes `per_layer_input`.
+        use_output_scale: the block's output is multiplied by a scalar
+            weight `output_scale` (initialized to 1, not trained; Gemma 4's
+            `layer_scalar`).
 
     Call arguments:
         decoder_sequence: `(B, T_dec, D)`.
@@ -45,6 +63,12 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             "cross_attention": (k, v) or None}` with `(B, max_length, H_kv,
             head_dim)` self-attention caches (see `keras_attn.generation`).
         cache_index: position of the first token of `decoder_sequence`.
+        per_layer_input: `(B, T_dec, per_layer_input_dim)`, with
+            `per_layer_input_dim` only.
+        return_key_value: also return (last) the self-attention's keys and
+            values, for a `shared_key_value` block's `key_value=`.
+        key_value: with `shared_key_value` only: another block's keys and
+            values (with `cache_index` when that block's call was cached).
         self_attention_cache, self_attention_cache_update_index,
         cross_attention_cache, cross_attention_cache_update_index:
             KerasHub's `TransformerDecoder` cache arguments, for code written
@@ -72,6 +96,24 @@ class TransformerDecoderBlock(_transformer.BlockBase):
     ((2, 4, 16), (2, 2, 4, 7))
     """
 
+    def __init__(
+        self,
+        num_heads,
+        *args,
+        use_value_norm=False,
+        shared_key_value=False,
+        per_layer_input_dim=None,
+        use_output_scale=False,
+        **kwargs,
+    ):
+        super().__init__(num_heads, *args, **kwargs)
+        self.use_value_norm = checks.check_bool("use_value_norm", use_value_norm)
+        self.shared_key_value = checks.check_bool("shared_key_value", shared_key_value)
+        self.per_layer_input_dim = checks.check_positive_int(
+            "per_layer_input_dim", per_layer_input_dim, allow_none=True
+        )
+        self.use_output_scale = checks.check_bool("use_output_scale", use_output_scale)
+
     @classmethod
     def from_keras_hub(cls, layer):
         """A block with the weights and outputs of a built `keras_hub.layers.TransformerDecoder`.
@@ -90,7 +132,8 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         checks.check_shape_rank("decoder_sequence", decoder_sequence_shape, 3, layout)
         hidden = decoder_sequence_shape[-1]
         self.self_attention = self._attention(
-            "self_attention", hidden, self.rotary_embedding, self.sliding_window
+            "self_attention", hidden, self.rotary_embedding, self.sliding_window,
+            use_value_norm=self.use_value_norm, shared_key_value=self.shared_key_value,
         )
         self.self_attention.build(decoder_sequence_shape, decoder_sequence_shape)
         self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
@@ -111,7 +154,48 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             )
             self.cross_attention_dropout = self._dropout("cross_attention_dropout")
         self._build_feedforward(decoder_sequence_shape)
+        self._build_per_layer_input(decoder_sequence_shape)
+        self.output_scale = None
+        if self.use_output_scale:
+            self.output_scale = self.add_weight(
+                shape=(1,), initializer="ones", trainable=False, name="output_scale"
+            )
         self.built = True
+
+    def _build_per_layer_input(self, sequence_shape):
+        self.per_layer_input_gate = self.per_layer_input_projection = None
+        self.per_layer_input_norm = None
+        if self.per_layer_input_dim is None:
+            return
+        hidden, dim = sequence_shape[-1], self.per_layer_input_dim
+        self.per_layer_input_gate = keras.layers.Dense(
+            dim, use_bias=False, name="per_layer_input_gate", **self._dense_kwargs()
+        )
+        self.per_layer_input_gate.build(sequence_shape)
+        self.per_layer_input_projection = keras.layers.Dense(
+            hidden, use_bias=False, name="per_layer_input_projection", **self._dense_kwargs()
+        )
+        self.per_layer_input_projection.build(tuple(sequence_shape[:-1]) + (dim,))
+        self.per_layer_input_norm = self._norm("per_layer_input_norm")
+        self.per_layer_input_norm.build(sequence_shape)
+
+    def _add_per_layer_input(self, x, per_layer_input):
+        if self.per_layer_input_dim is None:
+            if per_layer_input is not None:
+                raise ValueError(
+                    "`per_layer_input` needs a block built with `per_layer_input_dim`. "
+                    f"Received: per_layer_input.shape={tuple(per_layer_input.shape)}"
+                )
+            return x
+        if per_layer_input is None or per_layer_input.shape[-1] != self.per_layer_input_dim:
+            raise ValueError(
+                "A block with `per_layer_input_dim` needs `per_layer_input` of shape (batch, "
+                f"seq, {self.per_layer_input_dim}). Received: per_layer_input="
+                f"{None if per_layer_input is None else tuple(per_layer_input.shape)}"
+            )
+        h = activations.get(self.activation)(self.per_layer_input_gate(x))
+        h = h * ops.cast(per_layer_input, h.dtype)
+        return x + self.per_layer_input_norm(self.per_layer_input_projection(h))
 
     def call(
         self,
@@ -132,6 +216,9 @@ class TransformerDecoderBlock(_transformer.BlockBase):
         self_attention_cache_update_index=None,
         cross_attention_cache=None,
         cross_attention_cache_update_index=None,
+        per_layer_input=None,
+        return_key_value=False,
+        key_value=None,
     ):
         hub_cache = (
             self_attention_cache,
@@ -156,15 +243,18 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 return_attention_scores=return_attention_scores,
             )
         cached = cache is not None
+        # A shared-key/value block in a cached call: no cache of its own.
+        incremental = cached or (self.shared_key_value and cache_index is not None)
         if cached:
             cross_cache = self._check_cache(cache, cache_index, encoder_sequence)
         else:
-            self._check_encoder(encoder_sequence, cache_index)
-        if decoder_padding_mask is None and not cached:
+            self._check_encoder(encoder_sequence, None if incremental else cache_index)
+        if decoder_padding_mask is None and not incremental:
             decoder_padding_mask = masking.keras_mask_of(decoder_sequence)
         if encoder_sequence is not None and encoder_padding_mask is None:
             encoder_padding_mask = masking.keras_mask_of(encoder_sequence)
         new_cache = {}
+        key_values = {}
 
         def attend(name, value, layer_cache, **kwargs):
             """One attention sublayer as a residual branch: `x -> (out, scores)`."""
@@ -182,10 +272,13 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                     training=training,
                     **kwargs,
                 )
+                # (output, [scores], [cache], [key_value])
+                result = list(result) if isinstance(result, (tuple, list)) else [result]
+                if kwargs.get("return_key_value"):
+                    key_values[name] = result.pop()
                 if cached:
-                    *result, new_cache[name] = result
-                    result = tuple(result) if return_attention_scores else result[0]
-                return result if return_attention_scores else (result, None)
+                    new_cache[name] = result.pop()
+                return result[0], (result[1] if return_attention_scores else None)
 
             return branch
 
@@ -196,12 +289,14 @@ class TransformerDecoderBlock(_transformer.BlockBase):
             "self_attention",
             _SAME_AS_QUERY,
             cache["self_attention"] if cached else None,
-            query_mask=None if cached else self._query_padding(decoder_padding_mask),
+            query_mask=None if incremental else self._query_padding(decoder_padding_mask),
             value_mask=decoder_padding_mask,
             attention_mask=decoder_attention_mask,
             attention_bias=decoder_attention_bias,
             use_causal_mask=use_causal_mask,
-            **({"cache_index": cache_index} if cached else {}),
+            **({"cache_index": cache_index} if incremental else {}),
+            **({"return_key_value": True} if return_key_value else {}),
+            **({"key_value": key_value} if key_value is not None else {}),
         )
         x, self_scores = self._residual(
             decoder_sequence,
@@ -230,9 +325,14 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 self.cross_attention_post_norm,
             )
         x = self._feedforward(x, training)
+        x = self._add_per_layer_input(x, per_layer_input)
+        if self.output_scale is not None:
+            x = x * ops.cast(self.output_scale, x.dtype)
         outputs = (x, scores) if return_attention_scores else (x,)
         if cached:
             outputs += (new_cache,)
+        if return_key_value:
+            outputs += (key_values["self_attention"],)
         return outputs if len(outputs) > 1 else x
 
     def _call_with_keras_hub_cache(
@@ -376,3 +476,15 @@ class TransformerDecoderBlock(_transformer.BlockBase):
                 (b, self.num_heads, t, encoder_sequence.shape[1]), dtype=self.compute_dtype
             )
         return out, scores
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "use_value_norm": self.use_value_norm,
+                "shared_key_value": self.shared_key_value,
+                "per_layer_input_dim": self.per_layer_input_dim,
+                "use_output_scale": self.use_output_scale,
+            }
+        )
+        return config

@@ -44,6 +44,7 @@ from keras_attn.runtimes.tokenizers import write_tokenizer
 from keras_attn.runtimes.trace import DecoderTrace
 from keras_attn.runtimes.trace import cache_storage_dtype
 from keras_attn.runtimes.trace import check_runtime_decoder
+from keras_attn.runtimes.trace import num_caches
 
 RUNTIME = "LiteRT-LM"
 # The caches keep keras_attn's layout (1, S, H_kv, d); the bundle's executor
@@ -358,7 +359,7 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
                                  prompt_template=prompt_template))
         executor_path = os.path.join(tmp, "executor_metadata.pb")
         with open(executor_path, "wb") as f:
-            f.write(executor_metadata(num_layers=model.num_layers, max_length=max_length))
+            f.write(executor_metadata(num_layers=num_caches(model), max_length=max_length))
         write_tokenizer(tokenizer, tmp)
         builder = builder_lib.LitertLmFileBuilder()
         builder.add_llm_metadata(meta_path)

@@ -55,6 +55,7 @@ from keras_attn.runtimes.tokenizers import tokenizer_model_type
 from keras_attn.runtimes.tokenizers import write_tokenizer
 from keras_attn.runtimes.trace import DecoderTrace
 from keras_attn.runtimes.trace import check_runtime_decoder
+from keras_attn.runtimes.trace import num_caches
 
 
 def genai_function(model, max_length):
@@ -101,7 +102,7 @@ def onnx_genai_model(model, *, max_length, opset=17):
         raise ValueError(f"tf2onnx left non-ONNX ops in the GenAI graph: {bad}")
     names = ["input_ids", "attention_mask"]
     outputs = ["logits"]
-    for i in range(model.num_layers):
+    for i in range(num_caches(model)):
         names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         outputs += [f"present.{i}.key", f"present.{i}.value"]
     for graph_input, name in zip(list(proto.graph.input), names):
@@ -133,7 +134,8 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
             "present_value_names": "present.%d.value",
         },
         "num_attention_heads": int(model.num_heads),
-        "num_hidden_layers": int(model.num_layers),
+        # GenAI reads it as the number of key/value caches.
+        "num_hidden_layers": int(num_caches(model)),
         "num_key_value_heads": int(model.num_key_value_heads),
     }
     return {

@@ -34,6 +34,14 @@ def cache_storage_dtype(cache_dtype):
     return tf.as_dtype(cache_dtype)
 
 
+def num_caches(model):
+    """How many self-attention caches `model.init_cache` returns: one per
+    layer that projects its own keys and values (`DecoderOnlyLM`'s
+    `key_value_sources`: the other layers reuse an earlier layer's)."""
+    sources = getattr(model, "key_value_sources", None)
+    return model.num_layers if sources is None else sum(source is None for source in sources)
+
+
 def check_runtime_decoder(model, runtime="ONNX Runtime GenAI"):
     """`model` must be a keras_attn decoder-only LM: what the LLM runtimes (ONNX
     Runtime GenAI, LiteRT-LM) drive (their caches hold every position; a

@@ -1,0 +1,223 @@
+"""Gemma 4 text decoders (`Gemma4ForCausalLM`, model_type "gemma4_text") onto
+`DecoderOnlyLM`: the Gemma conversion (`gemma.GemmaConverter`: GeGLU,
+`sqrt(hidden)` embedding scale) with what Gemma 4 adds.
+
+- RMSNorms multiply by their weight (not `1 + w` as Gemma 1-3);
+- sandwich norms, `layer_types` windows and a final soft cap as Gemma 3;
+- QK-norm, and an RMSNorm without scale on each value head
+  (`use_value_norm`); attention logits are not scaled (Gemma 4's scaling is
+  1): keras_attn scales by `head_dim ** -0.5`, so the query norm's scale is
+  multiplied by `sqrt(head_dim)`;
+- two rotary embeddings: `rope_parameters["sliding_attention"]` (unscaled)
+  on the sliding layers, `rope_parameters["full_attention"]` on the full
+  ones, "default" or "proportional" (`partial_rotary_factor`: frequencies
+  of the whole head on the first pairs only; `RotaryEmbedding`'s
+  `rope_scaling`);
+- `attention_k_eq_v`: the full layers' values are their (un-normalised) key
+  projections: the key kernel is copied into the value kernel;
+- `num_kv_shared_layers`: the last layers attend over the keys and values
+  of the last earlier layer of their type (`key_value_sources`);
+- per-layer input embeddings (`hidden_size_per_layer_input`,
+  `vocab_size_per_layer_input`: `per_layer_input_dim`,
+  `per_layer_input_vocabulary_size`);
+- each layer's output times `layer_scalar` (`use_output_scale`).
+
+Refused by the config field and value: full-attention layers with another
+head size or number of key/value heads than the sliding ones
+(`global_head_dim`, `num_global_key_value_heads`), mixture-of-experts blocks
+(`enable_moe_block`), wider feed-forwards on the KV-shared layers
+(`use_double_wide_mlp`), bidirectional attention, other rotary types.
+The multimodal `Gemma4ForConditionalGeneration` (model_type "gemma4") is
+refused by `registry.REFUSED`.
+
+| Hugging Face tensor (prefix `model.`)          | keras_attn variable (`DecoderOnlyLM`)                 |
+|------------------------------------------------|-------------------------------------------------------|
+| `embed_tokens_per_layer.weight`                | `per_layer_embedding/embeddings`                      |
+| `per_layer_model_projection.weight`            | `per_layer_model_projection/kernel`                   |
+| `per_layer_projection_norm.weight`             | `per_layer_projection_norm/scale`                     |
+| `layers.i.{input,post_attention,pre_feedforward,post_feedforward}_layernorm.weight` | as Gemma 3 (`gemma2.py`), scale `w` |
+| `layers.i.self_attn.q_norm.weight`             | `decoder_i/self_attention/query_norm/scale` (w x sqrt(head_dim)) |
+| `layers.i.self_attn.k_norm.weight`             | `decoder_i/self_attention/key_norm/scale`             |
+| `layers.i.self_attn.k_proj.*` (`attention_k_eq_v`, full layers) | also `decoder_i/self_attention/value/*` |
+| `layers.i.per_layer_input_gate.weight`         | `decoder_i/per_layer_input_gate/kernel`               |
+| `layers.i.per_layer_projection.weight`         | `decoder_i/per_layer_input_projection/kernel`         |
+| `layers.i.post_per_layer_input_norm.weight`    | `decoder_i/per_layer_input_norm/scale`                |
+| `layers.i.layer_scalar`                        | `decoder_i/output_scale`                              |
+| (everything else)                              | as Llama (`llama.py`); KV-shared layers have no k/v tensors |
+"""
+
+import math
+
+import numpy as np
+
+from keras_attn.convert import common
+from keras_attn.convert import gemma
+from keras_attn.convert import llama
+from keras_attn.generation.models import DecoderOnlyLM
+
+_ROPE_TYPES = ("default", "proportional")
+
+
+class Gemma4Converter(gemma.GemmaConverter):
+    soft_capping = True
+
+    def check_config(self):
+        super().check_config()
+        config = self.config
+        if getattr(config, "enable_moe_block", False):
+            common.refuse("enable_moe_block", True, "(mixture-of-experts feed-forward blocks) is "
+                          "not represented")
+        if getattr(config, "use_double_wide_mlp", False) and self.shared_layers:
+            common.refuse("use_double_wide_mlp", True, "(twice as wide feed-forward networks on "
+                          "the KV-shared layers: one intermediate size per layer) is not represented")
+        layers = config.num_hidden_layers
+        if config.num_kv_shared_layers >= layers:
+            common.refuse("num_kv_shared_layers", config.num_kv_shared_layers,
+                          f"leaves no layer of the {layers} that projects keys and values")
+        # The full layers' head size and key/value heads (`global_head_dim`,
+        # `num_global_key_value_heads`) against the others'.
+        per_layer = config.per_layer_config
+        for field, name in (("head_dim", "global_head_dim"),
+                            ("num_key_value_heads", "num_global_key_value_heads")):
+            values = [getattr(per_layer[i], field) for i in range(layers)]
+            for i, layer_type in enumerate(config.layer_types):
+                if values[i] != values[0]:
+                    common.refuse(name, values[i], f"(of the {layer_type} layers) differs from "
+                                  f"{field}={values[0]}: layers with other head sizes or "
+                                  "key/value heads than the others are not represented")
+
+    @property
+    def shared_layers(self):
+        """Indices of the layers that reuse another layer's keys and values."""
+        config = self.config
+        return list(range(config.num_hidden_layers - config.num_kv_shared_layers,
+                          config.num_hidden_layers))
+
+    def key_value_sources(self):
+        """`DecoderOnlyLM(key_value_sources=...)`: each KV-shared layer takes
+        the last earlier non-shared layer of its type (transformers'
+        `kv_sharing_modes`)."""
+        shared = self.shared_layers
+        if not shared:
+            return None
+        types = self.config.layer_types
+        first = shared[0]
+        sources = [None] * len(types)
+        for i in shared:
+            owners = [j for j in range(first) if types[j] == types[i]]
+            if not owners:
+                common.refuse("num_kv_shared_layers", self.config.num_kv_shared_layers,
+                              f"leaves layer {i} ({types[i]}) no earlier layer of its type")
+            sources[i] = owners[-1]
+        return sources
+
+    def rope(self):
+        """The full-attention layers' rotary base and scaling."""
+        params = dict(self.config.rope_parameters["full_attention"])
+        kind = params.get("rope_type", "default")
+        if kind not in _ROPE_TYPES:
+            common.refuse("rope_parameters.full_attention", params,
+                          f"has a rope_type keras_attn does not represent (supported: {list(_ROPE_TYPES)})")
+        if kind == "default":  # transformers' Gemma 4 ignores partial_rotary_factor here
+            return params.get("rope_theta", 10000.0), None
+        scaling = {"rope_type": kind,
+                   "partial_rotary_factor": params.get("partial_rotary_factor", 1.0),
+                   "factor": params.get("factor", 1.0)}
+        return params["rope_theta"], scaling
+
+    def model_options(self):
+        config = self.config
+        options = super().model_options()
+        local = dict(config.rope_parameters["sliding_attention"])
+        if local.get("rope_type", "default") != "default":
+            common.refuse("rope_parameters.sliding_attention", local,
+                          "scales the local rotary base, which is not represented")
+        ple = getattr(config, "hidden_size_per_layer_input", None) or None
+        options.update(
+            use_sandwich_norm=True,
+            final_logit_soft_cap=getattr(config, "final_logit_softcapping", None),
+            use_qk_norm=True,
+            use_value_norm=True,
+            use_output_scale=True,
+            local_rope_max_wavelength=local.get("rope_theta", 10000.0),
+            key_value_sources=self.key_value_sources(),
+            per_layer_input_dim=ple,
+            per_layer_input_vocabulary_size=config.vocab_size_per_layer_input if ple else None,
+        )
+        return options
+
+    def norm_scale(self, weight):
+        return weight
+
+    def set_attention(self, attention, prefix, key_is_value):
+        linear = self.weights.linear
+        query, out = linear(prefix + "q_proj"), linear(prefix + "o_proj")
+        query_scale = self.weights.take(prefix + "q_norm.weight") * math.sqrt(self.config.head_dim)
+        common.set_rms_norm(attention.query_norm, query_scale, prefix + "q_norm.weight")
+        if attention.shared_key_value:
+            common.set_attention(attention, query, None, None, out)
+            return
+        key = linear(prefix + "k_proj")
+        value = key if key_is_value else linear(prefix + "v_proj")
+        common.set_attention(attention, query, key, value, out)
+        self.set_norm(attention.key_norm, prefix + "k_norm")
+
+    def set_block(self, block, prefix, key_is_value):
+        self.set_attention(block.self_attention, prefix + "self_attn.", key_is_value)
+        for norm, name in (
+            (block.self_attention_layer_norm, "input_layernorm"),
+            (block.self_attention_post_norm, "post_attention_layernorm"),
+            (block.feedforward_layer_norm, "pre_feedforward_layernorm"),
+            (block.feedforward_post_norm, "post_feedforward_layernorm"),
+        ):
+            self.set_norm(norm, prefix + name)
+        for dense, name in (
+            (block.feedforward_gate_dense, "mlp.gate_proj"),
+            (block.feedforward_intermediate_dense, "mlp.up_proj"),
+            (block.feedforward_output_dense, "mlp.down_proj"),
+        ):
+            common.set_dense(dense, *self.weights.linear(prefix + name))
+        if block.per_layer_input_dim is not None:
+            common.set_dense(block.per_layer_input_gate,
+                             *self.weights.linear(prefix + "per_layer_input_gate"))
+            common.set_dense(block.per_layer_input_projection,
+                             *self.weights.linear(prefix + "per_layer_projection"))
+            self.set_norm(block.per_layer_input_norm, prefix + "post_per_layer_input_norm")
+        common.assign(block.output_scale, self.weights.take(prefix + "layer_scalar"),
+                      prefix + "layer_scalar")
+
+    def convert(self):
+        self.check_config()
+        config, weights = self.config, self.weights
+        lm = DecoderOnlyLM(**self.model_options())
+        lm(np.zeros((1, 1), "int32"))
+        table = weights.take("model.embed_tokens.weight")
+        common.assign(lm.embedding.embeddings, table, "model.embed_tokens.weight")
+        if lm.per_layer_embedding is not None:
+            name = "model.embed_tokens_per_layer.weight"
+            common.assign(lm.per_layer_embedding.embeddings, weights.take(name), name)
+            common.set_dense(lm.per_layer_model_projection,
+                             *weights.linear("model.per_layer_model_projection"))
+            self.set_norm(lm.per_layer_projection_norm, "model.per_layer_projection_norm")
+        k_eq_v = bool(getattr(config, "attention_k_eq_v", False))
+        for i, block in enumerate(lm.blocks):
+            full = config.layer_types[i] != "sliding_attention"
+            self.set_block(block, f"model.layers.{i}.", key_is_value=k_eq_v and full)
+        self.set_norm(lm.final_norm, "model.norm")
+        common.set_lm_head(lm, weights, self.tied, table, "embed_tokens.weight")
+        weights.check_all_used(self.checkpoint.architecture)
+        return lm
+
+
+def convert(checkpoint, *, dropout=None):
+    """A `DecoderOnlyLM` with the weights and logits of a `Gemma4ForCausalLM`
+    (`dropout` is not used: the result has none)."""
+    return Gemma4Converter(checkpoint).convert()
+
+
+FAMILY = common.Family(
+    name="Gemma 4",
+    model_types=("gemma4_text",),
+    architectures=("*ForCausalLM",),
+    convert=convert,
+)
