@@ -191,7 +191,7 @@ def test_model_trained_with_keras_attn_generates_from_text(trained_dates_lm, tmp
 
 @pytest.mark.slow
 def test_weights_past_the_threshold_go_to_external_data(trained_dates_lm, tmp_path, monkeypatch):
-    """Past `EXTERNAL_DATA_BYTES` (forced to 0 here; 1 GiB by default, under
+    """Past `EXTERNAL_DATA_BYTES` (forced to 0 here; 256 MiB by default, under
     ONNX's 2 GB protobuf limit) the weights are written to model.onnx.data as
     they are made; GenAI loads the folder and gives Keras's tokens."""
     from keras_attn.runtimes import onnx_genai

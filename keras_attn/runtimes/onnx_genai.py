@@ -159,10 +159,12 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
 
 
 _QUANTIZATIONS = (None, "dynamic", "int8", "int4")
-# Float32 weights past this many bytes go to `model.onnx.data` (ONNX's
-# protobuf holds 2 GB at most; written tensor by tensor, they never sit in
-# memory twice).
-EXTERNAL_DATA_BYTES = 1 << 30
+# Float32 weights past this many bytes go to `model.onnx.data`, written
+# tensor by tensor as they are made and memory-mapped by onnxruntime (4 KiB
+# aligned). Inside the protobuf (2 GB at most) they sit in memory three times
+# while the file is written and verified (the proto, its serialization, the
+# session's copy): a 268M-parameter Gemma 3 peaked at 7.65 GB that way.
+EXTERNAL_DATA_BYTES = 256 << 20
 _WRITERS = ("auto", "fused", "tf2onnx")
 
 
