@@ -12,14 +12,18 @@ PyTorch model is built). Both give float32 NumPy arrays.
 
 `Weights` wraps the mapping for one conversion: each tensor taken once,
 shapes checked on assignment, torch `Linear` layouts turned into Keras
-kernels, the leftovers an error at the end. `assign` copies a float32 array
-into a variable of any float dtype (rounded to nearest even, in NumPy, the
-same on every backend). `refuse` is the one way a
+kernels, the leftovers an error at the end. `assign` gives a float32 array
+to a variable of any float dtype (rounded to nearest even, in NumPy, the
+same on every backend). `values_from_checkpoint` is the scope every
+conversion runs in (`registry.convert`): the model is built without
+variable values and each variable is made once, from its checkpoint
+tensor. `refuse` is the one way a
 converter says what it cannot represent: a ValueError naming the config
 field and its value.
 """
 
 import collections.abc
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -27,6 +31,7 @@ import os
 import struct
 from typing import Callable, Tuple
 
+import keras
 import ml_dtypes
 import numpy as np
 
@@ -279,9 +284,36 @@ _VARIABLE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml
                     "float64": np.float64}
 
 
+@contextlib.contextmanager
+def values_from_checkpoint():
+    """The scope of one conversion: the variables created inside get no
+    value until it ends (Keras's deferred variables, `keras.StatelessScope`),
+    `assign` gives each its checkpoint value, and at the end each variable
+    is made from that value; a variable nothing was assigned to gets its own
+    initializer's. So no random initial value is ever computed (TensorFlow's
+    oneDNN allocator keeps those temporaries: +1.8 GB for Qwen2.5-0.5B's
+    token table, `benchmarks/RESULTS.md`, "Real sizes") and each variable is
+    allocated once, its NumPy value freed as it is. Models are built
+    symbolically inside (an eager call would compute every initializer).
+    """
+    with keras.StatelessScope():
+        yield
+
+
+class _Value:
+    """An initializer returning one array: a deferred variable's value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, shape, dtype=None):
+        return self.value
+
+
 def assign(variable, value, name):
-    """Copies float32 `value` into `variable`, rounded (to nearest even) to
-    its dtype."""
+    """Gives float32 `value` to `variable`, rounded (to nearest even) to its
+    dtype: its initial value if it is deferred (`values_from_checkpoint`),
+    else assigned now."""
     value = np.asarray(value, dtype="float32")
     if tuple(variable.shape) != value.shape:
         raise ValueError(
@@ -293,7 +325,13 @@ def assign(variable, value, name):
         converted = aligned_empty(value.shape, dtype)
         converted[...] = value
         value = converted
-    variable.assign(value)
+    # A deferred variable (created in a `keras.StatelessScope`, no value yet)
+    # keeps its initializer until the scope ends; Keras has no public way to
+    # set it, and `assign` in the scope would only record the value beside it.
+    if getattr(variable, "_initializer", None) is not None:
+        variable._initializer = _Value(value)
+    else:
+        variable.assign(value)
 
 
 def set_norm(layer, weights, prefix):
@@ -356,4 +394,4 @@ def set_lm_head(lm, weights, tied, table, table_name, untied_bias=False):
         return
     assign(lm.lm_head.kernel, head.T, "lm_head.weight")
     if untied_bias:
-        lm.lm_head.bias.assign(np.zeros(lm.lm_head.bias.shape, "float32"))
+        assign(lm.lm_head.bias, np.zeros(lm.lm_head.bias.shape, "float32"), "lm_head.bias")
