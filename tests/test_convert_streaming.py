@@ -146,3 +146,13 @@ def test_a_refused_checkpoint_leaves_no_deferred_variable(folders, tmp_path):
     dense = keras.layers.Dense(2, kernel_initializer="ones")
     dense.build((None, 3))
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(dense.kernel.value), np.ones((3, 2)))
+
+
+@pytest.mark.parametrize("nbytes", [12, 3 * 2**20])
+def test_aligned_empty_gives_aligned_writable_arrays_from_the_heap_or_own_pages(nbytes):
+    """Small arrays from the heap, big ones from their own pages
+    (`_OWN_PAGES`): either way C-contiguous, 64-byte aligned and writable."""
+    out = common.aligned_empty((nbytes // 4,), "float32")
+    assert out.flags.c_contiguous and out.flags.writeable and out.ctypes.data % 64 == 0
+    out[...] = np.arange(out.size, dtype="float32")
+    np.testing.assert_array_equal(out, np.arange(out.size, dtype="float32"))

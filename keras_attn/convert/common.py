@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import json
+import mmap
 import os
 import struct
 from typing import Callable, Tuple
@@ -112,11 +113,24 @@ def _safetensors_header(path):
     return entries
 
 
+# Arrays of at least this many bytes get pages of their own (`aligned_empty`).
+_OWN_PAGES = 2**20
+
+
 def aligned_empty(shape, dtype, alignment=64):
     """An uninitialized C-contiguous array whose data starts on `alignment`
-    bytes (TensorFlow copies an unaligned array once more on assignment)."""
+    bytes (TensorFlow copies an unaligned array once more on assignment).
+
+    An array of `_OWN_PAGES` bytes or more is an anonymous memory map: its
+    pages go back to the system when it is freed. From the heap, the freed
+    tensors of a conversion (held until their variables are made) stay in
+    the process when the variables are allocated beside them (BERT-base:
+    0.3 GB more at the end, measured).
+    """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes >= _OWN_PAGES:  # page-aligned
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
     buffer = np.empty(nbytes + alignment, np.uint8)
     start = -buffer.ctypes.data % alignment
     return buffer[start : start + nbytes].view(dtype).reshape(shape)
