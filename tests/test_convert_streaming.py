@@ -156,3 +156,24 @@ def test_aligned_empty_gives_aligned_writable_arrays_from_the_heap_or_own_pages(
     assert out.flags.c_contiguous and out.flags.writeable and out.ctypes.data % 64 == 0
     out[...] = np.arange(out.size, dtype="float32")
     np.testing.assert_array_equal(out, np.arange(out.size, dtype="float32"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_variables_made_on_the_tensors_own_memory_equal_and_share_it_with_nothing(folders, monkeypatch, dtype):
+    """Every tensor in pages of its own (`_OWN_PAGES`, forced small here), so
+    on TensorFlow each variable adopts its tensor's memory: the same values
+    as build-then-assign, and writing the converted model's variables leaves
+    the transformers model it came from untouched."""
+    monkeypatch.setattr(common, "_OWN_PAGES", 1)
+    paths, models = folders
+    hf = models["qwen2_tied"]
+    kept = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    lm = from_huggingface(hf, dtype=dtype)
+    _assert_equal(_weights(lm), _built_then_assigned(hf, dtype, monkeypatch))
+    _assert_equal(_weights(from_huggingface(paths["qwen2_tied", "bfloat16"], dtype=dtype)),
+                  _built_then_assigned(paths["qwen2_tied", "bfloat16"], dtype, monkeypatch))
+    for variable in lm.weights:
+        variable.assign(np.full(tuple(variable.shape), 7.0, "float32"))
+    for name, value in hf.state_dict().items():
+        assert torch.equal(value, kept[name]), name
+    assert all((keras.ops.convert_to_numpy(v.value) == 7).all() for v in lm.weights)
