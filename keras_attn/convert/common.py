@@ -306,9 +306,10 @@ def values_from_checkpoint():
     is made from that value; a variable nothing was assigned to gets its own
     initializer's. So no random initial value is ever computed (TensorFlow's
     oneDNN allocator keeps those temporaries: +1.8 GB for Qwen2.5-0.5B's
-    token table, `benchmarks/RESULTS.md`, "Real sizes") and each variable is
-    allocated once, its NumPy value freed as it is. Models are built
-    symbolically inside (an eager call would compute every initializer).
+    token table, `benchmarks/RESULTS.md`, "Real sizes") and each variable's
+    memory is allocated once (on TensorFlow, the variable adopts its value's
+    memory; elsewhere the value is freed as the variable is made). Models are
+    built symbolically inside (an eager call would compute every initializer).
     """
     with keras.StatelessScope():
         yield
