@@ -23,6 +23,7 @@ BACKEND_AGNOSTIC_FILES = {
     "test_attention_layers.py",
     "test_blocks.py",
     "test_cache_masks.py",
+    "test_convert_streaming.py",
     "test_errors.py",
     "test_family_options.py",
     "test_gemma4_options.py",

@@ -12,21 +12,27 @@ PyTorch model is built). Both give float32 NumPy arrays.
 
 `Weights` wraps the mapping for one conversion: each tensor taken once,
 shapes checked on assignment, torch `Linear` layouts turned into Keras
-kernels, the leftovers an error at the end. `assign` copies a float32 array
-into a variable of any float dtype (rounded to nearest even, in NumPy, the
-same on every backend). `refuse` is the one way a
+kernels, the leftovers an error at the end. `assign` gives a float32 array
+to a variable of any float dtype (rounded to nearest even, in NumPy, the
+same on every backend). `values_from_checkpoint` is the scope every
+conversion runs in (`registry.convert`): the model is built without
+variable values and each variable is made once, from its checkpoint
+tensor. `refuse` is the one way a
 converter says what it cannot represent: a ValueError naming the config
 field and its value.
 """
 
 import collections.abc
+import contextlib
 import dataclasses
 import fnmatch
 import json
+import mmap
 import os
 import struct
 from typing import Callable, Tuple
 
+import keras
 import ml_dtypes
 import numpy as np
 
@@ -107,11 +113,24 @@ def _safetensors_header(path):
     return entries
 
 
+# Arrays of at least this many bytes get pages of their own (`aligned_empty`).
+_OWN_PAGES = 2**20
+
+
 def aligned_empty(shape, dtype, alignment=64):
     """An uninitialized C-contiguous array whose data starts on `alignment`
-    bytes (TensorFlow copies an unaligned array once more on assignment)."""
+    bytes (TensorFlow copies an unaligned array once more on assignment).
+
+    An array of `_OWN_PAGES` bytes or more is an anonymous memory map: its
+    pages go back to the system when it is freed. From the heap, the freed
+    tensors of a conversion (held until their variables are made) stay in
+    the process when the variables are allocated beside them (BERT-base:
+    0.3 GB more at the end, measured).
+    """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes >= _OWN_PAGES:  # page-aligned
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
     buffer = np.empty(nbytes + alignment, np.uint8)
     start = -buffer.ctypes.data % alignment
     return buffer[start : start + nbytes].view(dtype).reshape(shape)
@@ -279,21 +298,72 @@ _VARIABLE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml
                     "float64": np.float64}
 
 
+@contextlib.contextmanager
+def values_from_checkpoint():
+    """The scope of one conversion: the variables created inside get no
+    value until it ends (Keras's deferred variables, `keras.StatelessScope`),
+    `assign` gives each its checkpoint value, and at the end each variable
+    is made from that value; a variable nothing was assigned to gets its own
+    initializer's. So no random initial value is ever computed (TensorFlow's
+    oneDNN allocator keeps those temporaries: +1.8 GB for Qwen2.5-0.5B's
+    token table, `benchmarks/RESULTS.md`, "Real sizes") and each variable's
+    memory is allocated once (on TensorFlow, the variable adopts its value's
+    memory; elsewhere the value is freed as the variable is made). Models are
+    built symbolically inside (an eager call would compute every initializer).
+    """
+    with keras.StatelessScope():
+        yield
+
+
+class _Value:
+    """An initializer returning one array, which nothing else references: a
+    deferred variable's value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, shape, dtype=None):
+        if self.value.nbytes >= _OWN_PAGES and keras.backend.backend() == "tensorflow":
+            return _tensorflow_alias(self.value)
+        return self.value
+
+
+def _tensorflow_alias(array):
+    """A TensorFlow tensor on `array`'s memory (DLPack; bfloat16, which
+    DLPack does not name, as its bits). The variable made from it adopts
+    that memory: a `tf.Variable` copies a NumPy value twice on the way
+    (a 0.54 GB array: +1.1 GB transient, measured), a tensor on its own
+    memory not at all."""
+    import tensorflow as tf
+
+    if array.dtype == ml_dtypes.bfloat16:
+        bits = tf.experimental.dlpack.from_dlpack(array.view(np.uint16).__dlpack__())
+        return tf.bitcast(bits, tf.bfloat16)
+    return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+
+
 def assign(variable, value, name):
-    """Copies float32 `value` into `variable`, rounded (to nearest even) to
-    its dtype."""
+    """Gives float32 `value` to `variable`, rounded (to nearest even) to its
+    dtype: its initial value if it is deferred (`values_from_checkpoint`),
+    else assigned now."""
     value = np.asarray(value, dtype="float32")
     if tuple(variable.shape) != value.shape:
         raise ValueError(
             f"Checkpoint tensor `{name}` has shape {value.shape}; the keras_attn "
             f"variable `{variable.path}` expects {tuple(variable.shape)}."
         )
-    dtype = _VARIABLE_DTYPES[variable.dtype]
-    if value.dtype != dtype or not value.flags.c_contiguous:
-        converted = aligned_empty(value.shape, dtype)
-        converted[...] = value
-        value = converted
-    variable.assign(value)
+    # Always a copy of its own: the variable may take this memory as it is
+    # (`_Value`), so it must share it with no other array (a transformers
+    # model's parameter, a view another variable also takes).
+    converted = aligned_empty(value.shape, _VARIABLE_DTYPES[variable.dtype])
+    converted[...] = value
+    # A deferred variable (created in a `keras.StatelessScope`, no value yet)
+    # keeps its initializer until the scope ends; Keras has no public way to
+    # set it, and `assign` in the scope would only record the value beside it.
+    if getattr(variable, "_initializer", None) is not None:
+        variable._initializer = _Value(converted)
+    else:
+        variable.assign(converted)
 
 
 def set_norm(layer, weights, prefix):
@@ -366,4 +436,4 @@ def set_lm_head(lm, weights, tied, table, table_name, untied_bias=False):
         return
     assign(lm.lm_head.kernel, head.T, "lm_head.weight")
     if untied_bias:
-        lm.lm_head.bias.assign(np.zeros(lm.lm_head.bias.shape, "float32"))
+        assign(lm.lm_head.bias, np.zeros(lm.lm_head.bias.shape, "float32"), "lm_head.bias")

@@ -28,6 +28,7 @@ are `(in, out)` and are not transposed):
 
 import math
 
+import keras
 import numpy as np
 
 from keras_attn.convert import common
@@ -61,9 +62,11 @@ def convert(checkpoint, *, dropout=None):
         mask_padded_queries=False, pad_token_id=0 if pad is None else pad,
         name="gpt2_keras_attn",
     )
-    lm(np.zeros((1, 1), "int32"))
+    lm(keras.KerasTensor((1, 1), dtype="int32"))
     table = weights.take("wte.weight")
     common.assign(lm.embedding.token_embedding.embeddings, table, "wte.weight")
+    common.set_lm_head(lm, weights, tied, table, "wte.weight", untied_bias=True)
+    del table  # checked against the head: not held through the blocks
     common.assign(lm.embedding.position_embedding.position_embeddings, weights.take("wpe.weight"), "wpe.weight")
     for i, block in enumerate(lm.blocks):
         p = f"h.{i}."
@@ -85,7 +88,6 @@ def convert(checkpoint, *, dropout=None):
         common.set_dense(block.feedforward_intermediate_dense, *_conv1d(weights, p + "mlp.c_fc"))
         common.set_dense(block.feedforward_output_dense, *_conv1d(weights, p + "mlp.c_proj"))
     common.set_norm(lm.final_norm, weights, "ln_f")
-    common.set_lm_head(lm, weights, tied, table, "wte.weight", untied_bias=True)
     weights.check_all_used(architecture)
     return lm
 

@@ -48,11 +48,14 @@ head, say).
 A `save_pretrained` folder with safetensors files is converted without
 building the PyTorch model: its `config.json` is read by
 `transformers.AutoConfig` (which imports torch when it is installed), each
-tensor from disk when the converter copies it (`common.SafetensorsTensors`),
-so no copy of the checkpoint stays in memory (the peak is building the Keras
-model plus one tensor in float32; `benchmarks/RESULTS.md`, "Real sizes"). A
-`transformers` model object, or a folder of PyTorch `.bin` files, goes
-through the torch model's state dict. Requires `transformers` and `torch`
+tensor from disk when the converter asks for it (`common.SafetensorsTensors`),
+so no copy of the checkpoint stays in memory. Whatever the source, the Keras
+model is built symbolically with no variable values and each variable is
+made once, from its tensor (`common.values_from_checkpoint`): no random
+initial values, no forward call. The peak is the Keras model plus its
+biggest tensor (`benchmarks/RESULTS.md`, "Real sizes"). A `transformers`
+model object, or a folder of PyTorch `.bin` files, gives its tensors through
+the torch model's state dict. Requires `transformers` and `torch`
 (`pip install "keras-attn[huggingface]"`), imported only when
 `from_huggingface` is called.
 """

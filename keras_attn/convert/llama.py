@@ -31,7 +31,7 @@ subclasses it and overrides that piece only.
 | `lm_head.weight` (no prefix)                | `lm_head/kernel` (untied), else checked equal to the table |
 """
 
-import numpy as np
+import keras
 
 from keras_attn.convert import common
 from keras_attn.generation.models import DecoderOnlyLM
@@ -197,13 +197,14 @@ class LlamaConverter:
         self.check_config()
         weights = self.weights
         lm = DecoderOnlyLM(**self.model_options())
-        lm(np.zeros((1, 1), "int32"))
+        lm(keras.KerasTensor((1, 1), dtype="int32"))
         table = weights.take("model.embed_tokens.weight")
         common.assign(lm.embedding.embeddings, table, "model.embed_tokens.weight")
+        common.set_lm_head(lm, weights, self.tied, table, "embed_tokens.weight")
+        del table  # checked against the head: not held through the blocks
         for i, block in enumerate(lm.blocks):
             self.set_block(block, f"model.layers.{i}.")
         self.set_norm(lm.final_norm, "model.norm")
-        common.set_lm_head(lm, weights, self.tied, table, "embed_tokens.weight")
         weights.check_all_used(self.checkpoint.architecture)
         return lm
 

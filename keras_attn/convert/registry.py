@@ -99,5 +99,8 @@ def find(checkpoint):
 
 
 def convert(checkpoint, *, dropout=None):
-    """`checkpoint` (`common.Checkpoint`) converted by its family."""
-    return find(checkpoint).convert(checkpoint, dropout=dropout)
+    """`checkpoint` (`common.Checkpoint`) converted by its family, each
+    variable made once from its tensor (`common.values_from_checkpoint`)."""
+    family = find(checkpoint)
+    with common.values_from_checkpoint():
+        return family.convert(checkpoint, dropout=dropout)

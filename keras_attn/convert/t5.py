@@ -138,9 +138,11 @@ def convert(checkpoint, *, dropout=None):
         mask_padded_queries=False, pad_token_id=config.pad_token_id or 0,
         name="t5_keras_attn",
     )
-    lm((np.ones((1, 2), "int32"), np.ones((1, 1), "int32")))
+    lm((keras.KerasTensor((1, 2), dtype="int32"), keras.KerasTensor((1, 1), dtype="int32")))
     table = _shared_table(weights, ("encoder", "decoder"))
     common.assign(lm.encoder_embedding.embeddings, table, "shared.weight")
+    common.set_lm_head(lm, weights, tied, table, "shared.weight")
+    del table  # checked against the head: not held through the blocks
     _set_encoder(lm.encoder_blocks, lm.encoder_position_bias, lm.encoder_norm, weights, config)
     _set_stack(weights, config, "decoder", lm.blocks, lm.position_bias, _DECODER_ATTENTION)
     final = weights.take("decoder.final_layer_norm.weight")
@@ -149,7 +151,6 @@ def convert(checkpoint, *, dropout=None):
     if scaled:
         final = final * config.d_model**-0.5
     common.set_rms_norm(lm.final_norm, final, "decoder.final_layer_norm.weight")
-    common.set_lm_head(lm, weights, tied, table, "shared.weight")
     weights.check_all_used(architecture)
     return lm
 
