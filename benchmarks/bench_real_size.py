@@ -315,6 +315,161 @@ def _builder_command(precision):
     return command
 
 
+LITERTLM_MAX_LENGTH = 1024
+# The peer's one prefill signature; ours keeps its defaults (32, 128).
+LITERTLM_PEER_PREFILL = 128
+PEER_PYTHON = os.environ.get("PEER_PYTHON", "/work/venv-litert-torch/bin/python")
+
+
+def _with_tokenizer(paths):
+    """The checkpoint folder plus a tokenizer (the random checkpoints have
+    none; both LiteRT-LM exporters pack one): a sibling folder of symlinks to
+    the checkpoint's files and a byte-level BPE trained here
+    (bench_genai.trained_tokenizer), made once."""
+    folder = os.path.join(paths["work"], "with_tokenizer")
+    if os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return folder
+    import transformers
+    from bench_genai import trained_tokenizer
+
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for file in os.listdir(paths["checkpoint"]):
+        os.symlink(os.path.join(paths["checkpoint"], file), os.path.join(tmp, file))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=trained_tokenizer(32000),
+                                                eos_token="<eos>", pad_token="<pad>",
+                                                bos_token="<eos>")
+    fast.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+    return folder
+
+
+def _export_phases(sampler):
+    """Marks the export's phases by wrapping what it calls: trace (the
+    tf.functions and their concrete graphs), freeze (variables to constants,
+    where a revision does that), saved_model (writing the graph for the
+    converter), convert (the TFLite converter, its quantizer included), int4
+    (ai-edge-quantizer), verify (LiteRT against Keras), bundle (the
+    `.litertlm` file)."""
+    import tensorflow as tf
+    from tensorflow.lite.python import lite
+    from tensorflow.python.framework import convert_to_constants
+
+    from keras_attn.runtimes import litertlm
+    from keras_attn.runtimes import tflite_convert
+
+    _wrap(convert_to_constants, "convert_variables_to_constants_v2",
+          before=lambda: sampler.mark("freeze"), once=True)
+    _wrap(tf.saved_model, "save", before=lambda: sampler.mark("saved_model"), once=True)
+    _wrap(lite.TFLiteSavedModelConverterV2, "convert", before=lambda: sampler.mark("convert"),
+          once=True)
+    _wrap(tflite_convert, "_int4_weights", before=lambda: sampler.mark("int4"), once=True)
+    _wrap(litertlm, "_verify", before=lambda: sampler.mark("verify"),
+          after=lambda: sampler.mark("bundle"), once=True)
+
+
+def _litertlm_path(paths, quantization):
+    return os.path.join(paths["work"], f"litertlm_{quantization or 'fp32'}.litertlm")
+
+
+def _litertlm_stage(quantization):
+    def stage(name, spec, paths, args):
+        """Converts, then times `export_litertlm(lm, path, tokenizer=folder,
+        max_length=1024, quantization=...)` (verification included; the
+        agreement threshold is 0: random weights give near-flat logits)."""
+        from keras_attn.runtimes import export_litertlm
+
+        folder = _with_tokenizer(paths)
+        sampler = Sampler()
+        model, _ = _convert(sampler, folder, args.dtype)
+        _export_phases(sampler)
+        path = _litertlm_path(paths, quantization)
+        sampler.mark("trace")
+        start = time.perf_counter()
+        export_litertlm(model, path, tokenizer=folder, max_length=LITERTLM_MAX_LENGTH,
+                        quantization=quantization, stop_token_ids=[1], min_agreement=0.0)
+        seconds = time.perf_counter() - start
+        sampler.mark(None)
+        return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
+                "artifact_bytes": _dir_bytes(path)}
+    return stage
+
+
+PEER_RECIPES = {"int8": "dynamic_wi8_afp32", "fp32": "none"}
+
+
+def _peer_folder(paths, precision):
+    return os.path.join(paths["work"], f"litert_torch_{precision}")
+
+
+def _litert_torch_command(precision):
+    def command(name, paths):
+        """litert-torch's Hugging Face exporter on the same folder (the peer;
+        its own venv, PEER_PYTHON), as bench_litertlm.py drives it."""
+        folder = _peer_folder(paths, precision)
+        shutil.rmtree(folder, ignore_errors=True)
+        return folder, [PEER_PYTHON, "-m", "litert_torch.generative.export_hf",
+                        "--model", _with_tokenizer(paths), "--output_dir", folder,
+                        f"--prefill_lengths=[{LITERTLM_PEER_PREFILL}]",
+                        f"--cache_length={LITERTLM_MAX_LENGTH}",
+                        f"--quantization_recipe={PEER_RECIPES[precision]}"]
+    return command
+
+
+def stage_litertlm_speed(name, spec, paths, args):
+    """Prefill and decode tokens/s in `litert_lm.Engine` (CPU) of ours and
+    litert-torch's bundle of each precision present (written by the stages
+    above), in alternating rounds (bench_litertlm.run_bundle: the engine's
+    own counters); one precision's pair loaded at a time."""
+    import glob
+    import statistics
+
+    import litert_lm
+    import numpy as np
+    import tokenizers
+    from bench_litertlm import run_bundle
+
+    folder = _with_tokenizer(paths)
+    tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    rng = np.random.default_rng(1)
+    text = tok.decode([int(t) for t in rng.integers(300, tok.get_vocab_size(), args.prompt)])
+    results = {}
+    for precision, ours_q in (("int8", "dynamic"), ("fp32", None)):
+        bundles = {}
+        if os.path.exists(_litertlm_path(paths, ours_q)):
+            bundles["keras_attn"] = _litertlm_path(paths, ours_q)
+        found = glob.glob(os.path.join(_peer_folder(paths, precision), "**", "*.litertlm"),
+                          recursive=True)
+        if found:
+            bundles["litert-torch"] = found[0]
+        if not bundles:
+            continue
+        engines = {n: litert_lm.Engine(p, backend=litert_lm.Backend.CPU(), enable_benchmark=True)
+                   for n, p in bundles.items()}
+        speeds = {n: {"prefill": [], "decode": [], "tokens": None} for n in bundles}
+        try:
+            for engine in engines.values():  # warm-up
+                run_bundle(engine, text, args.new)
+            for r in range(args.rounds):
+                for n in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                    prefill, decode, _, info = run_bundle(engines[n], text, args.new)
+                    speeds[n]["prefill"].append(prefill)
+                    speeds[n]["decode"].append(decode)
+                    speeds[n]["tokens"] = (info.last_prefill_token_count,
+                                           info.last_decode_token_count)
+        finally:
+            for engine in engines.values():
+                engine.close()
+        for n, s in speeds.items():
+            results[f"{n} {precision}"] = {
+                "prefill_tps": statistics.median(s["prefill"]),
+                "decode_tps": statistics.median(s["decode"]), "tokens": s["tokens"],
+                "bundle_bytes": os.path.getsize(bundles[n])}
+    return {"speeds": results, "load": os.getloadavg()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One row kind of the table: `run` in a fresh child (or, for a peer,
@@ -337,6 +492,17 @@ STAGES = {
                           command=_builder_command("fp32")),
     "builder_int4": Stage(None, "GenAI model builder -p int4 (peer)", ours=False,
                           command=_builder_command("int4")),
+    "litertlm_int8": Stage(_litertlm_stage("dynamic"),
+                           "convert + export_litertlm dynamic (int8 weights), max_length 1024"),
+    "litertlm_int4": Stage(_litertlm_stage("int4"),
+                           "convert + export_litertlm int4 (blocks of 32), max_length 1024"),
+    "litertlm_fp32": Stage(_litertlm_stage(None), "convert + export_litertlm float32, max_length 1024"),
+    "litert_torch_int8": Stage(None, "litert-torch export_hf dynamic_wi8_afp32 (peer)", ours=False,
+                               command=_litert_torch_command("int8")),
+    "litert_torch_fp32": Stage(None, "litert-torch export_hf float32 (peer)", ours=False,
+                               command=_litert_torch_command("fp32")),
+    "litertlm_speed": Stage(stage_litertlm_speed,
+                            "LiteRT-LM prefill/decode tokens/s of the bundles above"),
 }
 
 
@@ -361,7 +527,8 @@ def run_child(args, name, stage):
             artifact, cmd = STAGES[stage].command(name, _paths(args, name))
         else:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--models", name,
-                   "--work", args.work, "--shard-gb", str(args.shard_gb)]
+                   "--work", args.work, "--shard-gb", str(args.shard_gb),
+                   "--prompt", str(args.prompt), "--new", str(args.new), "--rounds", str(args.rounds)]
             if args.dtype:
                 cmd += ["--dtype", args.dtype]
         start = time.perf_counter()
@@ -421,7 +588,16 @@ def table(results):
         rows.append([r["model"], f"{n / 1e6:.{0 if n > 1e7 else 2}f}M" if n else "", r["stage"], f"{seconds:.1f}",
                      _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]), _gb(r.get("artifact_bytes")),
                      _gb(keras_bytes), ratio, phases])
-    return _common.markdown_table(header, rows)
+    text = _common.markdown_table(header, rows)
+    speed_rows = [[r["model"], n, f"{v['bundle_bytes'] / GB:.3f}", f"{v['prefill_tps']:.1f}",
+                   f"{v['decode_tps']:.2f}", v["tokens"],
+                   "/".join(f"{x:.1f}" for x in r["load"])]
+                  for r in results if "speeds" in r for n, v in r["speeds"].items()]
+    if speed_rows:
+        text += "\n" + _common.markdown_table(
+            ["model", "bundle", "size (GB)", "prefill tok/s", "decode tok/s",
+             "tokens (prefill, decode)", "load average after"], speed_rows)
+    return text
 
 
 def main(argv=None):
@@ -434,6 +610,9 @@ def main(argv=None):
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "keras_attn_real_size"),
                         help="where checkpoints are written and reused")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="max shard size of the checkpoints")
+    parser.add_argument("--prompt", type=int, default=100, help="litertlm_speed: prompt tokens")
+    parser.add_argument("--new", type=int, default=64, help="litertlm_speed: new tokens")
+    parser.add_argument("--rounds", type=int, default=3, help="litertlm_speed: alternating rounds")
     parser.add_argument("--max-rss-gb", type=float, default=9.0, help="kill a child past this RSS")
     parser.add_argument("--quick", action="store_true", help="the tiny model through checkpoint, save_weights and genai_int4, in a temporary --work")
     parser.add_argument("--markdown", help="write the table here")
