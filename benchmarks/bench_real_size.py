@@ -137,6 +137,9 @@ class Sampler:
             if self._name is not None:
                 peak = max(self._phase_peak, rss)
                 self.phases.append((self._name, now - self._start, peak, rss))
+                # Also as it ends: a child killed past --max-rss-gb still
+                # reports the phases it finished.
+                print("PHASE " + json.dumps(self.phases[-1]), file=sys.stderr, flush=True)
             self._name, self._start, self._phase_peak = name, now, rss
         if name is None:
             self._stop.set()
@@ -554,8 +557,11 @@ def run_child(args, name, stage):
         lines = out.read().strip().splitlines()
         result = {"model": name, "stage": stage, "child_seconds": wall, "sampled_peak": peak,
                   "ru_maxrss": usage.ru_maxrss * 1024}
+        phases = [json.loads(line[6:]) for line in err.read().splitlines() if line.startswith("PHASE ")]
+        err.seek(0)
         if killed:
             result["error"] = f"killed past {args.max_rss_gb} GB"
+            result["phases"] = phases
         elif artifact is not None and child.returncode == 0:
             result["artifact_bytes"] = _dir_bytes(artifact)
         elif child.returncode != 0 or not lines:
@@ -576,8 +582,10 @@ def table(results):
     params = {r["model"]: r["parameters"] for r in results if "parameters" in r}
     for r in results:
         if "error" in r:
-            rows.append([r["model"], "", r["stage"], "", _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]),
-                         "", "", "", "failed: " + r["error"]])
+            phases = "; ".join(f"{p[0]} {p[1]:.1f} s, {p[2] / GB:.2f} -> {p[3] / GB:.2f}"
+                               for p in r.get("phases", []))
+            rows.append([r["model"], "", r["stage"], f"{r['child_seconds']:.1f}", _gb(r["sampled_peak"]),
+                         _gb(r["ru_maxrss"]), "", "", "", f"failed: {r['error']}; {phases}"])
             continue
         keras_bytes = r.get("keras_bytes")
         ratio = f"{r['ru_maxrss'] / keras_bytes:.2f}" if keras_bytes else ""
