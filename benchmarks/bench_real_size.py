@@ -555,8 +555,10 @@ def run_child(args, name, stage):
         out.seek(0)
         err.seek(0)
         lines = out.read().strip().splitlines()
+        # CPU seconds too: on a shared machine the wall time says more about the load.
         result = {"model": name, "stage": stage, "child_seconds": wall, "sampled_peak": peak,
-                  "ru_maxrss": usage.ru_maxrss * 1024}
+                  "ru_maxrss": usage.ru_maxrss * 1024,
+                  "cpu_seconds": usage.ru_utime + usage.ru_stime}
         phases = [json.loads(line[6:]) for line in err.read().splitlines() if line.startswith("PHASE ")]
         err.seek(0)
         if killed:
@@ -576,7 +578,7 @@ def _gb(x):
 
 
 def table(results):
-    header = ["model", "params", "stage", "seconds", "peak RSS sampled (GB)", "ru_maxrss (GB)",
+    header = ["model", "params", "stage", "seconds", "child CPU s", "peak RSS sampled (GB)", "ru_maxrss (GB)",
               "artifact (GB)", "Keras bytes (GB)", "peak / Keras", "phases: s, peak GB -> end GB"]
     rows = []
     params = {r["model"]: r["parameters"] for r in results if "parameters" in r}
@@ -584,7 +586,8 @@ def table(results):
         if "error" in r:
             phases = "; ".join(f"{p[0]} {p[1]:.1f} s, {p[2] / GB:.2f} -> {p[3] / GB:.2f}"
                                for p in r.get("phases", []))
-            rows.append([r["model"], "", r["stage"], f"{r['child_seconds']:.1f}", _gb(r["sampled_peak"]),
+            rows.append([r["model"], "", r["stage"], f"{r['child_seconds']:.1f}",
+                         f"{r.get('cpu_seconds', 0):.0f}", _gb(r["sampled_peak"]),
                          _gb(r["ru_maxrss"]), "", "", "", f"failed: {r['error']}; {phases}"])
             continue
         keras_bytes = r.get("keras_bytes")
@@ -593,8 +596,9 @@ def table(results):
                            for p in r.get("phases", []))
         seconds = r.get("seconds", r["child_seconds"])
         n = params.get(r["model"])
+        cpu = r.get("cpu_seconds")
         rows.append([r["model"], f"{n / 1e6:.{0 if n > 1e7 else 2}f}M" if n else "", r["stage"], f"{seconds:.1f}",
-                     _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]), _gb(r.get("artifact_bytes")),
+                     "" if cpu is None else f"{cpu:.0f}", _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]), _gb(r.get("artifact_bytes")),
                      _gb(keras_bytes), ratio, phases])
     text = _common.markdown_table(header, rows)
     speed_rows = [[r["model"], n, f"{v['bundle_bytes'] / GB:.3f}", f"{v['prefill_tps']:.1f}",
