@@ -17,13 +17,27 @@ Stages (`STAGES`, one entry each; later stages are added there):
   (`max_length` 1024; the fused graph, verified against Keras).
 - `builder_fp32`, `builder_int4`: the peer, ONNX Runtime GenAI's model
   builder, on the same folder (its whole run is the stage).
+- `litertlm_int8`, `litertlm_int4`, `litertlm_fp32`: converts, then times
+  `export_litertlm(lm, path, tokenizer=folder, max_length=1024,
+  quantization="dynamic" / "int4" / None)`, with the export's phases (trace,
+  saved_model, convert, int4, verify, bundle). The checkpoints have no
+  tokenizer: a byte-level BPE is trained once and put beside symlinks to the
+  checkpoint's files (`<work>/<model>/with_tokenizer`).
+- `litert_torch_int8`, `litert_torch_fp32`: the peer, litert-torch's
+  `export_hf` (its own venv, PEER_PYTHON; see bench_litertlm.py), on that
+  folder: cache 1024, one prefill signature of 128.
+- `litertlm_speed`: prefill and decode tokens/s in `litert_lm.Engine` of the
+  bundles the stages above wrote, ours and the peer's of each precision in
+  alternating rounds (`--prompt`, `--new`, `--rounds`).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
 times its stage and samples its own RSS per phase (`convert`: reading the
 checkpoint, building the Keras model, copying the weights; the phase
 boundaries come from wrapping `keras_attn.convert` functions, so the same
-script measures an older revision). `--max-rss-gb` kills a child past that
+script measures an older revision; a phase's peak is sampled by a Python
+thread, so a C++ call that holds the GIL, such as the TFLite converter, shows
+its peak only in the parent's samples). `--max-rss-gb` kills a child past that
 peak (reported as such). `Keras bytes` is the size of the converted
 model's variables; `peak / Keras` is the peak RSS over it.
 
