@@ -380,7 +380,8 @@ def _export_phases(sampler):
     _wrap(convert_to_constants, "convert_variables_to_constants_v2",
           before=lambda: sampler.mark("freeze"), once=True)
     _wrap(tf.saved_model, "save", before=lambda: sampler.mark("saved_model"), once=True)
-    _wrap(lite.TFLiteSavedModelConverterV2, "convert", before=lambda: sampler.mark("convert"),
+    _wrap(lite.TFLiteSavedModelConverterV2, "_convert_from_saved_model",
+          before=lambda: sampler.mark("convert"),
           once=True)
     _wrap(tflite_convert, "_int4_weights", before=lambda: sampler.mark("int4"), once=True)
     _wrap(litertlm, "_verify", before=lambda: sampler.mark("verify"),
