@@ -7,25 +7,11 @@ the LiteRT-LM bundle (`keras_attn.runtimes.litertlm`).
 import tempfile
 
 import tensorflow as tf
-from tensorflow.lite.python import lite
 
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
 
 
 GENERATION_QUANTIZATIONS = (None, "float16", "dynamic", "int4")
-
-
-class _SavedModelConverter(lite.TFLiteSavedModelConverterV2):
-    """TensorFlow's SavedModel converter without its two Python-side restores
-    of the model (`from_saved_model` loads it to list the signatures, and
-    `convert` loads it again for the error messages' stack traces): each
-    holds every variable in memory beside the converter's own session and
-    constants (+2 GB apiece for a 0.5B model in float32). The conversion
-    itself is the stock one (`_convert_from_saved_model`)."""
-
-    def convert(self):
-        graph_def, _, _ = self._load_saved_model(self.saved_model_dir, self._saved_model_tags)
-        return self._convert_from_saved_model(graph_def)
 
 
 def signatures_to_tflite(functions, quantization=None):
@@ -56,7 +42,9 @@ def signatures_to_tflite(functions, quantization=None):
     with tempfile.TemporaryDirectory(prefix="keras_attn_gen_tflite_") as tmp:
         tf.saved_model.save(module, tmp, signatures=concrete, options=SERVING_SAVE_OPTIONS)
         del module, concrete
-        converter = _SavedModelConverter(tmp, {tf.saved_model.SERVING}, list(functions))
+        converter = tf.lite.TFLiteConverter.from_saved_model(
+            tmp, signature_keys=list(functions)
+        )
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         if quantization in ("float16", "dynamic"):
             converter.optimizations = [tf.lite.Optimize.DEFAULT]
