@@ -17,13 +17,27 @@ Stages (`STAGES`, one entry each; later stages are added there):
   (`max_length` 1024; the fused graph, verified against Keras).
 - `builder_fp32`, `builder_int8`, `builder_int4`: the peer, ONNX Runtime GenAI's model
   builder, on the same folder (its whole run is the stage).
+- `litertlm_int8`, `litertlm_int4`, `litertlm_fp32`: converts, then times
+  `export_litertlm(lm, path, tokenizer=folder, max_length=1024,
+  quantization="dynamic" / "int4" / None)`, with the export's phases (trace,
+  saved_model, convert, int4, verify, bundle). The checkpoints have no
+  tokenizer: a byte-level BPE is trained once and put beside symlinks to the
+  checkpoint's files (`<work>/<model>/with_tokenizer`).
+- `litert_torch_int8`, `litert_torch_fp32`: the peer, litert-torch's
+  `export_hf` (its own venv, PEER_PYTHON; see bench_litertlm.py), on that
+  folder: cache 1024, one prefill signature of 128.
+- `litertlm_speed`: prefill and decode tokens/s in `litert_lm.Engine` of the
+  bundles the stages above wrote, ours and the peer's of each precision in
+  alternating rounds (`--prompt`, `--new`, `--rounds`).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
 times its stage and samples its own RSS per phase (`convert`: reading the
 checkpoint, building the Keras model, copying the weights; the phase
 boundaries come from wrapping `keras_attn.convert` functions, so the same
-script measures an older revision). `--max-rss-gb` kills a child past that
+script measures an older revision; a phase's peak is sampled by a Python
+thread, so a C++ call that holds the GIL, such as the TFLite converter, shows
+its peak only in the parent's samples). `--max-rss-gb` kills a child past that
 peak (reported as such). `Keras bytes` is the size of the converted
 model's variables; `peak / Keras` is the peak RSS over it.
 
@@ -159,6 +173,9 @@ class Sampler:
             if self._name is not None:
                 peak = max(self._phase_peak, rss)
                 self.phases.append((self._name, now - self._start, peak, rss))
+                # Also as it ends: a child killed past --max-rss-gb still
+                # reports the phases it finished.
+                print("PHASE " + json.dumps(self.phases[-1]), file=sys.stderr, flush=True)
             self._name, self._start, self._phase_peak = name, now, rss
         if name is None:
             self._stop.set()
@@ -349,6 +366,162 @@ def _builder_command(precision):
     return command
 
 
+LITERTLM_MAX_LENGTH = 1024
+# The peer's one prefill signature; ours keeps its defaults (32, 128).
+LITERTLM_PEER_PREFILL = 128
+PEER_PYTHON = os.environ.get("PEER_PYTHON", "/work/venv-litert-torch/bin/python")
+
+
+def _with_tokenizer(paths):
+    """The checkpoint folder plus a tokenizer (the random checkpoints have
+    none; both LiteRT-LM exporters pack one): a sibling folder of symlinks to
+    the checkpoint's files and a byte-level BPE trained here
+    (bench_genai.trained_tokenizer), made once."""
+    folder = os.path.join(paths["work"], "with_tokenizer")
+    if os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return folder
+    import transformers
+    from bench_genai import trained_tokenizer
+
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for file in os.listdir(paths["checkpoint"]):
+        os.symlink(os.path.join(paths["checkpoint"], file), os.path.join(tmp, file))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=trained_tokenizer(32000),
+                                                eos_token="<eos>", pad_token="<pad>",
+                                                bos_token="<eos>")
+    fast.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+    return folder
+
+
+def _export_phases(sampler):
+    """Marks the export's phases by wrapping what it calls: trace (the
+    tf.functions and their concrete graphs), freeze (variables to constants,
+    where a revision does that), saved_model (writing the graph for the
+    converter), convert (the TFLite converter, its quantizer included), int4
+    (ai-edge-quantizer), verify (LiteRT against Keras), bundle (the
+    `.litertlm` file)."""
+    import tensorflow as tf
+    from tensorflow.lite.python import lite
+    from tensorflow.python.framework import convert_to_constants
+
+    from keras_attn.runtimes import litertlm
+    from keras_attn.runtimes import tflite_convert
+
+    _wrap(convert_to_constants, "convert_variables_to_constants_v2",
+          before=lambda: sampler.mark("freeze"), once=True)
+    _wrap(tf.saved_model, "save", before=lambda: sampler.mark("saved_model"), once=True)
+    _wrap(lite.TFLiteSavedModelConverterV2, "_convert_from_saved_model",
+          before=lambda: sampler.mark("convert"),
+          once=True)
+    _wrap(tflite_convert, "_int4_weights", before=lambda: sampler.mark("int4"), once=True)
+    _wrap(litertlm, "_verify", before=lambda: sampler.mark("verify"),
+          after=lambda: sampler.mark("bundle"), once=True)
+
+
+def _litertlm_path(paths, quantization):
+    return os.path.join(paths["work"], f"litertlm_{quantization or 'fp32'}.litertlm")
+
+
+def _litertlm_stage(quantization):
+    def stage(name, spec, paths, args):
+        """Converts, then times `export_litertlm(lm, path, tokenizer=folder,
+        max_length=1024, quantization=...)` (verification included; the
+        agreement threshold is 0: random weights give near-flat logits)."""
+        from keras_attn.runtimes import export_litertlm
+
+        folder = _with_tokenizer(paths)
+        sampler = Sampler()
+        model, _ = _convert(sampler, folder, args.dtype)
+        _export_phases(sampler)
+        path = _litertlm_path(paths, quantization)
+        sampler.mark("trace")
+        start = time.perf_counter()
+        export_litertlm(model, path, tokenizer=folder, max_length=LITERTLM_MAX_LENGTH,
+                        quantization=quantization, stop_token_ids=[1], min_agreement=0.0)
+        seconds = time.perf_counter() - start
+        sampler.mark(None)
+        return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
+                "artifact_bytes": _dir_bytes(path)}
+    return stage
+
+
+PEER_RECIPES = {"int8": "dynamic_wi8_afp32", "fp32": "none"}
+
+
+def _peer_folder(paths, precision):
+    return os.path.join(paths["work"], f"litert_torch_{precision}")
+
+
+def _litert_torch_command(precision):
+    def command(name, paths):
+        """litert-torch's Hugging Face exporter on the same folder (the peer;
+        its own venv, PEER_PYTHON), as bench_litertlm.py drives it."""
+        folder = _peer_folder(paths, precision)
+        shutil.rmtree(folder, ignore_errors=True)
+        return folder, [PEER_PYTHON, "-m", "litert_torch.generative.export_hf",
+                        "--model", _with_tokenizer(paths), "--output_dir", folder,
+                        f"--prefill_lengths=[{LITERTLM_PEER_PREFILL}]",
+                        f"--cache_length={LITERTLM_MAX_LENGTH}",
+                        f"--quantization_recipe={PEER_RECIPES[precision]}"]
+    return command
+
+
+def stage_litertlm_speed(name, spec, paths, args):
+    """Prefill and decode tokens/s in `litert_lm.Engine` (CPU) of ours and
+    litert-torch's bundle of each precision present (written by the stages
+    above), in alternating rounds (bench_litertlm.run_bundle: the engine's
+    own counters); one precision's pair loaded at a time."""
+    import glob
+    import statistics
+
+    import litert_lm
+    import numpy as np
+    import tokenizers
+    from bench_litertlm import run_bundle
+
+    folder = _with_tokenizer(paths)
+    tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    rng = np.random.default_rng(1)
+    text = tok.decode([int(t) for t in rng.integers(300, tok.get_vocab_size(), args.prompt)])
+    results = {}
+    for precision, ours_q in (("int8", "dynamic"), ("fp32", None)):
+        bundles = {}
+        if os.path.exists(_litertlm_path(paths, ours_q)):
+            bundles["keras_attn"] = _litertlm_path(paths, ours_q)
+        found = glob.glob(os.path.join(_peer_folder(paths, precision), "**", "*.litertlm"),
+                          recursive=True)
+        if found:
+            bundles["litert-torch"] = found[0]
+        if not bundles:
+            continue
+        engines = {n: litert_lm.Engine(p, backend=litert_lm.Backend.CPU(), enable_benchmark=True)
+                   for n, p in bundles.items()}
+        speeds = {n: {"prefill": [], "decode": [], "tokens": None} for n in bundles}
+        try:
+            for engine in engines.values():  # warm-up
+                run_bundle(engine, text, args.new)
+            for r in range(args.rounds):
+                for n in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                    prefill, decode, _, info = run_bundle(engines[n], text, args.new)
+                    speeds[n]["prefill"].append(prefill)
+                    speeds[n]["decode"].append(decode)
+                    speeds[n]["tokens"] = (info.last_prefill_token_count,
+                                           info.last_decode_token_count)
+        finally:
+            for engine in engines.values():
+                engine.close()
+        for n, s in speeds.items():
+            results[f"{n} {precision}"] = {
+                "prefill_tps": statistics.median(s["prefill"]),
+                "decode_tps": statistics.median(s["decode"]), "tokens": s["tokens"],
+                "bundle_bytes": os.path.getsize(bundles[n])}
+    return {"speeds": results, "load": os.getloadavg()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One row kind of the table: `run` in a fresh child (or, for a peer,
@@ -374,6 +547,17 @@ STAGES = {
                           command=_builder_command("int8")),
     "builder_int4": Stage(None, "GenAI model builder -p int4 (peer)", ours=False,
                           command=_builder_command("int4")),
+    "litertlm_int8": Stage(_litertlm_stage("dynamic"),
+                           "convert + export_litertlm dynamic (int8 weights), max_length 1024"),
+    "litertlm_int4": Stage(_litertlm_stage("int4"),
+                           "convert + export_litertlm int4 (blocks of 32), max_length 1024"),
+    "litertlm_fp32": Stage(_litertlm_stage(None), "convert + export_litertlm float32, max_length 1024"),
+    "litert_torch_int8": Stage(None, "litert-torch export_hf dynamic_wi8_afp32 (peer)", ours=False,
+                               command=_litert_torch_command("int8")),
+    "litert_torch_fp32": Stage(None, "litert-torch export_hf float32 (peer)", ours=False,
+                               command=_litert_torch_command("fp32")),
+    "litertlm_speed": Stage(stage_litertlm_speed,
+                            "LiteRT-LM prefill/decode tokens/s of the bundles above"),
 }
 
 
@@ -398,7 +582,8 @@ def run_child(args, name, stage):
             artifact, cmd = STAGES[stage].command(name, _paths(args, name))
         else:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--models", name,
-                   "--work", args.work, "--shard-gb", str(args.shard_gb)]
+                   "--work", args.work, "--shard-gb", str(args.shard_gb),
+                   "--prompt", str(args.prompt), "--new", str(args.new), "--rounds", str(args.rounds)]
             if args.dtype:
                 cmd += ["--dtype", args.dtype]
         start = time.perf_counter()
@@ -422,10 +607,15 @@ def run_child(args, name, stage):
         out.seek(0)
         err.seek(0)
         lines = out.read().strip().splitlines()
+        # CPU seconds too: on a shared machine the wall time says more about the load.
         result = {"model": name, "stage": stage, "child_seconds": wall, "sampled_peak": peak,
-                  "ru_maxrss": usage.ru_maxrss * 1024}
+                  "ru_maxrss": usage.ru_maxrss * 1024,
+                  "cpu_seconds": usage.ru_utime + usage.ru_stime}
+        phases = [json.loads(line[6:]) for line in err.read().splitlines() if line.startswith("PHASE ")]
+        err.seek(0)
         if killed:
             result["error"] = f"killed past {args.max_rss_gb} GB"
+            result["phases"] = phases
         elif artifact is not None and child.returncode == 0:
             result["artifact_bytes"] = _dir_bytes(artifact)
         elif child.returncode != 0 or not lines:
@@ -440,14 +630,17 @@ def _gb(x):
 
 
 def table(results):
-    header = ["model", "params", "stage", "seconds", "peak RSS sampled (GB)", "ru_maxrss (GB)",
+    header = ["model", "params", "stage", "seconds", "child CPU s", "peak RSS sampled (GB)", "ru_maxrss (GB)",
               "artifact (GB)", "Keras bytes (GB)", "peak / Keras", "phases: s, peak GB -> end GB"]
     rows = []
     params = {r["model"]: r["parameters"] for r in results if "parameters" in r}
     for r in results:
         if "error" in r:
-            rows.append([r["model"], "", r["stage"], "", _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]),
-                         "", "", "", "failed: " + r["error"]])
+            phases = "; ".join(f"{p[0]} {p[1]:.1f} s, {p[2] / GB:.2f} -> {p[3] / GB:.2f}"
+                               for p in r.get("phases", []))
+            rows.append([r["model"], "", r["stage"], f"{r['child_seconds']:.1f}",
+                         f"{r.get('cpu_seconds', 0):.0f}", _gb(r["sampled_peak"]),
+                         _gb(r["ru_maxrss"]), "", "", "", f"failed: {r['error']}; {phases}"])
             continue
         keras_bytes = r.get("keras_bytes")
         ratio = f"{r['ru_maxrss'] / keras_bytes:.2f}" if keras_bytes else ""
@@ -455,10 +648,20 @@ def table(results):
                            for p in r.get("phases", []))
         seconds = r.get("seconds", r["child_seconds"])
         n = params.get(r["model"])
+        cpu = r.get("cpu_seconds")
         rows.append([r["model"], f"{n / 1e6:.{0 if n > 1e7 else 2}f}M" if n else "", r["stage"], f"{seconds:.1f}",
-                     _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]), _gb(r.get("artifact_bytes")),
+                     "" if cpu is None else f"{cpu:.0f}", _gb(r["sampled_peak"]), _gb(r["ru_maxrss"]), _gb(r.get("artifact_bytes")),
                      _gb(keras_bytes), ratio, phases])
-    return _common.markdown_table(header, rows)
+    text = _common.markdown_table(header, rows)
+    speed_rows = [[r["model"], n, f"{v['bundle_bytes'] / GB:.3f}", f"{v['prefill_tps']:.1f}",
+                   f"{v['decode_tps']:.2f}", v["tokens"],
+                   "/".join(f"{x:.1f}" for x in r["load"])]
+                  for r in results if "speeds" in r for n, v in r["speeds"].items()]
+    if speed_rows:
+        text += "\n" + _common.markdown_table(
+            ["model", "bundle", "size (GB)", "prefill tok/s", "decode tok/s",
+             "tokens (prefill, decode)", "load average after"], speed_rows)
+    return text
 
 
 def main(argv=None):
@@ -471,6 +674,9 @@ def main(argv=None):
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "keras_attn_real_size"),
                         help="where checkpoints are written and reused")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="max shard size of the checkpoints")
+    parser.add_argument("--prompt", type=int, default=100, help="litertlm_speed: prompt tokens")
+    parser.add_argument("--new", type=int, default=64, help="litertlm_speed: new tokens")
+    parser.add_argument("--rounds", type=int, default=3, help="litertlm_speed: alternating rounds")
     parser.add_argument("--max-rss-gb", type=float, default=9.0, help="kill a child past this RSS")
     parser.add_argument("--quick", action="store_true", help="the tiny model through checkpoint, save_weights and genai_int4, in a temporary --work")
     parser.add_argument("--markdown", help="write the table here")

@@ -52,6 +52,24 @@ def test_bundle_follows_the_runtime_contract(bundle):
     assert report.max_abs_error <= report.atol and report.agreement == 1.0
 
 
+def test_weights_are_written_once_after_the_flatbuffer(bundle):
+    # Three signatures (prefill_4, prefill_16, decode) read one set of
+    # weights: the model holds them once, and every sizable constant lies
+    # after the flatbuffer, addressed by offset (the layout that lifts
+    # TFLite's 2 GB flatbuffer limit, taken at every size).
+    from ai_edge_litert.tools import flatbuffer_utils
+
+    lm = bundle[0]
+    model = flatbuffer_utils.convert_bytearray_to_object(lm.tflite_content)
+    names = [m.name.decode() for m in model.metadata or []]
+    assert "buffer_location" in names
+    inline = [len(b.data) for b in model.buffers if b.data is not None and len(b.data) > 64]
+    assert inline == []
+    stored = sum(int(b.size) for b in model.buffers if b.offset)
+    weights = sum(int(np.prod(w.shape)) * 4 for w in lm.weights)
+    assert weights <= stored < 1.5 * weights
+
+
 @pytest.mark.parametrize("text", [
     "the cat sat on",  # one prefill chunk, padded
     "the red cat sat on the mat then the big dog ran",  # two chunks, the second padded

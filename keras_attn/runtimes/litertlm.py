@@ -373,7 +373,12 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         os.replace(partial, path)
     from ai_edge_litert import interpreter as litert
 
-    signatures = litert.Interpreter(model_content=content).get_signature_list()
+    # Only the signature list: no XNNPACK delegate (it would pack a second
+    # copy of the weights).
+    signatures = litert.Interpreter(
+        model_content=content,
+        experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+    ).get_signature_list()
     return LitertLmReport(path=path, size_bytes=os.path.getsize(path), signatures=signatures,
                           quantization=quantization, max_abs_error=error, atol=bound,
                           agreement=agreement, min_agreement=threshold)

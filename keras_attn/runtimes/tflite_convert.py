@@ -11,18 +11,6 @@ import tensorflow as tf
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS
 
 
-def _frozen_call(frozen, concrete):
-    names = sorted(concrete.structured_outputs)
-
-    def call(*args):
-        outputs = frozen(*args)
-        if isinstance(outputs, dict):
-            return outputs
-        return dict(zip(names, outputs))
-
-    return call
-
-
 GENERATION_QUANTIZATIONS = (None, "float16", "dynamic", "int4")
 
 
@@ -41,20 +29,19 @@ def signatures_to_tflite(functions, quantization=None):
             "Received an invalid value for argument `quantization`, expected one of "
             f"{list(GENERATION_QUANTIZATIONS)}. Received: quantization={quantization!r}"
         )
-    # With several signatures the converter keeps the weights as resource
-    # variables (VAR_HANDLE/READ_VARIABLE) that the interpreter never
-    # initialises, so each signature is frozen to constants first.
-    from tensorflow.python.framework import convert_to_constants
-
+    # The weights go to the converter once, as the SavedModel's variables:
+    # every signature reads the same ones, the converter freezes them (they
+    # are read-only) into constants shared by all signatures. Freezing each
+    # signature first would hold one constant copy of the model per
+    # signature in the graphs, the SavedModel and the converter.
+    concrete = {name: fn.get_concrete_function() for name, fn in functions.items()}
     module = tf.Module()
+    module.weights = list({id(v): v for c in concrete.values() for v in c.variables}.values())
     for name, fn in functions.items():
-        concrete = fn.get_concrete_function()
-        frozen = convert_to_constants.convert_variables_to_constants_v2(concrete)
-        setattr(module, name, tf.function(_frozen_call(frozen, concrete),
-                                          input_signature=fn.input_signature))
+        setattr(module, name, fn)
     with tempfile.TemporaryDirectory(prefix="keras_attn_gen_tflite_") as tmp:
-        signatures = {name: getattr(module, name).get_concrete_function() for name in functions}
-        tf.saved_model.save(module, tmp, signatures=signatures, options=SERVING_SAVE_OPTIONS)
+        tf.saved_model.save(module, tmp, signatures=concrete, options=SERVING_SAVE_OPTIONS)
+        del module, concrete
         converter = tf.lite.TFLiteConverter.from_saved_model(
             tmp, signature_keys=list(functions)
         )
@@ -63,6 +50,13 @@ def signatures_to_tflite(functions, quantization=None):
             converter.optimizations = [tf.lite.Optimize.DEFAULT]
         if quantization == "float16":
             converter.target_spec.supported_types = [tf.float16]
+        # Constant buffers after the flatbuffer, addressed by offset (as
+        # LiteRT reads them): no 2 GB flatbuffer limit, and the converter's
+        # Python passes over the whole model (buffer deduplication, metadata:
+        # each a full copy as Python objects) are skipped; the MLIR exporter
+        # already writes a constant shared by several signatures once.
+        converter._experimental_use_buffer_offset = True
+        converter.exclude_conversion_metadata = True
         content = converter.convert()
     if quantization == "int4":
         content = _int4_weights(content)
