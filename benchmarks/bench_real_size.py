@@ -357,10 +357,12 @@ def _genai_stage(quantization):
 
 def _builder_command(precision):
     def command(name, paths):
-        """The ONNX Runtime GenAI model builder on the same folder (the peer)."""
+        """The ONNX Runtime GenAI model builder on the same folder (the peer;
+        with a tokenizer beside it: without one the builder tries to make it
+        from a slow tokenizer, which Llama's needs sentencepiece for)."""
         folder = os.path.join(paths["work"], f"builder_{precision}")
         shutil.rmtree(folder, ignore_errors=True)
-        return folder, [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", paths["checkpoint"],
+        return folder, [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", _with_tokenizer(paths),
                         "-o", folder, "-p", precision, "-e", "cpu",
                         "-c", os.path.join(paths["work"], "builder_cache")]
     return command
