@@ -1,4 +1,12 @@
-"""ONNX export via tf2onnx, verified in onnxruntime."""
+"""ONNX export, verified in onnxruntime.
+
+Two writers: the direct one (`onnx_fused.direct_model_proto`: the graph
+written from the Keras layers and weights, each weight once) for the layers
+it covers (Transformer encoders such as a converted BERT), and tf2onnx for
+any other model. tf2onnx holds many copies of the weights while it converts
+(`TF2ONNX_MEMORY_FACTOR`); a model it would not fit in the memory available
+is refused before it starts.
+"""
 
 import os
 
@@ -15,6 +23,12 @@ from keras_attn.export import staging
 from keras_attn.export import verify
 
 OPSETS = (17, 18)
+WRITERS = ("auto", "direct", "tf2onnx")
+# tf2onnx's peak memory over the model's weight bytes (it freezes the
+# variables into a GraphDef, optimizes copies of it, then builds the ONNX
+# graph and proto): measured 14-18x on BERT-shaped encoders
+# (benchmarks/RESULTS.md, "Real sizes: encoder exports"), rounded up.
+TF2ONNX_MEMORY_FACTOR = 20
 
 
 def rename_value(graph, old, new):
@@ -90,18 +104,114 @@ def convert(model, *, opset=17, check_ids="clamp"):
     return model_proto
 
 
-def run_onnx(model_bytes, sample, output_names):
+def weight_bytes(model):
+    return int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.weights))
+
+
+def available_memory():
+    """Bytes the system can still give without swapping (Linux `MemAvailable`);
+    None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_tf2onnx_memory(model, why):
+    needed = TF2ONNX_MEMORY_FACTOR * weight_bytes(model)
+    available = available_memory()
+    if available is not None and needed > available:
+        raise report.ExportError(
+            f"The ONNX export of `{model.name}` needs tf2onnx (the direct writer does not "
+            f"cover it: {why}), which holds about {TF2ONNX_MEMORY_FACTOR}x the weights while "
+            f"converting: ~{needed / 1e9:.1f} GB for {weight_bytes(model) / 1e9:.2f} GB of "
+            f"weights, and {available / 1e9:.1f} GB is available. Refused before starting "
+            "rather than risk the out-of-memory killer. Export on a machine with more memory, "
+            "use layers the direct writer covers (keras_attn.export.onnx_fused), or pass "
+            "writer='tf2onnx' to try anyway."
+        )
+
+
+def _check_writer(fused, writer):
+    arguments.check_choice("writer", writer, WRITERS)
+    if not isinstance(fused, bool):
+        raise ValueError(
+            f"Received an invalid value for argument `fused`, expected True or False. Received: fused={fused!r}"
+        )
+    if fused and writer == "tf2onnx":
+        raise ValueError(
+            "`fused=True` selects the direct writer's onnxruntime contrib ops; tf2onnx writes "
+            "none. Received: fused=True, writer='tf2onnx'"
+        )
+
+
+def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="auto"):
+    """`(ModelProto, details)`: the model written by `writer` ("auto": the
+    direct writer where it covers the model, else tf2onnx; see `export_onnx`).
+
+    `details` has `"writer"` ("direct" or "tf2onnx") and, when "auto" fell
+    back to tf2onnx, `"direct_writer_skipped"` (why).
+    """
+    arguments.check_choice("opset", opset, OPSETS)
+    _check_writer(fused, writer)
+    if writer != "tf2onnx":
+        try:
+            proto = onnx_fused.direct_model_proto(model, opset=opset, check_ids=check_ids, fused=fused)
+            return proto, {"writer": "direct"}
+        except onnx_fused.NotFusableError as error:
+            if writer == "direct":
+                raise report.ExportError(
+                    f"writer='direct': the direct ONNX writer does not cover the model: {error}. "
+                    "Pass writer='auto' to use tf2onnx for it."
+                ) from error
+            why = str(error)
+        if fused:
+            import warnings
+
+            warnings.warn(f"fused=True: {why}; exporting the plain tf2onnx graph instead.", stacklevel=3)
+        _check_tf2onnx_memory(model, why)
+        return convert(model, opset=opset, check_ids=check_ids), {
+            "writer": "tf2onnx", "direct_writer_skipped": why}
+    return convert(model, opset=opset, check_ids=check_ids), {"writer": "tf2onnx"}
+
+
+def session(model, *, prepack=True):
+    """An onnxruntime CPU session of `model` (a path or the serialized bytes).
+
+    `prepack=False` leaves the MatMul weights as the file has them instead of
+    repacking a second copy for the CPU kernels: same results, one copy of the
+    weights fewer (what the export's verification uses).
+    """
     import onnxruntime as ort
 
-    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
-    return [np.asarray(x) for x in session.run(output_names, sample)]
+    options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def run_onnx(model, sample, output_names):
+    """Runs `model` (a path or the serialized bytes) on one `{name: array}` sample."""
+    return [np.asarray(x) for x in session(model).run(output_names, sample)]
 
 
 def export_onnx(
     model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp",
-    fused=False,
+    fused=False, writer="auto",
 ):
-    """Exports `model` to ONNX with tf2onnx and verifies it in onnxruntime.
+    """Exports `model` to ONNX and verifies it in onnxruntime.
+
+    The graph is written by the direct writer wherever it covers the model
+    (`keras_attn.export.onnx_fused`: Transformer encoders built from
+    `TokenAndPositionEmbedding`, `TransformerEncoderBlock` and `Dense`
+    layers, such as a BERT converted by `from_huggingface`), each weight
+    held once; any other model goes through tf2onnx, refused up front when
+    its estimated memory (`TF2ONNX_MEMORY_FACTOR` x the weights) exceeds what
+    the system has available.
 
     Args:
         model: a built functional or Sequential Keras model, or a
@@ -117,11 +227,16 @@ def export_onnx(
             the clamped id's); "flag" also adds a boolean output `valid`
             `(batch,)`; None leaves the ids as they are (onnxruntime then
             fails or reads an unspecified row, depending on the provider).
-        fused: write Transformer encoders with onnxruntime's fused kernels
+        fused: the direct writer uses onnxruntime's fused kernels
             (`com.microsoft` Attention, SkipLayerNormalization, BiasGelu;
-            see `keras_attn.export.onnx_fused`), verified like the plain
-            graph; a model it does not cover falls back to tf2onnx with a
-            warning. The file then runs only in onnxruntime.
+            the file then runs only in onnxruntime) instead of standard
+            ONNX ops; a model it does not cover goes to tf2onnx with a
+            warning.
+        writer: "auto" (default): the direct writer where it covers the
+            model, else tf2onnx; "direct": the direct writer or an
+            ExportError naming what it does not cover; "tf2onnx": always
+            tf2onnx, without the memory check. The report's
+            `details["writer"]` says which wrote the file.
 
     Returns:
         An `ExportReport` with the ONNX op types used.
@@ -129,31 +244,41 @@ def export_onnx(
     Raises:
         UnsupportedOpsError: tf2onnx cannot convert some TF op.
         ParityError: onnxruntime differs from Keras beyond `atol`.
+        ExportError: tf2onnx would need more memory than is available, or
+            `writer="direct"` and the direct writer does not cover the model.
     """
     model = model_io.as_functional(model, sample_inputs)
-    specs = model_io.input_specs(model)
+    model_io.input_specs(model)
     names = model_io.output_names(model)
+    _check_writer(fused, writer)
     atol = arguments.resolve_atol(atol, 1e-4)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:
-        model_proto = onnx_fused.convert_or_fallback(model, opset, check_ids, fused, convert)
-        content = model_proto.SerializeToString()
+        model_proto, details = model_proto_of(
+            model, opset=opset, check_ids=check_ids, fused=fused, writer=writer)
+        ops = sorted({node.op_type for node in model_proto.graph.node})
+        details.update({
+            "opset": opset,
+            "check_ids": check_ids,
+            "fused": onnx_fused.fused_op_counts(model_proto) if fused else None,
+            "inputs": [i.name for i in model_proto.graph.input],
+            "outputs": [o.name for o in model_proto.graph.output],
+        })
         with open(tmp, "wb") as f:
-            f.write(content)
+            f.write(model_proto.SerializeToString())
+        # The graph and its weights are in the file now: the proto is not
+        # kept beside onnxruntime's copy while verifying.
+        del model_proto
+        runner = session(tmp, prepack=False)
         checks = verify.verify_artifact(
-            "ONNX", model, samples, lambda sample: run_onnx(content, sample, names),
+            "ONNX", model, samples,
+            lambda sample: [np.asarray(x) for x in runner.run(names, sample)],
             atol, os.path.abspath(path),
         )
-        ops = sorted({node.op_type for node in model_proto.graph.node})
-    details = {
-        "opset": opset,
-        "check_ids": check_ids,
-        "fused": onnx_fused.fused_op_counts(model_proto) if fused else None,
-        "inputs": [i.name for i in model_proto.graph.input],
-        "outputs": [o.name for o in model_proto.graph.output],
-    }
+        del runner
+        size = os.path.getsize(tmp)
     return report.make_report(
-        "onnx", path, checks, size_bytes=len(content), atol=atol, ops=ops, details=details,
+        "onnx", path, checks, size_bytes=size, atol=atol, ops=ops, details=details,
         float32_note=float32_note,
     )
