@@ -24,11 +24,13 @@ from keras_attn.export import verify
 
 OPSETS = (17, 18)
 WRITERS = ("auto", "direct", "tf2onnx")
-# tf2onnx's peak memory over the model's weight bytes (it freezes the
-# variables into a GraphDef, optimizes copies of it, then builds the ONNX
-# graph and proto): measured 14-18x on BERT-shaped encoders
-# (benchmarks/RESULTS.md, "Real sizes: encoder exports"), rounded up.
-TF2ONNX_MEMORY_FACTOR = 20
+# tf2onnx's peak memory over the model's weight bytes, beyond what the
+# process held before: it freezes the variables into a GraphDef, optimizes
+# it with grappler, then rewrites it op by op in Python. Measured on 2-layer
+# BERT-shaped encoders (without its per-pass graph copies, see
+# `_tf2onnx_from_function`): 38x for 9 MB of weights, 37x for 35 MB, over
+# 40x for 85 MB (stopped at 3.5 GB); it grows faster than the weights.
+TF2ONNX_MEMORY_FACTOR = 50
 
 
 def rename_value(graph, old, new):
@@ -57,6 +59,31 @@ def unsupported_onnx_ops(model_proto):
 ONNX_ID_CHECKS = (None, "clamp", "flag")
 
 
+def _tf2onnx_from_function(tf2onnx, function, signature, opset):
+    """tf2onnx's `from_function`, first without its per-optimizer graph copies.
+
+    By default tf2onnx deep-copies its whole graph, constants included, before
+    each optimizer pass of each iteration (to restore it if the pass fails),
+    which left several GB of copies on a BERT (benchmarks/RESULTS.md, "Real
+    sizes: encoder exports"). Its switch is an environment variable read at
+    each conversion; a conversion that fails without the copies is retried
+    with them, as tf2onnx would have run it.
+    """
+    variable = tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS
+    old = os.environ.get(variable)
+    os.environ[variable] = "FALSE"
+    try:
+        return tf2onnx.convert.from_function(function, input_signature=signature, opset=opset)[0]
+    except Exception:  # noqa: BLE001  tf2onnx raises many types; retried as tf2onnx runs by default
+        os.environ[variable] = "TRUE"
+        return tf2onnx.convert.from_function(function, input_signature=signature, opset=opset)[0]
+    finally:
+        if old is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = old
+
+
 def convert(model, *, opset=17, check_ids="clamp"):
     """Converts `model` to an ONNX ModelProto named like the Keras model.
 
@@ -79,9 +106,7 @@ def convert(model, *, opset=17, check_ids="clamp"):
         return [outputs[n] for n in names]
 
     try:
-        model_proto, _ = tf2onnx.convert.from_function(
-            flat_serve, input_signature=signature, opset=opset
-        )
+        model_proto = _tf2onnx_from_function(tf2onnx, flat_serve, signature, opset)
     except Exception as error:  # tf2onnx raises many exception types
         raise report.ExportError(f"tf2onnx could not convert the model: {error}") from error
     bad = unsupported_onnx_ops(model_proto)
