@@ -185,6 +185,28 @@ def test_tf2onnx_past_the_available_memory_is_refused_before_it_starts(tmp_path,
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_tf2onnx_runs_without_its_graph_copies_and_retries_with_them(monkeypatch):
+    import os
+
+    import tf2onnx
+
+    from keras_attn.export import onnx as onnx_lib
+
+    variable = tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS
+    monkeypatch.setenv(variable, "user value")
+    seen = []
+
+    def from_function(function, input_signature, opset):
+        seen.append(os.environ[variable])
+        if len(seen) == 1:
+            raise RuntimeError("an optimizer failed")
+        return "proto", None
+
+    monkeypatch.setattr(tf2onnx.convert, "from_function", from_function)
+    assert onnx_lib.tf2onnx_from_function(None, [], 17) == "proto"
+    assert seen == ["FALSE", "TRUE"] and os.environ[variable] == "user value"
+
+
 def test_post_norm_graph_uses_the_fused_kernels(post_norm):
     _, path, report = post_norm
     ops = _op_counts(path)

@@ -28,7 +28,7 @@ WRITERS = ("auto", "direct", "tf2onnx")
 # process held before: it freezes the variables into a GraphDef, optimizes
 # it with grappler, then rewrites it op by op in Python. Measured on 2-layer
 # BERT-shaped encoders (without its per-pass graph copies, see
-# `_tf2onnx_from_function`): 38x for 9 MB of weights, 37x for 35 MB, over
+# `tf2onnx_from_function`): 38x for 9 MB of weights, 37x for 35 MB, over
 # 40x for 85 MB (stopped at 3.5 GB); it grows faster than the weights.
 TF2ONNX_MEMORY_FACTOR = 50
 
@@ -59,7 +59,7 @@ def unsupported_onnx_ops(model_proto):
 ONNX_ID_CHECKS = (None, "clamp", "flag")
 
 
-def _tf2onnx_from_function(tf2onnx, function, signature, opset):
+def tf2onnx_from_function(function, signature, opset):
     """tf2onnx's `from_function`, first without its per-optimizer graph copies.
 
     By default tf2onnx deep-copies its whole graph, constants included, before
@@ -67,8 +67,10 @@ def _tf2onnx_from_function(tf2onnx, function, signature, opset):
     which left several GB of copies on a BERT (benchmarks/RESULTS.md, "Real
     sizes: encoder exports"). Its switch is an environment variable read at
     each conversion; a conversion that fails without the copies is retried
-    with them, as tf2onnx would have run it.
+    with them, as tf2onnx would have run it. Returns the ModelProto.
     """
+    import tf2onnx
+
     variable = tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS
     old = os.environ.get(variable)
     os.environ[variable] = "FALSE"
@@ -92,8 +94,6 @@ def convert(model, *, opset=17, check_ids="clamp"):
     are named `batch` (axis 0) and `<input>_dim<k>`.
     """
     arguments.check_choice("opset", opset, OPSETS)
-    import tf2onnx
-
     check_ids = saved_model_lib.resolve_check_ids(check_ids, ONNX_ID_CHECKS)
     specs = model_io.input_specs(model)
     names = saved_model_lib.checked_output_names(model, check_ids)
@@ -106,7 +106,7 @@ def convert(model, *, opset=17, check_ids="clamp"):
         return [outputs[n] for n in names]
 
     try:
-        model_proto = _tf2onnx_from_function(tf2onnx, flat_serve, signature, opset)
+        model_proto = tf2onnx_from_function(flat_serve, signature, opset)
     except Exception as error:  # tf2onnx raises many exception types
         raise report.ExportError(f"tf2onnx could not convert the model: {error}") from error
     bad = unsupported_onnx_ops(model_proto)
