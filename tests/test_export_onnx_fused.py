@@ -124,6 +124,32 @@ def test_default_export_writes_encoders_directly_in_standard_ops(plain, which):
     tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=which)
 
 
+def test_streamed_file_is_the_whole_model(plain):
+    # export_onnx streams the initializers ahead of the rest of the model; the
+    # file parses to the proto the writer builds in memory.
+    import onnx
+
+    from keras_attn.export.onnx_fused import direct_model_proto
+
+    model, path, _ = plain["post_norm"]
+    whole = direct_model_proto(model, opset=17, check_ids="clamp")
+    assert len(whole.graph.initializer) > 10
+    assert (onnx.load(str(path)).SerializeToString(deterministic=True)
+            == whole.SerializeToString(deterministic=True))
+
+
+def test_fallback_after_some_weights_were_streamed_leaves_none_of_them(tmp_path):
+    import onnx
+
+    inputs = keras.Input((None, DIM), name="x")
+    first = keras.layers.Dense(8, name="first")
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(first(inputs)))
+    report = export_onnx(model, tmp_path / "m.onnx")
+    assert report.details["writer"] == "tf2onnx"
+    names = [i.name for i in onnx.load(str(tmp_path / "m.onnx")).graph.initializer]
+    assert not [n for n in names if n.startswith("first_kernel_")], names
+
+
 def test_causal_mask_of_the_standard_graph(plain):
     # A future token changes no earlier position of the causal encoder.
     _, path, _ = plain["pre_norm"]

@@ -174,20 +174,28 @@ def _check_writer(fused, writer):
         )
 
 
-def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="auto"):
+def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="auto",
+                   weights_file=None):
     """`(ModelProto, details)`: the model written by `writer` ("auto": the
     direct writer where it covers the model, else tf2onnx; see `export_onnx`).
 
     `details` has `"writer"` ("direct" or "tf2onnx") and, when "auto" fell
-    back to tf2onnx, `"direct_writer_skipped"` (why).
+    back to tf2onnx, `"direct_writer_skipped"` (why). `weights_file`: see
+    `onnx_fused.direct_model_proto` (the direct writer streams its
+    initializers there; after tf2onnx the file is empty): the model file is
+    what the file holds followed by the returned proto's serialization.
     """
     arguments.check_choice("opset", opset, OPSETS)
     _check_writer(fused, writer)
     if writer != "tf2onnx":
         try:
-            proto = onnx_fused.direct_model_proto(model, opset=opset, check_ids=check_ids, fused=fused)
+            proto = onnx_fused.direct_model_proto(
+                model, opset=opset, check_ids=check_ids, fused=fused, weights_file=weights_file)
             return proto, {"writer": "direct"}
         except onnx_fused.NotFusableError as error:
+            if weights_file is not None:
+                weights_file.seek(0)
+                weights_file.truncate()
             if writer == "direct":
                 raise report.ExportError(
                     f"writer='direct': the direct ONNX writer does not cover the model: {error}. "
@@ -280,8 +288,10 @@ def export_onnx(
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:
-        model_proto, details = model_proto_of(
-            model, opset=opset, check_ids=check_ids, fused=fused, writer=writer)
+        with open(tmp, "wb") as f:
+            model_proto, details = model_proto_of(
+                model, opset=opset, check_ids=check_ids, fused=fused, writer=writer, weights_file=f)
+            f.write(model_proto.SerializeToString())
         ops = sorted({node.op_type for node in model_proto.graph.node})
         details.update({
             "opset": opset,
@@ -290,10 +300,7 @@ def export_onnx(
             "inputs": [i.name for i in model_proto.graph.input],
             "outputs": [o.name for o in model_proto.graph.output],
         })
-        with open(tmp, "wb") as f:
-            f.write(model_proto.SerializeToString())
-        # The graph and its weights are in the file now: the proto is not
-        # kept beside onnxruntime's copy while verifying.
+        # tf2onnx's proto holds the weights: not kept beside onnxruntime's copy.
         del model_proto
         runner = session(tmp, prepack=False)
         checks = verify.verify_artifact(

@@ -73,21 +73,22 @@ def activation_name(fn):
 
 class _Writer:
     """Builds the ModelProto in place: each initializer goes straight into the
-    graph (no list of tensors copied into a graph, then into a model), so the
-    weights are held once while the graph is written.
+    graph (no list of tensors copied into a graph, then into a model), or,
+    given `weights_file`, is serialized there at once and dropped.
 
     `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
     residual LayerNorms and GELU; otherwise the same arithmetic in standard
     ONNX ops, which any ONNX runtime runs.
     """
 
-    def __init__(self, opset, fused):
+    def __init__(self, opset, fused, weights_file=None):
         import onnx
 
         self.proto = onnx.ModelProto()
         self.graph = self.proto.graph
         self.opset = opset
         self.fused = fused
+        self.weights_file = weights_file
         self._count = 0
         self.values = {}  # id(KerasTensor) -> ONNX value name
         self._cache = {}  # (kind, value name) -> derived value (masks)
@@ -100,7 +101,17 @@ class _Writer:
         import onnx
 
         name = self.fresh(hint)
-        self.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        tensor = onnx.numpy_helper.from_array(np.asarray(array), name)
+        if self.weights_file is None:
+            self.graph.initializer.append(tensor)
+        else:
+            # A ModelProto holding only this initializer: concatenated
+            # serialized messages parse as one message with the repeated
+            # fields appended, so the pieces and the rest of the model make
+            # the whole file, and no tensor outlives its own write.
+            piece = onnx.ModelProto()
+            piece.graph.initializer.append(tensor)
+            self.weights_file.write(piece.SerializeToString())
         return name
 
     def node(self, op, inputs, hint, domain="", outputs=1, **attrs):
@@ -382,14 +393,22 @@ def _int_key(key):
     return out
 
 
-def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False):
+def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weights_file=None):
     """The model as ONNX, written from its layers and weights (see the module docstring).
 
     `fused`: onnxruntime's contrib ops (the file then runs only in
     onnxruntime); otherwise standard ONNX ops of `opset`. Inputs and outputs
-    are named as `keras_attn.export.onnx.convert` names them. Raises
-    `NotFusableError` (a ValueError) naming the first layer or setting it
-    does not cover.
+    are named as `keras_attn.export.onnx.convert` names them.
+
+    `weights_file`: a binary file open for writing. Each initializer is then
+    written there, serialized, as soon as it is made (as a ModelProto piece
+    holding only it), and the returned proto has none: writing the returned
+    proto's serialization after them completes the model file, which parses
+    as one ModelProto (protobuf merges concatenated messages). The weights are
+    then never all in memory at once, nor serialized a second time.
+
+    Raises `NotFusableError` (a ValueError) naming the first layer or setting
+    it does not cover (some initializers may have been written already).
     """
     import keras
     import onnx
@@ -401,7 +420,7 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False):
         raise NotFusableError(f"check_ids={check_ids!r} (only None and 'clamp' are fused)")
     if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "output_names"):
         raise NotFusableError(f"{type(model).__name__} is not a functional Keras model")
-    w = _Writer(opset, fused)
+    w = _Writer(opset, fused, weights_file)
     graph_inputs = []
     for tensor in model.inputs:
         name = tensor.name
