@@ -28,8 +28,8 @@ WRITERS = ("auto", "direct", "tf2onnx")
 # process held before: it freezes the variables into a GraphDef, optimizes
 # it with grappler, then rewrites it op by op in Python. Measured on 2-layer
 # BERT-shaped encoders (without its per-pass graph copies, see
-# `tf2onnx_from_function`): 38x for 9 MB of weights, 37x for 35 MB, over
-# 40x for 85 MB (stopped at 3.5 GB); it grows faster than the weights.
+# `tf2onnx_from_function`): 38x for 9 MB of weights, 37x for 35 MB, and
+# past 26x for 85 MB when it was stopped at 3.5 GB; rounded up.
 TF2ONNX_MEMORY_FACTOR = 50
 
 
