@@ -29,6 +29,15 @@ Stages (`STAGES`, one entry each; later stages are added there):
 - `litertlm_speed`: prefill and decode tokens/s in `litert_lm.Engine` of the
   bundles the stages above wrote, ours and the peer's of each precision in
   alternating rounds (`--prompt`, `--new`, `--rounds`).
+- Encoder exports (BERT): `savedmodel`, `tflite`, `onnx` (export_onnx's
+  default path), `onnx_fused` (`fused=True`), `onnx_tf2onnx` (forced
+  tf2onnx), `export_all`: each converts, then times the export, its
+  verification against Keras included; `cli`: `keras-attn export
+  model.keras --format all` in a fresh process (the `.keras` file is made
+  once by the `keras_file` stage, not ours). The peer `torch_onnx`:
+  `BertModel.from_pretrained(folder, float32)` and `torch.onnx.export`
+  (TorchScript exporter, dynamic batch and sequence axes) on the same
+  folder; its export is timed like ours.
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
@@ -123,6 +132,13 @@ MODELS = {
                     rope_local_base_freq=10000.0, sliding_window=512,
                     layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
                     tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    ),
+    # The encoder stages at test size.
+    "tiny-bert": dict(
+        architecture="BertModel", model_type="bert",
+        config=dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=64, type_vocab_size=2,
+                    hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0),
     ),
     # --quick: small enough for a test, sharded to exercise the index.
     "tiny-llama": dict(
@@ -522,18 +538,149 @@ def stage_litertlm_speed(name, spec, paths, args):
                 "decode_tps": statistics.median(s["decode"]), "tokens": s["tokens"],
                 "bundle_bytes": os.path.getsize(bundles[n])}
     return {"speeds": results, "load": os.getloadavg()}
+# Encoder exports: the phases are marked by wrapping the exporters' steps
+# (looked up at call time), so an older revision is measured the same way.
+def _export_phases(sampler):
+    from keras_attn.export import onnx as onnx_lib
+    from keras_attn.export import onnx_fused
+    from keras_attn.export import saved_model as saved_model_lib
+    from keras_attn.export import tflite as tflite_lib
+    from keras_attn.export import verify
+
+    mark = sampler.mark
+    _wrap(saved_model_lib, "write_saved_model", before=lambda: mark("write SavedModel"),
+          after=lambda: mark("load SavedModel"))
+    _wrap(tflite_lib, "convert", before=lambda: mark("TFLite convert"),
+          after=lambda: mark("write .tflite"))
+    import tensorflow as tf
+
+    _wrap(tf.lite.TFLiteConverter, "from_saved_model", before=lambda: mark("TFLite converter"))
+    _wrap(onnx_lib, "convert", before=lambda: mark("tf2onnx"),
+          after=lambda: mark("serialize ONNX"))
+    _wrap(onnx_fused, "fused_model_proto", before=lambda: mark("write ONNX graph"),
+          after=lambda: mark("serialize ONNX"))
+    for module in (onnx_fused, onnx_lib):
+        for attribute in ("write_graph", "direct_model_proto"):
+            _wrap(module, attribute, before=lambda: mark("write ONNX graph"),
+                  after=lambda: mark("serialize ONNX"))
+    _wrap(verify, "verify_artifact", before=lambda: mark("verify"))
+    for module, attribute, label in ((saved_model_lib, "export_saved_model", "SavedModel"),
+                                     (tflite_lib, "export_tflite", "TFLite"),
+                                     (onnx_lib, "export_onnx", "ONNX")):
+        _wrap(module, attribute, before=lambda label=label: mark(f"[{label}]"))
+
+
+def _export_stage(fmt, **kwargs):
+    def stage(name, spec, paths, args):
+        """Converts, then times one export (its verification included)."""
+        import keras_attn.export as export
+        from keras_attn.export import all_formats
+
+        sampler = Sampler()
+        model, _ = _convert(sampler, paths["checkpoint"], args.dtype)
+        sampler.mark("export")
+        _export_phases(sampler)
+        out = os.path.join(paths["work"], f"export_{fmt}")
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        start = time.perf_counter()
+        if fmt == "savedmodel":
+            report = export.export_saved_model(model, out, model_name="bert", **kwargs)
+            artifact = report.path
+        elif fmt == "tflite":
+            report = export.export_tflite(model, os.path.join(out, "bert.tflite"), **kwargs)
+            artifact = report.path
+        elif fmt.startswith("onnx"):
+            report = export.export_onnx(model, os.path.join(out, "bert.onnx"), **kwargs)
+            artifact = report.path
+        else:
+            # export_all's own module functions, so the per-format phases show.
+            report = all_formats.export_all(model, out, name="bert", verbose=False, **kwargs)
+            artifact = out
+        seconds = time.perf_counter() - start
+        sampler.mark(None)
+        result = {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
+                  "artifact_bytes": _dir_bytes(artifact)}
+        reports = report if fmt == "export_all" else {fmt: report}
+        result["max_abs_error"] = {k: r.max_abs_error for k, r in reports.items()}
+        return result
+    return stage
+
+
+def stage_keras_file(name, spec, paths, args):
+    """The converted model saved as `.keras`, the CLI's input (not ours)."""
+    sampler = Sampler()
+    model, _ = _convert(sampler, paths["checkpoint"], args.dtype)
+    path = os.path.join(paths["work"], "model.keras")
+    model.save(path)
+    return {"artifact_bytes": _dir_bytes(path)}
+
+
+def _cli_command(name, paths):
+    """`keras-attn export model.keras --format all` (a fresh process: the user's run)."""
+    out = os.path.join(paths["work"], "export_cli")
+    shutil.rmtree(out, ignore_errors=True)
+    return out, [sys.executable, "-c", "import sys, keras_attn_cli; sys.exit(keras_attn_cli.main())",
+                 "export", os.path.join(paths["work"], "model.keras"), "--out", out]
+
+
+def stage_torch_onnx(name, spec, paths, args):
+    """The peer: transformers' BertModel from the same folder (float32), then
+    `torch.onnx.export` (TorchScript exporter: onnxscript, which the dynamo
+    exporter needs, is not installed), dynamic batch and sequence axes."""
+    sampler = Sampler()
+    sampler.mark("import")
+    import torch
+    import transformers
+
+    sampler.mark("read")
+    model = transformers.BertModel.from_pretrained(paths["checkpoint"], dtype=torch.float32).eval()
+    keras_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    path = os.path.join(paths["work"], "torch_onnx", "bert.onnx")
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    os.makedirs(os.path.dirname(path))
+    ids = torch.ones((2, 8), dtype=torch.int64)
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    axes["last_hidden_state"] = {0: "batch", 1: "sequence"}
+    axes["pooler_output"] = {0: "batch"}
+
+    class Positional(torch.nn.Module):
+        # transformers 5's forward takes keyword-only extras the tracer would
+        # fill positionally: the three inputs by position, a tuple out.
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                            token_type_ids=token_type_ids)
+            return out.last_hidden_state, out.pooler_output
+
+    sampler.mark("export")
+    start = time.perf_counter()
+    with torch.no_grad():
+        torch.onnx.export(Positional(model), (ids, ids, torch.zeros_like(ids)), path, input_names=names,
+                          output_names=["last_hidden_state", "pooler_output"], dynamic_axes=axes,
+                          opset_version=17, dynamo=False)
+    seconds = time.perf_counter() - start
+    sampler.mark(None)
+    return {"seconds": seconds, "keras_bytes": keras_bytes, "phases": sampler.phases,
+            "artifact_bytes": _dir_bytes(path)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One row kind of the table: `run` in a fresh child (or, for a peer,
     `command(name, paths) -> (artifact folder, argv)` run as the child);
-    `ours` False for a stage that is not a measurement of keras_attn."""
+    `ours` False for a stage that is not a measurement of keras_attn;
+    `needs`: a stage whose artifact this one reads, run first when missing."""
 
     run: object
     what: str
     ours: bool = True
     command: object = None
+    needs: str = None
 
 
 STAGES = {
@@ -560,6 +707,16 @@ STAGES = {
                                command=_litert_torch_command("fp32")),
     "litertlm_speed": Stage(stage_litertlm_speed,
                             "LiteRT-LM prefill/decode tokens/s of the bundles above"),
+    "savedmodel": Stage(_export_stage("savedmodel"), "convert + export_saved_model"),
+    "tflite": Stage(_export_stage("tflite"), "convert + export_tflite (float32)"),
+    "onnx": Stage(_export_stage("onnx"), "convert + export_onnx (default)"),
+    "onnx_fused": Stage(_export_stage("onnx_fused", fused=True), "convert + export_onnx(fused=True)"),
+    "export_all": Stage(_export_stage("export_all"), "convert + export_all (SavedModel, TFLite, ONNX)"),
+    "keras_file": Stage(stage_keras_file, "convert + model.save(.keras) (CLI input, not ours)",
+                        ours=False),
+    "cli": Stage(None, "keras-attn export model.keras --format all", command=_cli_command,
+                 needs="keras_file"),
+    "torch_onnx": Stage(stage_torch_onnx, "BertModel + torch.onnx.export (peer)", ours=False),
 }
 
 
@@ -570,6 +727,10 @@ STAGES = {
 def _paths(args, name):
     work = os.path.join(args.work, name)
     return {"work": work, "checkpoint": os.path.join(work, "checkpoint")}
+
+
+def _needed_path(args, name, stage):
+    return os.path.join(_paths(args, name)["work"], {"keras_file": "model.keras"}[stage])
 
 
 def run_child(args, name, stage):
@@ -589,7 +750,9 @@ def run_child(args, name, stage):
             if args.dtype:
                 cmd += ["--dtype", args.dtype]
         start = time.perf_counter()
-        child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE, env=env)
         process = psutil.Process(child.pid)
         peak, killed = 0, False
         while True:
@@ -716,6 +879,9 @@ def main(argv=None):
                 results.append({"model": name, "stage": "checkpoint (reused)", "child_seconds": 0.0,
                                 "sampled_peak": None, "ru_maxrss": None, **info})
             for stage in stages:
+                needs = STAGES[stage].needs
+                if needs and needs not in stages and not os.path.exists(_needed_path(args, name, needs)):
+                    results.append(run_child(args, name, needs))
                 if stage != "checkpoint":
                     results.append(run_child(args, name, stage))
     finally:

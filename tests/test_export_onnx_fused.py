@@ -1,4 +1,6 @@
-"""export_onnx(fused=True): onnxruntime's fused Transformer ops, checked against Keras."""
+"""export_onnx's direct writer, checked against Keras: standard ONNX ops by
+default, onnxruntime's fused Transformer ops with fused=True; tf2onnx for the
+models it does not cover."""
 
 import collections
 import warnings
@@ -87,6 +89,148 @@ def pre_norm(tmp_path_factory):
     path = tmp_path_factory.mktemp("fused") / "pre.onnx"
     report = export_onnx(model, path, fused=True, sample_inputs=_feed(seed=6))
     return model, path, report
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The default path (no `fused`): both block forms, standard ops."""
+    out = {}
+    for which, kwargs in (("post_norm", dict(normalize_first=False, activation="gelu", layers=2, seed=1)),
+                          ("pre_norm", dict(normalize_first=True, activation="gelu_tanh", layers=1,
+                                            seed=2, mask_padded_queries=True, causal=True))):
+        model = _bert_like(**kwargs)
+        path = tmp_path_factory.mktemp("plain") / f"{which}.onnx"
+        out[which] = model, path, export_onnx(model, path, sample_inputs=_feed(seed=5))
+    return out
+
+
+@pytest.mark.parametrize("which", ["post_norm", "pre_norm"])
+def test_default_export_writes_encoders_directly_in_standard_ops(plain, which):
+    import onnx
+
+    model, path, report = plain[which]
+    assert report.details["writer"] == "direct"
+    proto = onnx.load(str(path))
+    # Standard ONNX only: no contrib domain, and the full checker accepts it.
+    assert {n.domain for n in proto.graph.node} == {""}
+    assert [o.domain for o in proto.opset_import] == [""]
+    onnx.checker.check_model(proto, full_check=True)
+    ops = _op_counts(path)
+    layers = 2 if which == "post_norm" else 1
+    assert ops["Softmax"] == layers and ops["Split"] == layers
+    feed = _feed(seed=11)
+    got = _run(path, feed, ["last_hidden_state", "pooler_output"])
+    want = [np.asarray(t) for t in model(feed, training=False)]
+    tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=which)
+
+
+def test_streamed_file_is_the_whole_model(plain):
+    # export_onnx streams the initializers ahead of the rest of the model; the
+    # file parses to the proto the writer builds in memory.
+    import onnx
+
+    from keras_attn.export.onnx_fused import direct_model_proto
+
+    model, path, _ = plain["post_norm"]
+    whole = direct_model_proto(model, opset=17, check_ids="clamp")
+    assert len(whole.graph.initializer) > 10
+    assert (onnx.load(str(path)).SerializeToString(deterministic=True)
+            == whole.SerializeToString(deterministic=True))
+
+
+def test_fallback_after_some_weights_were_streamed_leaves_none_of_them(tmp_path):
+    import onnx
+
+    inputs = keras.Input((None, DIM), name="x")
+    first = keras.layers.Dense(8, name="first")
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(first(inputs)))
+    report = export_onnx(model, tmp_path / "m.onnx")
+    assert report.details["writer"] == "tf2onnx"
+    names = [i.name for i in onnx.load(str(tmp_path / "m.onnx")).graph.initializer]
+    assert not [n for n in names if n.startswith("first_kernel_")], names
+
+
+def test_causal_mask_of_the_standard_graph(plain):
+    # A future token changes no earlier position of the causal encoder.
+    _, path, _ = plain["pre_norm"]
+    feed = _feed(batch=1, length=9, seed=3)
+    changed = {k: v.copy() for k, v in feed.items()}
+    changed["input_ids"][0, 6] = (changed["input_ids"][0, 6] + 1) % VOCAB
+    before, after = (_run(path, f, ["last_hidden_state"])[0] for f in (feed, changed))
+    np.testing.assert_array_equal(before[0, :6], after[0, :6])
+    assert np.abs(before[0, 6] - after[0, 6]).max() > 0
+
+
+def test_uncovered_model_goes_to_tf2onnx_by_default_without_a_warning(tmp_path):
+    inputs = keras.Input((None, DIM), name="x")
+    x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalization="rms_norm")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    feed = np.random.default_rng(0).normal(size=(2, 5, DIM)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = export_onnx(model, tmp_path / "m.onnx", sample_inputs=feed)
+    assert report.details["writer"] == "tf2onnx"
+    assert "normalization" in report.details["direct_writer_skipped"]
+    got = _run(tmp_path / "m.onnx", {"x": feed}, [report.details["outputs"][0]])[0]
+    tolerance.assert_close(got, np.asarray(model(feed)), terms=tolerance.LAYER_TERMS)
+
+
+def test_writer_forced(post_norm, tmp_path):
+    from keras_attn.export import ExportError
+
+    model = post_norm[0]
+    report = export_onnx(model, tmp_path / "tf.onnx", writer="tf2onnx", sample_inputs=_feed(seed=5))
+    assert report.details["writer"] == "tf2onnx" and report.max_abs_error <= 1e-4
+    inputs = keras.Input((None, DIM), name="x")
+    uncovered = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
+    with pytest.raises(ExportError, match=r"writer='direct'.*silu"):
+        export_onnx(uncovered, tmp_path / "d.onnx", writer="direct")
+    assert not (tmp_path / "d.onnx").exists()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(writer="onnx"), r"`writer`.*onnx"),
+    (dict(writer="tf2onnx", fused=True), r"fused=True, writer='tf2onnx'"),
+])
+def test_bad_writer_arguments_are_refused(post_norm, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        export_onnx(post_norm[0], tmp_path / "m.onnx", **kwargs)
+
+
+def test_tf2onnx_past_the_available_memory_is_refused_before_it_starts(tmp_path, monkeypatch):
+    from keras_attn.export import ExportError
+    from keras_attn.export import onnx as onnx_lib
+
+    inputs = keras.Input((None, DIM), name="x")
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
+    weights = DIM * 3 * 4 + 3 * 4  # float32 kernel and bias
+    monkeypatch.setattr(onnx_lib, "available_memory", lambda: onnx_lib.TF2ONNX_MEMORY_FACTOR * weights - 1)
+    monkeypatch.setattr(onnx_lib, "convert", lambda *a, **k: pytest.fail("tf2onnx was started"))
+    with pytest.raises(ExportError, match=r"needs tf2onnx.*silu.*available.*writer='tf2onnx'"):
+        export_onnx(model, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_tf2onnx_runs_without_its_graph_copies_and_retries_with_them(monkeypatch):
+    import os
+
+    import tf2onnx
+
+    from keras_attn.export import onnx as onnx_lib
+
+    variable = tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS
+    monkeypatch.setenv(variable, "user value")
+    seen = []
+
+    def from_function(function, input_signature, opset):
+        seen.append(os.environ[variable])
+        if len(seen) == 1:
+            raise RuntimeError("an optimizer failed")
+        return "proto", None
+
+    monkeypatch.setattr(tf2onnx.convert, "from_function", from_function)
+    assert onnx_lib.tf2onnx_from_function(None, [], 17) == "proto"
+    assert seen == ["FALSE", "TRUE"] and os.environ[variable] == "user value"
 
 
 def test_post_norm_graph_uses_the_fused_kernels(post_norm):

@@ -8,6 +8,7 @@ from keras_attn.export import precision
 from keras_attn.export import report
 from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import staging
 from keras_attn.export import tflite as tflite_lib
 from keras_attn.export.report import FORMATS
 
@@ -139,6 +140,9 @@ def export_all(
 
     reports = {}
     for (fmt, quantization), key in zip(jobs, keys):
+        # Each format's graphs, converter buffers and runtime copies are gone
+        # before the next starts: the peak is the largest format's, not a sum.
+        staging.release_memory()
         label = _label(fmt, quantization)
         kwargs = {"sample_inputs": samples}
         if check_ids is not None:

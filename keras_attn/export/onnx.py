@@ -1,4 +1,12 @@
-"""ONNX export via tf2onnx, verified in onnxruntime."""
+"""ONNX export, verified in onnxruntime.
+
+Two writers: the direct one (`onnx_fused.direct_model_proto`: the graph
+written from the Keras layers and weights, each weight once) for the layers
+it covers (Transformer encoders such as a converted BERT), and tf2onnx for
+any other model. tf2onnx holds many copies of the weights while it converts
+(`TF2ONNX_MEMORY_FACTOR`); a model it would not fit in the memory available
+is refused before it starts.
+"""
 
 import os
 
@@ -15,6 +23,14 @@ from keras_attn.export import staging
 from keras_attn.export import verify
 
 OPSETS = (17, 18)
+WRITERS = ("auto", "direct", "tf2onnx")
+# tf2onnx's peak memory over the model's weight bytes, beyond what the
+# process held before: it freezes the variables into a GraphDef, optimizes
+# it with grappler, then rewrites it op by op in Python. Measured on 2-layer
+# BERT-shaped encoders (without its per-pass graph copies, see
+# `tf2onnx_from_function`): 38x for 9 MB of weights, 37x for 35 MB, and
+# past 26x for 85 MB when it was stopped at 3.5 GB; rounded up.
+TF2ONNX_MEMORY_FACTOR = 50
 
 
 def rename_value(graph, old, new):
@@ -43,6 +59,33 @@ def unsupported_onnx_ops(model_proto):
 ONNX_ID_CHECKS = (None, "clamp", "flag")
 
 
+def tf2onnx_from_function(function, signature, opset):
+    """tf2onnx's `from_function`, first without its per-optimizer graph copies.
+
+    By default tf2onnx deep-copies its whole graph, constants included, before
+    each optimizer pass of each iteration (to restore it if the pass fails),
+    which left several GB of copies on a BERT (benchmarks/RESULTS.md, "Real
+    sizes: encoder exports"). Its switch is an environment variable read at
+    each conversion; a conversion that fails without the copies is retried
+    with them, as tf2onnx would have run it. Returns the ModelProto.
+    """
+    import tf2onnx
+
+    variable = tf2onnx.constants.ENV_TF2ONNX_CATCH_ERRORS
+    old = os.environ.get(variable)
+    os.environ[variable] = "FALSE"
+    try:
+        return tf2onnx.convert.from_function(function, input_signature=signature, opset=opset)[0]
+    except Exception:  # noqa: BLE001  tf2onnx raises many types; retried as tf2onnx runs by default
+        os.environ[variable] = "TRUE"
+        return tf2onnx.convert.from_function(function, input_signature=signature, opset=opset)[0]
+    finally:
+        if old is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = old
+
+
 def convert(model, *, opset=17, check_ids="clamp"):
     """Converts `model` to an ONNX ModelProto named like the Keras model.
 
@@ -51,8 +94,6 @@ def convert(model, *, opset=17, check_ids="clamp"):
     are named `batch` (axis 0) and `<input>_dim<k>`.
     """
     arguments.check_choice("opset", opset, OPSETS)
-    import tf2onnx
-
     check_ids = saved_model_lib.resolve_check_ids(check_ids, ONNX_ID_CHECKS)
     specs = model_io.input_specs(model)
     names = saved_model_lib.checked_output_names(model, check_ids)
@@ -65,9 +106,7 @@ def convert(model, *, opset=17, check_ids="clamp"):
         return [outputs[n] for n in names]
 
     try:
-        model_proto, _ = tf2onnx.convert.from_function(
-            flat_serve, input_signature=signature, opset=opset
-        )
+        model_proto = tf2onnx_from_function(flat_serve, signature, opset)
     except Exception as error:  # tf2onnx raises many exception types
         raise report.ExportError(f"tf2onnx could not convert the model: {error}") from error
     bad = unsupported_onnx_ops(model_proto)
@@ -90,18 +129,122 @@ def convert(model, *, opset=17, check_ids="clamp"):
     return model_proto
 
 
-def run_onnx(model_bytes, sample, output_names):
+def weight_bytes(model):
+    return int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.weights))
+
+
+def available_memory():
+    """Bytes the system can still give without swapping (Linux `MemAvailable`);
+    None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_tf2onnx_memory(model, why):
+    needed = TF2ONNX_MEMORY_FACTOR * weight_bytes(model)
+    available = available_memory()
+    if available is not None and needed > available:
+        raise report.ExportError(
+            f"The ONNX export of `{model.name}` needs tf2onnx (the direct writer does not "
+            f"cover it: {why}), which holds about {TF2ONNX_MEMORY_FACTOR}x the weights while "
+            f"converting: ~{needed / 1e9:.1f} GB for {weight_bytes(model) / 1e9:.2f} GB of "
+            f"weights, and {available / 1e9:.1f} GB is available. Refused before starting "
+            "rather than risk the out-of-memory killer. Export on a machine with more memory, "
+            "use layers the direct writer covers (keras_attn.export.onnx_fused), or pass "
+            "writer='tf2onnx' to try anyway."
+        )
+
+
+def _check_writer(fused, writer):
+    arguments.check_choice("writer", writer, WRITERS)
+    if not isinstance(fused, bool):
+        raise ValueError(
+            f"Received an invalid value for argument `fused`, expected True or False. Received: fused={fused!r}"
+        )
+    if fused and writer == "tf2onnx":
+        raise ValueError(
+            "`fused=True` selects the direct writer's onnxruntime contrib ops; tf2onnx writes "
+            "none. Received: fused=True, writer='tf2onnx'"
+        )
+
+
+def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="auto",
+                   weights_file=None):
+    """`(ModelProto, details)`: the model written by `writer` ("auto": the
+    direct writer where it covers the model, else tf2onnx; see `export_onnx`).
+
+    `details` has `"writer"` ("direct" or "tf2onnx") and, when "auto" fell
+    back to tf2onnx, `"direct_writer_skipped"` (why). `weights_file`: see
+    `onnx_fused.direct_model_proto` (the direct writer streams its
+    initializers there; after tf2onnx the file is empty): the model file is
+    what the file holds followed by the returned proto's serialization.
+    """
+    arguments.check_choice("opset", opset, OPSETS)
+    _check_writer(fused, writer)
+    if writer != "tf2onnx":
+        try:
+            proto = onnx_fused.direct_model_proto(
+                model, opset=opset, check_ids=check_ids, fused=fused, weights_file=weights_file)
+            return proto, {"writer": "direct"}
+        except onnx_fused.NotFusableError as error:
+            if weights_file is not None:
+                weights_file.seek(0)
+                weights_file.truncate()
+            if writer == "direct":
+                raise report.ExportError(
+                    f"writer='direct': the direct ONNX writer does not cover the model: {error}. "
+                    "Pass writer='auto' to use tf2onnx for it."
+                ) from error
+            why = str(error)
+        if fused:
+            import warnings
+
+            warnings.warn(f"fused=True: {why}; exporting the plain tf2onnx graph instead.", stacklevel=3)
+        _check_tf2onnx_memory(model, why)
+        return convert(model, opset=opset, check_ids=check_ids), {
+            "writer": "tf2onnx", "direct_writer_skipped": why}
+    return convert(model, opset=opset, check_ids=check_ids), {"writer": "tf2onnx"}
+
+
+def session(model, *, prepack=True):
+    """An onnxruntime CPU session of `model` (a path or the serialized bytes).
+
+    `prepack=False` leaves the MatMul weights as the file has them instead of
+    repacking a second copy for the CPU kernels: same results, one copy of the
+    weights fewer (what the export's verification uses).
+    """
     import onnxruntime as ort
 
-    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
-    return [np.asarray(x) for x in session.run(output_names, sample)]
+    options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def run_onnx(model, sample, output_names):
+    """Runs `model` (a path or the serialized bytes) on one `{name: array}` sample."""
+    return [np.asarray(x) for x in session(model).run(output_names, sample)]
 
 
 def export_onnx(
     model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp",
-    fused=False,
+    fused=False, writer="auto",
 ):
-    """Exports `model` to ONNX with tf2onnx and verifies it in onnxruntime.
+    """Exports `model` to ONNX and verifies it in onnxruntime.
+
+    The graph is written by the direct writer wherever it covers the model
+    (`keras_attn.export.onnx_fused`: Transformer encoders built from
+    `TokenAndPositionEmbedding`, `TransformerEncoderBlock` and `Dense`
+    layers, such as a BERT converted by `from_huggingface`), each weight
+    held once; any other model goes through tf2onnx, refused up front when
+    its estimated memory (`TF2ONNX_MEMORY_FACTOR` x the weights) exceeds what
+    the system has available.
 
     Args:
         model: a built functional or Sequential Keras model, or a
@@ -117,11 +260,16 @@ def export_onnx(
             the clamped id's); "flag" also adds a boolean output `valid`
             `(batch,)`; None leaves the ids as they are (onnxruntime then
             fails or reads an unspecified row, depending on the provider).
-        fused: write Transformer encoders with onnxruntime's fused kernels
+        fused: the direct writer uses onnxruntime's fused kernels
             (`com.microsoft` Attention, SkipLayerNormalization, BiasGelu;
-            see `keras_attn.export.onnx_fused`), verified like the plain
-            graph; a model it does not cover falls back to tf2onnx with a
-            warning. The file then runs only in onnxruntime.
+            the file then runs only in onnxruntime) instead of standard
+            ONNX ops; a model it does not cover goes to tf2onnx with a
+            warning.
+        writer: "auto" (default): the direct writer where it covers the
+            model, else tf2onnx; "direct": the direct writer or an
+            ExportError naming what it does not cover; "tf2onnx": always
+            tf2onnx, without the memory check. The report's
+            `details["writer"]` says which wrote the file.
 
     Returns:
         An `ExportReport` with the ONNX op types used.
@@ -129,31 +277,40 @@ def export_onnx(
     Raises:
         UnsupportedOpsError: tf2onnx cannot convert some TF op.
         ParityError: onnxruntime differs from Keras beyond `atol`.
+        ExportError: tf2onnx would need more memory than is available, or
+            `writer="direct"` and the direct writer does not cover the model.
     """
     model = model_io.as_functional(model, sample_inputs)
-    specs = model_io.input_specs(model)
+    model_io.input_specs(model)
     names = model_io.output_names(model)
+    _check_writer(fused, writer)
     atol = arguments.resolve_atol(atol, 1e-4)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:
-        model_proto = onnx_fused.convert_or_fallback(model, opset, check_ids, fused, convert)
-        content = model_proto.SerializeToString()
         with open(tmp, "wb") as f:
-            f.write(content)
+            model_proto, details = model_proto_of(
+                model, opset=opset, check_ids=check_ids, fused=fused, writer=writer, weights_file=f)
+            f.write(model_proto.SerializeToString())
+        ops = sorted({node.op_type for node in model_proto.graph.node})
+        details.update({
+            "opset": opset,
+            "check_ids": check_ids,
+            "fused": onnx_fused.fused_op_counts(model_proto) if fused else None,
+            "inputs": [i.name for i in model_proto.graph.input],
+            "outputs": [o.name for o in model_proto.graph.output],
+        })
+        # tf2onnx's proto holds the weights: not kept beside onnxruntime's copy.
+        del model_proto
+        runner = session(tmp, prepack=False)
         checks = verify.verify_artifact(
-            "ONNX", model, samples, lambda sample: run_onnx(content, sample, names),
+            "ONNX", model, samples,
+            lambda sample: [np.asarray(x) for x in runner.run(names, sample)],
             atol, os.path.abspath(path),
         )
-        ops = sorted({node.op_type for node in model_proto.graph.node})
-    details = {
-        "opset": opset,
-        "check_ids": check_ids,
-        "fused": onnx_fused.fused_op_counts(model_proto) if fused else None,
-        "inputs": [i.name for i in model_proto.graph.input],
-        "outputs": [o.name for o in model_proto.graph.output],
-    }
+        del runner
+        size = os.path.getsize(tmp)
     return report.make_report(
-        "onnx", path, checks, size_bytes=len(content), atol=atol, ops=ops, details=details,
+        "onnx", path, checks, size_bytes=size, atol=atol, ops=ops, details=details,
         float32_note=float32_note,
     )

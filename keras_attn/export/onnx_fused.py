@@ -1,30 +1,42 @@
-"""ONNX with onnxruntime's fused transformer kernels, written from the Keras weights.
+"""ONNX written straight from the Keras layers and weights (the direct writer).
 
-tf2onnx turns a Transformer block into dozens of small ops (LayerNorm as
-mean/variance arithmetic, attention as reshapes, transposes and matmuls)
-that onnxruntime's transformer optimizer does not recognise: it matches the
-shapes PyTorch's exporter emits. Instead of pattern-matching tf2onnx's
-output, `fused_model_proto` walks the functional Keras model and writes
-each supported layer as the op onnxruntime's optimizer would have fused it
-into:
+tf2onnx traces the model into a TensorFlow graph, freezes its variables into
+constants and rewrites that graph op by op: it holds the weights several
+times over (a converted BERT-base passed 9 GB; benchmarks/RESULTS.md, "Real
+sizes: encoder exports") and turns a Transformer block into dozens of small
+ops (LayerNorm as mean/variance arithmetic, attention as reshapes,
+transposes and matmuls) that onnxruntime's transformer optimizer does not
+recognise. `direct_model_proto` instead walks the functional Keras model and
+writes each supported layer from its weights, each weight once, straight
+into the ModelProto. `export_onnx` uses it wherever it applies and tf2onnx
+for the rest (`writer="auto"`).
 
+Two op sets, the same arithmetic:
+- standard ONNX (`fused=False`, any runtime): attention as MatMul / Softmax
+  with the packed QKV projection split in three, `LayerNormalization`,
+  GELU as `Erf` (or its tanh form) arithmetic;
+- onnxruntime's fused contrib ops (`fused=True`, the ops onnxruntime's
+  optimizer would have fused them into; the file runs only in
+  onnxruntime): `com.microsoft::Attention` (packed QKV projection, scaled
+  dot product, 2-D raw key mask), `SkipLayerNormalization` (residual add,
+  bias and LayerNorm in one kernel), `BiasGelu` (erf GELU) or `FastGelu`
+  (the tanh GELU, which is exactly what FastGelu computes).
+
+Layers covered:
 - `TransformerEncoderBlock` (post-norm or pre-norm LayerNorm, full
   multi-head self-attention with a padding mask, `mask_padded_queries`
-  either way, optionally causal, GELU / tanh-GELU / ReLU feed-forward): `com.microsoft::Attention` (packed QKV projection,
-  scaled dot product, 2-D raw key mask), the output projection as a
-  `MatMul`, then `com.microsoft::SkipLayerNormalization` (residual add,
-  bias and LayerNorm in one kernel; pre-norm: `LayerNormalization` and
-  `Add`), the feed-forward as `MatMul` + `com.microsoft::BiasGelu`
-  (erf GELU) or `FastGelu` (the tanh GELU, which is exactly what FastGelu
-  computes) + `MatMul`.
+  either way, optionally causal, GELU / tanh-GELU / ReLU feed-forward): the
+  attention, the output projection as a `MatMul`, the residual LayerNorms
+  (pre-norm: `LayerNormalization` and `Add`), the feed-forward as two
+  `MatMul`s around the activation.
 - `TokenAndPositionEmbedding` (learned positions from 0, optional token
   types, optional LayerNorm): `Gather`s, `Add`s and `LayerNormalization`.
 - `Dense`, `Dropout` (identity), `Identity`, `not_equal` / `equal`,
   first-token slicing `x[:, i, :]`.
 
-Any other layer or configuration raises `NotFusableError` naming it;
-`export_onnx(..., fused=True)` then falls back to tf2onnx with a warning.
-The fused graph is verified against Keras like the plain one.
+Any other layer or configuration raises `NotFusableError` naming it (then
+`export_onnx` uses tf2onnx). The written graph is verified against Keras
+like tf2onnx's.
 """
 
 import numpy as np
@@ -60,13 +72,26 @@ def activation_name(fn):
 
 
 class _Writer:
-    def __init__(self, opset):
-        self.nodes = []
-        self.initializers = []
+    """Builds the ModelProto in place: each initializer goes straight into the
+    graph (no list of tensors copied into a graph, then into a model), or,
+    given `weights_file`, is serialized there at once and dropped.
+
+    `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
+    residual LayerNorms and GELU; otherwise the same arithmetic in standard
+    ONNX ops, which any ONNX runtime runs.
+    """
+
+    def __init__(self, opset, fused, weights_file=None):
+        import onnx
+
+        self.proto = onnx.ModelProto()
+        self.graph = self.proto.graph
         self.opset = opset
+        self.fused = fused
+        self.weights_file = weights_file
         self._count = 0
         self.values = {}  # id(KerasTensor) -> ONNX value name
-        self.constant_ints = {}  # ONNX value name -> python int (folded scalars)
+        self._cache = {}  # (kind, value name) -> derived value (masks)
 
     def fresh(self, hint):
         self._count += 1
@@ -76,23 +101,54 @@ class _Writer:
         import onnx
 
         name = self.fresh(hint)
-        self.initializers.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        tensor = onnx.numpy_helper.from_array(np.asarray(array), name)
+        if self.weights_file is None:
+            self.graph.initializer.append(tensor)
+        else:
+            # A ModelProto holding only this initializer: concatenated
+            # serialized messages parse as one message with the repeated
+            # fields appended, so the pieces and the rest of the model make
+            # the whole file, and no tensor outlives its own write.
+            piece = onnx.ModelProto()
+            piece.graph.initializer.append(tensor)
+            self.weights_file.write(piece.SerializeToString())
         return name
 
     def node(self, op, inputs, hint, domain="", outputs=1, **attrs):
         import onnx
 
         names = [self.fresh(hint) for _ in range(outputs)]
-        self.nodes.append(
+        self.graph.node.append(
             onnx.helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
         )
         return names[0] if outputs == 1 else names
 
+    def cached(self, kind, source, make):
+        key = (kind, source)
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
     # -- building blocks ------------------------------------------------------
+
+    def gelu(self, y, activation, hint):
+        """GELU (erf) or its tanh approximation in standard ops (opset 17 has no Gelu)."""
+        half = self.const(np.float32(0.5), hint + "_half")
+        one = self.const(np.float32(1.0), hint + "_one")
+        if activation == "gelu":
+            inner = self.node("Mul", [y, self.const(np.float32(1 / np.sqrt(2)), hint + "_rsqrt2")], hint)
+            curve = self.node("Erf", [inner], hint)
+        else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+            cube = self.node("Mul", [y, self.node("Mul", [y, y], hint)], hint)
+            inner = self.node("Add", [y, self.node(
+                "Mul", [cube, self.const(np.float32(0.044715), hint + "_c")], hint)], hint)
+            inner = self.node("Mul", [inner, self.const(np.float32(np.sqrt(2 / np.pi)), hint + "_k")], hint)
+            curve = self.node("Tanh", [inner], hint)
+        return self.node("Mul", [self.node("Mul", [y, half], hint), self.node("Add", [curve, one], hint)], hint)
 
     def dense(self, x, kernel, bias, activation, hint):
         y = self.node("MatMul", [x, self.const(kernel, hint + "_kernel")], hint)
-        if activation in _GELUS and bias is not None:
+        if self.fused and activation in _GELUS and bias is not None:
             return self.node(
                 _GELUS[activation], [y, self.const(bias, hint + "_bias")], hint, domain=MS_DOMAIN
             )
@@ -104,6 +160,8 @@ class _Writer:
             return self.node("Relu", [y], hint)
         if activation == "tanh":
             return self.node("Tanh", [y], hint)
+        if activation in _GELUS and not self.fused:
+            return self.gelu(y, activation, hint)
         if activation == "gelu":
             return self.node("Gelu", [y], hint, domain=MS_DOMAIN)
         if activation == "gelu_tanh":
@@ -118,12 +176,72 @@ class _Writer:
         )
 
     def skip_layer_norm(self, x, skip, gamma, beta, bias, epsilon, hint):
+        """LayerNorm(x + skip + bias)."""
+        if not self.fused:
+            y = x if bias is None else self.node("Add", [x, self.const(bias, hint + "_bias")], hint)
+            return self.layer_norm(self.node("Add", [y, skip], hint), gamma, beta, epsilon, hint)
         inputs = [x, skip, self.const(gamma, hint + "_gamma"), self.const(beta, hint + "_beta")]
         if bias is not None:
             inputs.append(self.const(bias, hint + "_bias"))
         return self.node(
             "SkipLayerNormalization", inputs, hint, domain=MS_DOMAIN, epsilon=float(epsilon)
         )
+
+    def attention(self, h, kernel, bias, padding, heads, causal, hint):
+        """Multi-head self-attention of `h` (B, T, D) with the packed `(D, 3 H d)`
+        QKV projection, before the output projection; `padding`: the bool
+        `(B, T)` key mask's value name or None. Returns `(B, T, H d)`."""
+        if self.fused:
+            inputs = [h, self.const(kernel, hint + "_qkv_kernel"), self.const(bias, hint + "_qkv_bias")]
+            if padding is not None:
+                inputs.append(self.cached("int", padding, lambda: self.node(
+                    "Cast", [padding], "mask_int", to=_onnx_type("int32"))))
+            return self.node("Attention", inputs, hint, domain=MS_DOMAIN, num_heads=heads,
+                             unidirectional=int(causal))
+        width = kernel.shape[1] // 3
+        head = width // heads
+        qkv = self.node("MatMul", [h, self.const(kernel, hint + "_qkv_kernel")], hint + "_qkv")
+        qkv = self.node("Add", [qkv, self.const(bias, hint + "_qkv_bias")], hint + "_qkv")
+        split = self.const(np.array([width] * 3, np.int64), hint + "_split")
+        q, k, v = self.node("Split", [qkv, split], hint + "_split", outputs=3, axis=2)
+        heads_shape = self.const(np.array([0, 0, heads, head], np.int64), hint + "_heads")
+        # q: (B, H, T, d), k: (B, H, d, T), v: (B, H, T, d)
+        q, k, v = (self.node("Transpose", [self.node("Reshape", [t, heads_shape], hint)], hint, perm=perm)
+                   for t, perm in ((q, [0, 2, 1, 3]), (k, [0, 2, 3, 1]), (v, [0, 2, 1, 3])))
+        q = self.node("Mul", [q, self.const(np.float32(1 / np.sqrt(head)), hint + "_scale")], hint)
+        scores = self.node("MatMul", [q, k], hint + "_scores")  # (B, H, T, T)
+        lowest = self.const(np.float32(np.finfo(np.float32).min), hint + "_lowest")
+        if padding is not None:
+            keys = self.cached("keys", padding, lambda: self.node("Unsqueeze", [
+                self.node("Cast", [padding], "mask_bool", to=_onnx_type("bool")),
+                self.const(np.array([1, 2], np.int64), "axes")], "key_mask"))
+            scores = self.node("Where", [keys, scores, lowest], hint + "_masked")
+        if causal:
+            def lower_triangle():
+                length = self.node("Shape", [h], "length", start=1, end=2)
+                square = self.node("Concat", [length, length], "square", axis=0)
+                ones = self.node("ConstantOfShape", [square], "ones",
+                                 value=_onnx_tensor(np.ones(1, np.float32)))
+                return self.node("Cast", [self.node("Trilu", [ones], "causal", upper=0)], "causal",
+                                 to=_onnx_type("bool"))
+            scores = self.node("Where", [self.cached("causal", h, lower_triangle), scores, lowest],
+                               hint + "_causal")
+        probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
+        context = self.node("Transpose", [self.node("MatMul", [probs, v], hint)], hint, perm=[0, 2, 1, 3])
+        return self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
+                         hint + "_context")
+
+
+def _onnx_type(dtype):
+    import onnx
+
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def _onnx_tensor(array):
+    import onnx
+
+    return onnx.numpy_helper.from_array(array)
 
 
 def _norm_weights(norm, name):
@@ -150,7 +268,7 @@ def _dense_weights(dense, name):
 def _emit_block(w, block, x, padding, rows, causal, hint):
     """One TransformerEncoderBlock: returns the output value name.
 
-    `padding`: the int32 `(B, T)` key mask or None; `rows`: the float
+    `padding`: the `(B, T)` key mask (bool or int) or None; `rows`: the float
     `(B, T, 1)` query mask, applied with `mask_padded_queries`; `causal`:
     `use_causal_mask`.
     """
@@ -186,16 +304,8 @@ def _emit_block(w, block, x, padding, rows, causal, hint):
         raise NotFusableError(f"{block.name}: attention output size differs from the input's")
 
     def attention(h):
-        inputs = [
-            h, w.const(np.concatenate(kernels, axis=1), hint + "_qkv_kernel"),
-            w.const(np.concatenate(biases), hint + "_qkv_bias"),
-        ]
-        if padding is not None:
-            inputs.append(padding)
-        a = w.node(
-            "Attention", inputs, hint + "_attention", domain=MS_DOMAIN, num_heads=heads,
-            unidirectional=int(causal),
-        )
+        a = w.attention(h, np.concatenate(kernels, axis=1), np.concatenate(biases), padding, heads,
+                        causal, hint + "_attention")
         if padding is not None and block.mask_padded_queries:
             # As MultiHeadAttention: padded query rows are zeroed before the
             # output projection (they then hold its bias).
@@ -283,12 +393,22 @@ def _int_key(key):
     return out
 
 
-def fused_model_proto(model, *, opset=17, check_ids="clamp"):
-    """The model as ONNX with onnxruntime's fused contrib ops (see the module docstring).
+def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weights_file=None):
+    """The model as ONNX, written from its layers and weights (see the module docstring).
 
-    Inputs and outputs are named as `keras_attn.export.onnx.convert` names
-    them. Raises `NotFusableError` (a ValueError) naming the first layer or
-    setting it does not cover.
+    `fused`: onnxruntime's contrib ops (the file then runs only in
+    onnxruntime); otherwise standard ONNX ops of `opset`. Inputs and outputs
+    are named as `keras_attn.export.onnx.convert` names them.
+
+    `weights_file`: a binary file open for writing. Each initializer is then
+    written there, serialized, as soon as it is made (as a ModelProto piece
+    holding only it), and the returned proto has none: writing the returned
+    proto's serialization after them completes the model file, which parses
+    as one ModelProto (protobuf merges concatenated messages). The weights are
+    then never all in memory at once, nor serialized a second time.
+
+    Raises `NotFusableError` (a ValueError) naming the first layer or setting
+    it does not cover (some initializers may have been written already).
     """
     import keras
     import onnx
@@ -300,7 +420,7 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
         raise NotFusableError(f"check_ids={check_ids!r} (only None and 'clamp' are fused)")
     if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "output_names"):
         raise NotFusableError(f"{type(model).__name__} is not a functional Keras model")
-    w = _Writer(opset)
+    w = _Writer(opset, fused, weights_file)
     graph_inputs = []
     for tensor in model.inputs:
         name = tensor.name
@@ -312,7 +432,6 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
         elem = onnx.TensorProto.INT32 if tensor.dtype == "int32" else onnx.TensorProto.FLOAT
         graph_inputs.append(onnx.helper.make_tensor_value_info(name, elem, dims))
         w.values[id(tensor)] = name
-    masks = {}  # bool mask value -> int32 raw mask for Attention
 
     def value(t):
         if id(t) not in w.values:
@@ -341,15 +460,10 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
                     raise NotFusableError(f"{op.name}: inherits a Keras mask")
                 mask_value = rows = None
                 if padding is not None:
-                    bool_name = value(padding)
-                    if bool_name not in masks:
-                        masks[bool_name] = (
-                            w.node("Cast", [bool_name], "mask_int", to=onnx.TensorProto.INT32),
-                            w.node("Unsqueeze", [
-                                w.node("Cast", [bool_name], "mask_float", to=onnx.TensorProto.FLOAT),
-                                w.const(np.array([2], np.int64), "axis")], "rows"),
-                        )
-                    mask_value, rows = masks[bool_name]
+                    mask_value = value(padding)
+                    rows = w.cached("rows", mask_value, lambda: w.node("Unsqueeze", [
+                        w.node("Cast", [mask_value], "mask_float", to=onnx.TensorProto.FLOAT),
+                        w.const(np.array([2], np.int64), "axis")], "rows"))
                 w.values[id(outs[0])] = _emit_block(w, op, value(args[0]), mask_value, rows, causal, hint)
             elif isinstance(op, TokenAndPositionEmbedding):
                 extra = {k: v for k, v in kwargs.items() if k != "token_type_ids" and v not in (None, False, 0)}
@@ -390,38 +504,26 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
     for tensor, name in zip(model.outputs, model.output_names):
         if tensor.dtype != "float32":
             raise NotFusableError(f"output {name} of dtype {tensor.dtype}")
-        w.nodes.append(onnx.helper.make_node("Identity", [value(tensor)], [name], name=w.fresh("out")))
+        w.graph.node.append(onnx.helper.make_node("Identity", [value(tensor)], [name], name=w.fresh("out")))
         dims = ["batch"] + [
             (d if d is not None else f"{name}_dim{i + 1}") for i, d in enumerate(tensor.shape[1:])
         ]
         outputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims))
-    graph = onnx.helper.make_graph(w.nodes, model.name, graph_inputs, outputs, w.initializers)
-    proto = onnx.helper.make_model(
-        graph,
-        opset_imports=[onnx.helper.make_opsetid("", opset), onnx.helper.make_opsetid(MS_DOMAIN, 1)],
-        producer_name="keras_attn",
-    )
+    w.graph.name = model.name
+    w.graph.input.extend(graph_inputs)
+    w.graph.output.extend(outputs)
+    proto = w.proto
+    proto.opset_import.append(onnx.helper.make_opsetid("", opset))
+    if fused:
+        proto.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    proto.producer_name = "keras_attn"
     proto.ir_version = 8
     return proto
 
 
-def convert_or_fallback(model, opset, check_ids, fused, convert):
-    """`fused_model_proto(model)` when `fused`, else (or when it raises
-    NotFusableError, with a warning naming why) `convert(model, ...)`."""
-    if not isinstance(fused, bool):
-        raise ValueError(
-            f"Received an invalid value for argument `fused`, expected True or False. Received: fused={fused!r}"
-        )
-    if fused:
-        try:
-            return fused_model_proto(model, opset=opset, check_ids=check_ids)
-        except NotFusableError as error:
-            import warnings
-
-            warnings.warn(
-                f"fused=True: {error}; exporting the plain tf2onnx graph instead.", stacklevel=3
-            )
-    return convert(model, opset=opset, check_ids=check_ids)
+def fused_model_proto(model, *, opset=17, check_ids="clamp"):
+    """`direct_model_proto(..., fused=True)`: onnxruntime's fused contrib ops."""
+    return direct_model_proto(model, opset=opset, check_ids=check_ids, fused=True)
 
 
 def fused_op_counts(model_proto):

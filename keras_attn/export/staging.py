@@ -3,10 +3,14 @@
 `staged(path)` yields a temporary path beside `path`; the exporter writes
 and verifies the artifact there, and only on success is it moved into place.
 On any error the temporary artifact (and any parent directory `staged`
-created) is removed and `path` is left as it was.
+created) is removed and `path` is left as it was. `release_memory` returns
+what one phase of an export freed before the next one starts.
 """
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import os
 import shutil
 import tempfile
@@ -98,3 +102,31 @@ def staged(path, arg_name, overwrite=True):
         _remove_created_dirs(created)
         raise
     shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def release_memory():
+    """Collects Python's garbage and hands the C heap's free pages back to the
+    system (glibc `malloc_trim`; elsewhere only the collection).
+
+    Between the phases of an export (tracing, converting, verifying) the freed
+    buffers of one phase otherwise stay in the process's heap, and the next
+    phase's peak adds to them.
+    """
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            libc = None
+        _LIBC.append(libc if libc is not None and hasattr(libc, "malloc_trim") else None)
+    return _LIBC[0]

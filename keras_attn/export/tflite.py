@@ -60,9 +60,9 @@ def _interpreter(model_content=None, model_path=None, delegates=True):
     return litert.Interpreter(model_content=model_content, model_path=model_path, **kwargs)
 
 
-def tflite_op_names(model_content):
-    """Sorted builtin op names in a .tflite flatbuffer."""
-    interpreter = _interpreter(model_content=model_content, delegates=False)
+def tflite_op_names(model_content=None, model_path=None):
+    """Sorted builtin op names in a .tflite flatbuffer (its bytes or its file)."""
+    interpreter = _interpreter(model_content=model_content, model_path=model_path, delegates=False)
     return sorted({d["op_name"] for d in interpreter._get_ops_details()})
 
 
@@ -186,6 +186,7 @@ def convert(
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         saved = os.path.join(tmp, "saved_model")
         saved_model_lib.write_saved_model(model, saved, check_ids)
+        staging.release_memory()
 
         def make_converter(ops_sets):
             converter = tf.lite.TFLiteConverter.from_saved_model(
@@ -296,7 +297,11 @@ def _int8_with_float_ops(converter, float_ops):
 def run_signature(model_content, sample, input_names, output_names):
     """Runs the `serving_default` signature on one `{name: array}` sample."""
     interpreter = _interpreter(model_content=model_content)
-    runner = interpreter.get_signature_runner(saved_model_lib.SIGNATURE_KEY)
+    return _run(interpreter.get_signature_runner(saved_model_lib.SIGNATURE_KEY), sample,
+                input_names, output_names)
+
+
+def _run(runner, sample, input_names, output_names):
     outputs = runner(**{name: sample[name] for name in input_names})
     return [np.asarray(outputs[name]) for name in output_names]
 
@@ -429,18 +434,27 @@ def export_tflite(
         )
         with open(tmp, "wb") as f:
             f.write(content)
+        size = len(content)
+        # LiteRT maps the file: the flatbuffer is not held a second time in
+        # memory beside the interpreter, and one interpreter (one packed copy
+        # of the weights) runs every sample set.
+        del content
+        staging.release_memory()
         input_names = [s.name for s in specs]
+        interpreter = _interpreter(model_path=tmp)
+        runner = interpreter.get_signature_runner(saved_model_lib.SIGNATURE_KEY)
         checks = verify.verify_artifact(
             "TFLite", model, samples,
-            lambda sample: run_signature(content, sample, input_names, names),
+            lambda sample: _run(runner, sample, input_names, names),
             atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
+        del runner, interpreter
         if measures == {} and atol is None:  # no float output to measure
             atol = FALLBACK_ATOL[quantization]
             verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
-        ops = tflite_op_names(content)
+        ops = tflite_op_names(model_path=tmp)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
     return report.make_report(
-        "tflite", path, checks, size_bytes=len(content), atol=atol, ops=ops, details=details,
+        "tflite", path, checks, size_bytes=size, atol=atol, ops=ops, details=details,
         float32_note=float32_note, measures=measures, thresholds=thresholds,
     )
