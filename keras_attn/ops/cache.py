@@ -5,7 +5,17 @@ an index comparison, a gather and a `where` over the cache axis, so they
 lower to TFLite builtins and ONNX (no `XlaDynamicUpdateSlice`, no scatter)
 and keep the cache's static shape. Used by `MultiHeadAttention(cache=...)`
 and the generation models (`keras_attn.generation.cache`).
+
+Inside `bounded_reads(bucket)` (the LLM-runtime exports' decode traces) a
+cached call attends over the filled part of its cache only, rounded up to a
+multiple of `bucket` (`filled_part`), and a one-token write is a
+`slice_update` (TFLite's in-place `DYNAMIC_UPDATE_SLICE`) instead of the
+`where` over every slot: a decode step then costs what the context holds,
+not what the export allocated.
 """
+
+import contextlib
+import threading
 
 from keras import ops
 
@@ -86,3 +96,71 @@ def ring_positions(length, index):
     slots = ops.arange(length, dtype="int32")
     previous = ops.cast(index, "int32") - 1
     return previous - ops.mod(previous - slots, length)
+
+
+_bounds = threading.local()
+
+
+@contextlib.contextmanager
+def bounded_reads(bucket, update_slices=False):
+    """Cached calls traced inside read only the filled part of their caches.
+
+    A non-ring cache of `L` slots holds keys at slots `[0, last]` after a call
+    whose last query is at position `last`; the other slots are masked for
+    every query, so attention over `[0, min(L, ceil((last + 1) / bucket) *
+    bucket))` is the same function (masked keys contribute exactly zero). A
+    sliding window `W` also drops the slots before `first - W + 1` (rounded
+    down to `bucket`). The slice sizes come from the call's position, a
+    tensor: graphs only (the TensorFlow traces of `keras_attn.runtimes`).
+
+    Args:
+        bucket: positive int, the granularity of the bound (a TFLite
+            interpreter re-plans its dynamic tensors only when it moves).
+        update_slices: whether one-token writes use `keras.ops.slice_update`
+            (TensorFlow's `XlaDynamicUpdateSlice`: TFLite's
+            `DYNAMIC_UPDATE_SLICE`, which writes in place when the runtime
+            passes one buffer as the cache's input and output, as LiteRT-LM
+            does; tf2onnx has no converter for it).
+    """
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ValueError(
+            "Received an invalid value for argument `bucket`, expected a positive "
+            f"integer. Received: bucket={bucket!r}")
+    previous = getattr(_bounds, "value", None)
+    _bounds.value = (bucket, bool(update_slices))
+    try:
+        yield
+    finally:
+        _bounds.value = previous
+
+
+def read_bound():
+    """`(bucket, update_slices)` inside `bounded_reads`, else None."""
+    return getattr(_bounds, "value", None)
+
+
+def filled_part(key, value, positions, valid, first, last, bucket, sliding_window=None):
+    """The slots `[start, end)` of a non-ring cache that a call's queries can see.
+
+    `key`/`value` `(B, L, H, D)`, `positions` `(L,)` and `valid` `(1, L)`
+    (None: all) are cut to `end = min(L, ceil((last + 1) / bucket) * bucket)`
+    and, with a `sliding_window` W, from `start = floor(max(0, first - W + 1)
+    / bucket) * bucket`; `first`/`last` are the call's first and last query
+    positions (int32 scalars). Returns the four, cut.
+    """
+    length = key.shape[1]
+    last = ops.cast(last, "int32")
+    end = ops.minimum(length, (last // bucket + 1) * bucket)
+    start = ops.zeros((), "int32")
+    if sliding_window is not None:
+        start = ops.maximum(ops.cast(first, "int32") - (sliding_window - 1), 0) // bucket * bucket
+    size = end - start
+    batch = ops.shape(key)[0]
+
+    def cut(x):
+        return ops.slice(x, [0, start, 0, 0], [batch, size, x.shape[2], x.shape[3]])
+
+    positions = ops.slice(positions, [start], [size])
+    if valid is not None:
+        valid = ops.slice(valid, [0, start], [1, size])
+    return cut(key), cut(value), positions, valid
