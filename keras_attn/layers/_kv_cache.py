@@ -80,11 +80,9 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_length, slidin
     if not ring:
         bound = cache_ops.read_bound()
         positions = ops.arange(length, dtype="int32")
-        if bound is not None and bound[1] and new_key.shape[1] == 1:
-            # One slot, in place where the runtime aliases the cache (TFLite).
-            start = [0, ops.cast(cache_index, "int32"), 0, 0]
-            key = ops.slice_update(key_cache, start, ops.cast(new_key, key_cache.dtype))
-            value = ops.slice_update(value_cache, start, ops.cast(new_value, value_cache.dtype))
+        if bound is not None and new_key.shape[1] == 1:
+            key = cache_ops.write_slot(key_cache, new_key, cache_index, bound[1])
+            value = cache_ops.write_slot(value_cache, new_value, cache_index, bound[1])
         else:
             key = cache_ops.write_cache(key_cache, new_key, cache_index)
             value = cache_ops.write_cache(value_cache, new_value, cache_index)

@@ -9,9 +9,10 @@ and the generation models (`keras_attn.generation.cache`).
 Inside `bounded_reads(bucket)` (the LLM-runtime exports' decode traces) a
 cached call attends over the filled part of its cache only, rounded up to a
 multiple of `bucket` (`filled_part`), and a one-token write is a
-`slice_update` (TFLite's in-place `DYNAMIC_UPDATE_SLICE`) instead of the
-`where` over every slot: a decode step then costs what the context holds,
-not what the export allocated.
+`slice_update` (TFLite's in-place `DYNAMIC_UPDATE_SLICE`) or a
+`scatter_update` (ONNX's `ScatterND`) instead of the `where` over every slot
+(`write_slot`): a decode step then costs what the context holds, not what
+the export allocated.
 """
 
 import contextlib
@@ -112,15 +113,19 @@ def bounded_reads(bucket, update_slices=False):
     sliding window `W` also drops the slots before `first - W + 1` (rounded
     down to `bucket`). The slice sizes come from the call's position, a
     tensor: graphs only (the TensorFlow traces of `keras_attn.runtimes`).
+    Calls inside take no mask over the cache axis (`value_mask`/`key_mask`
+    of the cache's length, `attention_mask`): the runtimes' decode passes
+    none, and `DecoderTrace.decode` with a `padding_mask` reads every slot.
 
     Args:
-        bucket: positive int, the granularity of the bound (a TFLite
-            interpreter re-plans its dynamic tensors only when it moves).
+        bucket: positive int, the granularity of the bound (the sliced
+            tensors change size, and are reallocated, only when it moves).
         update_slices: whether one-token writes use `keras.ops.slice_update`
             (TensorFlow's `XlaDynamicUpdateSlice`: TFLite's
             `DYNAMIC_UPDATE_SLICE`, which writes in place when the runtime
             passes one buffer as the cache's input and output, as LiteRT-LM
-            does; tf2onnx has no converter for it).
+            does; tf2onnx has no converter for it); otherwise
+            `scatter_update` (`ScatterND`).
     """
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ValueError(
@@ -132,6 +137,22 @@ def bounded_reads(bucket, update_slices=False):
         yield
     finally:
         _bounds.value = previous
+
+
+def write_slot(cache, new, index, update_slices):
+    """`write_cache` of one token (`new` `(B, 1, H, D)`, `index` in `[0, L)`)
+    without a select over every slot: a `slice_update` (TFLite's
+    `DYNAMIC_UPDATE_SLICE`, in place when the runtime aliases the cache) or,
+    without `update_slices`, a `scatter_update` (ONNX `ScatterND`: one copy
+    of the cache where the select costs three passes)."""
+    new = ops.cast(new, cache.dtype)
+    index = ops.cast(index, "int32")
+    if update_slices:
+        return ops.slice_update(cache, [0, index, 0, 0], new)
+    batch = ops.shape(cache)[0]
+    rows = ops.stack([ops.arange(batch, dtype="int32"),
+                      ops.broadcast_to(index, ops.shape(ops.arange(batch)))], axis=1)
+    return ops.scatter_update(cache, rows, new[:, 0])
 
 
 def read_bound():
