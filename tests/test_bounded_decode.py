@@ -112,6 +112,11 @@ def test_bounded_decode_equals_the_full_forward(lm, reference, tokens, caches, u
                                           np.delete(old, fill, axis=1))
             assert np.isfinite(new[:, fill]).all()
         assert np.isnan(steps["full"](ids, caches[fill], index)[0].numpy()).all()
+    # A position past the cache (an unchecked bad request) drops the write, as `write_cache`.
+    for index in (MAX_LEN, -1):
+        _, cache = steps["bounded"](tokens[:, :1], caches[FILLS[-1]], tf.constant(index))
+        for new, old in zip(cache, caches[FILLS[-1]]):
+            np.testing.assert_array_equal(new.numpy(), old)
 
 
 def stacked(flat):

@@ -144,14 +144,20 @@ def write_slot(cache, new, index, update_slices):
     without a select over every slot: a `slice_update` (TFLite's
     `DYNAMIC_UPDATE_SLICE`, in place when the runtime aliases the cache) or,
     without `update_slices`, a `scatter_update` (ONNX `ScatterND`: one copy
-    of the cache where the select costs three passes)."""
-    new = ops.cast(new, cache.dtype)
+    of the cache where the select costs three passes). As `write_cache`, an
+    `index` outside the cache drops the write (the slot it is clipped to is
+    written back as it was), so an unchecked bad request changes nothing."""
     index = ops.cast(index, "int32")
-    if update_slices:
-        return ops.slice_update(cache, [0, index, 0, 0], new)
+    length = cache.shape[1]
+    slot = ops.clip(index, 0, length - 1)
     batch = ops.shape(cache)[0]
+    kept = ops.slice(cache, [0, slot, 0, 0], [batch, 1, cache.shape[2], cache.shape[3]])
+    inside = ops.logical_and(ops.greater_equal(index, 0), ops.less(index, length))
+    new = ops.where(inside, ops.cast(new, cache.dtype), kept)
+    if update_slices:
+        return ops.slice_update(cache, [0, slot, 0, 0], new)
     rows = ops.stack([ops.arange(batch, dtype="int32"),
-                      ops.broadcast_to(index, ops.shape(ops.arange(batch)))], axis=1)
+                      ops.broadcast_to(slot, ops.shape(ops.arange(batch)))], axis=1)
     return ops.scatter_update(cache, rows, new[:, 0])
 
 
