@@ -75,11 +75,13 @@ def test_bounds_reach_the_filled_slots_only():
     key = np.arange(2 * 10 * 1 * 1, dtype="float32").reshape(2, 10, 1, 1)
     positions = np.arange(10, dtype="int32")
     for first, last, window in ((0, 0, None), (3, 3, None), (4, 4, None), (2, 5, None),
-                                (9, 9, None), (7, 7, 3), (9, 9, 2), (1, 1, 3)):
+                                (9, 9, None), (7, 7, 3), (9, 9, 2), (1, 1, 3),
+                                # positions outside the cache still read at least one slot
+                                (-1, -1, None), (-1, -1, 3), (20, 20, 3), (20, 20, None)):
         got = cache_ops.filled_part(tf.constant(key), tf.constant(key), tf.constant(positions),
                                     None, tf.constant(first), tf.constant(last), 4, window)
-        end = min(10, -(-(last + 1) // 4) * 4)
-        start = 0 if window is None else max(0, first - window + 1) // 4 * 4
+        end = min(10, max(1, -(-(last + 1) // 4)) * 4)
+        start = 0 if window is None else min(max(0, first - window + 1), end - 1) // 4 * 4
         np.testing.assert_array_equal(got[0].numpy(), key[:, start:end])
         np.testing.assert_array_equal(got[2].numpy(), positions[start:end])
         assert got[3] is None

@@ -177,10 +177,13 @@ def filled_part(key, value, positions, valid, first, last, bucket, sliding_windo
     """
     length = key.shape[1]
     last = ops.cast(last, "int32")
-    end = ops.minimum(length, (last // bucket + 1) * bucket)
+    # At least one slot, for positions outside the cache too (an unchecked bad
+    # request): a read of zero keys fails in XNNPACK instead of giving garbage.
+    end = ops.minimum(length, ops.maximum(last // bucket + 1, 1) * bucket)
     start = ops.zeros((), "int32")
     if sliding_window is not None:
-        start = ops.maximum(ops.cast(first, "int32") - (sliding_window - 1), 0) // bucket * bucket
+        start = ops.maximum(ops.cast(first, "int32") - (sliding_window - 1), 0)
+        start = ops.minimum(start, end - 1) // bucket * bucket
     size = end - start
     batch = ops.shape(key)[0]
 
