@@ -51,14 +51,13 @@ def stack_cache(cache, part="self_attention"):
 
 def unstack_cache(stacked, cross=None):
     """Inverse of `stack_cache`; `cross` is an optional stacked cross-attention cache."""
-    num_layers = stacked.shape[0]
-    cache = []
-    for i in range(num_layers):
-        entry = {"self_attention": (stacked[i, 0], stacked[i, 1]), "cross_attention": None}
-        if cross is not None:
-            entry["cross_attention"] = (cross[i, 0], cross[i, 1])
-        cache.append(entry)
-    return cache
+    # Unstacked, not indexed: TFLite's UNPACK copies rows, its 6-D strided
+    # slices go element by element (half of a decode step at 4096 slots).
+    layers = [ops.unstack(t, axis=0) for t in ops.unstack(stacked, axis=0)]
+    crosses = ([None] * len(layers) if cross is None
+               else [tuple(ops.unstack(t, axis=0)) for t in ops.unstack(cross, axis=0)])
+    return [{"self_attention": tuple(pair), "cross_attention": c}
+            for pair, c in zip(layers, crosses)]
 
 
 def gather_batch(cache, indices):

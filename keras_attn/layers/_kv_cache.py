@@ -92,12 +92,20 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_length, slidin
     ring = sliding_window is not None and sliding_window == length
     cache_ops.check_cache_write(length, new_key.shape[1], cache_index, ring=ring)
     if not ring:
+        bound = cache_ops.read_bound()
         positions = ops.arange(length, dtype="int32")
-        key = cache_ops.write_cache(key_cache, new_key, cache_index)
-        value = cache_ops.write_cache(value_cache, new_value, cache_index)
-        valid = ops.less(positions, query_positions[-1] + 1)
-        return CachedKeys(key, value, positions, ops.expand_dims(valid, 0), (key, value), False,
-                          query_positions)
+        if bound is not None and new_key.shape[1] == 1:
+            key = cache_ops.write_slot(key_cache, new_key, cache_index, bound[1])
+            value = cache_ops.write_slot(value_cache, new_value, cache_index, bound[1])
+        else:
+            key = cache_ops.write_cache(key_cache, new_key, cache_index)
+            value = cache_ops.write_cache(value_cache, new_value, cache_index)
+        valid = ops.expand_dims(ops.less(positions, query_positions[-1] + 1), 0)
+        read = (key, value, positions, valid)
+        if bound is not None:
+            read = cache_ops.filled_part(*read, query_positions[0], query_positions[-1],
+                                         bound[0], sliding_window)
+        return CachedKeys(*read, (key, value), False, query_positions)
     if not use_causal_mask:
         raise ValueError(
             "A ring-buffer cache (sliding_window == cache length) needs "

@@ -5,7 +5,18 @@ an index comparison, a gather and a `where` over the cache axis, so they
 lower to TFLite builtins and ONNX (no `XlaDynamicUpdateSlice`, no scatter)
 and keep the cache's static shape. Used by `MultiHeadAttention(cache=...)`
 and the generation models (`keras_attn.generation.cache`).
+
+Inside `bounded_reads(bucket)` (the LLM-runtime exports' decode traces) a
+cached call attends over the filled part of its cache only, rounded up to a
+multiple of `bucket` (`filled_part`), and a one-token write is a
+`slice_update` (TFLite's in-place `DYNAMIC_UPDATE_SLICE`) or a
+`scatter_update` (ONNX's `ScatterND`) instead of the `where` over every slot
+(`write_slot`): a decode step then costs what the context holds, not what
+the export allocated.
 """
+
+import contextlib
+import threading
 
 from keras import ops
 
@@ -86,3 +97,100 @@ def ring_positions(length, index):
     slots = ops.arange(length, dtype="int32")
     previous = ops.cast(index, "int32") - 1
     return previous - ops.mod(previous - slots, length)
+
+
+_bounds = threading.local()
+
+
+@contextlib.contextmanager
+def bounded_reads(bucket, update_slices=False):
+    """Cached calls traced inside read only the filled part of their caches.
+
+    A non-ring cache of `L` slots holds keys at slots `[0, last]` after a call
+    whose last query is at position `last`; the other slots are masked for
+    every query, so attention over `[0, min(L, ceil((last + 1) / bucket) *
+    bucket))` is the same function (masked keys contribute exactly zero). A
+    sliding window `W` also drops the slots before `first - W + 1` (rounded
+    down to `bucket`). The slice sizes come from the call's position, a
+    tensor: graphs only (the TensorFlow traces of `keras_attn.runtimes`).
+    Calls inside take no mask over the cache axis (`value_mask`/`key_mask`
+    of the cache's length, `attention_mask`): the runtimes' decode passes
+    none, and `DecoderTrace.decode` with a `padding_mask` reads every slot.
+
+    Args:
+        bucket: positive int, the granularity of the bound (the sliced
+            tensors change size, and are reallocated, only when it moves).
+        update_slices: whether one-token writes use `keras.ops.slice_update`
+            (TensorFlow's `XlaDynamicUpdateSlice`: TFLite's
+            `DYNAMIC_UPDATE_SLICE`, which writes in place when the runtime
+            passes one buffer as the cache's input and output, as LiteRT-LM
+            does; tf2onnx has no converter for it); otherwise
+            `scatter_update` (`ScatterND`).
+    """
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ValueError(
+            "Received an invalid value for argument `bucket`, expected a positive "
+            f"integer. Received: bucket={bucket!r}")
+    previous = getattr(_bounds, "value", None)
+    _bounds.value = (bucket, bool(update_slices))
+    try:
+        yield
+    finally:
+        _bounds.value = previous
+
+
+def write_slot(cache, new, index, update_slices):
+    """`write_cache` of one token (`new` `(B, 1, H, D)`, `index` in `[0, L)`)
+    without a select over every slot: a `slice_update` (TFLite's
+    `DYNAMIC_UPDATE_SLICE`, in place when the runtime aliases the cache) or,
+    without `update_slices`, a `scatter_update` (ONNX `ScatterND`: one copy
+    of the cache where the select costs three passes). As `write_cache`, an
+    `index` outside the cache drops the write (the slot it is clipped to is
+    written back as it was), so an unchecked bad request changes nothing."""
+    index = ops.cast(index, "int32")
+    length = cache.shape[1]
+    slot = ops.clip(index, 0, length - 1)
+    batch = ops.shape(cache)[0]
+    kept = ops.slice(cache, [0, slot, 0, 0], [batch, 1, cache.shape[2], cache.shape[3]])
+    inside = ops.logical_and(ops.greater_equal(index, 0), ops.less(index, length))
+    new = ops.where(inside, ops.cast(new, cache.dtype), kept)
+    if update_slices:
+        return ops.slice_update(cache, [0, slot, 0, 0], new)
+    rows = ops.stack([ops.arange(batch, dtype="int32"),
+                      ops.broadcast_to(slot, ops.shape(ops.arange(batch)))], axis=1)
+    return ops.scatter_update(cache, rows, new[:, 0])
+
+
+def read_bound():
+    """`(bucket, update_slices)` inside `bounded_reads`, else None."""
+    return getattr(_bounds, "value", None)
+
+
+def filled_part(key, value, positions, valid, first, last, bucket, sliding_window=None):
+    """The slots `[start, end)` of a non-ring cache that a call's queries can see.
+
+    `key`/`value` `(B, L, H, D)`, `positions` `(L,)` and `valid` `(1, L)`
+    (None: all) are cut to `end = min(L, ceil((last + 1) / bucket) * bucket)`
+    and, with a `sliding_window` W, from `start = floor(max(0, first - W + 1)
+    / bucket) * bucket`; `first`/`last` are the call's first and last query
+    positions (int32 scalars). Returns the four, cut.
+    """
+    length = key.shape[1]
+    last = ops.cast(last, "int32")
+    # At least one slot, for positions outside the cache too (an unchecked bad
+    # request): a read of zero keys fails in XNNPACK instead of giving garbage.
+    end = ops.minimum(length, ops.maximum(last // bucket + 1, 1) * bucket)
+    start = ops.zeros((), "int32")
+    if sliding_window is not None:
+        start = ops.maximum(ops.cast(first, "int32") - (sliding_window - 1), 0)
+        start = ops.minimum(start, end - 1) // bucket * bucket
+    size = end - start
+    batch = ops.shape(key)[0]
+
+    def cut(x):
+        return ops.slice(x, [0, start, 0, 0], [batch, size, x.shape[2], x.shape[3]])
+
+    positions = ops.slice(positions, [start], [size])
+    if valid is not None:
+        valid = ops.slice(valid, [0, start], [1, size])
+    return cut(key), cut(value), positions, valid

@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS
 from keras_attn.runtimes.tflite_convert import signatures_to_tflite
 from keras_attn.runtimes.tokenizers import write_tokenizer
+from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace
 from keras_attn.runtimes.trace import cache_storage_dtype
 from keras_attn.runtimes.trace import check_runtime_decoder
@@ -92,7 +93,10 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
     max_length = _positive_int("max_length", max_length)
     lengths = _prefill_lengths(prefill_lengths, max_length)
     # LiteRT-LM's caches hold every position: a window is a band over them.
-    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype, ring_buffers=False)
+    # Each call reads the filled part of the caches only and writes a decode
+    # step's slot in place (LiteRT-LM passes one buffer as input and output).
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype, ring_buffers=False,
+                         read_bucket=decoder_trace.READ_BUCKET, update_slices=True)
     # A prefill chunk of T tokens at position p embeds positions up to
     # p + T - 1 (its padding included), p < max_length.
     reach = max_length + lengths[-1] - 1

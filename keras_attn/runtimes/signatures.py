@@ -54,12 +54,13 @@ from keras_attn.generation import search
 from keras_attn.runtimes import request_checks, verification
 from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too)
 from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
 
 
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
                         encoder_length=None, stop_token_ids=(), pad_token_id=0,
-                        checks="none", cache_dtype="float32"):
+                        checks="none", cache_dtype="float32", update_slices=False):
     """`{"prefill", "decode", "generate"}` tf.functions with input signatures.
 
     Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
@@ -73,6 +74,10 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     `cache_dtype="float16"` carries the caches (`cache`, `cross_cache`) in
     float16 between calls: half the memory per token; each call computes in
     float32 and rounds the keys and values it stores.
+    `decode` reads only the filled part of the cache (rounded up to
+    `keras_attn.runtimes.trace.READ_BUCKET` slots), so a step costs what the context holds;
+    `update_slices=True` (TFLite) also writes its one slot with
+    `DYNAMIC_UPDATE_SLICE` instead of a select over every slot.
     """
     cache_storage_dtype(cache_dtype)  # checked first, before the model is read
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
@@ -87,7 +92,8 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         )
     # Under XLA a position past a learned table would be clamped silently.
     search.check_max_positions(model, max_length, encoder_length)
-    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype)
+    trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype,
+                         read_bucket=decoder_trace.READ_BUCKET, update_slices=update_slices)
     vocab, positions = trace.vocabulary_size, trace.max_positions
     layers, store = trace.num_layers, trace.cache_dtype
 
@@ -245,7 +251,7 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
         )
     fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
                               prompt_length=prompt_length, encoder_length=encoder_length,
-                              checks=checks, cache_dtype=cache_dtype)
+                              checks=checks, cache_dtype=cache_dtype, update_slices=True)
     fns.pop("generate")
     return signatures_to_tflite(fns, quantization)
 

@@ -20,9 +20,18 @@ writer keeps them in `cache_dtype` (`store` on the way out, `cache` or
 `load` on the way in). A writer wraps these in its `tf.function`s.
 """
 
+import contextlib
+
 import tensorflow as tf
 
+from keras_attn.ops import cache as cache_ops
+
 CACHE_DTYPES = ("float32", "float16")
+# The writers' `decode` reads the filled part of the caches rounded up to this
+# many slots (`keras_attn.ops.cache.bounded_reads`): a step at fill 128 reads
+# 256 slots whatever `max_length` is. Read when a writer traces; None: every
+# slot (benchmarks/bench_long_context.py compares the two).
+READ_BUCKET = 128
 
 
 def cache_storage_dtype(cache_dtype):
@@ -77,6 +86,13 @@ class DecoderTrace:
             window (`init_cache`'s); None: where every layer has the same
             window (one cache length for the stacked caches), else False:
             every cache holds `max_length` positions, the window a band.
+        read_bucket: None (attention in `decode` reads every slot) or a
+            positive int: `decode` reads the filled slots only, rounded up
+            to a multiple of it (`keras_attn.ops.cache.bounded_reads`; the
+            same function, masked slots contribute exactly zero).
+        update_slices: with `read_bucket`, one-token writes are
+            `DYNAMIC_UPDATE_SLICE`s (in place in LiteRT-LM; TFLite only,
+            tf2onnx has no converter for them).
 
     Attributes:
         model, max_length: as given.
@@ -91,8 +107,11 @@ class DecoderTrace:
         max_positions: the model's position bound (a learned table), or None.
     """
 
-    def __init__(self, model, *, max_length, cache_dtype="float32", ring_buffers=None):
+    def __init__(self, model, *, max_length, cache_dtype="float32", ring_buffers=None,
+                 read_bucket=None, update_slices=False):
         self.model = model
+        self.read_bucket = read_bucket
+        self.update_slices = update_slices
         self.max_length = max_length
         self.cache_dtype = cache_storage_dtype(cache_dtype)
         windows = model.layer_sliding_windows() if hasattr(model, "layer_sliding_windows") else [None]
@@ -172,4 +191,7 @@ class DecoderTrace:
             kwargs["padding_mask"] = padding_mask
         if encoder_padding_mask is not None:
             kwargs["encoder_padding_mask"] = encoder_padding_mask
-        return self.model.call_with_cache(token_ids, cache, index, **kwargs)
+        bounded = (contextlib.nullcontext() if self.read_bucket is None or padding_mask is not None
+                   else cache_ops.bounded_reads(self.read_bucket, self.update_slices))
+        with bounded:
+            return self.model.call_with_cache(token_ids, cache, index, **kwargs)
