@@ -301,7 +301,11 @@ def verify_genai_model(model, path, *, max_length, quantization=None):
     runs it, against Keras (`verification.verify_prefill_decode`)."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    # No packed copies of the weights for a few verification calls: beside
+    # the Keras model they would be a third copy of a float32 model.
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
 
     def call(token_ids, total, cache):
