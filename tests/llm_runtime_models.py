@@ -139,3 +139,14 @@ def hf_tokens(hf, prompt, max_length=MAX_LEN, eos=EOS):
                           do_sample=False, max_length=max_length, pad_token_id=0, eos_token_id=eos)
     want = [int(t) for t in out.numpy()[0, len(prompt):]]
     return want[:want.index(eos)] if eos in want else want
+
+
+def artifact_greedy(prefill, decode, prompt, max_length):
+    """Greedy decoding with only an artifact's prefill/decode callables."""
+    tokens = np.zeros((prompt.shape[0], max_length), np.int32)
+    tokens[:, :prompt.shape[1]] = prompt
+    out = prefill(token_ids=prompt)
+    for i in range(prompt.shape[1], max_length):
+        out = decode(token_ids=tokens[:, i - 1:i], index=np.array(i - 1, np.int32), cache=out["cache"])
+        tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
+    return tokens

@@ -22,6 +22,7 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy  # noqa: E402
 
 VOCAB = 71
 COMMON = dict(vocab_size=VOCAB, hidden_size=36, intermediate_size=52, bos_token_id=1,
@@ -236,17 +237,6 @@ def test_refuses_what_it_cannot_represent(build, match):
         from_huggingface(build())
 
 
-def _artifact_greedy(prefill, decode, prompt, max_length):
-    """Greedy decoding with only an artifact's prefill/decode callables."""
-    tokens = np.zeros((prompt.shape[0], max_length), np.int32)
-    tokens[:, :prompt.shape[1]] = prompt
-    out = prefill(token_ids=prompt)
-    for i in range(prompt.shape[1], max_length):
-        out = decode(token_ids=tokens[:, i - 1:i], index=np.array(i - 1, np.int32), cache=out["cache"])
-        tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
-    return tokens
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, changes", [
     # QK-norm with a window on some layers only (`max_window_layers`),
@@ -278,7 +268,7 @@ def test_tflite_prefill_decode_reproduce_hf_tokens(name, changes):
     interpreter = litert.Interpreter(model_content=content)
     ops = {d["op_name"] for d in interpreter._get_ops_details()}
     assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
-    got = _artifact_greedy(interpreter.get_signature_runner("prefill"),
+    got = artifact_greedy(interpreter.get_signature_runner("prefill"),
                            interpreter.get_signature_runner("decode"), prompts, 16)
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"

@@ -26,6 +26,7 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy  # noqa: E402
 
 VOCAB = 71
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -173,17 +174,6 @@ def test_fused_onnx_writer_refuses_each_gemma4_option_by_name(option, value):
         check_fusable_decoder(lm, max_length=16)
 
 
-def _artifact_greedy(prefill, decode, prompt, max_length):
-    """Greedy decoding with only an artifact's prefill/decode callables."""
-    tokens = np.zeros((prompt.shape[0], max_length), np.int32)
-    tokens[:, :prompt.shape[1]] = prompt
-    out = prefill(token_ids=prompt)
-    for i in range(prompt.shape[1], max_length):
-        out = decode(token_ids=tokens[:, i - 1:i], index=np.array(i - 1, np.int32), cache=out["cache"])
-        tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
-    return tokens
-
-
 @pytest.mark.slow
 def test_tflite_prefill_decode_reproduce_hf_tokens(converted):
     """The TFLite prefill/decode export (builtin ops only) driven by a NumPy
@@ -206,7 +196,7 @@ def test_tflite_prefill_decode_reproduce_hf_tokens(converted):
     assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
     decode = interpreter.get_signature_runner("decode")
     assert decode.get_input_details()["cache"]["shape"][0] == 2
-    got = _artifact_greedy(interpreter.get_signature_runner("prefill"), decode, prompts, 16)
+    got = artifact_greedy(interpreter.get_signature_runner("prefill"), decode, prompts, 16)
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"
 
