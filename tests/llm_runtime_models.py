@@ -150,3 +150,20 @@ def artifact_greedy(prefill, decode, prompt, max_length):
         out = decode(token_ids=tokens[:, i - 1:i], index=np.array(i - 1, np.int32), cache=out["cache"])
         tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
     return tokens
+
+
+def assert_greedy_equals_hf(hf, lm, prompts, max_length):
+    """keras_attn's `greedy_search` on `prompts` (unpadded, batch) gives
+    transformers' `generate(do_sample=False)` tokens, and more than a few
+    distinct ones (a degenerate generation tests nothing)."""
+    import torch
+
+    with torch.no_grad():
+        want = hf.generate(
+            torch.tensor(prompts, dtype=torch.long),
+            attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+            do_sample=False, max_length=max_length, pad_token_id=0, eos_token_id=None,
+        ).numpy()
+    got = np.asarray(greedy_search(lm, prompts, max_length=max_length, pad_token_id=0))
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got[:, prompts.shape[1]:])) > 3, "degenerate generation tests nothing"

@@ -21,6 +21,7 @@ from keras_attn.generation import greedy_search  # noqa: E402
 from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
+from tests.llm_runtime_models import assert_greedy_equals_hf  # noqa: E402
 from tests.model_zoo import ort_runner  # noqa: E402
 
 VOCAB = 71
@@ -98,15 +99,7 @@ GREEDY = sorted(set(FAMILIES) - {"gemma_tied"})
 def test_greedy_tokens_equal_hf_generate(family):
     name, hf, lm = family
     prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
-    with torch.no_grad():
-        want = hf.generate(
-            torch.tensor(prompts, dtype=torch.long),
-            attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-            do_sample=False, max_length=18, pad_token_id=0, eos_token_id=None,
-        ).numpy()
-    got = np.asarray(greedy_search(lm, prompts, max_length=18, pad_token_id=0))
-    np.testing.assert_array_equal(got, want)
-    assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"
+    assert_greedy_equals_hf(hf, lm, prompts, max_length=18)
 
 
 def test_cache_holds_only_key_value_heads(family):
