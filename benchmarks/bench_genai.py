@@ -19,8 +19,10 @@ Needs `onnxruntime-genai` (test extra) and, for the builder, `onnx-ir`
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -156,6 +158,7 @@ def main():
     from keras_attn.runtimes.onnx_genai import export_onnx_genai
 
     work = tempfile.mkdtemp(prefix="bench_genai_")
+    atexit.register(shutil.rmtree, work, True)  # bundles and folders of 0.5-1 GB
     hf_dir = os.path.join(work, "hf")
     hf, tok = build_hf(hf_dir, args)
     max_length = args.prompt + args.new

@@ -24,9 +24,11 @@ the peer column is skipped when PEER_PYTHON (default
 """
 
 import argparse
+import atexit
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +87,7 @@ def main():
     from keras_attn.runtimes.litertlm import export_litertlm
 
     work = tempfile.mkdtemp(prefix="bench_litertlm_")
+    atexit.register(shutil.rmtree, work, True)  # bundles and folders of 0.5-1 GB
     hf_dir = os.path.join(work, "hf")
     _, tok = build_hf(hf_dir, args)
     max_length = args.prompt + args.new + 8

@@ -22,9 +22,11 @@ tf2onnx for ONNX.
 """
 
 import argparse
+import atexit
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -151,6 +153,7 @@ def main():
 
     load_start = os.getloadavg()
     work = tempfile.mkdtemp(prefix="bench_long_context_")
+    atexit.register(shutil.rmtree, work, True)  # bundles and folders of 0.5-1 GB
     hf_dir = os.path.join(work, "hf")
     size_args = argparse.Namespace(**vars(args))
     size_args.prompt, size_args.new = max(args.lengths), max(args.fills) + args.new
