@@ -215,7 +215,7 @@ class _Graph:
         # holds one tensor at a time, and the graph has no 2 GB limit.
         offset = -(-self.data_file.tell() // _EXTERNAL_ALIGNMENT) * _EXTERNAL_ALIGNMENT
         self.data_file.seek(offset)
-        self.data_file.write(array.tobytes())
+        self.data_file.write(array.reshape(-1).view(np.uint8).data)  # no bytes copy
         tensor = TensorProto(name=name, dims=array.shape,
                              data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
         tensor.data_location = TensorProto.EXTERNAL
