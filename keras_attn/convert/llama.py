@@ -112,7 +112,7 @@ class LlamaConverter:
         """The `DecoderOnlyLM` arguments."""
         config = self.config
         hidden, heads = config.hidden_size, config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads, head_dim = self.head_sizes()
         if heads % kv_heads:
             common.refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads={heads}")
         theta, scaling = self.rope()
@@ -123,7 +123,7 @@ class LlamaConverter:
             vocabulary_size=config.vocab_size, sequence_length=config.max_position_embeddings,
             hidden_dim=hidden, num_layers=config.num_hidden_layers, num_heads=heads,
             num_key_value_heads=kv_heads, intermediate_dim=config.intermediate_size,
-            head_dim=getattr(config, "head_dim", None) or hidden // heads, position="rotary",
+            head_dim=head_dim, position="rotary",
             rope_max_wavelength=theta, rope_scaling=scaling,
             sliding_window=self.sliding_window(),
             activation=self.activation(), layer_norm_epsilon=config.rms_norm_eps,
@@ -135,6 +135,13 @@ class LlamaConverter:
             mask_padded_queries=False, pad_token_id=0 if pad is None else pad,
             name=f"{self.model_type}_keras_attn",
         )
+
+    def head_sizes(self):
+        """`(num_key_value_heads, head_dim)`, the same on every layer."""
+        config = self.config
+        heads = config.num_attention_heads
+        return (getattr(config, "num_key_value_heads", None) or heads,
+                getattr(config, "head_dim", None) or config.hidden_size // heads)
 
     def rope(self):
         """`(rope_max_wavelength, rope_scaling)` of the model (`rope`)."""
