@@ -243,6 +243,7 @@ def test_decoder_lm_gemma4_options_config_and_keras_file(tmp_path, rng):
     (dict(head_dim=[6, 10, 6, 6, 0]), r"`head_dim\[4\]`, expected a positive integer"),
     (dict(num_key_value_heads=[2, 1, 2, 2, 3]), r"`num_key_value_heads\[4\]`, expected a divisor of "
                                                 r"num_heads=4. Received: num_key_value_heads\[4\]=3"),
+    (dict(num_key_value_heads=[2, None, 2, 2, 1]), r"`num_key_value_heads\[1\]`, expected a positive integer\."),
     (dict(intermediate_dim=[16, 16, 16, 32]), r"`intermediate_dim`, expected a positive int or a list"),
     (dict(head_dim=[6, 10, 6, 8, 10]),
      r"Layer 3 reuses the keys and values of layer 2, which has another head size \(6 vs 8\)"),

@@ -94,7 +94,8 @@ class _LMBase(keras.Model):
         )
         self.num_key_value_heads = _check_per_layer(
             "num_key_value_heads", num_key_value_heads, self.num_decoder_layers,
-            lambda name, h: _check_key_value_heads(name, h, self.num_heads),
+            lambda name, h: _checks.check_num_key_value_heads(
+                _checks.check_positive_int(name, h), self.num_heads, name),
             "None, a positive int",
         ) or num_heads
         self.position = _checks.check_choice(
@@ -367,7 +368,8 @@ class _LMBase(keras.Model):
         # them when the sizes are static (a ring buffer wraps by design).
         if not cache:
             return
-        for layer, (window, _, _) in zip(cache, self._cache_layers()):
+        windows = [window for window, _, _ in self._cache_layers()]
+        for layer, window in zip(cache, windows):
             length = layer["self_attention"][0].shape[1]
             ring = window is not None and window == length
             cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
@@ -446,16 +448,6 @@ class _LMBase(keras.Model):
 def _per_layer(value, num_layers):
     """A per-layer option as a list of one value per layer."""
     return list(value) if isinstance(value, list) else [value] * num_layers
-
-
-def _check_key_value_heads(name, value, num_heads):
-    _checks.check_positive_int(name, value)
-    if num_heads % value:
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected a divisor of "
-            f"num_heads={num_heads}. Received: {name}={value}"
-        )
-    return value
 
 
 def _check_per_layer(name, value, num_layers, check, scalars, allow_scalar=True):
@@ -659,7 +651,7 @@ class DecoderOnlyLM(_LMBase):
         """`(window, num_key_value_heads, head_dim)` of each layer that has a
         cache (those that project their own keys and values)."""
         sources = self.key_value_sources or [None] * self.num_layers
-        return [c for c, j in zip(super()._cache_layers(), sources) if j is None]
+        return [c for c, j in zip(_LMBase._cache_layers(self), sources) if j is None]
 
     def _per_layer_inputs(self, token_ids, x):
         """`(B, T, num_layers, P)` per-layer inputs (None without them):
