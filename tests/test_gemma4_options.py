@@ -243,7 +243,6 @@ def test_decoder_lm_gemma4_options_config_and_keras_file(tmp_path, rng):
     (dict(head_dim=[6, 10, 6, 6, 0]), r"`head_dim\[4\]`, expected a positive integer"),
     (dict(num_key_value_heads=[2, 1, 2, 2, 3]), r"`num_key_value_heads\[4\]`, expected a divisor of "
                                                 r"num_heads=4. Received: num_key_value_heads\[4\]=3"),
-    (dict(num_key_value_heads=[2, None, 2, 2, 1]), r"`num_key_value_heads\[1\]`, expected a positive integer\."),
     (dict(intermediate_dim=[16, 16, 16, 32]), r"`intermediate_dim`, expected a positive int or a list"),
     (dict(head_dim=[6, 10, 6, 8, 10]),
      r"Layer 3 reuses the keys and values of layer 2, which has another head size \(6 vs 8\)"),
@@ -266,6 +265,14 @@ def test_layout_map_checks_the_per_layer_table():
     mesh = types.SimpleNamespace(axis_names=("model",), shape=(2,))
     with pytest.raises(ValueError, match="`per_layer_input_vocabulary_size`=31 is not divisible by the 2"):
         lm.get_layout_map(mesh)
+
+
+def test_decoder_lm_key_value_heads_per_layer_are_ints():
+    config = {**_gemma4_like_lm().get_config(), "num_key_value_heads": [2, None, 2, 2, 1]}
+    config.pop("name")
+    with pytest.raises(TypeError, match=r"`num_key_value_heads\[1\]`, expected a positive integer\. "
+                                        r"Received: num_key_value_heads\[1\]=None"):
+        DecoderOnlyLM(**config)
 
 
 def test_seq2seq_lm_refuses_sizes_per_layer():
