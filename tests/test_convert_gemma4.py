@@ -9,7 +9,8 @@ checkpoints and has every feature keras_attn represents turned on:
 full-attention layers with twice the sliding layers' head size
 (`global_head_dim`) and fewer key/value heads (`num_global_key_value_heads`),
 twice as wide feed-forwards on the KV-shared layers
-(`use_double_wide_mlp`), per-layer input embeddings (with their own
+(`use_double_wide_mlp`), `use_bidirectional_attention="vision"` (causal
+text), per-layer input embeddings (with their own
 vocabulary size), the last two layers reusing the keys and values of the
 last earlier layer of their type (a sliding and a full one), keys equal to
 values on the full layers (`attention_k_eq_v`), the value norm, QK-norm with
@@ -47,6 +48,8 @@ CONFIG = dict(
         FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000.0},
     },
     final_logit_softcapping=4.0, tie_word_embeddings=False,
+    # The larger released models' value: bidirectional over image tokens, causal text.
+    use_bidirectional_attention="vision",
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 
@@ -149,6 +152,26 @@ def test_left_padded_batch_equals_hf_generate(converted):
     np.testing.assert_array_equal(got, want)
 
 
+def test_released_style_config_file_converts_from_a_folder(converted, tmp_path):
+    """The released `config.json`s give `global_head_dim` and
+    `num_global_key_value_heads` (transformers' `save_pretrained` writes
+    `per_layer_config` instead): a folder with those fields converts
+    (streaming the safetensors) to the same logits."""
+    import json
+
+    hf, _ = converted
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("per_layer_config")
+    config.update(global_head_dim=24, num_global_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lm = from_huggingface(str(tmp_path))
+    assert (lm.head_dim, lm.num_key_value_heads) == ([12, 24, 12, 24], [2, 1, 2, 1])
+    ids = np.random.default_rng(6).integers(3, VOCAB, size=(1, 9)).astype("int32")
+    want = hf_logits(hf, ids, np.ones_like(ids))
+    tolerance.assert_close(np.asarray(lm(ids)), want, terms=hf.config.num_hidden_layers * 64)
+
+
 def test_only_layers_with_their_own_keys_have_caches(converted):
     """Layers 0 and 1 cache (the sliding one a ring of the window), the two
     KV-shared layers none."""
@@ -168,7 +191,7 @@ def test_only_layers_with_their_own_keys_have_caches(converted):
     (dict(rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                            FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}}),
      r"`rope_parameters.full_attention`.*rope_type"),
-    (dict(use_bidirectional_attention="all"), r"`use_bidirectional_attention`"),
+    (dict(use_bidirectional_attention="all"), r"`use_bidirectional_attention`='all'"),
 ])
 def test_refuses_what_it_cannot_represent_by_field(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -29,8 +29,13 @@
   `per_layer_input_vocabulary_size`);
 - each layer's output times `layer_scalar` (`use_output_scale`).
 
+`use_bidirectional_attention="vision"` (the larger released models) is
+converted: it makes image tokens attend both ways in the multimodal model,
+and the text model causal as without it.
+
 Refused by the config field and value: mixture-of-experts blocks
-(`enable_moe_block`), bidirectional attention, other rotary types.
+(`enable_moe_block`), `use_bidirectional_attention="all"`, other rotary
+types.
 The multimodal `Gemma4ForConditionalGeneration` (model_type "gemma4") is
 refused by `registry.REFUSED`.
 
@@ -64,6 +69,9 @@ _ROPE_TYPES = ("default", "proportional")
 
 class Gemma4Converter(gemma.GemmaConverter):
     soft_capping = True
+    # "vision" (the larger released models): image tokens attend both ways
+    # in the multimodal model; `Gemma4ForCausalLM` (text) stays causal.
+    causal_text_bidirectional = ("vision",)
 
     def check_config(self):
         super().check_config()

@@ -75,6 +75,9 @@ class LlamaConverter:
     # What a subclass represents that Llama has not: refused here otherwise.
     soft_capping = False
     partial_rotary = False
+    # `use_bidirectional_attention` values under which the text model is
+    # still causal (bidirectional over image tokens only).
+    causal_text_bidirectional = ()
 
     def __init__(self, checkpoint):
         self.checkpoint = checkpoint
@@ -92,8 +95,10 @@ class LlamaConverter:
                           "is not represented (rotary on every feature only)")
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             common.refuse("pretraining_tp", config.pretraining_tp, "is not supported")
-        if getattr(config, "use_bidirectional_attention", None):
-            common.refuse("use_bidirectional_attention", True, "is not supported (causal decoders only)")
+        bidirectional = getattr(config, "use_bidirectional_attention", None)
+        if bidirectional and bidirectional not in self.causal_text_bidirectional:
+            common.refuse("use_bidirectional_attention", bidirectional,
+                          "is not supported (causal decoders only)")
         if not self.soft_capping and (
             getattr(config, "attn_logit_softcapping", None)
             or getattr(config, "final_logit_softcapping", None)
