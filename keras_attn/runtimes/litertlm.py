@@ -107,6 +107,7 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
             f"this model has sequence_length={trace.max_positions}. Lower `max_length` "
             f"or `prefill_lengths`. Received: max_length={max_length}, "
             f"prefill_lengths={lengths}")
+
     def make(length, with_logits):
         specs = [tf.TensorSpec((1, length), tf.int32, name="tokens"),
                  tf.TensorSpec((length,), tf.int32, name="input_pos")]

@@ -6,7 +6,8 @@ decoding loop over one graph used for prefill and decode, with Hugging Face's
 I/O names: int64 `input_ids` `(B, T)` and `attention_mask` `(B, total)` (1 =
 token; `total` = tokens so far, this call's included), per-layer
 `past_key_values.%d.key|value` inputs and `present.%d.key|value` outputs
-`(B, num_key_value_heads, S, head_dim)`, and `logits` `(B, T, V)`.
+`(B, num_key_value_heads, S, head_dim)` (each layer's own heads and head
+size: GenAI sizes each cache from the graph), and `logits` `(B, T, V)`.
 
 The cache is keras_attn's fixed-size one: `S = max_length`, static in the
 graph, which GenAI detects and runs with `past_present_share_buffer` (the
@@ -118,9 +119,12 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
     """The `genai_config.json` dict for `model`'s graph (greedy search by default)."""
     pad = getattr(model, "pad_token_id", 0) if pad_token_id is None else pad_token_id
     eos = pad if eos_token_id is None else eos_token_id
-    # With a head size or key/value heads per layer, the first cache's: GenAI
-    # reads each layer's cache shape from the graph's past_key_values inputs.
-    first = lambda value: value[0] if isinstance(value, list) else value  # noqa: E731
+
+    def first(value):
+        # With a head size or key/value heads per layer, the first cache's: GenAI
+        # reads each layer's cache shape from the graph's past_key_values inputs.
+        return value[0] if isinstance(value, list) else value
+
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": filename,
