@@ -82,6 +82,8 @@ _MODEL_OPTIONS_NOT_FUSED = {
     "use_value_norm": (False, "a norm of each value head"),
     "use_output_scale": (False, "a scale on each block's output"),
 }
+# Sizes the writer takes as one value for every layer, not a list per layer.
+_PER_LAYER_NOT_FUSED = ("head_dim", "num_key_value_heads", "intermediate_dim")
 # Self-attention options (MultiHeadAttention.get_config) the writer honours.
 _KNOWN_ATTENTION_KEYS = {
     "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
@@ -111,6 +113,10 @@ def check_fusable_decoder(model, max_length=None):
     for key, allowed in _MODEL_DEFAULTS_OK.items():
         if config[key] not in allowed:
             raise NotFusableError(f"{key}={config[key]!r} (the fused decoder writer takes {list(allowed)})")
+    for key in _PER_LAYER_NOT_FUSED:
+        if isinstance(config[key], list):
+            raise NotFusableError(f"{key}={config[key]!r} (one value per layer) is not covered by "
+                                  "the fused decoder writer")
     if model.head_dim % 16:
         # onnxruntime's GroupQueryAttention kernels take these sizes only.
         raise NotFusableError(f"head_dim={model.head_dim} (GroupQueryAttention needs a multiple of 16)")

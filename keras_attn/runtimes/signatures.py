@@ -94,6 +94,10 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     search.check_max_positions(model, max_length, encoder_length)
     trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype,
                          read_bucket=decoder_trace.READ_BUCKET, update_slices=update_slices)
+    trace.check_uniform(
+        "one tensor (num_layers, 2, B, S, H_kv, D) for every layer's cache (the `cache` "
+        "input and output of prefill/decode); a LiteRT-LM bundle or an ONNX Runtime GenAI "
+        "folder (`keras_attn.runtimes`) has one cache per layer")
     vocab, positions = trace.vocabulary_size, trace.max_positions
     layers, store = trace.num_layers, trace.cache_dtype
 
