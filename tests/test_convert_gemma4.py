@@ -221,33 +221,28 @@ def test_fused_onnx_writer_refuses_each_gemma4_option_by_name(option, value):
         check_fusable_decoder(lm, max_length=16)
 
 
-def test_stacked_cache_exports_refuse_caches_of_other_shapes(converted):
-    """The prefill/decode signatures carry every layer's cache in one
-    tensor: the full layers' (1 head of 24) and the sliding ones' (2 of 12)
-    do not stack, and the export says so before tracing anything."""
+def test_stack_cache_refuses_caches_of_other_shapes(converted):
+    """`stack_cache` (one tensor for every layer's cache) says why the full
+    layers' cache (1 head of 24) and the sliding ones' (2 of 12) do not
+    stack; the prefill/decode exports pad them instead (below)."""
     from keras_attn.generation import cache as cache_lib
-    from keras_attn.runtimes import signatures
 
     hf, lm = converted
-    with pytest.raises(ValueError, match=r"one tensor \(num_layers, 2, B, S, H_kv, D\).*"
-                                         r"Received \(num_key_value_heads, head_dim\) per cache: "
-                                         r"\[\(2, 12\), \(1, 24\)\]"):
-        signatures.tflite_bytes(lm, max_length=16, batch_size=1, prompt_length=4)
     with pytest.raises(ValueError, match=r"per layer: \[\(2, 12\), \(1, 24\)\]"):
         cache_lib.stack_cache(lm.init_cache(1, 16, ring_buffers=False))
 
 
 @pytest.mark.slow
-def test_tflite_prefill_decode_reproduce_hf_tokens(converted_uniform):
+def test_tflite_prefill_decode_reproduce_hf_tokens(converted):
     """The TFLite prefill/decode export (builtin ops only) driven by a NumPy
     loop: one stacked cache of the two layers with their own keys (every
-    position, the windows a band over them); one cache shape for every
-    layer (`UNIFORM`), as the stacked cache needs."""
+    position, the windows a band over them), the sliding layer's 2 heads of
+    12 and the full layer's 1 head of 24 padded to (2, 24)."""
     from ai_edge_litert import interpreter as litert
 
     from keras_attn.runtimes import signatures
 
-    hf, lm = converted_uniform
+    hf, lm = converted
     prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
     with torch.no_grad():
         want = hf.generate(torch.tensor(prompts, dtype=torch.long),
@@ -259,13 +254,25 @@ def test_tflite_prefill_decode_reproduce_hf_tokens(converted_uniform):
     ops = {d["op_name"] for d in interpreter._get_ops_details()}
     assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
     decode = interpreter.get_signature_runner("decode")
-    assert decode.get_input_details()["cache"]["shape"][0] == 2
+    assert list(decode.get_input_details()["cache"]["shape"]) == [2, 2, 2, 16, 2, 24]
     got = artifact_greedy(interpreter.get_signature_runner("prefill"), decode, prompts, 16)
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(got[:, 6:])) > 3, "degenerate generation tests nothing"
 
 
-def _runtime_sized():
+@pytest.mark.slow
+def test_saved_model_signatures_of_per_layer_caches(converted, tmp_path):
+    """The SavedModel prefill/decode export of the same padded stacked cache
+    (the ONNX one converts these same functions): the export runs its
+    artifact against Keras's forward pass (a ParityError past the float32
+    bound)."""
+    from keras_attn.runtimes import signatures
+
+    hf, lm = converted
+    saved = signatures.export_saved_model(lm, str(tmp_path / "sm"), max_length=16, include_generate=False)
+    assert saved.max_abs_error <= saved.atol, saved
+    assert saved.checks and saved.checks[-1]["signature"] == "decode"
+
     """A Gemma 4 on the runtime tests' word vocabulary, shaped like the
     released ones: head size 32 (as onnxruntime's attention kernels take)
     on the sliding layers, 64 and one key/value head (of 2) on the full
