@@ -273,6 +273,8 @@ def test_saved_model_signatures_of_per_layer_caches(converted, tmp_path):
     assert saved.max_abs_error <= saved.atol, saved
     assert saved.checks and saved.checks[-1]["signature"] == "decode"
 
+
+def _runtime_sized():
     """A Gemma 4 on the runtime tests' word vocabulary, shaped like the
     released ones: head size 32 (as onnxruntime's attention kernels take)
     on the sliding layers, 64 and one key/value head (of 2) on the full
