@@ -151,7 +151,7 @@ def export_all(
             kwargs["atol"] = atols[key]
         try:
             if fmt == "saved_model":
-                report = saved_model_lib.export_saved_model(
+                written = saved_model_lib.export_saved_model(
                     model, os.path.join(output_dir, "saved_model"), model_name=name,
                     version=version, **kwargs,
                 )
@@ -163,12 +163,12 @@ def export_all(
                 if quantization in tflite_lib.CALIBRATED:
                     kwargs["representative_dataset"] = representative_dataset
                 suffix = "" if quantization is None else f"_{quantization}"
-                report = tflite_lib.export_tflite(
+                written = tflite_lib.export_tflite(
                     model, os.path.join(output_dir, f"{name}{suffix}.tflite"),
                     quantization=quantization, **kwargs,
                 )
             else:
-                report = onnx_lib.export_onnx(
+                written = onnx_lib.export_onnx(
                     model, os.path.join(output_dir, f"{name}.onnx"), opset=opset, **kwargs
                 )
         except Exception as error:  # noqa: BLE001  re-raised unless on_error="continue"
@@ -178,13 +178,13 @@ def export_all(
                 print(f"{label}: export failed: {type(error).__name__}: {error}", flush=True)
             continue
         if float32_note is not None:
-            report.details["float32_copy"] = float32_note
-        reports[key] = report
+            written.details["float32_copy"] = float32_note
+        reports[key] = written
         if verbose:
             print(
-                f"{label}: {report.path} ({report.size_bytes / 1e6:.2f} MB), "
-                f"max |{label} - Keras| = {report.max_abs_error:.2e} "
-                f"({report.tolerance_text()})",
+                f"{label}: {written.path} ({written.size_bytes / 1e6:.2f} MB), "
+                f"max |{label} - Keras| = {written.max_abs_error:.2e} "
+                f"({written.tolerance_text()})",
                 flush=True,
             )
     return reports
