@@ -197,6 +197,7 @@ class _Writer:
         self.small = {}  # content digest -> buffer index
         self.keyed = {}  # weight key -> (buffer index, dtype, shape, quantization)
         self.opcodes = {}
+        self.location_buffer = self.buffer(np.frombuffer(b"outside flatbuffers", np.uint8))
 
     def buffer(self, array):
         array = np.ascontiguousarray(array)
@@ -241,6 +242,11 @@ class _Writer:
         model.subgraphs = subgraphs
         model.signatureDefs = signatures
         model.buffers = self.buffers
+        # As the converter marks a model whose buffers follow the flatbuffer.
+        metadata = s.MetadataT()
+        metadata.name = "buffer_location"
+        metadata.buffer = self.location_buffer
+        model.metadata = [metadata]
         return model
 
 
