@@ -20,14 +20,17 @@ from tests.llm_runtime_models import (  # noqa: E402
 
 MAX_LEN = 40
 CHUNKS = (4, 16)
-# Llama (grouped heads, SwiGLU, untied head), Qwen2 (q/k/v biases, one
-# key/value head, tied table) and Mistral-like (a window shorter than the
-# context); a read bucket smaller than the cache makes `decode` read the
+# Llama (grouped heads, SwiGLU, untied head, Llama 3.1 rope scaling), Qwen2
+# (q/k/v biases, one key/value head, tied table) and Mistral-like (a window
+# shorter than the context, linear rope scaling); a read bucket smaller than the cache makes `decode` read the
 # filled slots only (the dynamic-length path real sizes take).
 VARIANTS = {
-    "llama": dict(num_key_value_heads=2),
+    "llama": dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
     "qwen2_tied": dict(num_key_value_heads=1, attention_use_bias=True, tie_embeddings=True),
-    "windowed": dict(num_key_value_heads=2, sliding_window=6),
+    "windowed": dict(num_key_value_heads=2, sliding_window=6,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
 
