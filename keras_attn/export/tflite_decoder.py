@@ -253,8 +253,7 @@ class _Writer:
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.int32): 2, np.dtype(np.bool_): 6,
            np.dtype(np.int8): 9}
 # The versions TensorFlow's converter gives these ops in the same graph.
-_VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4, "SELECT_V2": 1,
-             "CAST": 1}
+_VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4}
 _HYBRID_FULLY_CONNECTED_VERSION = 12
 
 
@@ -400,7 +399,7 @@ def _broadcast(a, b):
 
 
 def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
-                         read_bucket=128, schema=None):
+                         read_bucket=128):
     """Writes the LiteRT-LM TFLite model of `model` (a `DecoderOnlyLM`) to `path`.
 
     Args:
@@ -420,9 +419,8 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
         NotFusableError: the model (or `quantization`) is not covered.
     """
     check_direct_decoder(model, quantization)
-    if schema is None:
-        from tensorflow.lite.python import schema_py_generated as schema
     import flatbuffers
+    from tensorflow.lite.python import schema_py_generated as schema
 
     lengths = sorted(set(int(t) for t in prefill_lengths))
     path = os.fspath(path)

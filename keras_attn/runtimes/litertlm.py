@@ -262,7 +262,7 @@ class LitertLmReport:
     direct_writer_skipped: object = None
 
 
-def runtime_logits(content, tokens):
+def runtime_logits(content, tokens, xnnpack=True):
     """`tokens` run through a bundle's TFLite model (bytes or a path) on LiteRT-LM's schedule.
 
     The first half of `tokens` (`n_prefill`) is prefilled in chunks as the
@@ -271,11 +271,17 @@ def runtime_logits(content, tokens):
     position 0), then every remaining token goes through `decode`. Returns
     `(logits, n_prefill)`: the `decode` logits `(len(tokens) - n_prefill, V)`,
     row `i` predicting the token after position `n_prefill + i`.
+    `xnnpack=False` runs LiteRT's builtin kernels instead of the XNNPACK
+    delegate, which packs a copy of the weights for every signature.
     """
     from ai_edge_litert import interpreter as litert
 
-    interpreter = (litert.Interpreter(model_content=content) if isinstance(content, bytes)
-                   else litert.Interpreter(model_path=os.fspath(content)))
+    source = ({"model_content": content} if isinstance(content, bytes)
+              else {"model_path": os.fspath(content)})
+    if not xnnpack:
+        source["experimental_op_resolver_type"] = (
+            litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    interpreter = litert.Interpreter(**source)
     signatures = interpreter.get_signature_list()
     chunks = sorted((int(k.split("_", 1)[1]), k) for k in signatures if k.startswith("prefill_"))
     decode = interpreter.get_signature_runner("decode")
@@ -312,7 +318,9 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
     if pad is not None:  # the Keras call masks padding, the cached call does not
         tokens[tokens == pad] = (pad + 1) % model.vocabulary_size
     reference = np.asarray(model(tokens), np.float64)[0]
-    got, first = runtime_logits(content, tokens[0])
+    # LiteRT's builtin kernels: XNNPACK would pack the weights once per
+    # signature (three float copies of a 2 GB model at once).
+    got, first = runtime_logits(content, tokens[0], xnnpack=False)
     reference = reference[first:]
     error = float(np.max(np.abs(got - reference)))
     agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
