@@ -141,16 +141,18 @@ def test_contract_and_weights_written_once_after_the_flatbuffer(written):
 
 
 def test_litert_lm_engine_generates_keras_greedy_from_text(tmp_path):
-    """The bundle `export_litertlm` writes with the direct writer (a tied
-    table, q/k/v biases) in LiteRT-LM's engine: Keras's greedy tokens."""
+    """The bundle `export_litertlm` writes by default (the direct writer; a
+    tied table, q/k/v biases) in LiteRT-LM's engine: Keras's greedy tokens."""
     litert_lm = pytest.importorskip("litert_lm")
     pytest.importorskip("litert_lm_builder")
     lm = _lm("qwen2_tied")
     path = tmp_path / "lm.litertlm"
     report = litertlm.export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
                                       prefill_lengths=CHUNKS, bos_token_id=EOS,
-                                      stop_token_ids=[EOS], writer="direct")
-    assert report.writer == "direct" and report.max_abs_error <= report.atol
+                                      stop_token_ids=[EOS])
+    # writer="auto" picks the direct writer where it covers the model.
+    assert report.writer == "direct" and report.direct_writer_skipped is None
+    assert report.max_abs_error <= report.atol
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
         for text in ("the cat sat on", "the red cat sat on the mat then the big dog ran"):

@@ -432,7 +432,7 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
         writer = _Writer(data_file, schema)
         builder = _DecoderBuilder(model, writer, max_length, quantization, read_bucket)
         subgraphs, signatures = [], []
-        # decode first: LiteRT-LM's examples put it first; any order works.
+        # Subgraph 0 is `decode`; the runtime finds each signature by name.
         for index, (name, length) in enumerate(
                 [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]):
             subgraph, signature = builder.signature(name, length, with_logits=name == "decode")
