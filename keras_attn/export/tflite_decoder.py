@@ -174,14 +174,16 @@ def _bias(dense):
 def quantize_rows(weight):
     """int8 codes and float32 scales of `weight` `(N, K)`, one symmetric scale
     per row (output channel): `codes * scales[:, None]` approximates it."""
-    scales = np.abs(weight).max(axis=1) / 127.0
-    scales = np.where(scales > 0, scales, 1.0).astype(np.float32)
     codes = np.empty(weight.shape, np.int8)
-    # A few thousand rows at a time: one float copy of a slab, not of the table.
+    scales = np.empty(weight.shape[0], np.float32)
+    # A few thousand rows at a time: float temporaries of a slab, not of the table.
     step = max(1, (1 << 24) // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], step):
-        rows = weight[start:start + step] / scales[start:start + step, None]
-        codes[start:start + step] = np.clip(np.rint(rows), -127, 127)
+        rows = weight[start:start + step]
+        scale = np.abs(rows).max(axis=1) / np.float32(127.0)
+        scale = np.where(scale > 0, scale, np.float32(1.0))
+        scales[start:start + step] = scale
+        codes[start:start + step] = np.clip(np.rint(rows / scale[:, None]), -127, 127)
     return codes, scales
 
 
