@@ -203,8 +203,8 @@ class _Writer:
 
     def buffer(self, array):
         array = np.ascontiguousarray(array)
-        raw = array.tobytes()
-        if len(raw) <= INLINE_MAX_BYTES:
+        if array.nbytes <= INLINE_MAX_BYTES:
+            raw = array.tobytes()
             digest = hashlib.sha1(raw).hexdigest()
             if digest not in self.small:
                 buffer = self.s.BufferT()
@@ -216,7 +216,7 @@ class _Writer:
         self.data_file.seek(offset)
         self.data_file.write(memoryview(array).cast("B"))
         self.buffers.append(self.s.BufferT())
-        self.locations[len(self.buffers) - 1] = (offset, len(raw))
+        self.locations[len(self.buffers) - 1] = (offset, array.nbytes)
         return len(self.buffers) - 1
 
     def opcode(self, name, version):
