@@ -34,7 +34,8 @@ channel, symmetric (zero points 0, `quantized_dimension` 0, the
 converter's dynamic-range layout: FULLY_CONNECTED runs LiteRT's hybrid
 kernels with `asymmetric_quantize_inputs`). A tied token table is stored
 once, as the head's weight, and looked up through it (GATHER of its rows;
-int8: CAST and a MUL by the gathered per-row scales). Every constant is
+int8: CAST and a MUL by the gathered per-row scales, as for an untied int8
+table; the converter's lookup table is int8 with one scale). Every constant is
 written to the file as it is made and addressed by offset after the
 flatbuffer (`Buffer.offset/size`, the converter's
 `_experimental_use_buffer_offset` layout): no 2 GB limit, and one weight in
