@@ -22,7 +22,9 @@ MAX_LEN = 40
 CHUNKS = (4, 16)
 # Llama (grouped heads, SwiGLU, untied head, Llama 3.1 rope scaling), Qwen2
 # (q/k/v biases, one key/value head, tied table) and Mistral-like (a window
-# shorter than the context, linear rope scaling); a read bucket smaller than the cache makes `decode` read the
+# shorter than the context, linear rope scaling) and Gemma-2/3-like
+# (QK-norm, sandwich norms, both soft caps, a windowed layer beside a full
+# one, a layer without rotary, tanh-GELU, a scaled embedding); a read bucket smaller than the cache makes `decode` read the
 # filled slots only (the dynamic-length path real sizes take).
 VARIANTS = {
     "llama": dict(num_key_value_heads=2, rope_scaling={
@@ -31,13 +33,19 @@ VARIANTS = {
     "qwen2_tied": dict(num_key_value_heads=1, attention_use_bias=True, tie_embeddings=True),
     "windowed": dict(num_key_value_heads=2, sliding_window=6,
                      rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "gemma_like": dict(num_key_value_heads=1, use_qk_norm=True, use_sandwich_norm=True,
+                       attention_logit_soft_cap=3.0, final_logit_soft_cap=5.0,
+                       sliding_window=[6, None], rotary_layers=[True, False],
+                       activation="gelu_tanh", embedding_scale=8.0),
 }
 
 
 def _lm(name, seed=0):
+    options = dict(position="rotary", normalization="rms_norm", use_gated_feedforward=True,
+                   activation="silu")
+    options.update(VARIANTS[name])
     lm = DecoderOnlyLM(VOCAB, 64, 32, num_layers=2, num_heads=4, intermediate_dim=48,
-                       pad_token_id=0, position="rotary", normalization="rms_norm",
-                       use_gated_feedforward=True, activation="silu", **VARIANTS[name])
+                       pad_token_id=0, **options)
     lm(np.array([[2, 3]], np.int32))
     rng = np.random.default_rng(seed)
     for w in lm.weights:  # spread logits: generations that vary
@@ -232,8 +240,7 @@ def _refused(**options):
 
 
 @pytest.mark.parametrize("options,named", [
-    (dict(use_qk_norm=True), "use_qk_norm"),
-    (dict(final_logit_soft_cap=5.0), "final_logit_soft_cap"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     (dict(position="learned"), "position='learned'"),
     (dict(normalization="layer_norm"), "normalization='layer_norm'"),
 ])
@@ -251,13 +258,13 @@ def test_refuses_quantizations_it_does_not_write():
 
 def test_export_falls_back_to_the_converter_with_a_warning(tmp_path):
     pytest.importorskip("litert_lm_builder")
-    lm = _refused(use_qk_norm=True)
+    lm = _refused(partial_rotary_factor=0.5)
     tok = word_tokenizer()
-    with pytest.warns(UserWarning, match="direct TFLite writer does not cover the model.*use_qk_norm"):
+    with pytest.warns(UserWarning, match="direct TFLite writer does not cover the model.*partial_rotary"):
         report = litertlm.export_litertlm(lm, tmp_path / "a.litertlm", tokenizer=tok, max_length=8,
                                           prefill_lengths=(4,))
-    assert report.writer == "converter" and "use_qk_norm" in report.direct_writer_skipped
-    with pytest.raises(ValueError, match="writer='direct'.*use_qk_norm"):
+    assert report.writer == "converter" and "partial_rotary" in report.direct_writer_skipped
+    with pytest.raises(ValueError, match="writer='direct'.*partial_rotary"):
         litertlm.export_litertlm(lm, tmp_path / "b.litertlm", tokenizer=tok, max_length=8,
                                  prefill_lengths=(4,), writer="direct")
     with pytest.raises(ValueError, match="writer='direct'.*cache_dtype='float16'"):

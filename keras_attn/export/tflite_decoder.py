@@ -79,12 +79,7 @@ _KNOWN_MODEL_KEYS = {
 }
 # Options known and refused by name away from their default (what each is).
 _MODEL_OPTIONS_NOT_COVERED = {
-    "use_qk_norm": (False, "a norm of each query and key head"),
-    "use_sandwich_norm": (False, "norms after each residual branch"),
-    "attention_logit_soft_cap": (None, "a soft cap of the attention logits"),
-    "final_logit_soft_cap": (None, "a soft cap of the logits"),
     "partial_rotary_factor": (1.0, "rotary over part of each head"),
-    "rotary_layers": (None, "layers without rotary"),
     "key_value_sources": (None, "layers attending over another layer's keys and values"),
     "per_layer_input_dim": (None, "per-layer input embeddings"),
     "per_layer_input_vocabulary_size": (None, "per-layer input embeddings"),
@@ -135,17 +130,14 @@ def check_direct_decoder(model, quantization=None):
         extra = sorted(set(attention.get_config()) - _ATTENTION_KEYS)
         if extra:
             raise NotFusableError(f"{block.name}: attention option(s) {extra}")
-        for option in ("use_gate", "use_value_norm", "shared_key_value", "use_qk_norm"):
+        for option in ("use_gate", "use_value_norm", "shared_key_value"):
             if getattr(attention, option, False):
                 raise NotFusableError(f"{block.name}: {option}=True")
-        if attention.logit_soft_cap is not None:
-            raise NotFusableError(f"{block.name}: logit_soft_cap={attention.logit_soft_cap}")
         if attention.value_dim != attention.key_dim:
             raise NotFusableError(
                 f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
-        if attention.rotary_embedding is None:
-            raise NotFusableError(f"{block.name}: no rotary embedding")
-        if attention.rotary_embedding.rotary_dim(model.head_dim) != model.head_dim:
+        rotary = attention.rotary_embedding
+        if rotary is not None and rotary.rotary_dim(model.head_dim) != model.head_dim:
             raise NotFusableError(f"{block.name}: partial rotary")
         if getattr(block, "cross_attention", None) is not None:
             raise NotFusableError(f"{block.name}: cross-attention")
@@ -654,11 +646,15 @@ class _DecoderBuilder:
             gamma = _value(block.self_attention_layer_norm.scale)
             h = self.rms(g, x, block.self_attention_layer_norm.epsilon)
             dense = (attention.query_dense, attention.key_dense, attention.value_dense)
+            # The 1/sqrt(head_dim) query scale goes into the query weights,
+            # or after QK-norm into its scale (the norm would undo it).
             q_scale = 1.0 / np.sqrt(hd)
+            qk_norm = attention.query_norm is not None
+            weight_scale = 1.0 if qk_norm else q_scale
 
-            def qkv_kernel(dense=dense, gamma=gamma):
+            def qkv_kernel(dense=dense, gamma=gamma, weight_scale=weight_scale):
                 kernels = [_value(d.kernel).reshape(d.kernel.shape[0], -1) for d in dense]
-                kernels[0] = kernels[0] * np.float32(q_scale)
+                kernels[0] = kernels[0] * np.float32(weight_scale)
                 return np.concatenate(kernels, axis=1) * gamma[:, None]
 
             biases = [_bias(d) for d in dense]
@@ -667,15 +663,21 @@ class _DecoderBuilder:
                 sizes = (heads * hd, kv * hd, kv * hd)
                 packed = np.concatenate([b if b is not None else np.zeros(n, np.float32)
                                          for b, n in zip(biases, sizes)])
-                packed[:heads * hd] *= np.float32(q_scale)
+                packed[:heads * hd] *= np.float32(weight_scale)
             qkv = self.fully_connected(g, h, f"{base}/qkv", qkv_kernel, packed, f"{base}/attn/qkv")
             q, k, v = g.op("SPLIT_V", [qkv, g.const(np.array([heads * hd, kv * hd, kv * hd], np.int32)),
                                        g.const(np.array(-1, np.int32))],
                            [(t_len, heads * hd), (t_len, kv * hd), (t_len, kv * hd)], np.float32,
                            g.options("SplitVOptions", numSplits=3), outputs=3)
-            cos, sin = self._rotary(g, attention.rotary_embedding, rotary_rows)
-            q = self._rotate(g, g.reshape(q, (t_len, heads, hd)), cos, sin)
-            k = self._rotate(g, g.reshape(k, (t_len, kv, hd)), cos, sin)
+            q, k = g.reshape(q, (t_len, heads, hd)), g.reshape(k, (t_len, kv, hd))
+            if qk_norm:
+                q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
+                          g.const(_value(attention.query_norm.scale) * np.float32(q_scale)))
+                k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
+                          g.const(_value(attention.key_norm.scale)))
+            if attention.rotary_embedding is not None:
+                cos, sin = self._rotary(g, attention.rotary_embedding, rotary_rows)
+                q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
             k_cache = write(caches[i][0], k)
             v_cache = write(caches[i][1], v)
             outputs[f"kv_cache_k_{i}"], outputs[f"kv_cache_v_{i}"] = k_cache, v_cache
@@ -691,6 +693,8 @@ class _DecoderBuilder:
             scores = g.op("BATCH_MATMUL", [query, keys], (1, kv, t_len * groups, read_len),
                           options=g.options("BatchMatMulOptions"))
             scores = g.reshape(scores, (kv, t_len, groups, -1))  # rows (t, g): the mask broadcasts
+            if attention.logit_soft_cap is not None:
+                scores = self._soft_cap(g, scores, attention.logit_soft_cap)
             scores = g.op("SELECT_V2", [mask(self.windows[i]), scores, neg], g.shape(scores),
                           options=g.options("SelectV2Options"))
             probs = g.op("SOFTMAX", [scores], g.shape(scores), options=g.options("SoftmaxOptions", beta=1.0))
@@ -701,10 +705,12 @@ class _DecoderBuilder:
                 attended = g.transpose(g.reshape(attended, (kv, t_len, groups, hd)), (1, 0, 2, 3))
             attended = g.reshape(attended, (t_len, heads * hd))
             out = attention.output_dense
-            x = g.add(x, self.fully_connected(
+            branch = self.fully_connected(
                 g, attended, f"{base}/o", lambda out=out: _value(out.kernel).reshape(-1, out.kernel.shape[-1]),
-                _bias(out), f"{base}/attn/o"))
-            x = g.add(x, self._feedforward(g, x, block, base))
+                _bias(out), f"{base}/attn/o")
+            x = g.add(x, self._post_norm(g, branch, getattr(block, "self_attention_post_norm", None)))
+            branch = self._feedforward(g, x, block, base)
+            x = g.add(x, self._post_norm(g, branch, getattr(block, "feedforward_post_norm", None)))
         if with_logits:
             gamma = _value(model.final_norm.scale)
             h = self.rms(g, x, model.final_norm.epsilon)
@@ -722,6 +728,8 @@ class _DecoderBuilder:
                 logits = self.fully_connected(
                     g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
                     _bias(head_layer), "lm_head")
+            if model.final_logit_soft_cap is not None:
+                logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
             outputs["logits"] = g.reshape(logits, (1, 1, model.vocabulary_size))
         for key, index in outputs.items():
             g.tensors[index].name = f"{name}_{key}"
@@ -739,6 +747,17 @@ class _DecoderBuilder:
                                for i in range(len(caches)) for j, kind in enumerate("kv")]]
         signature.outputs = [self._map(key, index) for key, index in outputs.items()]
         return subgraph, signature
+
+    def _post_norm(self, g, x, layer):
+        """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
+        if layer is None:
+            return x
+        return g.mul(self.rms(g, x, layer.epsilon), g.const(_value(layer.scale)))
+
+    def _soft_cap(self, g, x, cap):
+        """`cap * tanh(x / cap)`."""
+        x = g.mul(x, g.const(np.array(1.0 / cap, np.float32)))
+        return g.mul(g.op("TANH", [x], g.shape(x)), g.const(np.array(cap, np.float32)))
 
     def _map(self, name, index):
         m = self.w.s.TensorMapT()
