@@ -26,8 +26,11 @@ TensorFlow's graph, SavedModel or converter:
   `j <= p` (and `p - j < sliding_window` on windowed layers);
 - RMSNorm scales and the `1/sqrt(head_dim)` query scale are folded into the
   following FULLY_CONNECTED weights (exact in real arithmetic; the
-  converter folds the norms too); a prefill signature stops after the last
-  layer's cache write (it outputs only the caches).
+  converter folds the norms too), the query scale into the QK-norm's scale
+  where the model has one; sandwich norms after each branch, the attention
+  and final soft caps (`c * tanh(x / c)`), layers without rotary, the
+  embedding scale as the model has them; a prefill signature stops after
+  the last layer's cache write (it outputs only the caches).
 
 Weights are float32 or, with `quantization="dynamic"`, int8 per output
 channel, symmetric (zero points 0, `quantized_dimension` 0, the
