@@ -22,7 +22,8 @@ MAX_LEN = 40
 CHUNKS = (4, 16)
 # Llama (grouped heads, SwiGLU, untied head, Llama 3.1 rope scaling), Qwen2
 # (q/k/v biases, one key/value head, tied table) and Mistral-like (a window
-# shorter than the context, linear rope scaling) and Gemma-2/3-like
+# shorter than the context, linear rope scaling, rotary on half of each
+# head) and Gemma-2/3-like
 # (QK-norm, sandwich norms, both soft caps, a windowed layer beside a full
 # one, a layer without rotary, tanh-GELU, a scaled embedding); a read bucket smaller than the cache makes `decode` read the
 # filled slots only (the dynamic-length path real sizes take).
@@ -31,7 +32,7 @@ VARIANTS = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}),
     "qwen2_tied": dict(num_key_value_heads=1, attention_use_bias=True, tie_embeddings=True),
-    "windowed": dict(num_key_value_heads=2, sliding_window=6,
+    "windowed": dict(num_key_value_heads=2, sliding_window=6, partial_rotary_factor=0.5,
                      rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "gemma_like": dict(num_key_value_heads=1, use_qk_norm=True, use_sandwich_norm=True,
                        attention_logit_soft_cap=3.0, final_logit_soft_cap=5.0,
@@ -240,13 +241,24 @@ def _refused(**options):
 
 
 @pytest.mark.parametrize("options,named", [
-    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     (dict(position="learned"), "position='learned'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0,
+                        "original_max_position_embeddings": 8}), "'dynamic'"),
     (dict(normalization="layer_norm"), "normalization='layer_norm'"),
 ])
 def test_refuses_by_name_what_it_does_not_cover(options, named):
     with pytest.raises(NotFusableError, match=named):
         tflite_decoder.check_direct_decoder(_refused(**options))
+
+
+def test_refuses_longrope_past_its_original_length():
+    # LongRoPE switches factors with the call's length: exact only within
+    # the original length, where the short factors always apply.
+    lm = _refused(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
+    tflite_decoder.check_direct_decoder(lm, max_length=16)
+    with pytest.raises(NotFusableError, match="longrope.*max_length=17"):
+        tflite_decoder.check_direct_decoder(lm, max_length=17)
 
 
 def test_refuses_quantizations_it_does_not_write():
@@ -258,13 +270,13 @@ def test_refuses_quantizations_it_does_not_write():
 
 def test_export_falls_back_to_the_converter_with_a_warning(tmp_path):
     pytest.importorskip("litert_lm_builder")
-    lm = _refused(partial_rotary_factor=0.5)
+    lm = _refused(normalization="layer_norm")
     tok = word_tokenizer()
-    with pytest.warns(UserWarning, match="direct TFLite writer does not cover the model.*partial_rotary"):
+    with pytest.warns(UserWarning, match="direct TFLite writer does not cover the model.*layer_norm"):
         report = litertlm.export_litertlm(lm, tmp_path / "a.litertlm", tokenizer=tok, max_length=8,
                                           prefill_lengths=(4,))
-    assert report.writer == "converter" and "partial_rotary" in report.direct_writer_skipped
-    with pytest.raises(ValueError, match="writer='direct'.*partial_rotary"):
+    assert report.writer == "converter" and "layer_norm" in report.direct_writer_skipped
+    with pytest.raises(ValueError, match="writer='direct'.*layer_norm"):
         litertlm.export_litertlm(lm, tmp_path / "b.litertlm", tokenizer=tok, max_length=8,
                                  prefill_lengths=(4,), writer="direct")
     with pytest.raises(ValueError, match="writer='direct'.*cache_dtype='float16'"):

@@ -13,8 +13,9 @@ TensorFlow's graph, SavedModel or converter:
 - one chunk of `T` tokens at positions `input_pos[0] + [0, T)` (the
   runtime pads a short prompt chunk at its end); rotary angles are the
   layer's own `RotaryEmbedding` evaluated at every cache position
-  (`keras_attn.export.onnx_decoder.rotary_caches`, so static `rope_scaling`
-  is exact) and gathered at those positions;
+  (`keras_attn.export.onnx_decoder.rotary_caches`, so static `rope_scaling`,
+  and LongRoPE within its original length, are exact) and gathered at
+  those positions, over the first `rotary_dim` features of each head;
 - `decode` writes its keys and values with DYNAMIC_UPDATE_SLICE (in place
   in LiteRT-LM, which passes one buffer as input and output); a prefill
   chunk with a GATHER of its rows and a SELECT over the slots (a chunk may
@@ -82,7 +83,6 @@ _KNOWN_MODEL_KEYS = {
 }
 # Options known and refused by name away from their default (what each is).
 _MODEL_OPTIONS_NOT_COVERED = {
-    "partial_rotary_factor": (1.0, "rotary over part of each head"),
     "key_value_sources": (None, "layers attending over another layer's keys and values"),
     "per_layer_input_dim": (None, "per-layer input embeddings"),
     "per_layer_input_vocabulary_size": (None, "per-layer input embeddings"),
@@ -101,9 +101,10 @@ _ATTENTION_KEYS = {
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
-def check_direct_decoder(model, quantization=None):
+def check_direct_decoder(model, quantization=None, max_length=None):
     """Raises `NotFusableError` naming the first option of `model` (or the
-    `quantization`) the direct TFLite writer does not cover."""
+    `quantization`) the direct TFLite writer does not cover (for caches of
+    `max_length`, when given)."""
     from keras_attn.generation.models import DecoderOnlyLM
 
     if quantization not in QUANTIZATIONS:
@@ -124,10 +125,15 @@ def check_direct_decoder(model, quantization=None):
     for key, allowed in _MODEL_CHOICES.items():
         if config[key] not in allowed:
             raise NotFusableError(f"{key}={config[key]!r} (the direct TFLite writer takes {list(allowed)})")
-    if (model.rope_scaling or {}).get("rope_type") in ("dynamic", "longrope"):
+    scaling = model.rope_scaling or {}
+    if scaling.get("rope_type") == "dynamic":
+        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
+    if scaling.get("rope_type") == "longrope" and (
+            max_length is None or max_length > scaling["original_max_position_embeddings"]):
         raise NotFusableError(
-            f"rope_scaling of type {model.rope_scaling['rope_type']!r} (its frequencies "
-            "depend on the call's length)")
+            f"rope_scaling of type 'longrope' with max_length={max_length} past "
+            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
+            "(its factors switch with the call's length)")
     for block in model.blocks:
         attention = block.self_attention
         extra = sorted(set(attention.get_config()) - _ATTENTION_KEYS)
@@ -139,9 +145,6 @@ def check_direct_decoder(model, quantization=None):
         if attention.value_dim != attention.key_dim:
             raise NotFusableError(
                 f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
-        rotary = attention.rotary_embedding
-        if rotary is not None and rotary.rotary_dim(model.head_dim) != model.head_dim:
-            raise NotFusableError(f"{block.name}: partial rotary")
         if getattr(block, "cross_attention", None) is not None:
             raise NotFusableError(f"{block.name}: cross-attention")
         dense = (block.feedforward_gate_dense if block.feedforward_gate_dense is not None
@@ -416,7 +419,7 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
     Raises:
         NotFusableError: the model (or `quantization`) is not covered.
     """
-    check_direct_decoder(model, quantization)
+    check_direct_decoder(model, quantization, max_length)
     import flatbuffers
     from tensorflow.lite.python import schema_py_generated as schema
 
@@ -769,9 +772,9 @@ class _DecoderBuilder:
         return m
 
     def _rotary(self, g, rotary, rows):
-        """`(cos, sin)` `(T, 1, D)` at the chunk's positions; `sin` carries the
-        rotation's sign (`[-sin, sin]`), so a rotation is
-        `x * cos + swap_halves(x) * sin`."""
+        """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
+        carries the rotation's sign (`[-sin, sin]`), so a rotation is
+        `x * cos + swap_halves(x) * sin` over the first `rotary_dim` features."""
         key = id(rotary)
         if key not in self.rotary_tables:
             cos, sin = rotary_caches(rotary, self.head_dim, self.max_length)
@@ -784,17 +787,23 @@ class _DecoderBuilder:
             cache[key] = tuple(
                 g.reshape(g.gather(g.weight(f"rotary/{key}/{part}", lambda table=table: (table, None),
                                             f"rotary_{len(self.rotary_tables)}/{part}"), rows),
-                          (t_len, 1, self.head_dim))
+                          (t_len, 1, -1))
                 for part, table in (("cos", cos_table), ("sin", sin_table)))
         return cache[key]
 
     def _rotate(self, g, x, cos, sin):
-        half = self.head_dim // 2
         shape = g.shape(x)
-        x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (half,),
+        rotary_dim = g.shape(cos)[-1]
+        passed = None
+        if rotary_dim < shape[-1]:  # partial rotary: the last features pass unchanged
+            x, passed = g.op("SPLIT_V", [x, g.const(np.array([rotary_dim, shape[-1] - rotary_dim], np.int32)),
+                                         g.const(np.array(-1, np.int32))],
+                             [shape[:-1] + (rotary_dim,), shape[:-1] + (shape[-1] - rotary_dim,)],
+                             options=g.options("SplitVOptions", numSplits=2), outputs=2)
+        x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (rotary_dim // 2,),
                       options=g.options("SplitOptions", numSplits=2), outputs=2)
-        swapped = g.concat([x2, x1], -1)
-        return g.add(g.mul(x, cos), g.mul(swapped, sin))
+        out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))
+        return out if passed is None else g.concat([out, passed], -1)
 
     def _feedforward(self, g, x, block, base):
         norm = block.feedforward_layer_norm
