@@ -415,7 +415,7 @@ def _with_tokenizer(paths):
     return folder
 
 
-def _export_phases(sampler):
+def _litertlm_phases(sampler):
     """Marks the export's phases by wrapping what it calls: trace (the
     tf.functions and their concrete graphs), freeze (variables to constants,
     where a revision does that), saved_model (writing the graph for the
@@ -454,7 +454,7 @@ def _litertlm_stage(quantization):
         folder = _with_tokenizer(paths)
         sampler = Sampler()
         model, _ = _convert(sampler, folder, args.dtype)
-        _export_phases(sampler)
+        _litertlm_phases(sampler)
         path = _litertlm_path(paths, quantization)
         sampler.mark("trace")
         start = time.perf_counter()
@@ -538,6 +538,8 @@ def stage_litertlm_speed(name, spec, paths, args):
                 "decode_tps": statistics.median(s["decode"]), "tokens": s["tokens"],
                 "bundle_bytes": os.path.getsize(bundles[n])}
     return {"speeds": results, "load": os.getloadavg()}
+
+
 # Encoder exports: the phases are marked by wrapping the exporters' steps
 # (looked up at call time), so an older revision is measured the same way.
 def _export_phases(sampler):

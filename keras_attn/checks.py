@@ -257,14 +257,15 @@ def check_layer_chunk_size(chunk_size, dropout):
     return list(chunk_size) if isinstance(chunk_size, tuple) else chunk_size
 
 
-def check_num_key_value_heads(num_key_value_heads, num_heads):
-    """None or a positive divisor of `num_heads`, returned."""
-    check_positive_int("num_key_value_heads", num_key_value_heads, allow_none=True)
+def check_num_key_value_heads(num_key_value_heads, num_heads, name="num_key_value_heads"):
+    """None or a positive divisor of `num_heads`, returned (`name`: the
+    argument's, e.g. `num_key_value_heads[2]` for one layer's)."""
+    check_positive_int(name, num_key_value_heads, allow_none=True)
     if num_key_value_heads is not None and num_heads % num_key_value_heads:
         raise ValueError(
-            "Received an invalid value for argument `num_key_value_heads`, "
+            f"Received an invalid value for argument `{name}`, "
             f"expected a divisor of num_heads={num_heads}. Received: "
-            f"num_key_value_heads={num_key_value_heads}"
+            f"{name}={num_key_value_heads}"
         )
     return num_key_value_heads
 

@@ -112,6 +112,22 @@ def test_saved_model_parity(zoo):
         assert_close(got, keras_run(model, feed), f"SavedModel {batch}x{length}")
 
 
+def test_saved_model_holds_each_weight_once(zoo):
+    """The checkpoint of the SavedModel stores every weight once (Keras's
+    archive alone stores the Keras variables and the endpoint's tf.Variables:
+    twice the bytes, in TF Serving and in TFLite's converter), and the loaded
+    object lists the variables to fine-tune."""
+    model, reports = zoo
+    folder = os.path.join(reports["saved_model"].path, "variables")
+    stored = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    weights = sum(np.asarray(keras.ops.convert_to_numpy(w)).nbytes for w in model.weights)
+    # The index and per-tensor headers: a few hundred bytes per variable.
+    assert weights <= stored <= weights + 512 * len(model.weights), (stored, weights)
+    loaded = tf.saved_model.load(reports["saved_model"].path)
+    assert len(loaded.trainable_variables) == len(model.trainable_weights)
+    assert len(loaded.variables) == len(model.weights)
+
+
 def run_tflite_resized(path, feed):
     """Raw interpreter API: resize_tensor_input to the feed's shapes, invoke."""
     from ai_edge_litert.interpreter import Interpreter

@@ -2,10 +2,12 @@
 against NumPy written here: a `MultiHeadAttention` that attends over
 another layer's keys and values (`shared_key_value`, uncached and through a
 ring-buffer cache), the value norm, the decoder block's per-layer input and
-output scale, "proportional" rotary; `DecoderOnlyLM`'s `key_value_sources`
-and per-layer input embeddings (cached decoding equal to the full
-computation, caches only for layers with their own keys); their configs,
-`.keras` round trips and the errors naming a bad argument.
+output scale, "proportional" rotary; `DecoderOnlyLM`'s `key_value_sources`,
+per-layer input embeddings and head sizes, key/value heads and
+feed-forward widths per layer (cached decoding equal to the full
+computation, caches only for layers with their own keys, each of its
+layer's shape); their configs, `.keras` round trips and the errors naming a
+bad argument.
 (`tests/test_convert_gemma4.py` checks the whole model against
 transformers.)"""
 
@@ -161,10 +163,14 @@ def test_proportional_rotary_matches_numpy(rng, factor):
 
 
 def _gemma4_like_lm():
-    """Windows on layers 0, 2 and 3; layer 3 reuses layer 2's keys, layer 4 layer 1's."""
+    """Windows on layers 0, 2 and 3; layer 3 reuses layer 2's keys, layer 4
+    layer 1's; as the released Gemma 4s, the full layers (1, 4) have larger
+    heads and fewer key/value heads, the KV-shared ones (3, 4) twice as wide
+    feed-forwards."""
     return DecoderOnlyLM(
-        29, 16, 12, num_layers=5, num_heads=4, num_key_value_heads=2, intermediate_dim=16,
-        head_dim=6, position="rotary", sliding_window=[3, None, 3, 3, None],
+        29, 16, 12, num_layers=5, num_heads=4, num_key_value_heads=[2, 1, 2, 2, 1],
+        intermediate_dim=[16, 16, 16, 32, 32], head_dim=[6, 10, 6, 6, 10],
+        position="rotary", sliding_window=[3, None, 3, 3, None],
         key_value_sources=[None, None, None, 2, 1], per_layer_input_dim=4,
         per_layer_input_vocabulary_size=31, use_value_norm=True, use_output_scale=True,
         use_qk_norm=True, normalization="rms_norm", use_sandwich_norm=True,
@@ -175,16 +181,27 @@ def _gemma4_like_lm():
 
 
 def test_decoder_lm_shared_layers_and_per_layer_inputs_cached_equals_full(rng):
-    """Caches for layers 0-2 only (rings of the window where windowed); a
-    prefill past the window, then single steps, equal the full computation."""
+    """Caches for layers 0-2 only (rings of the window where windowed), each
+    of its layer's heads and head size; a prefill past the window, then
+    single steps, equal the full computation."""
     lm = _gemma4_like_lm()
     ids = rng.integers(3, 29, size=(2, 7)).astype("int32")
     lm(ids)
     _set_random(lm, rng, 0.7)
     full = np.asarray(lm(ids))
     cache = lm.init_cache(2, 7)
-    assert [tuple(c["self_attention"][0].shape) for c in cache] == [(2, 3, 2, 6), (2, 7, 2, 6), (2, 3, 2, 6)]
+    assert [tuple(c["self_attention"][0].shape) for c in cache] == [(2, 3, 2, 6), (2, 7, 1, 10), (2, 3, 2, 6)]
+    assert [tuple(c["self_attention"][0].shape) for c in lm.init_cache(1, 7, ring_buffers=False)] == [
+        (1, 7, 2, 6), (1, 7, 1, 10), (1, 7, 2, 6)]
     assert [b.self_attention.shared_key_value for b in lm.blocks] == [False] * 3 + [True] * 2
+    # Each block's weights have its layer's sizes: queries (hidden, heads, head_dim),
+    # keys (hidden, kv_heads, head_dim) where it projects its own, feed-forward width.
+    assert [tuple(b.self_attention.query_dense.kernel.shape) for b in lm.blocks] == [
+        (12, 4, 6), (12, 4, 10), (12, 4, 6), (12, 4, 6), (12, 4, 10)]
+    assert [tuple(b.self_attention.key_dense.kernel.shape) for b in lm.blocks[:3]] == [
+        (12, 2, 6), (12, 1, 10), (12, 2, 6)]
+    assert [tuple(b.feedforward_output_dense.kernel.shape) for b in lm.blocks] == [
+        (16, 12), (16, 12), (16, 12), (32, 12), (32, 12)]
     logits, cache = lm.call_with_cache(ids[:, :5], cache, 0)
     steps = [np.asarray(logits)]
     for i in range(5, 7):
@@ -200,7 +217,8 @@ def test_decoder_lm_gemma4_options_config_and_keras_file(tmp_path, rng):
     want = np.asarray(lm(ids))
     again = DecoderOnlyLM.from_config(lm.get_config())
     for name in ("key_value_sources", "per_layer_input_dim", "per_layer_input_vocabulary_size",
-                 "use_value_norm", "use_output_scale", "rope_scaling"):
+                 "use_value_norm", "use_output_scale", "rope_scaling", "head_dim",
+                 "num_key_value_heads", "intermediate_dim"):
         assert getattr(again, name) == getattr(lm, name), name
     path = str(tmp_path / "lm.keras")
     lm.save(path)
@@ -220,6 +238,17 @@ def test_decoder_lm_gemma4_options_config_and_keras_file(tmp_path, rng):
      r"Layer 1 reuses the keys and values of layer 0, which has another sliding window \(3 vs None\)"),
     (dict(per_layer_input_dim=None), r"`per_layer_input_vocabulary_size` needs `per_layer_input_dim`"),
     (dict(per_layer_input_dim=0), r"per_layer_input_dim"),
+    (dict(head_dim=[6, 10]), r"`head_dim`, expected None, a positive int or a list of one value per "
+                             r"layer \(5\). Received: head_dim=\[6, 10\]"),
+    (dict(head_dim=[6, 10, 6, 6, 0]), r"`head_dim\[4\]`, expected a positive integer"),
+    (dict(num_key_value_heads=[2, 1, 2, 2, 3]), r"`num_key_value_heads\[4\]`, expected a divisor of "
+                                                r"num_heads=4. Received: num_key_value_heads\[4\]=3"),
+    (dict(intermediate_dim=[16, 16, 16, 32]), r"`intermediate_dim`, expected a positive int or a list"),
+    (dict(head_dim=[6, 10, 6, 8, 10]),
+     r"Layer 3 reuses the keys and values of layer 2, which has another head size \(6 vs 8\)"),
+    (dict(num_key_value_heads=[2, 1, 2, 2, 2]),
+     r"Layer 4 reuses the keys and values of layer 1, which has another number of key/value "
+     r"heads \(1 vs 2\)"),
 ])
 def test_decoder_lm_gemma4_option_errors(changes, match):
     config = {**_gemma4_like_lm().get_config(), **changes}
@@ -235,4 +264,31 @@ def test_layout_map_checks_the_per_layer_table():
                        position="rotary", per_layer_input_dim=2, per_layer_input_vocabulary_size=31)
     mesh = types.SimpleNamespace(axis_names=("model",), shape=(2,))
     with pytest.raises(ValueError, match="`per_layer_input_vocabulary_size`=31 is not divisible by the 2"):
+        lm.get_layout_map(mesh)
+
+
+def test_decoder_lm_key_value_heads_per_layer_are_ints():
+    config = {**_gemma4_like_lm().get_config(), "num_key_value_heads": [2, None, 2, 2, 1]}
+    config.pop("name")
+    with pytest.raises(TypeError, match=r"`num_key_value_heads\[1\]`, expected a positive integer\. "
+                                        r"Received: num_key_value_heads\[1\]=None"):
+        DecoderOnlyLM(**config)
+
+
+def test_seq2seq_lm_refuses_sizes_per_layer():
+    from keras_attn.generation.models import Seq2SeqLM
+
+    with pytest.raises(ValueError, match=r"`head_dim`, expected one value for every layer \(a list "
+                                         r"of one per layer is for DecoderOnlyLM\)"):
+        Seq2SeqLM(30, 16, 8, num_layers=2, num_heads=2, intermediate_dim=16, head_dim=[4, 8])
+
+
+def test_layout_map_checks_sizes_per_layer():
+    """Each layer's feed-forward width must split over the model axis."""
+    import types
+
+    lm = DecoderOnlyLM(32, 16, 8, num_layers=2, num_heads=4, intermediate_dim=[16, 10],
+                       position="rotary")
+    mesh = types.SimpleNamespace(axis_names=("model",), shape=(4,))
+    with pytest.raises(ValueError, match=r"`intermediate_dim`=\[16, 10\] is not divisible by the 4"):
         lm.get_layout_map(mesh)

@@ -194,6 +194,10 @@ def test_tied_table_is_stored_once(bits):
     assert len(by_vocab) == (1 if bits is None else 2), by_vocab  # codes (+ scales)
     lookups = {n.op_type for n in proto.graph.node if n.name.startswith("/model/embed_tokens/")}
     assert ("GatherBlockQuantized" in lookups) == (bits is not None), lookups
+    # Nothing reads the table through a Transpose: onnxruntime would fold it
+    # into a second vocabulary-sized tensor when it loads the model.
+    transposed = [n.name for n in proto.graph.node if n.op_type == "Transpose" and set(n.input) & set(by_vocab)]
+    assert not transposed, transposed
 
 
 def _final_hidden(lm, ids):

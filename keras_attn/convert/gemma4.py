@@ -17,16 +17,25 @@
   projections: the key kernel is copied into the value kernel;
 - `num_kv_shared_layers`: the last layers attend over the keys and values
   of the last earlier layer of their type (`key_value_sources`);
+- the full-attention layers' own head size (`global_head_dim`) and, with
+  `attention_k_eq_v`, key/value heads (`num_global_key_value_heads`):
+  transformers' `per_layer_config`, as `head_dim` and `num_key_value_heads`
+  lists of one value per layer (the query norm's scale then uses the
+  layer's head size, and the proportional rotary its frequencies);
+- `use_double_wide_mlp`: twice `intermediate_size` on the KV-shared layers
+  (an `intermediate_dim` list);
 - per-layer input embeddings (`hidden_size_per_layer_input`,
   `vocab_size_per_layer_input`: `per_layer_input_dim`,
   `per_layer_input_vocabulary_size`);
 - each layer's output times `layer_scalar` (`use_output_scale`).
 
-Refused by the config field and value: full-attention layers with another
-head size or number of key/value heads than the sliding ones
-(`global_head_dim`, `num_global_key_value_heads`), mixture-of-experts blocks
-(`enable_moe_block`), wider feed-forwards on the KV-shared layers
-(`use_double_wide_mlp`), bidirectional attention, other rotary types.
+`use_bidirectional_attention="vision"` (the larger released models) is
+converted: it makes image tokens attend both ways in the multimodal model,
+and the text model causal as without it.
+
+Refused by the config field and value: mixture-of-experts blocks
+(`enable_moe_block`), `use_bidirectional_attention="all"`, other rotary
+types.
 The multimodal `Gemma4ForConditionalGeneration` (model_type "gemma4") is
 refused by `registry.REFUSED`.
 
@@ -36,7 +45,7 @@ refused by `registry.REFUSED`.
 | `per_layer_model_projection.weight`            | `per_layer_model_projection/kernel`                   |
 | `per_layer_projection_norm.weight`             | `per_layer_projection_norm/scale`                     |
 | `layers.i.{input,post_attention,pre_feedforward,post_feedforward}_layernorm.weight` | as Gemma 3 (`gemma2.py`), scale `w` |
-| `layers.i.self_attn.q_norm.weight`             | `decoder_i/self_attention/query_norm/scale` (w x sqrt(head_dim)) |
+| `layers.i.self_attn.q_norm.weight`             | `decoder_i/self_attention/query_norm/scale` (w x sqrt(layer i's head_dim)) |
 | `layers.i.self_attn.k_norm.weight`             | `decoder_i/self_attention/key_norm/scale`             |
 | `layers.i.self_attn.k_proj.*` (`attention_k_eq_v`, full layers) | also `decoder_i/self_attention/value/*` |
 | `layers.i.per_layer_input_gate.weight`         | `decoder_i/per_layer_input_gate/kernel`               |
@@ -60,6 +69,9 @@ _ROPE_TYPES = ("default", "proportional")
 
 class Gemma4Converter(gemma.GemmaConverter):
     soft_capping = True
+    # "vision" (the larger released models): image tokens attend both ways
+    # in the multimodal model; `Gemma4ForCausalLM` (text) stays causal.
+    causal_text_bidirectional = ("vision",)
 
     def check_config(self):
         super().check_config()
@@ -67,24 +79,37 @@ class Gemma4Converter(gemma.GemmaConverter):
         if getattr(config, "enable_moe_block", False):
             common.refuse("enable_moe_block", True, "(mixture-of-experts feed-forward blocks) is "
                           "not represented")
-        if getattr(config, "use_double_wide_mlp", False) and self.shared_layers:
-            common.refuse("use_double_wide_mlp", True, "(twice as wide feed-forward networks on "
-                          "the KV-shared layers: one intermediate size per layer) is not represented")
         layers = config.num_hidden_layers
         if config.num_kv_shared_layers >= layers:
             common.refuse("num_kv_shared_layers", config.num_kv_shared_layers,
                           f"leaves no layer of the {layers} that projects keys and values")
-        # The full layers' head size and key/value heads (`global_head_dim`,
-        # `num_global_key_value_heads`) against the others'.
-        per_layer = config.per_layer_config
-        for field, name in (("head_dim", "global_head_dim"),
-                            ("num_key_value_heads", "num_global_key_value_heads")):
-            values = [getattr(per_layer[i], field) for i in range(layers)]
-            for i, layer_type in enumerate(config.layer_types):
-                if values[i] != values[0]:
-                    common.refuse(name, values[i], f"(of the {layer_type} layers) differs from "
-                                  f"{field}={values[0]}: layers with other head sizes or "
-                                  "key/value heads than the others are not represented")
+        heads = config.num_attention_heads
+        for i, kv_heads in enumerate(self.layer_sizes("num_key_value_heads")):
+            if heads % kv_heads:
+                common.refuse("num_global_key_value_heads", kv_heads,
+                              f"(of layer {i}, {config.layer_types[i]}) does not divide "
+                              f"num_attention_heads={heads}")
+
+    def head_sizes(self):
+        # transformers refuses `config.head_dim` / `num_key_value_heads` when
+        # they vary per layer; layer 0's here, `model_options` gives each layer's.
+        per_layer = self.config.per_layer_config[0]
+        return per_layer.num_key_value_heads, per_layer.head_dim
+
+    def layer_sizes(self, field):
+        """`head_dim` or `num_key_value_heads` of each layer: transformers'
+        `per_layer_config` (the full layers' `global_head_dim` and, with
+        `attention_k_eq_v`, `num_global_key_value_heads`)."""
+        config = self.config
+        return [getattr(config.per_layer_config[i], field) for i in range(config.num_hidden_layers)]
+
+    def intermediate_sizes(self):
+        """The feed-forward width of each layer: twice `intermediate_size` on
+        the KV-shared layers with `use_double_wide_mlp`."""
+        config = self.config
+        wide = set(self.shared_layers) if getattr(config, "use_double_wide_mlp", False) else set()
+        return [config.intermediate_size * (2 if i in wide else 1)
+                for i in range(config.num_hidden_layers)]
 
     @property
     def shared_layers(self):
@@ -127,12 +152,18 @@ class Gemma4Converter(gemma.GemmaConverter):
 
     def model_options(self):
         config = self.config
-        options = super().model_options()
+        options = super().model_options()  # its sizes are replaced per layer below
         local = dict(config.rope_parameters["sliding_attention"])
         if local.get("rope_type", "default") != "default":
             common.refuse("rope_parameters.sliding_attention", local,
                           "scales the local rotary base, which is not represented")
         ple = getattr(config, "hidden_size_per_layer_input", None) or None
+        # One value for every layer where they agree, else a list per layer.
+        sizes = {"head_dim": self.layer_sizes("head_dim"),
+                 "num_key_value_heads": self.layer_sizes("num_key_value_heads"),
+                 "intermediate_dim": self.intermediate_sizes()}
+        options.update({name: values[0] if len(set(values)) == 1 else values
+                        for name, values in sizes.items()})
         options.update(
             use_sandwich_norm=True,
             final_logit_soft_cap=getattr(config, "final_logit_softcapping", None),
@@ -152,7 +183,8 @@ class Gemma4Converter(gemma.GemmaConverter):
     def set_attention(self, attention, prefix, key_is_value):
         linear = self.weights.linear
         query, out = linear(prefix + "q_proj"), linear(prefix + "o_proj")
-        query_scale = self.weights.take(prefix + "q_norm.weight") * math.sqrt(self.config.head_dim)
+        # This layer's head size: the full layers' is `global_head_dim`.
+        query_scale = self.weights.take(prefix + "q_norm.weight") * math.sqrt(attention.key_dim)
         common.set_rms_norm(attention.query_norm, query_scale, prefix + "q_norm.weight")
         if attention.shared_key_value:
             common.set_attention(attention, query, None, None, out)

@@ -75,6 +75,9 @@ class LlamaConverter:
     # What a subclass represents that Llama has not: refused here otherwise.
     soft_capping = False
     partial_rotary = False
+    # `use_bidirectional_attention` values under which the text model is
+    # still causal (bidirectional over image tokens only).
+    causal_text_bidirectional = ()
 
     def __init__(self, checkpoint):
         self.checkpoint = checkpoint
@@ -92,8 +95,10 @@ class LlamaConverter:
                           "is not represented (rotary on every feature only)")
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             common.refuse("pretraining_tp", config.pretraining_tp, "is not supported")
-        if getattr(config, "use_bidirectional_attention", None):
-            common.refuse("use_bidirectional_attention", True, "is not supported (causal decoders only)")
+        bidirectional = getattr(config, "use_bidirectional_attention", None)
+        if bidirectional and bidirectional not in self.causal_text_bidirectional:
+            common.refuse("use_bidirectional_attention", bidirectional,
+                          "is not supported (causal decoders only)")
         if not self.soft_capping and (
             getattr(config, "attn_logit_softcapping", None)
             or getattr(config, "final_logit_softcapping", None)
@@ -112,7 +117,7 @@ class LlamaConverter:
         """The `DecoderOnlyLM` arguments."""
         config = self.config
         hidden, heads = config.hidden_size, config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads, head_dim = self.head_sizes()
         if heads % kv_heads:
             common.refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads={heads}")
         theta, scaling = self.rope()
@@ -123,7 +128,7 @@ class LlamaConverter:
             vocabulary_size=config.vocab_size, sequence_length=config.max_position_embeddings,
             hidden_dim=hidden, num_layers=config.num_hidden_layers, num_heads=heads,
             num_key_value_heads=kv_heads, intermediate_dim=config.intermediate_size,
-            head_dim=getattr(config, "head_dim", None) or hidden // heads, position="rotary",
+            head_dim=head_dim, position="rotary",
             rope_max_wavelength=theta, rope_scaling=scaling,
             sliding_window=self.sliding_window(),
             activation=self.activation(), layer_norm_epsilon=config.rms_norm_eps,
@@ -135,6 +140,13 @@ class LlamaConverter:
             mask_padded_queries=False, pad_token_id=0 if pad is None else pad,
             name=f"{self.model_type}_keras_attn",
         )
+
+    def head_sizes(self):
+        """`(num_key_value_heads, head_dim)`, the same on every layer."""
+        config = self.config
+        heads = config.num_attention_heads
+        return (getattr(config, "num_key_value_heads", None) or heads,
+                getattr(config, "head_dim", None) or config.hidden_size // heads)
 
     def rope(self):
         """`(rope_max_wavelength, rope_scaling)` of the model (`rope`)."""

@@ -7,9 +7,11 @@ Runtime GenAI model builder writes its own (onnxruntime-genai,
 graph with tf2onnx:
 
 - the token table as a `Gather` (times `embedding_scale`, Gemma); a tied
-  table is stored once, as the head's weight, and looked up through it
-  (`Transpose` + `Gather` in float32, `GatherBlockQuantized` on the head's
-  codes when quantized, as the builder does for tied models);
+  table is stored once: in float32 as the table, read by the head as a
+  `Gemm` with `transB=1` (a `MatMul` would need its transpose, which
+  onnxruntime folds into a second vocabulary-sized copy when it loads the
+  model); quantized as the head's codes, looked up by `GatherBlockQuantized`
+  as the builder does for tied models;
 - per block, `SimplifiedLayerNormalization` (the first) or
   `SkipSimplifiedLayerNormalization` (residual add and RMSNorm in one
   kernel); one packed Q/K/V `MatMul` (+ its bias); `com.microsoft`
@@ -80,6 +82,8 @@ _MODEL_OPTIONS_NOT_FUSED = {
     "use_value_norm": (False, "a norm of each value head"),
     "use_output_scale": (False, "a scale on each block's output"),
 }
+# Sizes the writer takes as one value for every layer, not a list per layer.
+_PER_LAYER_NOT_FUSED = ("head_dim", "num_key_value_heads", "intermediate_dim")
 # Self-attention options (MultiHeadAttention.get_config) the writer honours.
 _KNOWN_ATTENTION_KEYS = {
     "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
@@ -109,6 +113,10 @@ def check_fusable_decoder(model, max_length=None):
     for key, allowed in _MODEL_DEFAULTS_OK.items():
         if config[key] not in allowed:
             raise NotFusableError(f"{key}={config[key]!r} (the fused decoder writer takes {list(allowed)})")
+    for key in _PER_LAYER_NOT_FUSED:
+        if isinstance(config[key], list):
+            raise NotFusableError(f"{key}={config[key]!r} (one value per layer) is not covered by "
+                                  "the fused decoder writer")
     if model.head_dim % 16:
         # onnxruntime's GroupQueryAttention kernels take these sizes only.
         raise NotFusableError(f"head_dim={model.head_dim} (GroupQueryAttention needs a multiple of 16)")
@@ -213,7 +221,7 @@ class _Graph:
         # holds one tensor at a time, and the graph has no 2 GB limit.
         offset = -(-self.data_file.tell() // _EXTERNAL_ALIGNMENT) * _EXTERNAL_ALIGNMENT
         self.data_file.seek(offset)
-        self.data_file.write(array.tobytes())
+        self.data_file.write(array.reshape(-1).view(np.uint8).data)  # no bytes copy
         tensor = TensorProto(name=name, dims=array.shape,
                              data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
         tensor.data_location = TensorProto.EXTERNAL
@@ -243,9 +251,33 @@ class _Graph:
                     weight=self.const(stored, name + f".weight_q{self.bits}"),
                     scales=self.const(scales.reshape(n, -1), name + ".weight_scales"))
 
+    def tied_table(self, table, name):
+        """A tied `(vocabulary, hidden)` table as the head's `weight()`
+        description, written once: quantized, as the head's `(hidden,
+        vocabulary)` weight; in float32, as the table itself (`apply` reads it
+        transposed, `gather_rows` looks rows up in it)."""
+        if self.bits is not None:
+            return self.weight(table.T, name)
+        n, k = table.shape
+        return dict(k=k, n=n, table=self.const(table, "model.embed_tokens.weight"))
+
     def apply(self, x, weight, bias, name):
-        """`x @ weight (+ bias)` for a `weight()` description."""
-        if self.bits is None:
+        """`x @ weight (+ bias)` for a `weight()` or `tied_table()` description."""
+        if "table" in weight:
+            # x (B, T, K) as rows, times the (N, K) table transposed, back to
+            # (B, T, N): Gemm reads B transposed in place (and onnxruntime
+            # packs it as it packs a MatMul weight).
+            rows_shape = self.const(np.array([-1, weight["k"]], np.int64), name + "/rows_shape")
+            rows = self.node("Reshape", [x, rows_shape], name + "/Reshape")
+            y = self.node("Gemm", [rows, weight["table"]], name + "/Gemm", transB=1)
+            batch_time = self.node("Slice", [self.node("Shape", [x], name + "/Shape"),
+                                             self.const(np.array([0], np.int64), name + "/starts"),
+                                             self.const(np.array([2], np.int64), name + "/ends")],
+                                   name + "/Slice")
+            shape = self.node("Concat", [batch_time, self.const(np.array([weight["n"]], np.int64), name + "/n")],
+                              name + "/Concat", axis=0)
+            y = self.node("Reshape", [y, shape], name + "/Reshape_back")
+        elif self.bits is None:
             y = self.node("MatMul", [x, weight["weight"]], name + "/MatMul")
         else:
             y = self.node(
@@ -262,15 +294,13 @@ class _Graph:
         return self.apply(x, self.weight(kernel, name), bias, name)
 
     def gather_rows(self, weight, ids, name):
-        """Rows `ids` of the table whose transpose is the `weight()`
-        description `weight` (a tied head): the model keeps one copy of the
-        table, as the GenAI model builder does. Float32: a `Gather` of its
-        `Transpose` (onnxruntime folds the transpose when it loads the
-        model). Quantized: `GatherBlockQuantized` on the head's own codes
-        and scales, so the looked-up rows are the head's quantized values."""
-        if self.bits is None:
-            table = self.node("Transpose", [weight["weight"]], name + "/Transpose", perm=[1, 0])
-            return self.node("Gather", [table, ids], name + "/Gather")
+        """Rows `ids` of the table of the `tied_table()` description
+        `weight`: the model keeps one copy of the table, as the GenAI model
+        builder does. Float32: a `Gather` of the table. Quantized:
+        `GatherBlockQuantized` on the head's own codes and scales, so the
+        looked-up rows are the head's quantized values."""
+        if "table" in weight:
+            return self.node("Gather", [weight["table"], ids], name + "/Gather")
         n, blocks, row_bytes = weight["stored_shape"]
         flat = self.const(np.array([n, blocks * row_bytes], np.int64), name + "/codes_shape")
         codes = self.node("Reshape", [weight["weight"], flat], name + "/Reshape")
@@ -349,7 +379,7 @@ def _decoder_graph(model, graph, max_length, opset):
 
     table = _value(model.embedding.embeddings)
     if model.lm_head is None:
-        head = graph.weight(table.T, "/lm_head")
+        head = graph.tied_table(table, "/lm_head")
         x = graph.gather_rows(head, "input_ids", "/model/embed_tokens")
     else:
         head = None

@@ -163,8 +163,23 @@ def _write_archive(model, path, options, check_ids=False):
     serve, input_signature = serving_function(model, check_ids)
     archive = keras.export.ExportArchive()
     archive.track(model)
+    # `track` lists the Keras variables, and the endpoint's own tf.Variables
+    # are saved beside them: every weight twice in the checkpoint, and in
+    # whatever loads it (TF Serving, the verification, TFLite's converter).
+    # The same lists made of those tf.Variables save each weight once; the
+    # loaded object keeps `variables` / `trainable_variables` (fine-tuning
+    # under a GradientTape).
+    for collection in ("variables", "trainable_variables", "non_trainable_variables"):
+        archive.add_variable_collection(
+            collection, [_tf_variable(v) for v in getattr(model, collection)])
     archive.add_endpoint(SIGNATURE_KEY, serve, input_signature=input_signature)
     archive.write_out(path, verbose=False, options=options)
+
+
+def _tf_variable(variable):
+    """The `tf.Variable` a Keras variable (TensorFlow backend) holds."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return value if isinstance(value, tf.Variable) else variable
 
 
 def write_saved_model(model, path, check_ids=False):

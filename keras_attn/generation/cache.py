@@ -46,6 +46,13 @@ def stack_cache(cache, part="self_attention"):
             "only: ring buffers beside full caches), so they cannot be stacked into one "
             f"tensor. Received cache lengths per layer: {lengths}"
         )
+    heads = [tuple(layer[part][0].shape[2:]) for layer in cache]
+    if len(set(heads)) > 1:
+        raise ValueError(
+            "The layers' caches have different key/value heads or head sizes (`head_dim` / "
+            "`num_key_value_heads` per layer), so they cannot be stacked into one tensor. "
+            f"Received (num_key_value_heads, head_dim) per layer: {heads}"
+        )
     return ops.stack([ops.stack(list(layer[part]), axis=0) for layer in cache], axis=0)
 
 

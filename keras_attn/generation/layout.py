@@ -25,8 +25,10 @@ def layout_map(model, device_mesh, model_axis="model", data_axis="data"):
     size = device_mesh.shape[names.index(model_axis)]
     for name in ("num_heads", "num_key_value_heads", "intermediate_dim", "vocabulary_size",
                  "per_layer_input_vocabulary_size"):
-        # The per-layer input table (Gemma 4) is sharded as the token table.
-        if (getattr(model, name, None) or 0) % size:
+        # The per-layer input table (Gemma 4) is sharded as the token table;
+        # sizes given per layer are checked layer by layer.
+        value = getattr(model, name, None) or 0
+        if any(v % size for v in (value if isinstance(value, list) else [value])):
             raise ValueError(
                 f"`{name}`={getattr(model, name)} is not divisible by the {size} devices "
                 f"of mesh axis {model_axis!r}."

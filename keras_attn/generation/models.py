@@ -84,8 +84,20 @@ class _LMBase(keras.Model):
             "num_decoder_layers", num_decoder_layers or num_layers
         )
         self.num_heads = _checks.check_positive_int("num_heads", num_heads)
-        self.intermediate_dim = _checks.check_positive_int("intermediate_dim", intermediate_dim)
-        self.num_key_value_heads = num_key_value_heads or num_heads
+        # `intermediate_dim`, `num_key_value_heads` and `head_dim` take one
+        # value per decoder layer too (Gemma 4: full-attention layers with
+        # their own head size and key/value heads, wider feed-forwards on
+        # the KV-shared layers); `DecoderOnlyLM` only.
+        self.intermediate_dim = _check_per_layer(
+            "intermediate_dim", intermediate_dim, self.num_decoder_layers,
+            _checks.check_positive_int, "a positive int",
+        )
+        self.num_key_value_heads = _check_per_layer(
+            "num_key_value_heads", num_key_value_heads, self.num_decoder_layers,
+            lambda name, h: _checks.check_num_key_value_heads(
+                _checks.check_positive_int(name, h), self.num_heads, name),
+            "None, a positive int",
+        ) or num_heads
         self.position = _checks.check_choice(
             "position", position, ("sinusoidal", "learned", "rotary", "relative")
         )
@@ -107,9 +119,10 @@ class _LMBase(keras.Model):
                 f"`hidden_dim` must be divisible by `num_heads` when `head_dim` is None. "
                 f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
             )
-        self.head_dim = _checks.check_positive_int("head_dim", head_dim, allow_none=True) or (
-            hidden_dim // num_heads
-        )
+        self.head_dim = _check_per_layer(
+            "head_dim", head_dim, self.num_decoder_layers, _checks.check_positive_int,
+            "None, a positive int",
+        ) or (hidden_dim // num_heads)
         self.explicit_head_dim = head_dim is not None
         for name, value in _checks.check_block_switches(
             normalization, use_gated_feedforward, attention_use_bias,
@@ -220,16 +233,25 @@ class _LMBase(keras.Model):
 
     def layer_sliding_windows(self):
         """The self-attention window of each decoder layer (None: full attention)."""
-        if isinstance(self.sliding_window, list):
-            return list(self.sliding_window)
-        return [self.sliding_window] * self.num_decoder_layers
+        return _per_layer(self.sliding_window, self.num_decoder_layers)
+
+    def layer_head_dims(self):
+        """The head size of each decoder layer."""
+        return _per_layer(self.head_dim, self.num_decoder_layers)
+
+    def layer_num_key_value_heads(self):
+        """The number of key/value heads of each decoder layer."""
+        return _per_layer(self.num_key_value_heads, self.num_decoder_layers)
+
+    def layer_intermediate_dims(self):
+        """The feed-forward width of each decoder layer."""
+        return _per_layer(self.intermediate_dim, self.num_decoder_layers)
 
     def _block_kwargs(self):
         return dict(
             activation=self.activation,
             layer_norm_epsilon=self.layer_norm_epsilon,
             mask_padded_queries=self.mask_padded_queries,
-            key_dim=self.head_dim,
             normalization=self.normalization,
             use_gated_feedforward=self.use_gated_feedforward,
             attention_use_bias=self.attention_use_bias,
@@ -291,15 +313,16 @@ class _LMBase(keras.Model):
     def _decoder_blocks(self):
         return [
             TransformerDecoderBlock(
-                self.num_heads, intermediate_dim=self.intermediate_dim,
-                num_key_value_heads=self.num_key_value_heads,
-                normalize_first=True, rotary_embedding=rotary,
+                self.num_heads, intermediate_dim=width, num_key_value_heads=heads,
+                key_dim=head_dim, normalize_first=True, rotary_embedding=rotary,
                 sliding_window=window, name=f"decoder_{i}",
                 **self._block_kwargs(), **self._decoder_block_options(i),
             )
-            for i, (rotary, window) in enumerate(
-                zip(self._layer_rotaries(), self.layer_sliding_windows())
-            )
+            for i, (rotary, window, width, heads, head_dim) in enumerate(zip(
+                self._layer_rotaries(), self.layer_sliding_windows(),
+                self.layer_intermediate_dims(), self.layer_num_key_value_heads(),
+                self.layer_head_dims(),
+            ))
         ]
 
     @property
@@ -345,7 +368,8 @@ class _LMBase(keras.Model):
         # them when the sizes are static (a ring buffer wraps by design).
         if not cache:
             return
-        for layer, window in zip(cache, self._cache_windows()):
+        windows = [window for window, _, _ in self._cache_layers()]
+        for layer, window in zip(cache, windows):
             length = layer["self_attention"][0].shape[1]
             ring = window is not None and window == length
             cache_lib.check_cache_write(length, token_ids.shape[1], cache_index, ring=ring)
@@ -360,21 +384,25 @@ class _LMBase(keras.Model):
         are rings and the others hold `max_length` positions.
         `ring_buffers=False` gives every layer `max_length` positions, the
         window then a band over them (one cache length for every layer, as
-        the LLM runtimes' cache layouts need).
+        the LLM runtimes' cache layouts need). Each layer's cache has its
+        own key/value heads and head size (`num_key_value_heads`,
+        `head_dim` given per layer).
         """
         _checks.check_bool("ring_buffers", ring_buffers)
         return [
             cache_lib.empty_cache(
                 batch_size,
                 max_length if window is None or not ring_buffers else min(max_length, window), 1,
-                self.num_key_value_heads, self.head_dim, dtype,
+                heads, head_dim, dtype,
             )[0]
-            for window in self._cache_windows()
+            for window, heads, head_dim in self._cache_layers()
         ]
 
-    def _cache_windows(self):
-        """The window of each layer that has a cache (every layer here)."""
-        return self.layer_sliding_windows()
+    def _cache_layers(self):
+        """`(window, num_key_value_heads, head_dim)` of each layer that has
+        a cache (every layer here)."""
+        return list(zip(self.layer_sliding_windows(), self.layer_num_key_value_heads(),
+                        self.layer_head_dims()))
 
     def get_config(self):
         config = super().get_config()
@@ -415,6 +443,11 @@ class _LMBase(keras.Model):
             )
         )
         return config
+
+
+def _per_layer(value, num_layers):
+    """A per-layer option as a list of one value per layer."""
+    return list(value) if isinstance(value, list) else [value] * num_layers
 
 
 def _check_per_layer(name, value, num_layers, check, scalars, allow_scalar=True):
@@ -481,11 +514,18 @@ class DecoderOnlyLM(_LMBase):
       model's;
     - `rotary_layers`: None, or a list of one bool per layer, False for a
       layer without rotary positions (SmolLM3's `no_rope_layers`);
+    - `head_dim`, `num_key_value_heads`, `intermediate_dim`: one value for
+      every layer, or a list of one per layer (Gemma 4: full-attention
+      layers with a larger head and fewer key/value heads, twice as wide
+      feed-forwards on the KV-shared layers); `init_cache` gives each layer
+      a cache of its own heads and head size (the exports that stack every
+      layer's cache into one tensor refuse such a model by name);
     - `key_value_sources`: None, or a list with one entry per layer: None
       (the layer projects its own keys and values) or the index `j` of an
       earlier layer whose keys and values it attends over with its own
       queries (Gemma 4's `num_kv_shared_layers`). Layer `j` must project its
-      own and have the same `sliding_window`. Such a layer has no key/value
+      own and have the same `sliding_window`, `num_key_value_heads` and
+      `head_dim`. Such a layer has no key/value
       projections and no cache: `init_cache` returns one entry per layer
       that projects its own keys and values, in layer order.
 
@@ -585,12 +625,17 @@ class DecoderOnlyLM(_LMBase):
                     "None or the index of an earlier layer that projects its own keys and "
                     f"values. Received: key_value_sources={sources!r}"
                 )
-            if windows[j] != windows[i]:
-                raise ValueError(
-                    f"Layer {i} reuses the keys and values of layer {j}, which has another "
-                    f"sliding window ({windows[j]} vs {windows[i]}); they must be equal. "
-                    f"Received: key_value_sources={sources!r}, sliding_window={self.sliding_window!r}"
-                )
+            for name, what, values in (
+                ("sliding_window", "sliding window", windows),
+                ("num_key_value_heads", "number of key/value heads", self.layer_num_key_value_heads()),
+                ("head_dim", "head size", self.layer_head_dims()),
+            ):
+                if values[j] != values[i]:
+                    raise ValueError(
+                        f"Layer {i} reuses the keys and values of layer {j}, which has another "
+                        f"{what} ({values[j]} vs {values[i]}); they must be equal. Received: "
+                        f"key_value_sources={sources!r}, {name}={getattr(self, name)!r}"
+                    )
         return sources
 
     def _decoder_block_options(self, index):
@@ -602,11 +647,11 @@ class DecoderOnlyLM(_LMBase):
             use_output_scale=self.use_output_scale,
         )
 
-    def _cache_windows(self):
-        """The window of each layer that has a cache (those that project
-        their own keys and values)."""
+    def _cache_layers(self):
+        """`(window, num_key_value_heads, head_dim)` of each layer that has a
+        cache (those that project their own keys and values)."""
         sources = self.key_value_sources or [None] * self.num_layers
-        return [w for w, j in zip(self.layer_sliding_windows(), sources) if j is None]
+        return [c for c, j in zip(_LMBase._cache_layers(self), sources) if j is None]
 
     def _per_layer_inputs(self, token_ids, x):
         """`(B, T, num_layers, P)` per-layer inputs (None without them):
@@ -698,12 +743,20 @@ class Seq2SeqLM(_LMBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        for name in ("intermediate_dim", "num_key_value_heads", "head_dim"):
+            if isinstance(getattr(self, name), list):
+                raise ValueError(
+                    f"Received an invalid value for argument `{name}`, expected one value for "
+                    "every layer (a list of one per layer is for DecoderOnlyLM). Received: "
+                    f"{name}={getattr(self, name)!r}"
+                )
         self.encoder_embedding = self._embedding("encoder_embedding")
         rotary = self._rotary()
         self.encoder_blocks = [
             TransformerEncoderBlock(
                 self.num_heads, intermediate_dim=self.intermediate_dim,
-                num_key_value_heads=self.num_key_value_heads, normalize_first=True,
+                num_key_value_heads=self.num_key_value_heads, key_dim=self.head_dim,
+                normalize_first=True,
                 rotary_embedding=rotary, name=f"encoder_{i}",
                 **self._block_kwargs(),
             )

@@ -115,14 +115,15 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
             f"this model has sequence_length={trace.max_positions}. Lower `max_length` "
             f"or `prefill_lengths`. Received: max_length={max_length}, "
             f"prefill_lengths={lengths}")
-    cache_shape = trace.cache_shape(1, trace.cache_length)  # keras_attn's layout: no transposes
 
     def make(length, with_logits):
         specs = [tf.TensorSpec((1, length), tf.int32, name="tokens"),
                  tf.TensorSpec((length,), tf.int32, name="input_pos")]
         for i in range(trace.num_layers):
-            specs += [tf.TensorSpec(cache_shape, trace.cache_dtype, name=f"kv_cache_k_{i}"),
-                      tf.TensorSpec(cache_shape, trace.cache_dtype, name=f"kv_cache_v_{i}")]
+            # keras_attn's layout, no transposes; each layer its own heads and head size.
+            shape = trace.cache_shape(1, trace.cache_length, layer=i)
+            specs += [tf.TensorSpec(shape, trace.cache_dtype, name=f"kv_cache_k_{i}"),
+                      tf.TensorSpec(shape, trace.cache_dtype, name=f"kv_cache_v_{i}")]
 
         def run(tokens, input_pos, *caches):
             # A chunk's keys and values are written as one slice at input_pos[0].

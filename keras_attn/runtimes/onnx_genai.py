@@ -6,7 +6,8 @@ decoding loop over one graph used for prefill and decode, with Hugging Face's
 I/O names: int64 `input_ids` `(B, T)` and `attention_mask` `(B, total)` (1 =
 token; `total` = tokens so far, this call's included), per-layer
 `past_key_values.%d.key|value` inputs and `present.%d.key|value` outputs
-`(B, num_key_value_heads, S, head_dim)`, and `logits` `(B, T, V)`.
+`(B, num_key_value_heads, S, head_dim)` (each layer's own heads and head
+size: GenAI sizes each cache from the graph), and `logits` `(B, T, V)`.
 
 The cache is keras_attn's fixed-size one: `S = max_length`, static in the
 graph, which GenAI detects and runs with `past_present_share_buffer` (the
@@ -63,15 +64,16 @@ def genai_function(model, max_length):
     # GenAI's caches hold every position: a window is a band over them.
     trace = DecoderTrace(model, max_length=max_length, ring_buffers=False)
     length = trace.cache_length
-    # Hugging Face's cache layout (B, H_kv, S, d); keras_attn's is (B, S, H_kv, d).
-    heads_first = (None, trace.num_key_value_heads, length, trace.head_dim)
     specs = [
         tf.TensorSpec((None, None), tf.int64, name="input_ids"),
         tf.TensorSpec((None, None), tf.int64, name="attention_mask"),
     ]
-    for i in range(trace.num_layers):
+    for i, (heads, head_dim) in enumerate(trace.layer_cache_shapes):
+        # Hugging Face's cache layout (B, H_kv, S, d); keras_attn's is (B, S, H_kv, d).
+        # Each layer's own (H_kv, d), static: GenAI sizes each layer's cache from them.
         for kind in ("key", "value"):
-            specs.append(tf.TensorSpec(heads_first, tf.float32, name=f"past_{kind}_{i}"))
+            specs.append(tf.TensorSpec((None, heads, length, head_dim), tf.float32,
+                                       name=f"past_{kind}_{i}"))
 
     def run(input_ids, attention_mask, *past):
         ids = tf.cast(input_ids, tf.int32)
@@ -117,10 +119,16 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
     """The `genai_config.json` dict for `model`'s graph (greedy search by default)."""
     pad = getattr(model, "pad_token_id", 0) if pad_token_id is None else pad_token_id
     eos = pad if eos_token_id is None else eos_token_id
+
+    def first(value):
+        # With a head size or key/value heads per layer, the first cache's: GenAI
+        # reads each layer's cache shape from the graph's past_key_values inputs.
+        return value[0] if isinstance(value, list) else value
+
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": filename,
-        "head_size": int(model.head_dim),
+        "head_size": int(first(model.head_dim)),
         "hidden_size": int(model.hidden_dim),
         "inputs": {
             "input_ids": "input_ids",
@@ -136,7 +144,7 @@ def genai_config(model, *, max_length, bos_token_id=None, eos_token_id=None,
         "num_attention_heads": int(model.num_heads),
         # GenAI reads it as the number of key/value caches.
         "num_hidden_layers": int(num_caches(model)),
-        "num_key_value_heads": int(model.num_key_value_heads),
+        "num_key_value_heads": int(first(model.num_key_value_heads)),
     }
     return {
         "model": {
@@ -323,6 +331,9 @@ def verify_genai_model(model, path, *, max_length, quantization=None):
     def decode(token_ids, index, cache):
         return call(token_ids, int(index) + 1, cache)
 
+    # Two decode calls (the second reads what the first wrote): without
+    # prepacked weights each call packs every weight again, 1.5 s per call
+    # for a 0.5B float32 model.
     return verification.verify_prefill_decode(
         "onnx_genai", model, prefill, decode, max_length=max_length,
-        quantization=quantization)
+        quantization=quantization, decode_steps=2)

@@ -27,6 +27,12 @@ row's (right-padded) prompt lasts. `index` must stay below the cache length
 (the export's `max_length`), except for a sliding-window model, whose cache
 is a ring buffer that wraps; `greedy_loop` checks this.
 
+A model whose layers' caches differ in key/value heads or head size
+(`DecoderOnlyLM` with `head_dim` / `num_key_value_heads` per layer, Gemma 4)
+stacks them padded with zeros to the largest `H_kv` and `D`: layer `i` reads
+`cache[i, :, :, :, :H_i, :D_i]` and the padding is never read. (LiteRT-LM
+bundles and GenAI folders have one cache per layer, unpadded.)
+
 Bad requests (docs/guides/serving_validation.md has the measured table):
 
 - SavedModel (`checks="assert"`): `prefill`, `decode` and `generate` check at
@@ -96,10 +102,26 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
                          read_bucket=decoder_trace.READ_BUCKET, update_slices=update_slices)
     vocab, positions = trace.vocabulary_size, trace.max_positions
     layers, store = trace.num_layers, trace.cache_dtype
+    # Caches of other shapes per layer are stacked padded to the largest.
+    heads = max(h for h, _ in trace.layer_cache_shapes)
+    size = max(d for _, d in trace.layer_cache_shapes)
 
     def spec(length, name):  # a stacked cache: (num_layers, 2, B, S, H_kv, D)
-        return tf.TensorSpec((layers, 2, *trace.cache_shape(batch_size, length)), store,
-                             name=name)
+        return tf.TensorSpec((layers, 2, batch_size, length, heads, size), store, name=name)
+
+    def stack(c):
+        if trace.uniform:
+            return cache_lib.stack_cache(c)
+        return tf.stack([tf.stack([tf.pad(t, [[0, 0], [0, 0], [0, heads - t.shape[2]],
+                                              [0, size - t.shape[3]]]) for t in layer["self_attention"]])
+                         for layer in c])
+
+    def unstack(stacked, cross):
+        c = cache_lib.unstack_cache(stacked, cross)
+        if trace.uniform:
+            return c
+        return [{**layer, "self_attention": tuple(t[:, :, :h, :d] for t in layer["self_attention"])}
+                for layer, (h, d) in zip(c, trace.layer_cache_shapes)]
 
     ids = tf.TensorSpec((batch_size, prompt_length), tf.int32, name="token_ids")
     enc_ids = tf.TensorSpec((batch_size, encoder_length), tf.int32, name="encoder_ids")
@@ -125,7 +147,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         check = request_checks.Checks(checks, "prefill")
         token_ids, encoder_ids = _check_inputs(check, "token_ids", token_ids, encoder_ids)
         logits, c, mask = trace.prefill(token_ids, encoder_ids)
-        out = {"logits": logits, "cache": trace.store(cache_lib.stack_cache(c))}
+        out = {"logits": logits, "cache": trace.store(stack(c))}
         if encoder_ids is not None:
             out["cross_cache"] = trace.store(cache_lib.stack_cache(c, "cross_attention"))
             out["encoder_padding_mask"] = mask
@@ -137,9 +159,9 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
         check = request_checks.Checks(checks, "decode")
         token_ids = check.token_ids("token_ids", token_ids, vocab)
         index = check.index(index, trace.cache_length, trace.ring)
-        c = cache_lib.unstack_cache(trace.load(cache), trace.load(cross_cache))
+        c = unstack(trace.load(cache), trace.load(cross_cache))
         logits, c = trace.decode(token_ids, c, index, encoder_padding_mask=encoder_padding_mask)
-        out = {"logits": logits, "cache": trace.store(cache_lib.stack_cache(c))}
+        out = {"logits": logits, "cache": trace.store(stack(c))}
         if flag:
             out["valid"] = check.valid()
         return out

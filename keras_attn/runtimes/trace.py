@@ -98,7 +98,11 @@ class DecoderTrace:
         model, max_length: as given.
         cache_dtype: the storage `tf.DType`.
         num_layers: the number of self-attention caches (decoder blocks).
-        num_key_value_heads, head_dim: each cache's last two axes.
+        layer_cache_shapes: `(num_key_value_heads, head_dim)`, each cache's
+            last two axes, one pair per cache (`DecoderOnlyLM` with
+            `head_dim` / `num_key_value_heads` per layer: not all equal).
+        num_key_value_heads, head_dim: those of every cache, or None when
+            the caches' shapes differ (`uniform` is False).
         cache_length: its slots: `max_length`, or the window of a
             sliding-window model, whose cache is then a ring buffer.
         ring: whether it is one (the cache wraps; any position is valid).
@@ -121,10 +125,13 @@ class DecoderTrace:
         self._cache_kwargs = {} if ring_buffers or set(windows) == {None} else {"ring_buffers": False}
         # A batch of zero rows: the shapes without allocating a cache.
         empty = model.init_cache(0, max_length, **self._cache_kwargs)
-        key = empty[0]["self_attention"][0]
+        keys = [layer["self_attention"][0] for layer in empty]
         self.num_layers = len(empty)
-        self.cache_length, self.num_key_value_heads, self.head_dim = (
-            int(key.shape[1]), int(key.shape[2]), int(key.shape[3]))
+        self.cache_length = int(keys[0].shape[1])
+        self.layer_cache_shapes = [(int(k.shape[2]), int(k.shape[3])) for k in keys]
+        self.uniform = len(set(self.layer_cache_shapes)) == 1
+        self.num_key_value_heads, self.head_dim = (
+            self.layer_cache_shapes[0] if self.uniform else (None, None))
         self.ring = self.cache_length < max_length
         self.seq2seq = hasattr(model, "encode")
         vocab = getattr(model, "vocabulary_size", None)
@@ -132,10 +139,23 @@ class DecoderTrace:
                                 else None)
         self.max_positions = getattr(model, "max_positions", None)
 
-    def cache_shape(self, batch_size, length):
+    def cache_shape(self, batch_size, length, layer=None):
         """One key or value cache: `(batch_size, length, num_key_value_heads, head_dim)`
-        (None for a dynamic axis; `length` is `cache_length` for self-attention)."""
-        return (batch_size, length, self.num_key_value_heads, self.head_dim)
+        (None for a dynamic axis; `length` is `cache_length` for self-attention),
+        of cache `layer`, or of every cache (a ValueError if they differ)."""
+        if layer is None:
+            self.check_uniform("one cache shape for every layer")
+            layer = 0
+        return (batch_size, length, *self.layer_cache_shapes[layer])
+
+    def check_uniform(self, needs):
+        """A ValueError, saying the writer `needs`, unless every cache has one shape."""
+        if not self.uniform:
+            raise ValueError(
+                f"This export needs {needs}, and the model's layers have caches of other "
+                "key/value heads or head sizes (`head_dim` / `num_key_value_heads` per layer). "
+                f"Received (num_key_value_heads, head_dim) per cache: {self.layer_cache_shapes}"
+            )
 
     def load(self, tensor):
         """A stored cache tensor in float32, what a call computes in (None stays None)."""

@@ -66,13 +66,14 @@ def verification_ids(model, batch, length, seed=0):
 
 def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size=None,
                           prompt_length=None, encoder_length=None, quantization=None,
-                          cache_dtype="float32", seed=0):
+                          cache_dtype="float32", seed=0, decode_steps=None):
     """Runs `prefill` / `decode` (callables over NumPy dicts named as the
     signatures) against Keras; returns `(checks, atol, agreement, min_agreement)`.
 
     Static shapes (TFLite) are given by `batch_size`, `prompt_length` and
     `encoder_length`; otherwise a batch of 2, a prompt of 4 and an encoder
-    input of 6 are used. Raises `ParityError` when a float32 export's logits
+    input of 6 are used. `decode_steps` (default: up to `VERIFY_LENGTH`
+    tokens in all) bounds the `decode` calls. Raises `ParityError` when a float32 export's logits
     differ from Keras's by more than `FLOAT32_RTOL` of the largest logit.
     Quantized weights or a float16 cache are reported, not checked: the
     share of positions whose next token (argmax) equals Keras's
@@ -82,6 +83,8 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
     length = max(2, min(max_length, VERIFY_LENGTH))
     prompt = prompt_length or min(4, length - 1)
     length = max(length, prompt)
+    if decode_steps is not None:
+        length = min(prompt + decode_steps, max_length)
     ids = verification_ids(model, batch, length, seed)
     encoder_ids = None
     if hasattr(model, "encode"):
