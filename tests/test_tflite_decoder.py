@@ -25,7 +25,8 @@ CHUNKS = (4, 16)
 # shorter than the context, linear rope scaling, rotary on half of each
 # head) and Gemma-2/3-like
 # (QK-norm, sandwich norms, both soft caps, a windowed layer beside a full
-# one, a layer without rotary, tanh-GELU, a scaled embedding); a read bucket smaller than the cache makes `decode` read the
+# one, a layer without rotary, tanh-GELU, a scaled embedding, key/value
+# heads, head sizes and widths per layer as Gemma 4's); a read bucket smaller than the cache makes `decode` read the
 # filled slots only (the dynamic-length path real sizes take).
 VARIANTS = {
     "llama": dict(num_key_value_heads=2, rope_scaling={
@@ -34,7 +35,8 @@ VARIANTS = {
     "qwen2_tied": dict(num_key_value_heads=1, attention_use_bias=True, tie_embeddings=True),
     "windowed": dict(num_key_value_heads=2, sliding_window=6, partial_rotary_factor=0.5,
                      rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "gemma_like": dict(num_key_value_heads=1, use_qk_norm=True, use_sandwich_norm=True,
+    "gemma_like": dict(num_key_value_heads=[1, 2], head_dim=[8, 16], intermediate_dim=[48, 64],
+                       use_qk_norm=True, use_sandwich_norm=True,
                        attention_logit_soft_cap=3.0, final_logit_soft_cap=5.0,
                        sliding_window=[6, None], rotary_layers=[True, False],
                        activation="gelu_tanh", embedding_scale=8.0),
@@ -45,8 +47,8 @@ def _lm(name, seed=0):
     options = dict(position="rotary", normalization="rms_norm", use_gated_feedforward=True,
                    activation="silu")
     options.update(VARIANTS[name])
-    lm = DecoderOnlyLM(VOCAB, 64, 32, num_layers=2, num_heads=4, intermediate_dim=48,
-                       pad_token_id=0, **options)
+    options.setdefault("intermediate_dim", 48)
+    lm = DecoderOnlyLM(VOCAB, 64, 32, num_layers=2, num_heads=4, pad_token_id=0, **options)
     lm(np.array([[2, 3]], np.int32))
     rng = np.random.default_rng(seed)
     for w in lm.weights:  # spread logits: generations that vary
@@ -128,7 +130,10 @@ def test_contract_and_weights_written_once_after_the_flatbuffer(written):
     assert sorted(signatures) == ["decode", "prefill_16", "prefill_4"]
     decode = _interpreter(path).get_signature_runner("decode")
     inputs = decode.get_input_details()
-    assert list(inputs["kv_cache_k_1"]["shape"]) == [1, MAX_LEN, lm.num_key_value_heads, lm.head_dim]
+    for i, block in enumerate(lm.blocks):  # each layer's own key/value heads and head size
+        attention = block.self_attention
+        assert list(inputs[f"kv_cache_v_{i}"]["shape"]) == [
+            1, MAX_LEN, attention.num_key_value_heads, attention.key_dim]
     assert list(inputs["tokens"]["shape"]) == [1, 1] and inputs["input_pos"]["dtype"] == np.int32
     assert list(decode.get_output_details()["logits"]["shape"]) == [1, 1, VOCAB]
     # Every sizable constant lies after the flatbuffer, addressed by offset,
@@ -140,7 +145,7 @@ def test_contract_and_weights_written_once_after_the_flatbuffer(written):
     assert max(o + s for o, s in stored) == len(content)
     parameters = sum(int(np.prod(w.shape)) for w in lm.weights) * 4
     norms = (2 * lm.num_layers + 1) * 64 * 4  # folded into the projections
-    rotary = 2 * MAX_LEN * lm.head_dim * 4  # cos and sin tables
+    rotary = sum(2 * MAX_LEN * b.self_attention.key_dim * 4 for b in lm.blocks)  # cos, sin tables
     indices = 4096  # slot and position numbers, shapes
     assert parameters - norms <= sum(s for _, s in stored) <= parameters + rotary + indices
     ops = {flatbuffer_utils.opcode_to_name(model, op.opcodeIndex)

@@ -270,7 +270,7 @@ class _Graph:
         self.operators = []
         self.consts = {}  # (buffer, shape, dtype) or (buffer, weight key) -> tensor
         self.shapes = {}  # tensor index -> (static shape, NumPy dtype)
-        self.rotary = {}  # id(RotaryEmbedding) -> (cos, sin) at this chunk's positions
+        self.rotary = {}  # (id(RotaryEmbedding), head_dim) -> (cos, sin) at this chunk's positions
 
     def tensor(self, name, shape, dtype, buffer=0, quantization=None):
         s = self.s
@@ -480,9 +480,10 @@ class _DecoderBuilder:
         self.max_length = int(max_length)
         self.int8 = quantization == "dynamic"
         self.read_bucket = read_bucket
-        self.heads = model.num_heads
-        self.kv_heads = model.num_key_value_heads
-        self.head_dim = model.head_dim
+        # Each layer's query heads, key/value heads and head size, from its
+        # attention (a model may give them per layer).
+        self.sizes = [(b.self_attention.num_heads, b.self_attention.num_key_value_heads,
+                       b.self_attention.key_dim) for b in model.blocks]
         self.windows = model.layer_sliding_windows()
         self.rotary_tables = {}  # id(rotary) -> (cos, sin) arrays, computed once
 
@@ -555,12 +556,10 @@ class _DecoderBuilder:
         s = self.w.s
         g = _Graph(self.w, name)
         model, t_len, S = self.model, length, self.max_length
-        kv, hd, heads = self.kv_heads, self.head_dim, self.heads
-        groups = heads // kv
         tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
         input_pos = g.tensor(f"{name}_input_pos", (t_len,), np.int32)
         caches = []
-        for i in range(len(model.blocks)):
+        for i, (_, kv, hd) in enumerate(self.sizes):
             caches.append([g.tensor(f"{name}_kv_cache_{kind}_{i}", (1, S, kv, hd), np.float32)
                            for kind in "kv"])
         inputs = [tokens, input_pos] + [c for pair in caches for c in pair]
@@ -583,13 +582,11 @@ class _DecoderBuilder:
             read = g.binary("MINIMUM", g.mul(blocks, g.const(np.array(bucket, np.int32))),
                             g.const(np.array(S, np.int32)), options=g.options("MaximumMinimumOptions"))
             read_len = None
-            read_size = g.concat([g.const(np.array([1], np.int32)), read,
-                                  g.const(np.array([kv, hd], np.int32))], 0)
             key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
                                        g.const(np.array([0], np.int32)), read],
                              (None,), np.int32, g.options("SliceOptions"))
         else:
-            read, read_len, read_size = None, S, None
+            read, read_len = None, S
             key_slots = g.const(np.arange(S, dtype=np.int32))
         masks = {}
 
@@ -628,6 +625,7 @@ class _DecoderBuilder:
                             g.const(np.array(0, np.int32)), options=g.options("MaximumMinimumOptions"))
 
         def write(cache, new):
+            _, _, kv, hd = g.shape(cache)
             new = g.reshape(new, (1, t_len, kv, hd))
             if t_len == 1:
                 return g.op("DYNAMIC_UPDATE_SLICE", [cache, new, start], (1, S, kv, hd),
@@ -636,10 +634,16 @@ class _DecoderBuilder:
             return g.op("SELECT_V2", [inside, spread, cache], (1, S, kv, hd),
                         options=g.options("SelectV2Options"))
 
+        read_sizes = {}
+
         def read_slots(cache):
             if read is None:
                 return cache
-            return g.op("SLICE", [cache, g.const(np.zeros(4, np.int32)), read_size],
+            _, _, kv, hd = g.shape(cache)
+            if (kv, hd) not in read_sizes:
+                read_sizes[kv, hd] = g.concat([g.const(np.array([1], np.int32)), read,
+                                               g.const(np.array([kv, hd], np.int32))], 0)
+            return g.op("SLICE", [cache, g.const(np.zeros(4, np.int32)), read_sizes[kv, hd]],
                         (1, None, kv, hd), options=g.options("SliceOptions"))
 
         ids = g.reshape(tokens, (t_len,))
@@ -648,6 +652,8 @@ class _DecoderBuilder:
         neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
         for i, block in enumerate(model.blocks):
             attention = block.self_attention
+            heads, kv, hd = self.sizes[i]
+            groups = heads // kv
             base = f"layers.{i}"
             gamma = _value(block.self_attention_layer_norm.scale)
             h = self.rms(g, x, block.self_attention_layer_norm.epsilon)
@@ -682,7 +688,7 @@ class _DecoderBuilder:
                 k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
                           g.const(_value(attention.key_norm.scale)))
             if attention.rotary_embedding is not None:
-                cos, sin = self._rotary(g, attention.rotary_embedding, rotary_rows)
+                cos, sin = self._rotary(g, attention.rotary_embedding, rotary_rows, hd)
                 q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
             k_cache = write(caches[i][0], k)
             v_cache = write(caches[i][1], v)
@@ -771,13 +777,13 @@ class _DecoderBuilder:
         m.tensorIndex = index
         return m
 
-    def _rotary(self, g, rotary, rows):
+    def _rotary(self, g, rotary, rows, head_dim):
         """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
         carries the rotation's sign (`[-sin, sin]`), so a rotation is
         `x * cos + swap_halves(x) * sin` over the first `rotary_dim` features."""
-        key = id(rotary)
+        key = (id(rotary), head_dim)
         if key not in self.rotary_tables:
-            cos, sin = rotary_caches(rotary, self.head_dim, self.max_length)
+            cos, sin = rotary_caches(rotary, head_dim, self.max_length)
             self.rotary_tables[key] = (np.concatenate([cos, cos], axis=1),
                                        np.concatenate([-sin, sin], axis=1))
         cos_table, sin_table = self.rotary_tables[key]
@@ -785,7 +791,7 @@ class _DecoderBuilder:
         if key not in cache:
             t_len = g.shape(rows)[0]
             cache[key] = tuple(
-                g.reshape(g.gather(g.weight(f"rotary/{key}/{part}", lambda table=table: (table, None),
+                g.reshape(g.gather(g.weight(f"rotary/{key[0]}/{head_dim}/{part}", lambda table=table: (table, None),
                                             f"rotary_{len(self.rotary_tables)}/{part}"), rows),
                           (t_len, 1, -1))
                 for part, table in (("cos", cos_table), ("sin", sin_table)))
