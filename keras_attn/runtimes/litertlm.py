@@ -27,6 +27,11 @@ slots past the prompt, masked for every real query and overwritten by the
 next calls, and never in slot 0. Slots past `max_length` are dropped
 (`keras_attn.ops.write_cache`).
 
+The TFLite model is written from the Keras weights by
+`keras_attn.export.tflite_decoder` where that writer covers the model (the
+default, `writer="auto"`), else converted by TensorFlow's TFLite converter
+from the traced signatures (`litertlm_functions`).
+
 Greedy decoding in LiteRT-LM (`SamplerConfig(top_k=1)`) gives Keras's
 `greedy_search` tokens; `generate` runs it from text.
 """
