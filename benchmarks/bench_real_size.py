@@ -458,12 +458,12 @@ def _litertlm_stage(quantization):
         path = _litertlm_path(paths, quantization)
         sampler.mark("trace")
         start = time.perf_counter()
-        export_litertlm(model, path, tokenizer=folder, max_length=LITERTLM_MAX_LENGTH,
-                        quantization=quantization, stop_token_ids=[1], min_agreement=0.0)
+        report = export_litertlm(model, path, tokenizer=folder, max_length=LITERTLM_MAX_LENGTH,
+                                 quantization=quantization, stop_token_ids=[1], min_agreement=0.0)
         seconds = time.perf_counter() - start
         sampler.mark(None)
         return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
-                "artifact_bytes": _dir_bytes(path)}
+                "artifact_bytes": _dir_bytes(path), "writer": report.writer}
     return stage
 
 

@@ -232,14 +232,15 @@ def test_families_generate_hf_tokens(tmp_path, family):
     lm = from_huggingface(hf)
     path = tmp_path / "windowed.litertlm"
     written = []  # the bundle's TFLite model, kept as export_litertlm makes it
-    make_tflite = litertlm.litertlm_tflite
+    write_tflite = litertlm.write_litertlm_tflite
 
-    def keep(*args, **kwargs):
-        written.append(make_tflite(*args, **kwargs))
-        return written[-1]
+    def keep(model, tflite_path, **kwargs):
+        result = write_tflite(model, tflite_path, **kwargs)
+        written.append(open(tflite_path, "rb").read())
+        return result
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(litertlm, "litertlm_tflite", keep)
+        patch.setattr(litertlm, "write_litertlm_tflite", keep)
         export_litertlm(lm, path, tokenizer=word_tokenizer(), max_length=MAX_LEN,
                         prefill_lengths=(8, 16), bos_token_id=EOS, stop_token_ids=[EOS])
     text = "the red cat sat on the big mat then"

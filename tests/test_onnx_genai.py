@@ -14,7 +14,7 @@ from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.runtimes.onnx_genai import export_onnx_genai  # noqa: E402
 from tests.llm_runtime_models import (  # noqa: E402
     EOS, HF_FAMILIES, MAX_LEN, hf_family, hf_model, hf_tokens, keras_tokens, scaled_lm,
-    word_tokenizer)
+    trained_dates_decoder, word_tokenizer)
 
 
 def genai_tokens(folder, prompt_ids, max_length):
@@ -134,42 +134,7 @@ def test_character_tokenizer_ids_are_the_characters():
 
 @pytest.fixture(scope="module")
 def trained_dates_lm():
-    """A decoder-only date translator trained here to a stated accuracy
-    (character vocabulary of the dates data; text "<human date>=<iso>")."""
-    import keras
-
-    from keras_attn.data.dates import INPUT_ALPHABET, generate_examples
-    from keras_attn.runtimes.tokenizers import character_tokenizer
-
-    tok = character_tokenizer(INPUT_ALPHABET + "=")
-
-    def encode(count, seed):
-        seqs = [tok.encode(f"{human}={iso}").ids + [EOS] for human, iso in generate_examples(count, seed=seed)]
-        data = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-        for row, seq in enumerate(seqs):
-            data[row, :len(seq)] = seq
-        return data
-
-    data = encode(2000, seed=0)
-    keras.utils.set_random_seed(0)
-    # A Llama-like decoder (RMSNorm, SiLU gate, head size 16): what the fused
-    # writer covers, so that its int8/int4 graphs are judged here.
-    lm = DecoderOnlyLM(len(INPUT_ALPHABET) + 3, 64, 48, num_layers=2, num_heads=3,
-                       intermediate_dim=96, num_key_value_heads=1, head_dim=16, position="rotary",
-                       normalization="rms_norm", use_gated_feedforward=True, activation="silu")
-    lm.compile(keras.optimizers.Adam(3e-3),
-               keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
-    lm.fit(data[:, :-1], data[:, 1:], epochs=6, batch_size=64, verbose=0)
-    held_out = encode(200, seed=98)
-    # The answer's characters: after "=", up to the stop token.
-    answer = np.zeros(held_out.shape, bool)
-    for row, seq in enumerate(held_out):
-        answer[row, list(seq).index(tok.token_to_id("=")):np.count_nonzero(seq) - 1] = True
-    keras_next = np.asarray(lm(held_out)).argmax(-1)
-    accuracy = (keras_next[:, :-1] == held_out[:, 1:])[answer[:, :-1]].mean()
-    # Measured 0.82 (two seeds); full-range int8 weights were told apart at 0.76 already.
-    assert accuracy >= 0.75, f"the model to judge int8 by is under-trained: {accuracy:.3f}"
-    return lm, tok, data.shape[1], held_out, answer, keras_next
+    return trained_dates_decoder()
 
 
 @pytest.mark.slow

@@ -27,6 +27,11 @@ slots past the prompt, masked for every real query and overwritten by the
 next calls, and never in slot 0. Slots past `max_length` are dropped
 (`keras_attn.ops.write_cache`).
 
+The TFLite model is written from the Keras weights by
+`keras_attn.export.tflite_decoder` where that writer covers the model (the
+default, `writer="auto"`), else converted by TensorFlow's TFLite converter
+from the traced signatures (`litertlm_functions`).
+
 Greedy decoding in LiteRT-LM (`SamplerConfig(top_k=1)`) gives Keras's
 `greedy_search` tokens; `generate` runs it from text.
 """
@@ -34,10 +39,14 @@ Greedy decoding in LiteRT-LM (`SamplerConfig(top_k=1)`) gives Keras's
 import dataclasses
 import os
 import tempfile
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
+from keras_attn import checks
+from keras_attn.export import tflite_decoder
+from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS
 from keras_attn.runtimes.tflite_convert import signatures_to_tflite
 from keras_attn.runtimes.tokenizers import write_tokenizer
@@ -59,6 +68,10 @@ FLOAT32_RTOL = 1e-4
 # positions whose next token (argmax) equals Keras's, teacher-forced on the
 # verification sequence.
 DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int4": 0.8}
+# "direct": `keras_attn.export.tflite_decoder` writes the TFLite model from
+# the Keras weights; "converter": TensorFlow's TFLite converter over the
+# traced signatures; "auto": direct where it covers the model.
+WRITERS = ("auto", "direct", "converter")
 
 
 def _positive_int(name, value):
@@ -136,12 +149,53 @@ def litertlm_functions(model, *, max_length, prefill_lengths=None, cache_dtype="
 
 
 def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=None,
-                    cache_dtype="float32"):
-    """The bundle's TFLite model (bytes): `prefill_<T>` and `decode` signatures."""
-    return signatures_to_tflite(
+                    cache_dtype="float32", writer="auto"):
+    """The bundle's TFLite model (bytes): `prefill_<T>` and `decode` signatures.
+
+    `writer`: "auto", "direct" or "converter" (see `export_litertlm`).
+    """
+    with tempfile.TemporaryDirectory(prefix="keras_attn_litertlm_") as tmp:
+        path = os.path.join(tmp, "model.tflite")
+        write_litertlm_tflite(model, path, max_length=max_length, prefill_lengths=prefill_lengths,
+                              quantization=quantization, cache_dtype=cache_dtype, writer=writer)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def write_litertlm_tflite(model, path, *, max_length, prefill_lengths=None, quantization=None,
+                          cache_dtype="float32", writer="auto"):
+    """Writes the bundle's TFLite model to `path`; returns `(writer, why)`:
+    the writer used ("direct" or "converter") and, when "auto" fell back to
+    the converter, why the direct writer was skipped (else None)."""
+    checks.check_choice("writer", writer, WRITERS)
+    cache_storage_dtype(cache_dtype)
+    why = None
+    if writer != "converter":
+        try:
+            if cache_dtype != "float32":
+                raise NotFusableError(f"cache_dtype={cache_dtype!r} (the direct writer keeps float32 caches)")
+            check_runtime_decoder(model, RUNTIME)
+            max_length = _positive_int("max_length", max_length)
+            tflite_decoder.write_decoder_tflite(
+                model, path, max_length=max_length,
+                prefill_lengths=_prefill_lengths(prefill_lengths, max_length),
+                quantization=quantization, read_bucket=decoder_trace.READ_BUCKET)
+            return "direct", None
+        except NotFusableError as error:
+            if writer == "direct":
+                raise ValueError(
+                    f"writer='direct': the direct TFLite writer does not cover the model: {error}. "
+                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
+            why = str(error)
+            warnings.warn(f"The direct TFLite writer does not cover the model ({why}); converting "
+                          "with TensorFlow's TFLite converter instead.", stacklevel=3)
+    content = signatures_to_tflite(
         litertlm_functions(model, max_length=max_length, prefill_lengths=prefill_lengths,
                            cache_dtype=cache_dtype),
         quantization)
+    with open(path, "wb") as f:
+        f.write(content)
+    return "converter", why
 
 
 def executor_metadata(*, num_layers, max_length):
@@ -197,6 +251,9 @@ class LitertLmReport:
         agreement: fraction of positions whose argmax (next token) equals
             Keras's; checked against `min_agreement` for quantized bundles.
         min_agreement: that threshold (None for float32).
+        writer: "direct" (`keras_attn.export.tflite_decoder`) or "converter".
+        direct_writer_skipped: why `writer="auto"` fell back to the
+            converter, else None.
     """
 
     path: str
@@ -207,10 +264,12 @@ class LitertLmReport:
     atol: object
     agreement: float
     min_agreement: object
+    writer: str = "converter"
+    direct_writer_skipped: object = None
 
 
-def runtime_logits(content, tokens):
-    """`tokens` run through a bundle's TFLite model on LiteRT-LM's schedule.
+def runtime_logits(content, tokens, xnnpack=True):
+    """`tokens` run through a bundle's TFLite model (bytes or a path) on LiteRT-LM's schedule.
 
     The first half of `tokens` (`n_prefill`) is prefilled in chunks as the
     runtime picks them (the largest `prefill_<T>` while the rest is at least
@@ -218,10 +277,17 @@ def runtime_logits(content, tokens):
     position 0), then every remaining token goes through `decode`. Returns
     `(logits, n_prefill)`: the `decode` logits `(len(tokens) - n_prefill, V)`,
     row `i` predicting the token after position `n_prefill + i`.
+    `xnnpack=False` runs LiteRT's builtin kernels instead of the XNNPACK
+    delegate, which packs a copy of the weights for every signature.
     """
     from ai_edge_litert import interpreter as litert
 
-    interpreter = litert.Interpreter(model_content=content)
+    source = ({"model_content": content} if isinstance(content, bytes)
+              else {"model_path": os.fspath(content)})
+    if not xnnpack:
+        source["experimental_op_resolver_type"] = (
+            litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    interpreter = litert.Interpreter(**source)
     signatures = interpreter.get_signature_list()
     chunks = sorted((int(k.split("_", 1)[1]), k) for k in signatures if k.startswith("prefill_"))
     decode = interpreter.get_signature_runner("decode")
@@ -258,7 +324,9 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
     if pad is not None:  # the Keras call masks padding, the cached call does not
         tokens[tokens == pad] = (pad + 1) % model.vocabulary_size
     reference = np.asarray(model(tokens), np.float64)[0]
-    got, first = runtime_logits(content, tokens[0])
+    # LiteRT's builtin kernels: XNNPACK would pack the weights once per
+    # signature (three float copies of a 2 GB model at once).
+    got, first = runtime_logits(content, tokens[0], xnnpack=False)
     reference = reference[first:]
     error = float(np.max(np.abs(got - reference)))
     agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
@@ -284,7 +352,8 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
 def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
                     quantization=None, cache_dtype="float32", bos_token_id=None,
                     stop_token_ids=None,
-                    prompt_template=None, atol=None, min_agreement=None, overwrite=True):
+                    prompt_template=None, atol=None, min_agreement=None, overwrite=True,
+                    writer="auto"):
     """Writes a `.litertlm` bundle that `litert_lm.Engine` loads and generates with.
 
     Args:
@@ -319,6 +388,13 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             tokens equal to Keras's (default 0.99 float16, 0.9 dynamic, 0.8
             int4).
         overwrite: replace an existing file.
+        writer: "auto" (default): the direct writer
+            (`keras_attn.export.tflite_decoder`: the TFLite model written
+            from the Keras weights, float32 or "dynamic" int8, float32
+            caches) where it covers the model, else TensorFlow's TFLite
+            converter, with a warning naming why; "direct" (a ValueError
+            where it does not cover the model) or "converter". The report's
+            `writer` says which wrote the bundle.
 
     Returns:
         A `LitertLmReport`.
@@ -349,14 +425,24 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
     if stop_token_ids is None:
         stop_token_ids = (model.pad_token_id,)
     stop_token_ids = tuple(np.atleast_1d(stop_token_ids).tolist())
-    content = litertlm_tflite(model, max_length=max_length, prefill_lengths=prefill_lengths,
-                              quantization=quantization, cache_dtype=cache_dtype)
-    error, bound, agreement, threshold = _verify(model, content, max_length, quantization,
-                                                 atol, min_agreement, cache_dtype=cache_dtype)
+    checks.check_choice("writer", writer, WRITERS)
     with tempfile.TemporaryDirectory(prefix="keras_attn_litertlm_") as tmp:
+        # The model is written to a file and read from it (LiteRT maps the
+        # weights after the flatbuffer): never whole in Python memory.
         model_path = os.path.join(tmp, "model.tflite")
-        with open(model_path, "wb") as f:
-            f.write(content)
+        used, skipped = write_litertlm_tflite(
+            model, model_path, max_length=max_length, prefill_lengths=prefill_lengths,
+            quantization=quantization, cache_dtype=cache_dtype, writer=writer)
+        error, bound, agreement, threshold = _verify(model, model_path, max_length, quantization,
+                                                     atol, min_agreement, cache_dtype=cache_dtype)
+        # Only the signature list: no XNNPACK delegate (it would pack a
+        # second copy of the weights).
+        from ai_edge_litert import interpreter as litert
+
+        signatures = litert.Interpreter(
+            model_path=model_path,
+            experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        ).get_signature_list()
         meta_path = os.path.join(tmp, "llm_metadata.pb")
         with open(meta_path, "wb") as f:
             f.write(llm_metadata(max_length=max_length, bos_token_id=bos_token_id,
@@ -376,17 +462,10 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         with open(partial, "wb") as f:
             builder.build(f)
         os.replace(partial, path)
-    from ai_edge_litert import interpreter as litert
-
-    # Only the signature list: no XNNPACK delegate (it would pack a second
-    # copy of the weights).
-    signatures = litert.Interpreter(
-        model_content=content,
-        experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
-    ).get_signature_list()
     return LitertLmReport(path=path, size_bytes=os.path.getsize(path), signatures=signatures,
                           quantization=quantization, max_abs_error=error, atol=bound,
-                          agreement=agreement, min_agreement=threshold)
+                          agreement=agreement, min_agreement=threshold, writer=used,
+                          direct_writer_skipped=skipped)
 
 
 def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_template=False,

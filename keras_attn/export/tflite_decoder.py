@@ -1,0 +1,844 @@
+"""LiteRT-LM's TFLite model of a decoder-only LM, written from the Keras weights.
+
+The flatbuffer `keras_attn.runtimes.litertlm` bundles (signatures
+`prefill_<T>` and `decode`, inputs `tokens` int32 `(1, T)` and `input_pos`
+int32 `(T,)`, per-layer caches `kv_cache_k_<i>` / `kv_cache_v_<i>` float32
+`(1, max_length, H_kv, head_dim)` in and out under one name, `decode`'s
+`logits` `(1, 1, V)`), written op by op with the builtin ops TensorFlow's
+converter emits for the traced model (FULLY_CONNECTED, BATCH_MATMUL,
+SOFTMAX, GATHER, DYNAMIC_UPDATE_SLICE, RSQRT/MEAN/MUL for RMSNorm...), so
+that LiteRT and XNNPACK run it as they run the converted one, without
+TensorFlow's graph, SavedModel or converter:
+
+- one chunk of `T` tokens at positions `input_pos[0] + [0, T)` (the
+  runtime pads a short prompt chunk at its end); rotary angles are the
+  layer's own `RotaryEmbedding` evaluated at every cache position
+  (`keras_attn.export.onnx_decoder.rotary_caches`, so static `rope_scaling`,
+  and LongRoPE within its original length, are exact) and gathered at
+  those positions, over the first `rotary_dim` features of each head;
+- `decode` writes its keys and values with DYNAMIC_UPDATE_SLICE (in place
+  in LiteRT-LM, which passes one buffer as input and output); a prefill
+  chunk with a GATHER of its rows and a SELECT over the slots (a chunk may
+  run past the cache's end: those slots are dropped, as
+  `keras_attn.ops.write_cache` drops them);
+- attention reads the filled slots only, rounded up to `read_bucket`
+  (`keras_attn.ops.cache.bounded_reads`' rule), with grouped heads in one
+  BATCH_MATMUL per kv head group, key `j` seen by the query at `p` when
+  `j <= p` (and `p - j < sliding_window` on windowed layers);
+- RMSNorm scales and the `1/sqrt(head_dim)` query scale are folded into the
+  following FULLY_CONNECTED weights (exact in real arithmetic; the
+  converter folds the norms too), the query scale into the QK-norm's scale
+  where the model has one; sandwich norms after each branch, the attention
+  and final soft caps (`c * tanh(x / c)`), layers without rotary, the
+  embedding scale as the model has them; a prefill signature stops after
+  the last layer's cache write (it outputs only the caches).
+
+Weights are float32 or, with `quantization="dynamic"`, int8 per output
+channel, symmetric (zero points 0, `quantized_dimension` 0, the
+converter's dynamic-range layout: FULLY_CONNECTED runs LiteRT's hybrid
+kernels with `asymmetric_quantize_inputs`). A tied token table is stored
+once, as the head's weight, and looked up through it (GATHER of its rows;
+int8: CAST and a MUL by the gathered per-row scales, as for an untied int8
+table; the converter's lookup table is int8 with one scale). Every constant is
+written to the file as it is made and addressed by offset after the
+flatbuffer (`Buffer.offset/size`, the converter's
+`_experimental_use_buffer_offset` layout): no 2 GB limit, and one weight in
+memory at a time.
+
+A model or option the writer does not cover raises `NotFusableError` naming
+it (`check_direct_decoder`); `keras_attn.runtimes.litertlm` then falls back
+to the converter with a warning.
+"""
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from keras_attn.export.onnx_decoder import rotary_caches
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.onnx_fused import activation_name
+
+QUANTIZATIONS = (None, "dynamic")
+# Offsets of the constants after the flatbuffer are multiples of this
+# (XNNPACK and mmap like aligned weights).
+ALIGNMENT = 64
+# Constants up to this many bytes stay inside the flatbuffer.
+INLINE_MAX_BYTES = 64
+
+_KNOWN_MODEL_KEYS = {
+    "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
+    "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",
+    "pad_token_id", "sliding_window", "activation", "layer_norm_epsilon", "tie_embeddings",
+    "mask_padded_queries", "head_dim", "normalization", "use_gated_feedforward",
+    "attention_use_bias", "attention_output_use_bias", "feedforward_use_bias",
+    "lm_head_use_bias", "rope_max_wavelength", "rope_scaling", "embedding_scale",
+    "relative_attention_num_buckets", "relative_attention_max_distance",
+    "share_embeddings", "num_decoder_layers", "use_qk_norm", "use_sandwich_norm",
+    "attention_logit_soft_cap", "final_logit_soft_cap", "local_rope_max_wavelength",
+    "rotary_layers", "partial_rotary_factor",
+}
+# Options known and refused by name away from their default (what each is).
+_MODEL_OPTIONS_NOT_COVERED = {
+    "key_value_sources": (None, "layers attending over another layer's keys and values"),
+    "per_layer_input_dim": (None, "per-layer input embeddings"),
+    "per_layer_input_vocabulary_size": (None, "per-layer input embeddings"),
+    "use_value_norm": (False, "a norm of each value head"),
+    "use_output_scale": (False, "a scale on each block's output"),
+}
+_MODEL_CHOICES = {"position": ("rotary",), "normalization": ("rms_norm",)}
+_ATTENTION_KEYS = {
+    "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
+    "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
+    "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
+    "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
+    "output_shape", "attention_axes", "rotary_embedding", "use_qk_norm", "qk_norm_epsilon",
+    "logit_soft_cap", "use_value_norm", "shared_key_value",
+}
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def check_direct_decoder(model, quantization=None, max_length=None):
+    """Raises `NotFusableError` naming the first option of `model` (or the
+    `quantization`) the direct TFLite writer does not cover (for caches of
+    `max_length`, when given)."""
+    from keras_attn.generation.models import DecoderOnlyLM
+
+    if quantization not in QUANTIZATIONS:
+        raise NotFusableError(
+            f"quantization={quantization!r} (the direct TFLite writer writes "
+            f"{list(QUANTIZATIONS)})")
+    if not isinstance(model, DecoderOnlyLM):
+        raise NotFusableError(
+            f"the direct TFLite writer takes a DecoderOnlyLM, not {type(model).__name__}")
+    config = model.get_config()
+    unknown = sorted(set(config) - _KNOWN_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_COVERED))
+    if unknown:
+        raise NotFusableError(f"model option(s) {unknown} are not covered by the direct TFLite writer")
+    for key, (default, what) in _MODEL_OPTIONS_NOT_COVERED.items():
+        if config.get(key, default) != default:
+            raise NotFusableError(
+                f"{key}={config[key]!r} ({what}) is not covered by the direct TFLite writer")
+    for key, allowed in _MODEL_CHOICES.items():
+        if config[key] not in allowed:
+            raise NotFusableError(f"{key}={config[key]!r} (the direct TFLite writer takes {list(allowed)})")
+    scaling = model.rope_scaling or {}
+    if scaling.get("rope_type") == "dynamic":
+        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
+    if scaling.get("rope_type") == "longrope" and (
+            max_length is None or max_length > scaling["original_max_position_embeddings"]):
+        raise NotFusableError(
+            f"rope_scaling of type 'longrope' with max_length={max_length} past "
+            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
+            "(its factors switch with the call's length)")
+    for block in model.blocks:
+        attention = block.self_attention
+        extra = sorted(set(attention.get_config()) - _ATTENTION_KEYS)
+        if extra:
+            raise NotFusableError(f"{block.name}: attention option(s) {extra}")
+        for option in ("use_gate", "use_value_norm", "shared_key_value"):
+            if getattr(attention, option, False):
+                raise NotFusableError(f"{block.name}: {option}=True")
+        if attention.value_dim != attention.key_dim:
+            raise NotFusableError(
+                f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
+        if getattr(block, "cross_attention", None) is not None:
+            raise NotFusableError(f"{block.name}: cross-attention")
+        dense = (block.feedforward_gate_dense if block.feedforward_gate_dense is not None
+                 else block.feedforward_intermediate_dense)
+        kind = activation_name(dense.activation)
+        if kind not in _ACTIVATIONS:
+            raise NotFusableError(f"activation={model.activation!r}")
+        for layer in (block.self_attention_layer_norm, block.feedforward_layer_norm):
+            if getattr(layer, "axis", -1) not in (-1, [-1]):
+                raise NotFusableError(f"{layer.name}: axis={layer.axis}")
+
+
+def _value(x):
+    """A Keras variable as float32 NumPy."""
+    import keras
+
+    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
+    return np.asarray(value, dtype=np.float32)
+
+
+def _bias(dense):
+    bias = getattr(dense, "bias", None)
+    return None if bias is None else _value(bias).reshape(-1)
+
+
+def quantize_rows(weight):
+    """int8 codes and float32 scales of `weight` `(N, K)`, one symmetric scale
+    per row (output channel): `codes * scales[:, None]` approximates it."""
+    codes = np.empty(weight.shape, np.int8)
+    scales = np.empty(weight.shape[0], np.float32)
+    # A few thousand rows at a time: float temporaries of a slab, not of the table.
+    step = max(1, (1 << 24) // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start:start + step]
+        scale = np.abs(rows).max(axis=1) / np.float32(127.0)
+        scale = np.where(scale > 0, scale, np.float32(1.0))
+        scales[start:start + step] = scale
+        codes[start:start + step] = np.clip(np.rint(rows / scale[:, None]), -127, 127)
+    return codes, scales
+
+
+class _Writer:
+    """The model's buffers (shared by every signature), its operator codes,
+    and the data file the constants stream to."""
+
+    def __init__(self, data_file, schema):
+        self.s = schema
+        self.data_file = data_file
+        self.buffers = [schema.BufferT()]  # buffer 0: the empty sentinel
+        self.locations = {}  # buffer index -> (offset in the data file, size)
+        self.small = {}  # content digest -> buffer index
+        self.keyed = {}  # weight key -> (buffer index, dtype, shape, quantization)
+        self.opcodes = {}
+        self.location_buffer = self.buffer(np.frombuffer(b"outside flatbuffers", np.uint8))
+
+    def buffer(self, array):
+        array = np.ascontiguousarray(array)
+        if array.nbytes <= INLINE_MAX_BYTES:
+            raw = array.tobytes()
+            digest = hashlib.sha1(raw).hexdigest()
+            if digest not in self.small:
+                buffer = self.s.BufferT()
+                buffer.data = np.frombuffer(raw, np.uint8) if raw else None
+                self.buffers.append(buffer)
+                self.small[digest] = len(self.buffers) - 1
+            return self.small[digest]
+        offset = -(-self.data_file.tell() // ALIGNMENT) * ALIGNMENT
+        self.data_file.seek(offset)
+        self.data_file.write(memoryview(array).cast("B"))
+        self.buffers.append(self.s.BufferT())
+        self.locations[len(self.buffers) - 1] = (offset, array.nbytes)
+        return len(self.buffers) - 1
+
+    def opcode(self, name, version):
+        if name not in self.opcodes:
+            code = getattr(self.s.BuiltinOperator, name)
+            self.opcodes[name] = (len(self.opcodes), code, version)
+        return self.opcodes[name][0]
+
+    def model(self, subgraphs, signatures, base):
+        s = self.s
+        for index, (offset, size) in self.locations.items():
+            self.buffers[index].offset = base + offset
+            self.buffers[index].size = size
+        model = s.ModelT()
+        model.version = 3
+        model.description = "keras_attn direct TFLite decoder"
+        codes = []
+        for _, code, version in sorted(self.opcodes.values()):
+            opcode = s.OperatorCodeT()
+            opcode.builtinCode = code
+            opcode.deprecatedBuiltinCode = min(code, 127)
+            opcode.version = version
+            codes.append(opcode)
+        model.operatorCodes = codes
+        model.subgraphs = subgraphs
+        model.signatureDefs = signatures
+        model.buffers = self.buffers
+        # As the converter marks a model whose buffers follow the flatbuffer.
+        metadata = s.MetadataT()
+        metadata.name = "buffer_location"
+        metadata.buffer = self.location_buffer
+        model.metadata = [metadata]
+        return model
+
+
+_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.int32): 2, np.dtype(np.bool_): 6,
+           np.dtype(np.int8): 9}
+# The versions TensorFlow's converter gives these ops in the same graph.
+_VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4}
+_HYBRID_FULLY_CONNECTED_VERSION = 12
+
+
+class _Graph:
+    """One subgraph (signature) under construction: tensors with their
+    static shapes (None for the dynamic read length) and operators."""
+
+    def __init__(self, writer, name):
+        self.w = writer
+        self.s = writer.s
+        self.name = name
+        self.tensors = []
+        self.operators = []
+        self.consts = {}  # (buffer, shape, dtype) or (buffer, weight key) -> tensor
+        self.shapes = {}  # tensor index -> (static shape, NumPy dtype)
+        self.rotary = {}  # (id(RotaryEmbedding), head_dim) -> (cos, sin) at this chunk's positions
+
+    def tensor(self, name, shape, dtype, buffer=0, quantization=None):
+        s = self.s
+        t = s.TensorT()
+        t.name = name
+        dynamic = any(d is None for d in shape)
+        t.shape = np.array([1 if d is None else d for d in shape], np.int32)
+        if dynamic:
+            t.shapeSignature = np.array([-1 if d is None else d for d in shape], np.int32)
+        t.type = _DTYPES[np.dtype(dtype)]
+        t.buffer = buffer
+        t.quantization = quantization
+        t.hasRank = True
+        self.tensors.append(t)
+        index = len(self.tensors) - 1
+        self.shapes[index] = (tuple(shape), np.dtype(dtype))
+        return index
+
+    def shape(self, x):
+        return self.shapes[x][0]
+
+    def dtype(self, x):
+        return self.shapes[x][1]
+
+    def const(self, array, name=None, dtype=None):
+        array = np.asarray(array, dtype)
+        buffer = self.w.buffer(array)
+        key = (buffer, array.shape, array.dtype.str)
+        if key not in self.consts:
+            self.consts[key] = self.tensor(name or f"const_{buffer}", array.shape, array.dtype, buffer)
+        return self.consts[key]
+
+    def weight(self, key, make, name):
+        """A constant computed by `make()` only the first time `key` is
+        asked for in the whole model (every signature reads one buffer);
+        `make` returns `(array, quantization or None)`."""
+        if key not in self.w.keyed:
+            array, quantization = make()
+            self.w.keyed[key] = (self.w.buffer(array), array.dtype, array.shape, quantization)
+            del array
+        buffer, dtype, shape, quantization = self.w.keyed[key]
+        if (buffer, key) not in self.consts:
+            q = None
+            if quantization is not None:
+                q = self.s.QuantizationParametersT()
+                q.scale = quantization
+                q.zeroPoint = np.zeros(len(quantization), np.int64)
+                q.quantizedDimension = 0
+            self.consts[(buffer, key)] = self.tensor(name, shape, dtype, buffer, q)
+        return self.consts[(buffer, key)]
+
+    def op(self, name, inputs, shape, dtype=np.float32, options=None, outputs=1, version=None,
+           out_name=None):
+        """Appends operator `name`; returns its output tensor (a list for
+        `outputs > 1`, each of `shape`, or of the shapes in a list `shape`)."""
+        shapes = shape if outputs > 1 and isinstance(shape, list) else [shape] * outputs
+        label = out_name or f"{self.name}/{name.lower()}_{len(self.operators)}"
+        outs = [self.tensor(label if outputs == 1 else f"{label}:{k}", shp, dtype)
+                for k, shp in enumerate(shapes)]
+        operator = self.s.OperatorT()
+        operator.opcodeIndex = self.w.opcode(name, version or _VERSIONS.get(name, 1))
+        operator.inputs = np.array(inputs, np.int32)
+        operator.outputs = np.array(outs, np.int32)
+        if options is not None:
+            operator.builtinOptionsType = getattr(self.s.BuiltinOptions, type(options).__name__[:-1])
+            operator.builtinOptions = options
+        self.operators.append(operator)
+        return outs[0] if outputs == 1 else outs
+
+    def options(self, kind, **fields):
+        options = getattr(self.s, kind + "T")()
+        for key, value in fields.items():
+            setattr(options, key, value)
+        return options
+
+    # Elementwise helpers (shapes broadcast as NumPy's).
+    def binary(self, name, a, b, dtype=None, options=None):
+        shape = _broadcast(self.shape(a), self.shape(b))
+        return self.op(name, [a, b], shape, dtype or self.dtype(a), options)
+
+    def add(self, a, b):
+        return self.binary("ADD", a, b, options=self.options("AddOptions"))
+
+    def mul(self, a, b):
+        return self.binary("MUL", a, b, options=self.options("MulOptions"))
+
+    def reshape(self, x, shape):
+        shape = tuple(shape)
+        static = tuple(None if d == -1 else d for d in shape)
+        if -1 in shape and None not in self.shape(x):
+            known = int(np.prod([d for d in shape if d != -1]))
+            static = tuple(int(np.prod(self.shape(x))) // known if d == -1 else d for d in shape)
+        return self.op("RESHAPE", [x, self.const(np.array(shape, np.int32))], static, self.dtype(x))
+
+    def transpose(self, x, perm):
+        shape = tuple(self.shape(x)[p] for p in perm)
+        return self.op("TRANSPOSE", [x, self.const(np.array(perm, np.int32))], shape, self.dtype(x),
+                       self.options("TransposeOptions"))
+
+    def concat(self, xs, axis, dtype=None):
+        shapes = [self.shape(x) for x in xs]
+        out = list(shapes[0])
+        out[axis] = (None if any(s[axis] is None for s in shapes)
+                     else sum(s[axis] for s in shapes))
+        return self.op("CONCATENATION", xs, tuple(out), dtype or self.dtype(xs[0]),
+                       self.options("ConcatenationOptions", axis=axis))
+
+    def gather(self, table, ids, axis=0, dtype=None):
+        t, i = self.shape(table), self.shape(ids)
+        axis = axis % len(t)
+        shape = t[:axis] + i + t[axis + 1:]
+        return self.op("GATHER", [table, ids], shape, dtype or self.dtype(table),
+                       self.options("GatherOptions", axis=axis, batchDims=0))
+
+
+def _broadcast(a, b):
+    rank = max(len(a), len(b))
+    a = (1,) * (rank - len(a)) + tuple(a)
+    b = (1,) * (rank - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            out.append(y if x == 1 else x if y == 1 else None)
+        else:
+            out.append(max(x, y))
+    return tuple(out)
+
+
+def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
+                         read_bucket=128):
+    """Writes the LiteRT-LM TFLite model of `model` (a `DecoderOnlyLM`) to `path`.
+
+    Args:
+        model: a built `DecoderOnlyLM` (`check_direct_decoder` says what is covered).
+        path: the `.tflite` file to write.
+        max_length: the caches' length.
+        prefill_lengths: one `prefill_<T>` signature per chunk length `T`.
+        quantization: None (float32) or "dynamic" (int8 weights per output channel).
+        read_bucket: attention reads the filled slots rounded up to a
+            multiple of this (None: every slot).
+
+    Returns:
+        `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
+        "flatbuffer_bytes": n}`.
+
+    Raises:
+        NotFusableError: the model (or `quantization`) is not covered.
+    """
+    check_direct_decoder(model, quantization, max_length)
+    import flatbuffers
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    lengths = sorted(set(int(t) for t in prefill_lengths))
+    path = os.fspath(path)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="keras_attn_tflite_", dir=os.path.dirname(os.path.abspath(path))))
+        data_path = os.path.join(tmp, "weights.bin")
+        data_file = stack.enter_context(open(data_path, "w+b"))
+        writer = _Writer(data_file, schema)
+        builder = _DecoderBuilder(model, writer, max_length, quantization, read_bucket)
+        subgraphs, signatures = [], []
+        # Subgraph 0 is `decode`; the runtime finds each signature by name.
+        for index, (name, length) in enumerate(
+                [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]):
+            subgraph, signature = builder.signature(name, length, with_logits=name == "decode")
+            signature.subgraphIndex = index
+            subgraphs.append(subgraph)
+            signatures.append(signature)
+        data_size = data_file.tell()
+        data_file.flush()
+
+        def pack(base):
+            fb = flatbuffers.Builder(1024)
+            fb.Finish(writer.model(subgraphs, signatures, base).Pack(fb), file_identifier=b"TFL3")
+            return fb.Output()
+
+        # The offsets are absolute: pack once to learn the flatbuffer's size
+        # (every offset field is present whatever its value), then for real.
+        size = len(pack(1 << 40))
+        base = -(-size // ALIGNMENT) * ALIGNMENT
+        content = pack(base)
+        assert len(content) == size, (len(content), size)
+        partial = path + ".partial"
+        with open(partial, "wb") as out:
+            out.write(content)
+            out.write(b"\0" * (base - size))
+            data_file.seek(0)
+            shutil.copyfileobj(data_file, out, 1 << 24)
+        os.replace(partial, path)
+    return {"buffers": len(writer.buffers), "weight_bytes": data_size, "flatbuffer_bytes": size}
+
+
+def decoder_tflite_bytes(model, **kwargs):
+    """`write_decoder_tflite` into memory: the flatbuffer's bytes."""
+    with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
+        path = os.path.join(tmp, "model.tflite")
+        write_decoder_tflite(model, path, **kwargs)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+class _DecoderBuilder:
+    def __init__(self, model, writer, max_length, quantization, read_bucket):
+        self.model = model
+        self.w = writer
+        self.max_length = int(max_length)
+        self.int8 = quantization == "dynamic"
+        self.read_bucket = read_bucket
+        # Each layer's query heads, key/value heads and head size, from its
+        # attention (a model may give them per layer).
+        self.sizes = [(b.self_attention.num_heads, b.self_attention.num_key_value_heads,
+                       b.self_attention.key_dim) for b in model.blocks]
+        self.windows = model.layer_sliding_windows()
+        self.rotary_tables = {}  # id(rotary) -> (cos, sin) arrays, computed once
+
+    # -- weights -------------------------------------------------------
+    def _fc_weight(self, g, key, make_kernel, name):
+        """A FULLY_CONNECTED weight `(N, K)` from `make_kernel()` (`(K, N)`,
+        Keras's layout), float32 or int8 per output channel."""
+        def make():
+            weight = np.ascontiguousarray(make_kernel().T)
+            if not self.int8:
+                return weight, None
+            return quantize_rows(weight)
+        return g.weight(key, make, name)
+
+    def fully_connected(self, g, x, key, make_kernel, bias, name):
+        """`x (T, K) @ kernel + bias` -> `(T, N)`."""
+        weight = self._fc_weight(g, key, make_kernel, name + "/weight")
+        n = g.shape(weight)[0]
+        inputs = [x, weight]
+        if bias is not None:
+            inputs.append(g.const(bias, name + "/bias"))
+        else:
+            inputs.append(-1)
+        options = g.options("FullyConnectedOptions", keepNumDims=False,
+                            asymmetricQuantizeInputs=self.int8)
+        version = _HYBRID_FULLY_CONNECTED_VERSION if self.int8 else None
+        return g.op("FULLY_CONNECTED", inputs, (g.shape(x)[0], n), np.float32, options,
+                    version=version, out_name=f"{g.name}/{name}")
+
+    def _table_key(self, g):
+        """The key of the token table's weight: the tied head's (stored once,
+        `(V, hidden)`, int8 with per-row scales when quantized) or the
+        embedding's."""
+        model = self.model
+        table = model.embedding.embeddings
+        if model.lm_head is None:
+            return self._fc_weight(g, "lm_head", lambda: _value(table).T, "lm_head/weight"), "lm_head"
+
+        def make():
+            return quantize_rows(_value(table)) if self.int8 else (_value(table), None)
+        return g.weight("embedding", make, "embedding/table"), "embedding"
+
+    def embed(self, g, ids):
+        table, key = self._table_key(g)
+        if g.dtype(table) == np.int8:
+            # int8 rows, then times their scales (a GATHER does not
+            # dequantize per row): the head's weight serves as the table.
+            buffer, _, shape, scales = self.w.keyed[key]
+            codes = g.tensor(f"{key}/codes", shape, np.int8, buffer)
+            rows = g.gather(codes, ids)
+            rows = g.op("CAST", [rows], g.shape(rows), np.float32,
+                        g.options("CastOptions", inDataType=9, outDataType=0))
+            x = g.mul(rows, g.gather(g.const(scales.reshape(-1, 1), f"{key}/scales"), ids))
+        else:
+            x = g.gather(table, ids)
+        if self.model.embedding_scale is not None:
+            x = g.mul(x, g.const(np.array(self.model.embedding_scale, np.float32)))
+        return x
+
+    def rms(self, g, x, epsilon):
+        """`x * rsqrt(mean(x^2) + eps)` over the last axis (the scale is folded)."""
+        square = g.mul(x, x)
+        mean = g.op("MEAN", [square, g.const(np.array([-1], np.int32))], g.shape(x)[:-1] + (1,),
+                    np.float32, g.options("ReducerOptions", keepDims=True))
+        mean = g.add(mean, g.const(np.array(epsilon, np.float32)))
+        return g.mul(x, g.op("RSQRT", [mean], g.shape(mean)))
+
+    # -- one signature ----------------------------------------------------
+    def signature(self, name, length, with_logits):
+        s = self.w.s
+        g = _Graph(self.w, name)
+        model, t_len, S = self.model, length, self.max_length
+        tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
+        input_pos = g.tensor(f"{name}_input_pos", (t_len,), np.int32)
+        caches = []
+        for i, (_, kv, hd) in enumerate(self.sizes):
+            caches.append([g.tensor(f"{name}_kv_cache_{kind}_{i}", (1, S, kv, hd), np.float32)
+                           for kind in "kv"])
+        inputs = [tokens, input_pos] + [c for pair in caches for c in pair]
+
+        # Positions p0 + [0, T); rotary rows clamped into the table (a
+        # padded chunk's positions past the end land in dropped slots).
+        p0 = g.op("SLICE", [input_pos, g.const(np.array([0], np.int32)),
+                            g.const(np.array([1], np.int32))], (1,), np.int32,
+                  g.options("SliceOptions"))
+        positions = g.add(p0, g.const(np.arange(t_len, dtype=np.int32)))
+        rotary_rows = g.binary("MINIMUM", positions, g.const(np.array(S - 1, np.int32)),
+                               options=g.options("MaximumMinimumOptions"))
+        # Slots read: the filled ones rounded up to the bucket, at most S.
+        if self.read_bucket is not None and self.read_bucket < S:
+            bucket = int(self.read_bucket)
+            last = g.add(p0, g.const(np.array([t_len - 1], np.int32)))
+            blocks = g.binary("FLOOR_DIV", last, g.const(np.array(bucket, np.int32)),
+                              options=g.options("FloorDivOptions"))
+            blocks = g.add(blocks, g.const(np.array(1, np.int32)))
+            read = g.binary("MINIMUM", g.mul(blocks, g.const(np.array(bucket, np.int32))),
+                            g.const(np.array(S, np.int32)), options=g.options("MaximumMinimumOptions"))
+            read_len = None
+            key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
+                                       g.const(np.array([0], np.int32)), read],
+                             (None,), np.int32, g.options("SliceOptions"))
+        else:
+            read, read_len = None, S
+            key_slots = g.const(np.arange(S, dtype=np.int32))
+        masks = {}
+
+        def mask(window):
+            # (T, 1, L): key slot j seen by the query at p when j <= p (and p - j < window).
+            if window not in masks:
+                keys = g.reshape(key_slots, (1, 1, -1))
+                query = g.reshape(positions, (t_len, 1, 1))
+                m = g.binary("LESS_EQUAL", keys, query, np.bool_, g.options("LessEqualOptions"))
+                if window is not None:
+                    low = g.binary("SUB", query, g.const(np.array(window, np.int32)),
+                                   options=g.options("SubOptions"))
+                    m = g.binary("LOGICAL_AND", m, g.binary(
+                        "GREATER", keys, low, np.bool_, g.options("GreaterOptions")),
+                        np.bool_, g.options("LogicalAndOptions"))
+                masks[window] = m
+            return masks[window]
+
+        # Cache writes: decode at p0 in place; a chunk through a slot map.
+        if t_len == 1:
+            start = g.concat([g.const(np.array([0], np.int32)), p0,
+                              g.const(np.array([0, 0], np.int32))], 0)
+        else:
+            relative = g.binary("SUB", g.const(np.arange(S, dtype=np.int32)), p0,
+                                options=g.options("SubOptions"))
+            inside = g.binary("LOGICAL_AND",
+                              g.binary("GREATER_EQUAL", relative, g.const(np.array(0, np.int32)),
+                                       np.bool_, g.options("GreaterEqualOptions")),
+                              g.binary("LESS", relative, g.const(np.array(t_len, np.int32)),
+                                       np.bool_, g.options("LessOptions")),
+                              np.bool_, g.options("LogicalAndOptions"))
+            inside = g.reshape(inside, (1, S, 1, 1))
+            rows = g.binary("MAXIMUM", g.binary("MINIMUM", relative,
+                                                g.const(np.array(t_len - 1, np.int32)),
+                                                options=g.options("MaximumMinimumOptions")),
+                            g.const(np.array(0, np.int32)), options=g.options("MaximumMinimumOptions"))
+
+        def write(cache, new):
+            _, _, kv, hd = g.shape(cache)
+            new = g.reshape(new, (1, t_len, kv, hd))
+            if t_len == 1:
+                return g.op("DYNAMIC_UPDATE_SLICE", [cache, new, start], (1, S, kv, hd),
+                            options=g.options("DynamicUpdateSliceOptions"))
+            spread = g.gather(new, rows, axis=1)
+            return g.op("SELECT_V2", [inside, spread, cache], (1, S, kv, hd),
+                        options=g.options("SelectV2Options"))
+
+        read_sizes = {}
+
+        def read_slots(cache):
+            if read is None:
+                return cache
+            _, _, kv, hd = g.shape(cache)
+            if (kv, hd) not in read_sizes:
+                read_sizes[kv, hd] = g.concat([g.const(np.array([1], np.int32)), read,
+                                               g.const(np.array([kv, hd], np.int32))], 0)
+            return g.op("SLICE", [cache, g.const(np.zeros(4, np.int32)), read_sizes[kv, hd]],
+                        (1, None, kv, hd), options=g.options("SliceOptions"))
+
+        ids = g.reshape(tokens, (t_len,))
+        x = self.embed(g, ids)  # (T, hidden)
+        outputs = {}
+        neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
+        for i, block in enumerate(model.blocks):
+            attention = block.self_attention
+            heads, kv, hd = self.sizes[i]
+            groups = heads // kv
+            base = f"layers.{i}"
+            gamma = _value(block.self_attention_layer_norm.scale)
+            h = self.rms(g, x, block.self_attention_layer_norm.epsilon)
+            dense = (attention.query_dense, attention.key_dense, attention.value_dense)
+            # The 1/sqrt(head_dim) query scale goes into the query weights,
+            # or after QK-norm into its scale (the norm would undo it).
+            q_scale = 1.0 / np.sqrt(hd)
+            qk_norm = attention.query_norm is not None
+            weight_scale = 1.0 if qk_norm else q_scale
+
+            def qkv_kernel(dense=dense, gamma=gamma, weight_scale=weight_scale):
+                kernels = [_value(d.kernel).reshape(d.kernel.shape[0], -1) for d in dense]
+                kernels[0] = kernels[0] * np.float32(weight_scale)
+                return np.concatenate(kernels, axis=1) * gamma[:, None]
+
+            biases = [_bias(d) for d in dense]
+            packed = None
+            if any(b is not None for b in biases):
+                sizes = (heads * hd, kv * hd, kv * hd)
+                packed = np.concatenate([b if b is not None else np.zeros(n, np.float32)
+                                         for b, n in zip(biases, sizes)])
+                packed[:heads * hd] *= np.float32(weight_scale)
+            qkv = self.fully_connected(g, h, f"{base}/qkv", qkv_kernel, packed, f"{base}/attn/qkv")
+            q, k, v = g.op("SPLIT_V", [qkv, g.const(np.array([heads * hd, kv * hd, kv * hd], np.int32)),
+                                       g.const(np.array(-1, np.int32))],
+                           [(t_len, heads * hd), (t_len, kv * hd), (t_len, kv * hd)], np.float32,
+                           g.options("SplitVOptions", numSplits=3), outputs=3)
+            q, k = g.reshape(q, (t_len, heads, hd)), g.reshape(k, (t_len, kv, hd))
+            if qk_norm:
+                q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
+                          g.const(_value(attention.query_norm.scale) * np.float32(q_scale)))
+                k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
+                          g.const(_value(attention.key_norm.scale)))
+            if attention.rotary_embedding is not None:
+                cos, sin = self._rotary(g, attention.rotary_embedding, rotary_rows, hd)
+                q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
+            k_cache = write(caches[i][0], k)
+            v_cache = write(caches[i][1], v)
+            outputs[f"kv_cache_k_{i}"], outputs[f"kv_cache_v_{i}"] = k_cache, v_cache
+            if not with_logits and i == len(model.blocks) - 1:
+                break  # a prefill outputs only the caches
+            keys = g.transpose(read_slots(k_cache), (0, 2, 3, 1))  # (1, H_kv, D, L)
+            values = g.transpose(read_slots(v_cache), (0, 2, 1, 3))  # (1, H_kv, L, D)
+            if t_len == 1:
+                query = g.reshape(q, (1, kv, groups, hd))
+            else:
+                query = g.reshape(q, (t_len, kv, groups, hd))
+                query = g.reshape(g.transpose(query, (1, 0, 2, 3)), (1, kv, t_len * groups, hd))
+            scores = g.op("BATCH_MATMUL", [query, keys], (1, kv, t_len * groups, read_len),
+                          options=g.options("BatchMatMulOptions"))
+            scores = g.reshape(scores, (kv, t_len, groups, -1))  # rows (t, g): the mask broadcasts
+            if attention.logit_soft_cap is not None:
+                scores = self._soft_cap(g, scores, attention.logit_soft_cap)
+            scores = g.op("SELECT_V2", [mask(self.windows[i]), scores, neg], g.shape(scores),
+                          options=g.options("SelectV2Options"))
+            probs = g.op("SOFTMAX", [scores], g.shape(scores), options=g.options("SoftmaxOptions", beta=1.0))
+            probs = g.reshape(probs, (1, kv, t_len * groups, -1))
+            attended = g.op("BATCH_MATMUL", [probs, values], (1, kv, t_len * groups, hd),
+                            options=g.options("BatchMatMulOptions"))
+            if t_len > 1:
+                attended = g.transpose(g.reshape(attended, (kv, t_len, groups, hd)), (1, 0, 2, 3))
+            attended = g.reshape(attended, (t_len, heads * hd))
+            out = attention.output_dense
+            branch = self.fully_connected(
+                g, attended, f"{base}/o", lambda out=out: _value(out.kernel).reshape(-1, out.kernel.shape[-1]),
+                _bias(out), f"{base}/attn/o")
+            x = g.add(x, self._post_norm(g, branch, getattr(block, "self_attention_post_norm", None)))
+            branch = self._feedforward(g, x, block, base)
+            x = g.add(x, self._post_norm(g, branch, getattr(block, "feedforward_post_norm", None)))
+        if with_logits:
+            gamma = _value(model.final_norm.scale)
+            h = self.rms(g, x, model.final_norm.epsilon)
+            if model.lm_head is None:
+                head, _ = self._table_key(g)
+                # The tied head reads the table as it is stored; the final
+                # norm's scale multiplies its input instead of its weight.
+                h = g.mul(h, g.const(gamma, "final_norm/scale"))
+                logits = g.op("FULLY_CONNECTED", [h, head, -1], (t_len, model.vocabulary_size),
+                              options=g.options("FullyConnectedOptions", keepNumDims=False,
+                                                asymmetricQuantizeInputs=self.int8),
+                              version=_HYBRID_FULLY_CONNECTED_VERSION if self.int8 else None)
+            else:
+                head_layer = model.lm_head
+                logits = self.fully_connected(
+                    g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
+                    _bias(head_layer), "lm_head")
+            if model.final_logit_soft_cap is not None:
+                logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
+            outputs["logits"] = g.reshape(logits, (1, 1, model.vocabulary_size))
+        for key, index in outputs.items():
+            g.tensors[index].name = f"{name}_{key}"
+        subgraph = s.SubGraphT()
+        subgraph.name = name
+        subgraph.tensors = g.tensors
+        subgraph.operators = g.operators
+        subgraph.inputs = np.array(inputs, np.int32)
+        subgraph.outputs = np.array(list(outputs.values()), np.int32)
+        signature = s.SignatureDefT()
+        signature.signatureKey = name
+        signature.inputs = [self._map(key, index) for key, index in
+                            [("tokens", tokens), ("input_pos", input_pos)]
+                            + [(f"kv_cache_{kind}_{i}", caches[i][j])
+                               for i in range(len(caches)) for j, kind in enumerate("kv")]]
+        signature.outputs = [self._map(key, index) for key, index in outputs.items()]
+        return subgraph, signature
+
+    def _post_norm(self, g, x, layer):
+        """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
+        if layer is None:
+            return x
+        return g.mul(self.rms(g, x, layer.epsilon), g.const(_value(layer.scale)))
+
+    def _soft_cap(self, g, x, cap):
+        """`cap * tanh(x / cap)`."""
+        x = g.mul(x, g.const(np.array(1.0 / cap, np.float32)))
+        return g.mul(g.op("TANH", [x], g.shape(x)), g.const(np.array(cap, np.float32)))
+
+    def _map(self, name, index):
+        m = self.w.s.TensorMapT()
+        m.name = name
+        m.tensorIndex = index
+        return m
+
+    def _rotary(self, g, rotary, rows, head_dim):
+        """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
+        carries the rotation's sign (`[-sin, sin]`), so a rotation is
+        `x * cos + swap_halves(x) * sin` over the first `rotary_dim` features."""
+        key = (id(rotary), head_dim)
+        if key not in self.rotary_tables:
+            cos, sin = rotary_caches(rotary, head_dim, self.max_length)
+            self.rotary_tables[key] = (np.concatenate([cos, cos], axis=1),
+                                       np.concatenate([-sin, sin], axis=1))
+        cos_table, sin_table = self.rotary_tables[key]
+        cache = g.rotary
+        if key not in cache:
+            t_len = g.shape(rows)[0]
+            cache[key] = tuple(
+                g.reshape(g.gather(g.weight(f"rotary/{key[0]}/{head_dim}/{part}", lambda table=table: (table, None),
+                                            f"rotary_{len(self.rotary_tables)}/{part}"), rows),
+                          (t_len, 1, -1))
+                for part, table in (("cos", cos_table), ("sin", sin_table)))
+        return cache[key]
+
+    def _rotate(self, g, x, cos, sin):
+        shape = g.shape(x)
+        rotary_dim = g.shape(cos)[-1]
+        passed = None
+        if rotary_dim < shape[-1]:  # partial rotary: the last features pass unchanged
+            x, passed = g.op("SPLIT_V", [x, g.const(np.array([rotary_dim, shape[-1] - rotary_dim], np.int32)),
+                                         g.const(np.array(-1, np.int32))],
+                             [shape[:-1] + (rotary_dim,), shape[:-1] + (shape[-1] - rotary_dim,)],
+                             options=g.options("SplitVOptions", numSplits=2), outputs=2)
+        x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (rotary_dim // 2,),
+                      options=g.options("SplitOptions", numSplits=2), outputs=2)
+        out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))
+        return out if passed is None else g.concat([out, passed], -1)
+
+    def _feedforward(self, g, x, block, base):
+        norm = block.feedforward_layer_norm
+        gamma = _value(norm.scale)
+        h = self.rms(g, x, norm.epsilon)
+
+        def folded(dense):
+            return lambda: _value(dense.kernel) * gamma[:, None]
+
+        if block.feedforward_gate_dense is not None:
+            gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
+            kind = activation_name(gate_dense.activation)
+            gate = self.fully_connected(g, h, f"{base}/gate", folded(gate_dense), _bias(gate_dense),
+                                        f"{base}/mlp/gate")
+            up = self.fully_connected(g, h, f"{base}/up", folded(up_dense), _bias(up_dense),
+                                      f"{base}/mlp/up")
+            h = g.mul(self._activation(g, gate, kind), up)
+        else:
+            dense = block.feedforward_intermediate_dense
+            h = self.fully_connected(g, h, f"{base}/up", folded(dense), _bias(dense), f"{base}/mlp/up")
+            h = self._activation(g, h, activation_name(dense.activation))
+        out = block.feedforward_output_dense
+        return self.fully_connected(g, h, f"{base}/down", lambda: _value(out.kernel), _bias(out),
+                                    f"{base}/mlp/down")
+
+    def _activation(self, g, x, kind):
+        if kind == "silu":
+            return g.mul(x, g.op("LOGISTIC", [x], g.shape(x)))
+        if kind == "relu":
+            return g.op("RELU", [x], g.shape(x))
+        return g.op("GELU", [x], g.shape(x),
+                    options=g.options("GeluOptions", approximate=kind == "gelu_tanh"))
