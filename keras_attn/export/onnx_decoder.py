@@ -61,7 +61,8 @@ _MODEL_DEFAULTS_OK = {
     "position": ("rotary",),
     "normalization": ("rms_norm",),
 }
-_KNOWN_MODEL_KEYS = {
+# (Shared with the direct TFLite writer, `tflite_decoder`.)
+DECODER_MODEL_KEYS = {
     "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
     "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",
     "pad_token_id", "sliding_window", "activation", "layer_norm_epsilon", "tie_embeddings",
@@ -85,7 +86,7 @@ _MODEL_OPTIONS_NOT_FUSED = {
 # Sizes the writer takes as one value for every layer, not a list per layer.
 _PER_LAYER_NOT_FUSED = ("head_dim", "num_key_value_heads", "intermediate_dim")
 # Self-attention options (MultiHeadAttention.get_config) the writer honours.
-_KNOWN_ATTENTION_KEYS = {
+DECODER_ATTENTION_KEYS = {
     "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
     "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
     "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
@@ -104,7 +105,7 @@ def check_fusable_decoder(model, max_length=None):
     if not isinstance(model, DecoderOnlyLM):
         raise NotFusableError(f"the fused decoder writer takes a DecoderOnlyLM, not {type(model).__name__}")
     config = model.get_config()
-    unknown = sorted(set(config) - _KNOWN_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_FUSED))
+    unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_FUSED))
     if unknown:
         raise NotFusableError(f"model option(s) {unknown} are not covered by the fused decoder writer")
     for key, (default, what) in _MODEL_OPTIONS_NOT_FUSED.items():
@@ -140,7 +141,7 @@ def check_fusable_decoder(model, max_length=None):
         raise NotFusableError(f"activation={model.activation!r}")
     for block in model.blocks:
         attention = block.self_attention
-        extra = sorted(set(attention.get_config()) - _KNOWN_ATTENTION_KEYS)
+        extra = sorted(set(attention.get_config()) - DECODER_ATTENTION_KEYS)
         if extra:
             raise NotFusableError(f"{block.name}: attention option(s) {extra}")
         for option in ("use_gate", "use_value_norm", "shared_key_value"):

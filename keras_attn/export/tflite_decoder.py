@@ -58,6 +58,8 @@ import tempfile
 
 import numpy as np
 
+from keras_attn.export.onnx_decoder import DECODER_ATTENTION_KEYS
+from keras_attn.export.onnx_decoder import DECODER_MODEL_KEYS
 from keras_attn.export.onnx_decoder import rotary_caches
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.onnx_fused import activation_name
@@ -69,18 +71,6 @@ ALIGNMENT = 64
 # Constants up to this many bytes stay inside the flatbuffer.
 INLINE_MAX_BYTES = 64
 
-_KNOWN_MODEL_KEYS = {
-    "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
-    "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",
-    "pad_token_id", "sliding_window", "activation", "layer_norm_epsilon", "tie_embeddings",
-    "mask_padded_queries", "head_dim", "normalization", "use_gated_feedforward",
-    "attention_use_bias", "attention_output_use_bias", "feedforward_use_bias",
-    "lm_head_use_bias", "rope_max_wavelength", "rope_scaling", "embedding_scale",
-    "relative_attention_num_buckets", "relative_attention_max_distance",
-    "share_embeddings", "num_decoder_layers", "use_qk_norm", "use_sandwich_norm",
-    "attention_logit_soft_cap", "final_logit_soft_cap", "local_rope_max_wavelength",
-    "rotary_layers", "partial_rotary_factor",
-}
 # Options known and refused by name away from their default (what each is).
 _MODEL_OPTIONS_NOT_COVERED = {
     "key_value_sources": (None, "layers attending over another layer's keys and values"),
@@ -90,14 +80,6 @@ _MODEL_OPTIONS_NOT_COVERED = {
     "use_output_scale": (False, "a scale on each block's output"),
 }
 _MODEL_CHOICES = {"position": ("rotary",), "normalization": ("rms_norm",)}
-_ATTENTION_KEYS = {
-    "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
-    "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
-    "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
-    "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
-    "output_shape", "attention_axes", "rotary_embedding", "use_qk_norm", "qk_norm_epsilon",
-    "logit_soft_cap", "use_value_norm", "shared_key_value",
-}
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
@@ -115,7 +97,7 @@ def check_direct_decoder(model, quantization=None, max_length=None):
         raise NotFusableError(
             f"the direct TFLite writer takes a DecoderOnlyLM, not {type(model).__name__}")
     config = model.get_config()
-    unknown = sorted(set(config) - _KNOWN_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_COVERED))
+    unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_COVERED))
     if unknown:
         raise NotFusableError(f"model option(s) {unknown} are not covered by the direct TFLite writer")
     for key, (default, what) in _MODEL_OPTIONS_NOT_COVERED.items():
@@ -136,7 +118,7 @@ def check_direct_decoder(model, quantization=None, max_length=None):
             "(its factors switch with the call's length)")
     for block in model.blocks:
         attention = block.self_attention
-        extra = sorted(set(attention.get_config()) - _ATTENTION_KEYS)
+        extra = sorted(set(attention.get_config()) - DECODER_ATTENTION_KEYS)
         if extra:
             raise NotFusableError(f"{block.name}: attention option(s) {extra}")
         for option in ("use_gate", "use_value_norm", "shared_key_value"):
