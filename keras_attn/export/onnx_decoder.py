@@ -97,23 +97,56 @@ DECODER_ATTENTION_KEYS = {
 _ROTARY_PROBE_POSITIONS = 512
 
 
-def check_fusable_decoder(model, max_length=None):
-    """Raises `NotFusableError` naming the first option of `model` the fused
-    decoder writer does not cover (for a cache of `max_length`, when given)."""
+def check_decoder_options(model, writer, not_covered, choices, max_length=None):
+    """What both direct decoder writers (this one and `tflite_decoder`)
+    check: a `DecoderOnlyLM` with no option they do not know, the options
+    `not_covered` (`{key: (default, what)}`) at their defaults, `choices`
+    (`{key: allowed}`), a static rotary within LongRoPE's original length,
+    and self-attention blocks without options they do not write. Raises
+    `NotFusableError` naming the option and `writer`."""
     from keras_attn.generation.models import DecoderOnlyLM
 
     if not isinstance(model, DecoderOnlyLM):
-        raise NotFusableError(f"the fused decoder writer takes a DecoderOnlyLM, not {type(model).__name__}")
+        raise NotFusableError(f"the {writer} takes a DecoderOnlyLM, not {type(model).__name__}")
     config = model.get_config()
-    unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_FUSED))
+    unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(not_covered))
     if unknown:
-        raise NotFusableError(f"model option(s) {unknown} are not covered by the fused decoder writer")
-    for key, (default, what) in _MODEL_OPTIONS_NOT_FUSED.items():
+        raise NotFusableError(f"model option(s) {unknown} are not covered by the {writer}")
+    for key, (default, what) in not_covered.items():
         if config.get(key, default) != default:
-            raise NotFusableError(f"{key}={config[key]!r} ({what}) is not covered by the fused decoder writer")
-    for key, allowed in _MODEL_DEFAULTS_OK.items():
+            raise NotFusableError(f"{key}={config[key]!r} ({what}) is not covered by the {writer}")
+    for key, allowed in choices.items():
         if config[key] not in allowed:
-            raise NotFusableError(f"{key}={config[key]!r} (the fused decoder writer takes {list(allowed)})")
+            raise NotFusableError(f"{key}={config[key]!r} (the {writer} takes {list(allowed)})")
+    scaling = model.rope_scaling or {}
+    if scaling.get("rope_type") == "dynamic":
+        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
+    if scaling.get("rope_type") == "longrope" and (
+            max_length is None or max_length > scaling["original_max_position_embeddings"]):
+        raise NotFusableError(
+            f"rope_scaling of type 'longrope' with max_length={max_length} past "
+            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
+            "(its factors switch with the call's length)")
+    for block in model.blocks:
+        attention = block.self_attention
+        extra = sorted(set(attention.get_config()) - DECODER_ATTENTION_KEYS)
+        if extra:
+            raise NotFusableError(f"{block.name}: attention option(s) {extra}")
+        for option in ("use_gate", "use_value_norm", "shared_key_value"):
+            if getattr(attention, option, False):
+                raise NotFusableError(f"{block.name}: {option}=True")
+        if attention.value_dim != attention.key_dim:
+            raise NotFusableError(f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
+        if getattr(block, "cross_attention", None) is not None:
+            raise NotFusableError(f"{block.name}: cross-attention")
+
+
+def check_fusable_decoder(model, max_length=None):
+    """Raises `NotFusableError` naming the first option of `model` the fused
+    decoder writer does not cover (for a cache of `max_length`, when given)."""
+    check_decoder_options(model, "fused decoder writer", _MODEL_OPTIONS_NOT_FUSED, _MODEL_DEFAULTS_OK,
+                          max_length)
+    config = model.get_config()
     for key in _PER_LAYER_NOT_FUSED:
         if isinstance(config[key], list):
             raise NotFusableError(f"{key}={config[key]!r} (one value per layer) is not covered by "
@@ -121,36 +154,15 @@ def check_fusable_decoder(model, max_length=None):
     if model.head_dim % 16:
         # onnxruntime's GroupQueryAttention kernels take these sizes only.
         raise NotFusableError(f"head_dim={model.head_dim} (GroupQueryAttention needs a multiple of 16)")
-    scaling = model.rope_scaling or {}
-    if scaling.get("rope_type") == "dynamic":
-        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
     rotary_dim = int(model.head_dim * model.partial_rotary_factor)
     if rotary_dim % 16:
         raise NotFusableError(
             f"partial_rotary_factor={model.partial_rotary_factor} rotates {rotary_dim} of "
             f"{model.head_dim} features (GroupQueryAttention needs a multiple of 16)")
-    if scaling.get("rope_type") == "longrope" and (
-            max_length is None or max_length > scaling["original_max_position_embeddings"]):
-        raise NotFusableError(
-            f"rope_scaling of type 'longrope' with max_length={max_length} past "
-            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
-            "(its factors switch with the call's length)")
     if activation_name(model.blocks[0].feedforward_intermediate_dense.activation
                        if not model.use_gated_feedforward
                        else model.blocks[0].feedforward_gate_dense.activation) is None:
         raise NotFusableError(f"activation={model.activation!r}")
-    for block in model.blocks:
-        attention = block.self_attention
-        extra = sorted(set(attention.get_config()) - DECODER_ATTENTION_KEYS)
-        if extra:
-            raise NotFusableError(f"{block.name}: attention option(s) {extra}")
-        for option in ("use_gate", "use_value_norm", "shared_key_value"):
-            if getattr(attention, option):
-                raise NotFusableError(f"{block.name}: {option}=True")
-        if attention.value_dim != attention.key_dim:
-            raise NotFusableError(f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
-        if getattr(block, "cross_attention", None) is not None:
-            raise NotFusableError(f"{block.name}: cross-attention")
 
 
 def _value(x):

@@ -58,8 +58,7 @@ import tempfile
 
 import numpy as np
 
-from keras_attn.export.onnx_decoder import DECODER_ATTENTION_KEYS
-from keras_attn.export.onnx_decoder import DECODER_MODEL_KEYS
+from keras_attn.export.onnx_decoder import check_decoder_options
 from keras_attn.export.onnx_decoder import rotary_caches
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.onnx_fused import activation_name
@@ -87,48 +86,13 @@ def check_direct_decoder(model, quantization=None, max_length=None):
     """Raises `NotFusableError` naming the first option of `model` (or the
     `quantization`) the direct TFLite writer does not cover (for caches of
     `max_length`, when given)."""
-    from keras_attn.generation.models import DecoderOnlyLM
-
     if quantization not in QUANTIZATIONS:
         raise NotFusableError(
             f"quantization={quantization!r} (the direct TFLite writer writes "
             f"{list(QUANTIZATIONS)})")
-    if not isinstance(model, DecoderOnlyLM):
-        raise NotFusableError(
-            f"the direct TFLite writer takes a DecoderOnlyLM, not {type(model).__name__}")
-    config = model.get_config()
-    unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(_MODEL_OPTIONS_NOT_COVERED))
-    if unknown:
-        raise NotFusableError(f"model option(s) {unknown} are not covered by the direct TFLite writer")
-    for key, (default, what) in _MODEL_OPTIONS_NOT_COVERED.items():
-        if config.get(key, default) != default:
-            raise NotFusableError(
-                f"{key}={config[key]!r} ({what}) is not covered by the direct TFLite writer")
-    for key, allowed in _MODEL_CHOICES.items():
-        if config[key] not in allowed:
-            raise NotFusableError(f"{key}={config[key]!r} (the direct TFLite writer takes {list(allowed)})")
-    scaling = model.rope_scaling or {}
-    if scaling.get("rope_type") == "dynamic":
-        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
-    if scaling.get("rope_type") == "longrope" and (
-            max_length is None or max_length > scaling["original_max_position_embeddings"]):
-        raise NotFusableError(
-            f"rope_scaling of type 'longrope' with max_length={max_length} past "
-            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
-            "(its factors switch with the call's length)")
+    check_decoder_options(model, "direct TFLite writer", _MODEL_OPTIONS_NOT_COVERED, _MODEL_CHOICES,
+                          max_length)
     for block in model.blocks:
-        attention = block.self_attention
-        extra = sorted(set(attention.get_config()) - DECODER_ATTENTION_KEYS)
-        if extra:
-            raise NotFusableError(f"{block.name}: attention option(s) {extra}")
-        for option in ("use_gate", "use_value_norm", "shared_key_value"):
-            if getattr(attention, option, False):
-                raise NotFusableError(f"{block.name}: {option}=True")
-        if attention.value_dim != attention.key_dim:
-            raise NotFusableError(
-                f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
-        if getattr(block, "cross_attention", None) is not None:
-            raise NotFusableError(f"{block.name}: cross-attention")
         dense = (block.feedforward_gate_dense if block.feedforward_gate_dense is not None
                  else block.feedforward_intermediate_dense)
         kind = activation_name(dense.activation)
