@@ -198,6 +198,8 @@ def test_tied_table_is_stored_once(bits):
     # into a second vocabulary-sized tensor when it loads the model.
     transposed = [n.name for n in proto.graph.node if n.op_type == "Transpose" and set(n.input) & set(by_vocab)]
     assert not transposed, transposed
+    # The head (or the soft cap) writes `logits` itself: no copy per call.
+    assert not [n.name for n in proto.graph.node if n.op_type == "Identity"]
 
 
 def _final_hidden(lm, ids):
