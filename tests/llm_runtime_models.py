@@ -152,18 +152,39 @@ def artifact_greedy(prefill, decode, prompt, max_length):
     return tokens
 
 
-def assert_greedy_equals_hf(hf, lm, prompts, max_length):
-    """keras_attn's `greedy_search` on `prompts` (unpadded, batch) gives
-    transformers' `generate(do_sample=False)` tokens, and more than a few
-    distinct ones (a degenerate generation tests nothing)."""
+def hf_greedy(hf, prompts, max_length):
+    """transformers' `generate(do_sample=False)` of `prompts` (an unpadded
+    batch), `max_length` tokens per row, no stop token."""
     import torch
 
     with torch.no_grad():
-        want = hf.generate(
+        return hf.generate(
             torch.tensor(prompts, dtype=torch.long),
             attention_mask=torch.ones(prompts.shape, dtype=torch.long),
             do_sample=False, max_length=max_length, pad_token_id=0, eos_token_id=None,
         ).numpy()
+
+
+def tflite_signatures(lm, max_length, batch_size, prompt_length):
+    """`lm`'s TFLite prefill/decode export in LiteRT's interpreter, checked to
+    use builtin ops only (no Flex delegate, no custom op)."""
+    from ai_edge_litert import interpreter as litert
+
+    from keras_attn.runtimes import signatures
+
+    content = signatures.tflite_bytes(lm, max_length=max_length, batch_size=batch_size,
+                                      prompt_length=prompt_length)
+    interpreter = litert.Interpreter(model_content=content)
+    ops = {d["op_name"] for d in interpreter._get_ops_details()}
+    assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
+    return interpreter
+
+
+def assert_greedy_equals_hf(hf, lm, prompts, max_length):
+    """keras_attn's `greedy_search` on `prompts` (unpadded, batch) gives
+    transformers' `generate(do_sample=False)` tokens, and more than a few
+    distinct ones (a degenerate generation tests nothing)."""
+    want = hf_greedy(hf, prompts, max_length)
     got = np.asarray(greedy_search(lm, prompts, max_length=max_length, pad_token_id=0))
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(got[:, prompts.shape[1]:])) > 3, "degenerate generation tests nothing"

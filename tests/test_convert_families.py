@@ -22,7 +22,7 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
-from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_greedy, tflite_signatures  # noqa: E402
 
 VOCAB = 71
 COMMON = dict(vocab_size=VOCAB, hidden_size=36, intermediate_size=52, bos_token_id=1,
@@ -244,22 +244,11 @@ def test_tflite_prefill_decode_reproduce_hf_tokens(name, changes):
     `max_length` positions and the window is a band over them
     (`DecoderTrace`: one cache length for the stacked caches); with one
     window on every layer the caches are rings of that window."""
-    from ai_edge_litert import interpreter as litert
-
-    from keras_attn.runtimes import signatures
-
     hf = hf_family(name, **changes)
     lm = from_huggingface(hf)
     prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
-    with torch.no_grad():
-        want = hf.generate(torch.tensor(prompts, dtype=torch.long),
-                           attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-                           do_sample=False, max_length=16, pad_token_id=0,
-                           eos_token_id=None).numpy()
-    content = signatures.tflite_bytes(lm, max_length=16, batch_size=2, prompt_length=6)
-    interpreter = litert.Interpreter(model_content=content)
-    ops = {d["op_name"] for d in interpreter._get_ops_details()}
-    assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
+    want = hf_greedy(hf, prompts, 16)
+    interpreter = tflite_signatures(lm, max_length=16, batch_size=2, prompt_length=6)
     got = artifact_greedy(interpreter.get_signature_runner("prefill"),
                            interpreter.get_signature_runner("decode"), prompts, 16)
     np.testing.assert_array_equal(got, want)

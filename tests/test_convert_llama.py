@@ -21,7 +21,7 @@ from keras_attn.generation import greedy_search  # noqa: E402
 from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
-from tests.llm_runtime_models import assert_greedy_equals_hf  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_greedy, tflite_signatures  # noqa: E402
 from tests.model_zoo import ort_runner  # noqa: E402
 
 VOCAB = 71
@@ -144,40 +144,17 @@ def test_rotary_equals_transformers_rotary(scaling):
     tolerance.assert_close(np.transpose(got, (0, 2, 1, 3)), want.numpy(), scale=40 * np.abs(q).max())
 
 
-def _artifact_greedy(prefill, decode, prompt, max_length):
-    """Greedy decoding with only an artifact's prefill/decode callables."""
-    batch, width = prompt.shape
-    tokens = np.zeros((batch, max_length), np.int32)
-    tokens[:, :width] = prompt
-    out = prefill(token_ids=prompt)
-    cache = out["cache"]
-    for i in range(width, max_length):
-        out = decode(token_ids=tokens[:, i - 1:i], index=np.array(i - 1, np.int32), cache=cache)
-        cache = out["cache"]
-        tokens[:, i] = np.argmax(out["logits"][:, 0], axis=-1)
-    return tokens
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3_bias", "gemma", "mistral_window"])
 def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
     import onnxruntime as ort
-    from ai_edge_litert import interpreter as litert
 
     hf = hf_family(name)
     lm = from_huggingface(hf)
     prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
     max_length = 16
-    with torch.no_grad():
-        want = hf.generate(
-            torch.tensor(prompts, dtype=torch.long),
-            attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-            do_sample=False, max_length=max_length, pad_token_id=0, eos_token_id=None,
-        ).numpy()
-    content = gen_export.tflite_bytes(lm, max_length=max_length, batch_size=2, prompt_length=6)
-    interpreter = litert.Interpreter(model_content=content)
-    ops = {d["op_name"] for d in interpreter._get_ops_details()}
-    assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM"], ops
+    want = hf_greedy(hf, prompts, max_length)
+    interpreter = tflite_signatures(lm, max_length=max_length, batch_size=2, prompt_length=6)
     # The exported cache holds the key/value heads only: its bytes per token.
     config = hf.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -186,7 +163,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
     per_token = np.prod(cache_in["shape"]) * cache_in["dtype"]().itemsize / (batch_ * slots)
     want_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
     assert per_token == want_bytes, (cache_in["shape"], per_token, want_bytes)
-    got = _artifact_greedy(interpreter.get_signature_runner("prefill"),
+    got = artifact_greedy(interpreter.get_signature_runner("prefill"),
                            interpreter.get_signature_runner("decode"), prompts, max_length)
     np.testing.assert_array_equal(got, want)
 
@@ -194,7 +171,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
     sessions = {k: ort.InferenceSession(p, providers=["CPUExecutionProvider"])
                 for k, p in paths.files.items()}
 
-    got = _artifact_greedy(ort_runner(sessions["prefill"]), ort_runner(sessions["decode"]),
+    got = artifact_greedy(ort_runner(sessions["prefill"]), ort_runner(sessions["decode"]),
                            prompts, max_length)
     np.testing.assert_array_equal(got, want)
 
