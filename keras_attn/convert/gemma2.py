@@ -96,19 +96,25 @@ class Gemma2Converter(gemma.GemmaConverter):
 
     def set_block(self, block, prefix):
         self.set_attention(block.self_attention, prefix + "self_attn.")
-        for norm, name in (
-            (block.self_attention_layer_norm, "input_layernorm"),
-            (block.self_attention_post_norm, "post_attention_layernorm"),
-            (block.feedforward_layer_norm, "pre_feedforward_layernorm"),
-            (block.feedforward_post_norm, "post_feedforward_layernorm"),
-        ):
-            self.set_norm(norm, prefix + name)
-        for dense, name in (
-            (block.feedforward_gate_dense, "mlp.gate_proj"),
-            (block.feedforward_intermediate_dense, "mlp.up_proj"),
-            (block.feedforward_output_dense, "mlp.down_proj"),
-        ):
-            common.set_dense(dense, *self.weights.linear(prefix + name))
+        set_norms_and_feedforward(self, block, prefix)
+
+
+def set_norms_and_feedforward(converter, block, prefix):
+    """The sandwich norms (before and after attention and feed-forward) and
+    the gated feed-forward of a Gemma 2/3/4 block, by `converter.set_norm`."""
+    for norm, name in (
+        (block.self_attention_layer_norm, "input_layernorm"),
+        (block.self_attention_post_norm, "post_attention_layernorm"),
+        (block.feedforward_layer_norm, "pre_feedforward_layernorm"),
+        (block.feedforward_post_norm, "post_feedforward_layernorm"),
+    ):
+        converter.set_norm(norm, prefix + name)
+    for dense, name in (
+        (block.feedforward_gate_dense, "mlp.gate_proj"),
+        (block.feedforward_intermediate_dense, "mlp.up_proj"),
+        (block.feedforward_output_dense, "mlp.down_proj"),
+    ):
+        common.set_dense(dense, *converter.weights.linear(prefix + name))
 
 
 def convert(checkpoint, *, dropout=None):

@@ -61,7 +61,7 @@ import numpy as np
 
 from keras_attn.convert import common
 from keras_attn.convert import gemma
-from keras_attn.convert import llama
+from keras_attn.convert import gemma2
 from keras_attn.generation.models import DecoderOnlyLM
 
 _ROPE_TYPES = ("default", "proportional")
@@ -196,19 +196,7 @@ class Gemma4Converter(gemma.GemmaConverter):
 
     def set_block(self, block, prefix, key_is_value):
         self.set_attention(block.self_attention, prefix + "self_attn.", key_is_value)
-        for norm, name in (
-            (block.self_attention_layer_norm, "input_layernorm"),
-            (block.self_attention_post_norm, "post_attention_layernorm"),
-            (block.feedforward_layer_norm, "pre_feedforward_layernorm"),
-            (block.feedforward_post_norm, "post_feedforward_layernorm"),
-        ):
-            self.set_norm(norm, prefix + name)
-        for dense, name in (
-            (block.feedforward_gate_dense, "mlp.gate_proj"),
-            (block.feedforward_intermediate_dense, "mlp.up_proj"),
-            (block.feedforward_output_dense, "mlp.down_proj"),
-        ):
-            common.set_dense(dense, *self.weights.linear(prefix + name))
+        gemma2.set_norms_and_feedforward(self, block, prefix)
         if block.per_layer_input_dim is not None:
             common.set_dense(block.per_layer_input_gate,
                              *self.weights.linear(prefix + "per_layer_input_gate"))
