@@ -75,7 +75,7 @@ DECODER_MODEL_KEYS = {
     "rotary_layers", "partial_rotary_factor",
 }
 # Gemma 4's options: known, and refused by name away from their default.
-_MODEL_OPTIONS_NOT_FUSED = {
+MODEL_OPTIONS_NOT_FUSED = {
     "key_value_sources": (None, "layers attending over another layer's keys and values "
                                 "(GroupQueryAttention projects and caches each layer's own)"),
     "per_layer_input_dim": (None, "per-layer input embeddings"),
@@ -144,7 +144,7 @@ def check_decoder_options(model, writer, not_covered, choices, max_length=None):
 def check_fusable_decoder(model, max_length=None):
     """Raises `NotFusableError` naming the first option of `model` the fused
     decoder writer does not cover (for a cache of `max_length`, when given)."""
-    check_decoder_options(model, "fused decoder writer", _MODEL_OPTIONS_NOT_FUSED, _MODEL_DEFAULTS_OK,
+    check_decoder_options(model, "fused decoder writer", MODEL_OPTIONS_NOT_FUSED, _MODEL_DEFAULTS_OK,
                           max_length)
     config = model.get_config()
     for key in _PER_LAYER_NOT_FUSED:
@@ -165,7 +165,7 @@ def check_fusable_decoder(model, max_length=None):
         raise NotFusableError(f"activation={model.activation!r}")
 
 
-def _value(x):
+def weight_value(x):
     """A Keras variable or tensor as float32 NumPy (any backend)."""
     import keras
 
@@ -173,16 +173,17 @@ def _value(x):
     return np.asarray(value, dtype=np.float32)
 
 
-def _projection_kernel(dense, heads_first_input=False):
+def projection_kernel(dense, heads_first_input=False):
     """`(in, out)` kernel of an attention projection: query/key/value
     `(D, H, d)` -> `(D, H*d)`; the output projection `(H, d, D)` -> `(H*d, D)`."""
-    kernel = _value(dense.kernel)
+    kernel = weight_value(dense.kernel)
     return kernel.reshape(-1, kernel.shape[-1]) if heads_first_input else kernel.reshape(kernel.shape[0], -1)
 
 
-def _bias(dense):
+def dense_bias(dense):
+    """A layer's bias flattened to 1-D float32 NumPy, or None without one."""
     bias = getattr(dense, "bias", None)
-    return None if bias is None else _value(bias).reshape(-1)
+    return None if bias is None else weight_value(bias).reshape(-1)
 
 
 def rotary_caches(rotary, head_dim, max_length):
@@ -199,7 +200,7 @@ def rotary_caches(rotary, head_dim, max_length):
     cos, sin = [], []
     for start in range(0, max_length, _ROTARY_PROBE_POSITIONS):
         count = min(_ROTARY_PROBE_POSITIONS, max_length - start)
-        rotated = _value(rotary(np.repeat(probe, count, axis=1), start_index=start))[0]
+        rotated = weight_value(rotary(np.repeat(probe, count, axis=1), start_index=start))[0]
         # rotated: (count, half, head_dim)
         cos.append(rotated[:, index, index])
         sin.append(rotated[:, index, index + half])
@@ -212,7 +213,12 @@ _EXTERNAL_MIN_BYTES = 1024
 _EXTERNAL_ALIGNMENT = 4096
 
 
-class _Graph:
+class Graph:
+    """An ONNX graph being written: `nodes`, `initializers` (`const`: each
+    large one streamed to `data_file` as it is made, when given) and the
+    weight helpers (`weight`, `tied_table`, `apply`, `gather_rows`,
+    `activation`) the direct decoder writers share."""
+
     def __init__(self, bits, block_size, accuracy_level, data_file=None):
         self.nodes = []
         self.initializers = []
@@ -328,7 +334,9 @@ class _Graph:
         axes = self.const(np.array([-1], np.int64), name + "/slice_axes")
         return self.node("Slice", [rows, starts, ends, axes], name + "/Slice")
 
-    def activation(self, x, name, kind):
+    def activation(self, x, name, kind, standard=False):
+        """`kind` (an `activation_name`) of `x`; GELU as onnxruntime's `Gelu` /
+        `FastGelu`, or, `standard`, in standard ops (opset 17 has no GELU)."""
         if kind == "linear":
             return x
         if kind == "silu":
@@ -337,11 +345,31 @@ class _Graph:
             return self.node("Relu", [x], name + "/Relu")
         if kind == "tanh":
             return self.node("Tanh", [x], name + "/Tanh")
+        if kind in ("gelu", "gelu_tanh") and standard:
+            return self._standard_gelu(x, name, kind)
         if kind == "gelu":
             return self.node("Gelu", [x], name + "/Gelu", domain=MS_DOMAIN)
         if kind == "gelu_tanh":
             return self.node("FastGelu", [x], name + "/FastGelu", domain=MS_DOMAIN)
         raise NotFusableError(f"activation {kind!r}")
+
+    def _standard_gelu(self, x, name, kind):
+        """`0.5 x (1 + erf(x / sqrt 2))`, or with `tanh(sqrt(2 / pi) (x + 0.044715 x^3))`
+        (`keras_attn.activations.gelu_tanh`), in standard ops."""
+        if kind == "gelu":
+            inner = self.node("Mul", [x, self.const(np.array(1 / np.sqrt(2), np.float32), name + "/rsqrt2")],
+                              name + "/Mul_rsqrt2")
+            curve = self.node("Erf", [inner], name + "/Erf")
+        else:
+            cube = self.node("Mul", [self.node("Mul", [x, x], name + "/Mul_square"), x], name + "/Mul_cube")
+            cube = self.node("Mul", [cube, self.const(np.array(0.044715, np.float32), name + "/c")], name + "/Mul_c")
+            inner = self.node("Mul", [self.node("Add", [x, cube], name + "/Add_cube"),
+                                      self.const(np.array(np.sqrt(2 / np.pi), np.float32), name + "/k")],
+                              name + "/Mul_k")
+            curve = self.node("Tanh", [inner], name + "/Tanh")
+        curve = self.node("Add", [curve, self.const(np.array(1.0, np.float32), name + "/one")], name + "/Add_one")
+        half = self.node("Mul", [x, self.const(np.array(0.5, np.float32), name + "/half")], name + "/Mul_half")
+        return self.node("Mul", [half, curve], name + "/Mul")
 
 
 def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
@@ -370,7 +398,7 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        return _decoder_graph(model, _Graph(bits, block_size, accuracy_level, data_file),
+        return _decoder_graph(model, Graph(bits, block_size, accuracy_level, data_file),
                               max_length, opset)
 
 
@@ -390,7 +418,7 @@ def _decoder_graph(model, graph, max_length, opset):
                        "/model/attn_mask/Gather", axis=0)
     total = graph.node("Cast", [width], "/model/attn_mask/Gather/Cast", to=TensorProto.INT32)
 
-    table = _value(model.embedding.embeddings)
+    table = weight_value(model.embedding.embeddings)
     if model.lm_head is None:
         head = graph.tied_table(table, "/lm_head")
         x = graph.gather_rows(head, "input_ids", "/model/embed_tokens")
@@ -420,8 +448,8 @@ def _decoder_graph(model, graph, max_length, opset):
         attention = block.self_attention
         residual, h = _norm(graph, residual, pending, block.self_attention_layer_norm, f"{base}/input_layernorm")
         dense = (attention.query_dense, attention.key_dense, attention.value_dense)
-        kernels = [_projection_kernel(d) for d in dense]
-        biases = [_bias(d) for d in dense]
+        kernels = [projection_kernel(d) for d in dense]
+        biases = [dense_bias(d) for d in dense]
         packed_bias = None
         if any(b is not None for b in biases):
             packed_bias = np.concatenate([b if b is not None else np.zeros(k.shape[1], np.float32)
@@ -450,8 +478,8 @@ def _decoder_graph(model, graph, max_length, opset):
             local_window_size=-1 if window is None else int(window),
             softcap=float(attention.logit_soft_cap or 0.0),
         )
-        pending = graph.matmul(attn, _projection_kernel(attention.output_dense, heads_first_input=True),
-                               _bias(attention.output_dense), f"{base}/attn/o_proj")
+        pending = graph.matmul(attn, projection_kernel(attention.output_dense, heads_first_input=True),
+                               dense_bias(attention.output_dense), f"{base}/attn/o_proj")
         pending = _post_norm(graph, pending, getattr(block, "self_attention_post_norm", None),
                              f"{base}/post_attention_norm")
         residual, h = _norm(graph, residual, pending, block.feedforward_layer_norm,
@@ -461,7 +489,7 @@ def _decoder_graph(model, graph, max_length, opset):
                              f"{base}/post_feedforward_norm")
     _, h = _norm(graph, residual, pending, model.final_norm, "/model/norm")
     if head is None:
-        logits = graph.matmul(h, _value(model.lm_head.kernel), _bias(model.lm_head), "/lm_head")
+        logits = graph.matmul(h, weight_value(model.lm_head.kernel), dense_bias(model.lm_head), "/lm_head")
     else:
         logits = graph.apply(h, head, None, "/lm_head")
     cap = model.final_logit_soft_cap
@@ -498,7 +526,7 @@ def _decoder_graph(model, graph, max_length, opset):
 def _norm(graph, residual, pending, layer, name):
     """RMSNorm of `residual + pending` (`pending` None: of `residual`); returns
     `(new residual, normalized)`."""
-    gamma = graph.const(_value(layer.scale), name + ".weight")
+    gamma = graph.const(weight_value(layer.scale), name + ".weight")
     eps = float(layer.epsilon)
     if pending is None:
         out = graph.node("SimplifiedLayerNormalization", [residual, gamma], name + "/SimplifiedLayerNorm",
@@ -515,7 +543,7 @@ def _head_norm(graph, x, layer, head_dim, name):
     heads_last = graph.const(np.array([0, 0, -1, head_dim], np.int64), name + "/heads_shape")
     flat = graph.const(np.array([0, 0, -1], np.int64), name + "/flat_shape")
     x = graph.node("Reshape", [x, heads_last], name + "/Reshape")
-    x = graph.node("SimplifiedLayerNormalization", [x, graph.const(_value(layer.scale), name + ".weight")],
+    x = graph.node("SimplifiedLayerNormalization", [x, graph.const(weight_value(layer.scale), name + ".weight")],
                    name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
     return graph.node("Reshape", [x, flat], name + "/Reshape_back")
 
@@ -524,7 +552,7 @@ def _post_norm(graph, x, layer, name):
     """`layer` (a sandwich norm after a residual branch) applied to `x`, or `x`."""
     if layer is None:
         return x
-    return graph.node("SimplifiedLayerNormalization", [x, graph.const(_value(layer.scale), name + ".weight")],
+    return graph.node("SimplifiedLayerNormalization", [x, graph.const(weight_value(layer.scale), name + ".weight")],
                       name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
 
 
@@ -533,11 +561,11 @@ def _feedforward(graph, h, block, name):
     if block.feedforward_gate_dense is not None:
         gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
         kind = activation_name(gate_dense.activation)
-        gate = graph.matmul(h, _value(gate_dense.kernel), _bias(gate_dense), name + "/gate_proj")
-        up = graph.matmul(h, _value(up_dense.kernel), _bias(up_dense), name + "/up_proj")
+        gate = graph.matmul(h, weight_value(gate_dense.kernel), dense_bias(gate_dense), name + "/gate_proj")
+        up = graph.matmul(h, weight_value(up_dense.kernel), dense_bias(up_dense), name + "/up_proj")
         h = graph.node("Mul", [graph.activation(gate, name + "/act", kind), up], name + "/Mul")
     else:
         dense = block.feedforward_intermediate_dense
-        h = graph.matmul(h, _value(dense.kernel), _bias(dense), name + "/fc1")
+        h = graph.matmul(h, weight_value(dense.kernel), dense_bias(dense), name + "/fc1")
         h = graph.activation(h, name + "/act", activation_name(dense.activation))
-    return graph.matmul(h, _value(output.kernel), _bias(output), name + "/down_proj")
+    return graph.matmul(h, weight_value(output.kernel), dense_bias(output), name + "/down_proj")

@@ -147,6 +147,18 @@ class RotaryEmbedding(keras.layers.Layer):
                     )
         return rotary_dim
 
+    def inverse_frequencies(self, dim):
+        """The `(rotary_dim(dim) / 2,)` float32 frequencies: position `p` turns
+        pair `i` by `p / scaling_factor * f[i]` (for writers that compute the
+        angles themselves). Not for "dynamic" or "longrope" scaling, whose
+        frequencies depend on the call's length (a ValueError)."""
+        kind = (self.rope_scaling or {}).get("rope_type")
+        if kind in ("dynamic", "longrope"):
+            raise ValueError(
+                f"rope_scaling of type {kind!r} has frequencies that depend on the call's "
+                f"length. Received: rope_scaling={self.rope_scaling!r}")
+        return self._inverse_frequencies(self.rotary_dim(dim), 1.0)
+
     def _inverse_frequencies(self, dim, seq_len):
         """`(D/2,)` float32 frequencies; `seq_len` (a float32 scalar tensor)
         matters only for dynamic scaling."""

@@ -1,0 +1,649 @@
+"""The prefill/decode signatures' ONNX models, written from the Keras weights.
+
+`keras_attn.runtimes.signatures.onnx_models` / `export_onnx` write
+`prefill.onnx` and `decode.onnx` (the contract is that module's docstring:
+a stacked cache `(num_layers, 2, B, cache_length, H_kv, D)`, `index`, the
+`valid` flag of `checks="flag"`) here, op by op in standard ONNX ops (any
+ONNX runtime runs them), instead of converting a TensorFlow trace with
+tf2onnx, which holds tens of times the weights while it converts. No
+TensorFlow graph is involved: it runs on every Keras backend.
+
+- Weights: each written once, streamed to one external data file that both
+  models name (`external_data`, each tensor at its own aligned offset), or
+  inside each proto. A tied table is stored once and read by the head as a
+  `Gemm` with `transB=1` (`onnx_decoder.Graph.tied_table`).
+- Positions: rotary angles gathered from the model's own cos/sin tables
+  (`onnx_decoder.rotary_caches`, so static `rope_scaling` is exact); for a
+  ring-buffer cache, whose positions run past `max_length`, computed from
+  the layer's frequencies (`RotaryEmbedding.inverse_frequencies`) as Keras
+  does. Learned and sinusoidal position tables likewise (not with a ring).
+- Blocks: RMSNorm in `ReduceMean` / `Sqrt` arithmetic, LayerNorm as
+  `LayerNormalization`; packed Q/K/V `MatMul`; QK-norm; grouped-query
+  heads grouped (no repeated keys); attention soft caps; sandwich norms;
+  SiLU / ReLU / tanh / GELU (erf and tanh forms) feed-forwards, gated or
+  not; biases; embedding scale; the final soft cap.
+- Caches: `prefill` attends over its own block (causal, and each layer's
+  window) and writes the cache `(N, 2, B, cache_length, H_kv, D)`
+  (positions past a plain cache are dropped; a ring buffer keeps the last
+  `cache_length`). `decode` reads, per layer, only the slots its query can
+  see: `[start, end)` with `end` the filled slots rounded up to
+  `read_bucket` and `start` the window's first slot rounded down (a
+  `Slice` whose bounds come from `index`), writes its slot there with
+  `ScatterND`, and writes every layer's slot into `cache_out` with one
+  `ScatterND`. A ring buffer (every layer with one window shorter than
+  `max_length`) reads its `window` slots and the new key, as Keras does.
+
+Not covered (`NotFusableError` naming the option; the dispatcher then
+uses tf2onnx): encoder-decoder models, per-layer cache shapes and shared
+key/values (Gemma 4), relative positions, dynamic NTK and LongRoPE past
+its original length, LongRoPE or absolute positions with a ring-buffer
+cache.
+"""
+
+import contextlib
+import math
+
+import numpy as np
+
+from keras_attn.export.onnx_decoder import MODEL_OPTIONS_NOT_FUSED
+from keras_attn.export.onnx_decoder import Graph
+from keras_attn.export.onnx_decoder import check_decoder_options
+from keras_attn.export.onnx_decoder import dense_bias
+from keras_attn.export.onnx_decoder import projection_kernel
+from keras_attn.export.onnx_decoder import rotary_caches
+from keras_attn.export.onnx_decoder import weight_value
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.onnx_fused import activation_name
+
+WRITER = "direct ONNX signature writer"
+OPSETS = (17, 18)
+# The shared external data file, beside prefill.onnx and decode.onnx.
+WEIGHTS_FILE = "signatures.onnx.data"
+_CHOICES = {"position": ("rotary", "learned", "sinusoidal"),
+            "normalization": ("rms_norm", "layer_norm")}
+_ACTIVATIONS = ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear")
+# What masked logits become (keras_attn.ops.masking.MASKED_LOGIT).
+_MASKED_LOGIT = -3.0e38
+
+
+def _windows(model):
+    return model.layer_sliding_windows()
+
+
+def cache_layout(model, max_length):
+    """`(cache_length, ring)`: the stacked cache's slots and whether it is a
+    ring buffer (every layer with one window shorter than `max_length`, as
+    `keras_attn.runtimes.trace.DecoderTrace`)."""
+    windows = set(_windows(model))
+    if len(windows) == 1 and None not in windows and min(windows) < max_length:
+        return min(windows), True
+    return max_length, False
+
+
+def check_signature_decoder(model, max_length, opset=17):
+    """Raises `NotFusableError` naming the first thing about `model` (a
+    cache of `max_length`, `opset`) this writer does not cover."""
+    if opset not in OPSETS:
+        raise NotFusableError(f"opset={opset!r} (the {WRITER} writes opsets {list(OPSETS)})")
+    check_decoder_options(model, WRITER, MODEL_OPTIONS_NOT_FUSED, _CHOICES, max_length)
+    config = model.get_config()
+    for key in ("head_dim", "num_key_value_heads"):
+        if isinstance(config[key], list):
+            raise NotFusableError(f"{key}={config[key]!r} (caches of other shapes per layer; the "
+                                  f"{WRITER} stacks one shape)")
+    for block in model.blocks:
+        dense = block.feedforward_gate_dense or block.feedforward_intermediate_dense
+        if activation_name(dense.activation) not in _ACTIVATIONS:
+            raise NotFusableError(f"activation={model.activation!r}")
+    _, ring = cache_layout(model, max_length)
+    if ring and model.position != "rotary":
+        raise NotFusableError(f"position={model.position!r} with a ring-buffer cache (positions "
+                              "past max_length)")
+    if ring and (model.rope_scaling or {}).get("rope_type") == "longrope":
+        raise NotFusableError("rope_scaling of type 'longrope' with a ring-buffer cache (its "
+                              "factors switch past the original length)")
+
+
+def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=128,
+                     external_data=None):
+    """`{"prefill": ModelProto, "decode": ModelProto}` of `model` (see the module docstring).
+
+    Args:
+        model: a `DecoderOnlyLM` (`check_signature_decoder`).
+        max_length: the cache's positions.
+        checks: "flag" (ids and `index` clamped, a bool `valid` output) or "none".
+        opset: 17 or 18.
+        read_bucket: `decode` reads the filled slots rounded up to a multiple of it.
+        external_data: None (weights inside each proto; under 2 GB in all) or
+            the path of the one file both models' weights are streamed to,
+            each once (save the protos in its folder).
+
+    Raises:
+        NotFusableError: `model` has an option this writer does not cover.
+    """
+    if checks not in ("flag", "none"):
+        raise ValueError(
+            "Received an invalid value for argument `checks`, expected 'flag' or "
+            f"'none' (ONNX has no assert op). Received: checks={checks!r}")
+    if not model.built:
+        model(np.zeros((1, 1), "int32"))
+    check_signature_decoder(model, max_length, opset)
+    with contextlib.ExitStack() as stack:
+        data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
+        weights = _Weights(Graph(None, 32, 0, data_file))
+        return {name: _Signature(model, name, max_length, checks, opset, read_bucket, weights).proto()
+                for name in ("prefill", "decode")}
+
+
+class _Weights:
+    """The weights both models share: each made and written once (`get`)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.names = {}
+
+    def get(self, key, make):
+        if key not in self.names:
+            self.names[key] = self.graph.const(make(), key)
+        return self.names[key]
+
+    def described(self, key, make):
+        """A `Graph.weight` / `Graph.tied_table` description, made once."""
+        if key not in self.names:
+            self.names[key] = make(self.graph)
+        return self.names[key]
+
+
+class _Signature:
+    """One of the two graphs, `prefill` or `decode`."""
+
+    def __init__(self, model, kind, max_length, checks, opset, read_bucket, weights):
+        self.model, self.kind, self.checks, self.opset = model, kind, checks, opset
+        self.max_length, self.bucket, self.weights = max_length, read_bucket, weights
+        self.g = Graph(None, 32, 0)
+        self.count = 0
+        self.cache_length, self.ring = cache_layout(model, max_length)
+        self.heads, self.kv_heads, self.head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
+        self.conditions = []
+        self.derived = {}  # per-call values shared by the layers (rotary, masks, slices)
+
+    # -- writing ---------------------------------------------------------------
+
+    def name(self, hint):
+        self.count += 1
+        return f"/{self.kind}/{hint}_{self.count}"
+
+    def op(self, op, inputs, hint, outputs=1, **attrs):
+        name = self.name(hint)
+        return self.g.node(op, inputs, name, outputs=outputs, **attrs)
+
+    def c(self, value, dtype, hint="c"):
+        return self.g.const(np.array(value, dtype), self.name(hint))
+
+    def i64(self, value):
+        return self.c(value, np.int64, "i64")
+
+    def f32(self, value):
+        return self.c(value, np.float32, "f32")
+
+    def reduce(self, op, x, axes, keepdims=1):
+        if axes is None:
+            return self.op(op, [x], op, keepdims=keepdims)
+        if self.opset >= 18:
+            return self.op(op, [x, self.i64(axes)], op, keepdims=keepdims)
+        return self.op(op, [x], op, axes=axes, keepdims=keepdims)
+
+    def once(self, key, make):
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
+
+    # -- the graph ---------------------------------------------------------------
+
+    def proto(self):
+        from onnx import TensorProto
+        from onnx import helper
+
+        from keras_attn.export.onnx import rename_value
+
+        model = self.model
+        vocab = model.vocabulary_size
+        ids = self.token_ids("token_ids", vocab)
+        if self.kind == "prefill":
+            length = self.op("Shape", ["token_ids"], "length", start=1, end=2)  # (1,) int64
+            positions = self.op("Range", [self.i64(0), self.op("Squeeze", [length], "P"), self.i64(1)],
+                                "positions")
+            if self.checks == "flag":
+                self.flag(self.op("And", [self.op("GreaterOrEqual", [length, self.i64([1])], "ge"),
+                                          self.op("LessOrEqual", [length, self.i64([self.max_length])], "le")],
+                                  "length_ok"))
+            self.length = length
+        else:
+            self.index = self.checked_index()
+            positions = self.op("Reshape", [self.index, self.i64([1])], "positions")
+        self.positions = positions
+        x = self.embed(ids, positions)
+        new_keys_values = []
+        for i, block in enumerate(model.blocks):
+            x = self.block(i, block, x, new_keys_values)
+        h = self.norm(x, model.final_norm, "final_norm")
+        logits = self.head(h)
+        cache = self.cache_out(new_keys_values)
+
+        batch, n, slots = "batch_size", len(model.blocks), self.cache_length
+        cache_dims = [n, 2, batch, slots, self.kv_heads, self.head_dim]
+        float_, int32 = TensorProto.FLOAT, TensorProto.INT32
+        if self.kind == "prefill":
+            inputs = [helper.make_tensor_value_info("token_ids", int32, [batch, "prompt_length"])]
+            outputs = [("cache", cache, cache_dims), ("logits", logits, [batch, "prompt_length", vocab])]
+        else:
+            inputs = [helper.make_tensor_value_info("token_ids", int32, [batch, 1]),
+                      helper.make_tensor_value_info("cache", float_, cache_dims),
+                      helper.make_tensor_value_info("index", int32, [])]
+            outputs = [("cache_out", cache, cache_dims), ("logits", logits, [batch, 1, vocab])]
+        infos = [helper.make_tensor_value_info(name, float_, dims) for name, _, dims in outputs]
+        if self.checks == "flag":
+            valid = self.conditions[0]
+            for condition in self.conditions[1:]:
+                valid = self.op("And", [valid, condition], "valid")
+            outputs.append(("valid", valid, []))
+            infos.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, []))
+        graph = helper.make_graph(self.g.nodes, f"keras_attn_{self.kind}", inputs, infos,
+                                  self.weights.graph.initializers + self.g.initializers)
+        for name, value, _ in outputs:
+            rename_value(graph, value, name)  # the node that makes it writes it: no Identity
+        opsets = [helper.make_opsetid("", self.opset)]
+        proto = helper.make_model(graph, producer_name="keras_attn", opset_imports=opsets)
+        proto.ir_version = helper.find_min_ir_version_for(opsets)
+        return proto
+
+    def flag(self, condition):
+        """ANDs `condition` into the `valid` output (as a scalar)."""
+        self.conditions.append(self.op("Reshape", [condition, self.i64(np.zeros(0, np.int64))], "condition"))
+
+    def token_ids(self, name, vocab):
+        if self.checks == "none":
+            return name
+        low = self.reduce("ReduceMin", name, None, keepdims=0)
+        high = self.reduce("ReduceMax", name, None, keepdims=0)
+        self.flag(self.op("And", [self.op("GreaterOrEqual", [low, self.c(0, np.int32)], "ge"),
+                                  self.op("Less", [high, self.c(vocab, np.int32)], "lt")], "ids_ok"))
+        return self.op("Min", [self.op("Max", [name, self.c(0, np.int32)], "clamp"),
+                               self.c(vocab - 1, np.int32)], "clamp")
+
+    def checked_index(self):
+        """`index` as int64, clamped with `checks="flag"` (a ring buffer: `>= 0`)."""
+        index = self.op("Cast", ["index"], "index", to=7)  # INT64
+        if self.checks == "none":
+            return index
+        zero = self.i64(0)
+        ok = self.op("GreaterOrEqual", [index, zero], "ge")
+        clamped = self.op("Max", [index, zero], "clamp")
+        if not self.ring:
+            last = self.i64(self.cache_length - 1)
+            ok = self.op("And", [ok, self.op("LessOrEqual", [index, last], "le")], "ok")
+            clamped = self.op("Min", [clamped, last], "clamp")
+        self.flag(ok)
+        return clamped
+
+    def embed(self, ids, positions):
+        model = self.model
+        rotary = model.position == "rotary"
+        table_layer = model.embedding if rotary else model.embedding.token_embedding
+        if model.lm_head is None:
+            self.tied = self.weights.described(
+                "tied", lambda g: g.tied_table(weight_value(table_layer.embeddings), "/lm_head"))
+            x = self.g.gather_rows(self.tied, ids, self.name("embed_tokens"))
+        else:
+            table = self.weights.get("model.embed_tokens.weight",
+                                     lambda: weight_value(table_layer.embeddings))
+            x = self.op("Gather", [table, ids], "embed_tokens")
+        if not rotary:
+            x = self.op("Add", [x, self.position_rows(positions)], "embed_positions")
+        if model.embedding_scale is not None:
+            x = self.op("Mul", [x, self.f32(model.embedding_scale)], "embedding_scale")
+        return x
+
+    def position_rows(self, positions):
+        """The learned or sinusoidal position embeddings `(T, hidden)` at `positions`."""
+        layer = self.model.embedding.position_embedding
+        if self.model.position == "learned":
+            table = self.weights.get("model.embed_positions.weight",
+                                     lambda: weight_value(layer.position_embeddings))
+            rows = self.model.max_positions
+        else:
+            rows, hidden = self.max_length, self.model.hidden_dim
+            table = self.weights.get("model.embed_positions.sinusoids", lambda: weight_value(
+                layer(np.zeros((1, rows, hidden), "float32")))[0])
+        return self.op("Gather", [table, self.clipped(positions, rows)], "positions")
+
+    def clipped(self, positions, rows):
+        """`positions` clamped into a table of `rows` (an unchecked bad request
+        reads a row of it instead of failing)."""
+        return self.op("Min", [self.op("Max", [positions, self.i64(0)], "clip"), self.i64(rows - 1)], "clip")
+
+    # -- blocks ---------------------------------------------------------------------
+
+    def block(self, i, block, x, new_keys_values):
+        base = f"layers.{i}"
+        h = self.norm(x, block.self_attention_layer_norm, base + ".input_norm")
+        a = self.attention(i, block, h, new_keys_values)
+        a = self.post_norm(a, getattr(block, "self_attention_post_norm", None), base + ".post_attention_norm")
+        x = self.op("Add", [x, a], "residual")
+        h = self.norm(x, block.feedforward_layer_norm, base + ".ffn_norm")
+        f = self.feedforward(block, h, base)
+        f = self.post_norm(f, getattr(block, "feedforward_post_norm", None), base + ".post_ffn_norm")
+        return self.op("Add", [x, f], "residual")
+
+    def post_norm(self, x, layer, key):
+        return x if layer is None else self.norm(x, layer, key)
+
+    def norm(self, x, layer, key):
+        """Keras's RMSNormalization or LayerNormalization over the last axis."""
+        if self.model.normalization == "layer_norm":
+            gamma = self.weights.get(key + ".weight", lambda: weight_value(layer.gamma))
+            beta = self.weights.get(key + ".bias", lambda: weight_value(layer.beta))
+            return self.op("LayerNormalization", [x, gamma, beta], "LayerNorm", axis=-1,
+                           epsilon=float(layer.epsilon))
+        scale = self.weights.get(key + ".weight", lambda: weight_value(layer.scale))
+        return self.rms_norm(x, scale, layer.epsilon)
+
+    def rms_norm(self, x, scale, epsilon):
+        # x * rsqrt(mean(x^2) + epsilon) * scale, as keras.ops.rms_normalization.
+        mean = self.reduce("ReduceMean", self.op("Mul", [x, x], "square"), [-1])
+        rms = self.op("Sqrt", [self.op("Add", [mean, self.f32(epsilon)], "eps")], "sqrt")
+        x = self.op("Mul", [x, self.op("Reciprocal", [rms], "rsqrt")], "normalized")
+        return self.op("Mul", [x, scale], "scaled")
+
+    def dense(self, x, kernel_key, make_kernel, bias, hint):
+        weight = self.weights.described(kernel_key, lambda g: g.weight(make_kernel(), kernel_key))
+        y = self.g.apply(x, weight, None, self.name(hint))
+        if bias is not None and np.any(bias):
+            y = self.op("Add", [y, self.weights.get(kernel_key + ".bias", lambda: bias)], hint + "_bias")
+        return y
+
+    def feedforward(self, block, h, base):
+        output = block.feedforward_output_dense
+        if block.feedforward_gate_dense is not None:
+            gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
+            gate = self.dense(h, base + ".mlp.gate", lambda: weight_value(gate_dense.kernel),
+                              dense_bias(gate_dense), "gate")
+            up = self.dense(h, base + ".mlp.up", lambda: weight_value(up_dense.kernel),
+                            dense_bias(up_dense), "up")
+            act = self.g.activation(gate, self.name("act"), activation_name(gate_dense.activation), standard=True)
+            h = self.op("Mul", [act, up], "gated")
+        else:
+            dense = block.feedforward_intermediate_dense
+            h = self.dense(h, base + ".mlp.fc1", lambda: weight_value(dense.kernel), dense_bias(dense), "fc1")
+            h = self.g.activation(h, self.name("act"), activation_name(dense.activation), standard=True)
+        return self.dense(h, base + ".mlp.down", lambda: weight_value(output.kernel), dense_bias(output), "down")
+
+    def attention(self, i, block, h, new_keys_values):
+        attention = block.self_attention
+        base = f"layers.{i}.attn"
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        dense = (attention.query_dense, attention.key_dense, attention.value_dense)
+        biases = [dense_bias(layer) for layer in dense]
+        widths = [heads * d, kv_heads * d, kv_heads * d]
+        packed_bias = None
+        if any(b is not None for b in biases):
+            packed_bias = np.concatenate([b if b is not None else np.zeros(w, np.float32)
+                                          for b, w in zip(biases, widths)])
+        qkv = self.dense(h, base + ".qkv", lambda: np.concatenate([projection_kernel(layer) for layer in dense],
+                                                                   axis=1), packed_bias, "qkv")
+        q, k, v = self.op("Split", [qkv, self.i64(widths)], "split_qkv", outputs=3, axis=-1)
+        q, k, v = (self.op("Reshape", [t, self.i64([0, 0, n, d])], "heads")
+                   for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+        if attention.query_norm is not None:
+            q = self.rms_norm(q, self.weights.get(base + ".q_norm", lambda: weight_value(attention.query_norm.scale)),
+                              attention.query_norm.epsilon)
+            k = self.rms_norm(k, self.weights.get(base + ".k_norm", lambda: weight_value(attention.key_norm.scale)),
+                              attention.key_norm.epsilon)
+        rotary = attention.rotary_embedding
+        if rotary is not None:
+            cos, sin = self.rotary(rotary)
+            q, k = self.rotate(q, cos, sin, rotary), self.rotate(k, cos, sin, rotary)
+        window = attention.sliding_window
+        if self.kind == "prefill":
+            keys, values = k, v
+            mask = self.once(("prefill_mask", window), lambda: self.prefill_mask(window))
+        elif self.ring:
+            keys, values, mask = self.ring_read(i, k, v, window)
+        else:
+            k, v = self.kept(i, k, 0), self.kept(i, v, 1)
+            keys, values, mask = self.bounded_read(i, k, v, window)
+        new_keys_values.append((k, v))
+        out = self.attend(q, keys, values, mask, attention.logit_soft_cap)
+        output = attention.output_dense
+        return self.dense(out, base + ".o_proj", lambda: projection_kernel(output, heads_first_input=True),
+                          dense_bias(output), "o_proj")
+
+    # -- positions -------------------------------------------------------------------
+
+    def rotary(self, rotary):
+        """`(cos, sin)` `(1, T, 1, rotary_dim / 2)` at this call's positions."""
+        def make():
+            key = f"rotary.{id(rotary)}"
+            if self.ring:
+                freq = self.weights.get(key + ".inv_freq", lambda: weight_value(
+                    rotary.inverse_frequencies(self.head_dim)).reshape(1, -1))
+                pos = self.op("Cast", [self.positions], "positions_float", to=1)
+                if rotary.scaling_factor != 1.0:
+                    pos = self.op("Div", [pos, self.f32(rotary.scaling_factor)], "scaled_positions")
+                angles = self.op("Mul", [self.op("Unsqueeze", [pos, self.i64([1])], "column"), freq], "angles")
+                cos, sin = self.op("Cos", [angles], "cos"), self.op("Sin", [angles], "sin")
+                factor = (rotary.rope_scaling or {}).get("attention_factor", 1.0)
+                if factor != 1.0:
+                    cos = self.op("Mul", [cos, self.f32(factor)], "cos_factor")
+                    sin = self.op("Mul", [sin, self.f32(factor)], "sin_factor")
+            else:
+                tables = {}
+
+                def table(part):
+                    if not tables:
+                        tables["cos"], tables["sin"] = rotary_caches(rotary, self.head_dim, self.max_length)
+                    return tables.pop(part)
+
+                rows = self.clipped(self.positions, self.max_length)
+                cos = self.op("Gather", [self.weights.get(key + ".cos", lambda: table("cos")), rows], "cos")
+                sin = self.op("Gather", [self.weights.get(key + ".sin", lambda: table("sin")), rows], "sin")
+            axes = self.i64([0, 2])
+            return self.op("Unsqueeze", [cos, axes], "cos"), self.op("Unsqueeze", [sin, axes], "sin")
+
+        return self.once(("rotary", id(rotary)), make)
+
+    def rotate(self, x, cos, sin, rotary):
+        """keras_attn's RotaryEmbedding ("rotate half") over the first `rotary_dim` features."""
+        d = self.head_dim
+        half = rotary.rotary_dim(d) // 2
+        sizes = [half, half] + ([d - 2 * half] if 2 * half < d else [])
+        parts = self.op("Split", [x, self.i64(sizes)], "rotary_split", outputs=len(sizes), axis=-1)
+        x1, x2 = parts[0], parts[1]
+        first = self.op("Sub", [self.op("Mul", [x1, cos], "x1cos"), self.op("Mul", [x2, sin], "x2sin")], "rot1")
+        second = self.op("Add", [self.op("Mul", [x2, cos], "x2cos"), self.op("Mul", [x1, sin], "x1sin")], "rot2")
+        return self.op("Concat", [first, second] + list(parts[2:]), "rotated", axis=-1)
+
+    # -- attention ---------------------------------------------------------------------
+
+    def band(self, query, key, window):
+        """Key positions a query sees: `key <= query` and, with a window, `query - key < window`."""
+        mask = self.op("LessOrEqual", [key, query], "causal")
+        if window is not None:
+            near = self.op("Less", [self.op("Sub", [query, key], "distance"), self.i64(window)], "window")
+            mask = self.op("And", [mask, near], "band")
+        return mask
+
+    def prefill_mask(self, window):
+        query = self.op("Unsqueeze", [self.positions, self.i64([1])], "query_positions")
+        key = self.op("Unsqueeze", [self.positions, self.i64([0])], "key_positions")
+        return self.band(query, key, window)  # (P, P)
+
+    def cache_slice(self, i, part, start, end):
+        """`cache[i, part, :, start:end]` as `(B, end - start, H_kv, D)`."""
+        starts = self.op("Concat", [self.i64([i, part]), start], "starts", axis=0)
+        ends = self.op("Concat", [self.i64([i + 1, part + 1]), end], "ends", axis=0)
+        sliced = self.op("Slice", ["cache", starts, ends, self.i64([0, 1, 3])], "cache_slice")
+        return self.op("Squeeze", [sliced, self.i64([0, 1])], "cache_slice")
+
+    def slot(self):
+        """The slot `index` writes: `index mod cache_length` (ring) or `index`
+        clamped into the cache (an unchecked bad request writes back what was there)."""
+        def make():
+            if self.ring:
+                return self.op("Mod", [self.index, self.i64(self.cache_length)], "slot")
+            return self.clipped(self.index, self.cache_length)
+        return self.once("slot", make)
+
+    def kept(self, i, new, part):
+        """With `checks="none"` an `index` outside a plain cache writes nothing (as
+        `keras_attn.ops.cache.write_slot`): the slot's old value is written back."""
+        if self.checks == "flag":
+            return new
+        inside = self.once("inside", lambda: self.op("And", [
+            self.op("GreaterOrEqual", [self.index, self.i64(0)], "ge"),
+            self.op("Less", [self.index, self.i64(self.cache_length)], "lt")], "inside"))
+        slot = self.op("Reshape", [self.slot(), self.i64([1])], "slot")
+        old = self.cache_slice(i, part, slot, self.op("Add", [slot, self.i64([1])], "slot_end"))
+        return self.op("Where", [inside, new, old], "kept")
+
+    def bounds(self, window):
+        """`(start, end)` `(1,)` of the slots a decode query at `index` sees
+        (`keras_attn.ops.cache.filled_part`), and the rows `(B, 2)` of the
+        written slot in that slice."""
+        def make():
+            bucket, length = self.bucket, self.cache_length
+            end = self.op("Min", [self.i64(length), self.op("Mul", [self.op("Max", [
+                self.op("Add", [self.op("Div", [self.index, self.i64(bucket)], "buckets"), self.i64(1)], "next"),
+                self.i64(1)], "at_least_one"), self.i64(bucket)], "end")], "end")
+            if window is None:
+                start = self.i64(0)
+            else:
+                start = self.op("Max", [self.op("Sub", [self.index, self.i64(window - 1)], "first"), self.i64(0)],
+                                "first")
+                start = self.op("Min", [start, self.op("Sub", [end, self.i64(1)], "last")], "first")
+                start = self.op("Mul", [self.op("Div", [start, self.i64(bucket)], "bucket"), self.i64(bucket)],
+                                "start")
+            positions = self.op("Range", [start, end, self.i64(1)], "slice_positions")
+            mask = self.op("Unsqueeze", [self.band(self.index, positions, window), self.i64([0])], "mask")
+            start, end = (self.op("Reshape", [t, self.i64([1])], "bound") for t in (start, end))
+            rows = self.op("Concat", [self.batch_rows(), self.op("Expand", [
+                self.op("Sub", [self.slot(), start], "offset"), self.batch_column()], "offsets")], "rows", axis=1)
+            return start, end, mask, rows
+        return self.once(("bounds", window), make)
+
+    def batch_rows(self):
+        """`[[0], [1], ..., [B - 1]]` int64."""
+        def make():
+            batch = self.op("Squeeze", [self.batch_size()], "B")
+            rows = self.op("Range", [self.i64(0), batch, self.i64(1)], "batch_range")
+            return self.op("Unsqueeze", [rows, self.i64([1])], "batch_rows")
+        return self.once("batch_rows", make)
+
+    def batch_size(self):
+        return self.once("batch", lambda: self.op("Shape", ["token_ids"], "batch", start=0, end=1))
+
+    def batch_column(self):
+        return self.once("batch_column", lambda: self.op(
+            "Concat", [self.batch_size(), self.i64([1])], "batch_column", axis=0))
+
+    def bounded_read(self, i, k, v, window):
+        start, end, mask, rows = self.bounds(window)
+        read = []
+        for part, new in ((0, k), (1, v)):
+            old = self.cache_slice(i, part, start, end)
+            updates = self.op("Squeeze", [new, self.i64([1])], "new")
+            read.append(self.op("ScatterND", [old, rows, updates], "write_slot"))
+        return read[0], read[1], mask
+
+    def ring_read(self, i, k, v, window):
+        """The whole ring and the new key, as Keras reads them: slot `s` holds
+        position `index - 1 - ((index - 1 - s) mod W)` (negative: never written)."""
+        def mask():
+            length = self.cache_length
+            previous = self.op("Sub", [self.index, self.i64(1)], "previous")
+            slots = self.i64(np.arange(length))
+            held = self.op("Sub", [previous, self.op("Mod", [self.op("Sub", [previous, slots], "back"),
+                                                              self.i64(length)], "mod")], "held")
+            positions = self.op("Concat", [held, self.op("Reshape", [self.index, self.i64([1])], "new")],
+                                "ring_positions", axis=0)
+            seen = self.op("And", [self.band(self.index, positions, window),
+                                   self.op("GreaterOrEqual", [positions, self.i64(0)], "written")], "seen")
+            return self.op("Unsqueeze", [seen, self.i64([0])], "mask")
+
+        start, end = self.i64([0]), self.i64([self.cache_length])
+        keys = self.op("Concat", [self.cache_slice(i, 0, start, end), k], "ring_keys", axis=1)
+        values = self.op("Concat", [self.cache_slice(i, 1, start, end), v], "ring_values", axis=1)
+        return keys, values, self.once("ring_mask", mask)
+
+    def attend(self, q, keys, values, mask, soft_cap):
+        """softmax(q k^T / sqrt(D), masked) v for grouped heads: `q` `(B, T, H, D)`,
+        `keys`/`values` `(B, S, H_kv, D)`, `mask` bool `(T, S)` -> `(B, T, H D)`."""
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        q = self.op("Mul", [q, self.f32(1.0 / math.sqrt(d))], "scaled_q")
+        # (B, T, H_kv, G, D) -> (B, H_kv, G, T, D) -> (B, H_kv, G T, D)
+        q = self.op("Reshape", [q, self.i64([0, 0, kv_heads, group, d])], "groups")
+        q = self.op("Transpose", [q], "q_heads", perm=[0, 2, 3, 1, 4])
+        q = self.op("Reshape", [q, self.i64([0, kv_heads, -1, d])], "q_rows")
+        scores = self.op("MatMul", [q, self.op("Transpose", [keys], "k_t", perm=[0, 2, 3, 1])], "scores")
+        if soft_cap is not None:
+            cap = self.f32(soft_cap)
+            scores = self.op("Mul", [self.op("Tanh", [self.op("Div", [scores, cap], "cap")], "tanh"), cap], "capped")
+        if group > 1:
+            mask = self.op("Tile", [mask, self.i64([group, 1])], "group_mask")
+        scores = self.op("Where", [mask, scores, self.f32(_MASKED_LOGIT)], "masked")
+        probs = self.op("Softmax", [scores], "probs", axis=-1)
+        out = self.op("MatMul", [probs, self.op("Transpose", [values], "v_t", perm=[0, 2, 1, 3])], "context")
+        out = self.op("Reshape", [out, self.i64([0, kv_heads, group, -1, d])], "context_groups")
+        out = self.op("Transpose", [out], "context_heads", perm=[0, 3, 1, 2, 4])
+        return self.op("Reshape", [out, self.i64([0, 0, heads * d])], "context")
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def head(self, h):
+        model = self.model
+        if model.lm_head is None:
+            logits = self.g.apply(h, self.tied, None, self.name("lm_head"))
+        else:
+            logits = self.dense(h, "lm_head", lambda: weight_value(model.lm_head.kernel),
+                                dense_bias(model.lm_head), "lm_head")
+        cap = model.final_logit_soft_cap
+        if cap is not None:
+            cap = self.f32(cap)
+            logits = self.op("Mul", [self.op("Tanh", [self.op("Div", [logits, cap], "cap")], "tanh"), cap],
+                             "final_soft_cap")
+        return logits
+
+    def cache_out(self, new_keys_values):
+        """prefill: the cache of this block; decode: the input cache with this
+        call's slot written (one ScatterND for every layer)."""
+        n, length = len(new_keys_values), self.cache_length
+        stacked = self.op("Concat", [self.op("Unsqueeze", [t, self.i64([0])], "layer_kv")
+                                     for pair in new_keys_values for t in pair], "stacked", axis=0)
+        if self.kind == "prefill":
+            # (2N, B, P, H_kv, D) -> the slots: slot s holds position src[s].
+            slots = self.i64(np.arange(length))
+            last = self.op("Sub", [self.length, self.i64([1])], "last")
+            if self.ring:
+                src = self.op("Sub", [last, self.op("Mod", [self.op("Sub", [last, slots], "back"),
+                                                             self.i64(length)], "mod")], "source")
+                inside = self.op("GreaterOrEqual", [src, self.i64(0)], "inside")
+            else:
+                src = slots
+                inside = self.op("LessOrEqual", [slots, last], "inside")
+            src = self.op("Min", [self.op("Max", [src, self.i64(0)], "clip"), last], "clip")
+            gathered = self.op("Gather", [stacked, src], "placed", axis=2)
+            inside = self.op("Reshape", [inside, self.i64([1, 1, length, 1, 1])], "inside")
+            placed = self.op("Where", [inside, gathered, self.f32(0.0)], "cache")
+            return self.op("Reshape", [placed, self.i64([n, 2, -1, length, self.kv_heads, self.head_dim])],
+                           "cache")
+        updates = self.op("Reshape", [stacked, self.i64([n, 2, -1, self.kv_heads, self.head_dim])], "updates")
+        shape = self.op("Concat", [self.i64([n, 2]), self.batch_size(), self.i64([1])], "index_shape", axis=0)
+        layer_part = np.stack(np.meshgrid(np.arange(n), np.arange(2), indexing="ij"), axis=-1)  # (N, 2, 2)
+        fixed = self.op("Expand", [self.i64(layer_part.reshape(n, 2, 1, 2)), self.op(
+            "Concat", [self.i64([n, 2]), self.batch_size(), self.i64([2])], "fixed_shape", axis=0)], "fixed")
+        rows = self.op("Expand", [self.op("Reshape", [self.batch_rows(), self.i64([1, 1, -1, 1])], "rows"), shape],
+                       "rows")
+        slot = self.op("Expand", [self.op("Reshape", [self.slot(), self.i64([1, 1, 1, 1])], "slot"), shape], "slots")
+        indices = self.op("Concat", [fixed, rows, slot], "indices", axis=-1)
+        return self.op("ScatterND", ["cache", indices, updates], "cache_out")
