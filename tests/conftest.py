@@ -29,6 +29,7 @@ BACKEND_AGNOSTIC_FILES = {
     "test_gemma4_options.py",
     "test_mha_keras_compat.py",
     "test_onnx_decoder.py",
+    "test_onnx_signatures.py",
     "test_ops.py",
     "test_peers.py",
     "test_position_layers.py",

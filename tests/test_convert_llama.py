@@ -169,7 +169,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
 
     paths = gen_export.export_onnx(lm, str(tmp_path / name), max_length=max_length)
     sessions = {k: ort.InferenceSession(p, providers=["CPUExecutionProvider"])
-                for k, p in paths.files.items()}
+                for k, p in paths.files.items() if k != "weights"}
 
     got = artifact_greedy(ort_runner(sessions["prefill"]), ort_runner(sessions["decode"]),
                            prompts, max_length)

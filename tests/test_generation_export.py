@@ -138,7 +138,7 @@ def test_onnx_prefill_decode(tmp_path, decoder_only, encoder_decoder):
     ):
         paths = gen_export.export_onnx(model, str(tmp_path / model.name), max_length=max_len)
         sessions = {k: ort.InferenceSession(p, providers=["CPUExecutionProvider"])
-                    for k, p in paths.files.items()}
+                    for k, p in paths.files.items() if k != "weights"}
         got = _artifact_greedy(_ort_runner(sessions["prefill"]), _ort_runner(sessions["decode"]),
                                prompt, max_len, enc)
         np.testing.assert_array_equal(got, expected)

@@ -83,8 +83,12 @@ def cache_layout(model, max_length):
 def check_signature_decoder(model, max_length, opset=17):
     """Raises `NotFusableError` naming the first thing about `model` (a
     cache of `max_length`, `opset`) this writer does not cover."""
+    from keras_attn.generation.models import DecoderOnlyLM
+
     if opset not in OPSETS:
         raise NotFusableError(f"opset={opset!r} (the {WRITER} writes opsets {list(OPSETS)})")
+    if isinstance(model, DecoderOnlyLM) and not model.built:
+        model(np.zeros((1, 1), "int32"))  # its layers' weights are read below
     check_decoder_options(model, WRITER, MODEL_OPTIONS_NOT_FUSED, _CHOICES, max_length)
     config = model.get_config()
     for key in ("head_dim", "num_key_value_heads"):
@@ -125,8 +129,6 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
         raise ValueError(
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (ONNX has no assert op). Received: checks={checks!r}")
-    if not model.built:
-        model(np.zeros((1, 1), "int32"))
     check_signature_decoder(model, max_length, opset)
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))

@@ -7,7 +7,11 @@ contract's names, a stacked cache and the request checks.
   one-call greedy `generate` for TF Serving.
 - TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
   `Interpreter.get_signature_runner`.
-- ONNX `prefill.onnx` and `decode.onnx` (tf2onnx) for onnxruntime.
+- ONNX `prefill.onnx` and `decode.onnx` for any ONNX runtime: written from
+  the Keras weights in standard ops (`keras_attn.export.onnx_signatures`,
+  both models' weights once, in one external data file beside them), or,
+  for what that writer does not cover (encoder-decoder models, Gemma 4's
+  per-layer caches, relative positions), converted with tf2onnx.
 
 Signatures (decoder-only; encoder-decoder models add the marked parts):
 
@@ -48,12 +52,17 @@ Bad requests (docs/guides/serving_validation.md has the measured table):
 """
 
 import os
+import shutil
+import tempfile
+import warnings
 
 import tensorflow as tf
 
+from keras_attn.export import onnx_signatures
 from keras_attn.export.onnx import rename_value
+from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS, graph_op_types
-from keras_attn.export.staging import staged
+from keras_attn.export.staging import release_memory, staged
 from keras_attn.export.tflite import tflite_op_names
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import search
@@ -62,6 +71,21 @@ from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too
 from keras_attn.runtimes.tflite_convert import signatures_to_tflite
 from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
+
+
+def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(
+            "Received an invalid value for argument `max_length`, expected an "
+            f"integer >= 2. Received: max_length={max_length!r}"
+        )
+    if checks not in allowed:
+        raise ValueError(
+            f"Received an invalid value for argument `checks`, expected one of "
+            f"{list(allowed)}. Received: checks={checks!r}"
+        )
+    # Under XLA a position past a learned table would be clamped silently.
+    search.check_max_positions(model, max_length, encoder_length)
 
 
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
@@ -86,18 +110,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     `DYNAMIC_UPDATE_SLICE` instead of a select over every slot.
     """
     cache_storage_dtype(cache_dtype)  # checked first, before the model is read
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(
-            "Received an invalid value for argument `max_length`, expected an "
-            f"integer >= 2. Received: max_length={max_length!r}"
-        )
-    if checks not in request_checks.CHECKS:
-        raise ValueError(
-            f"Received an invalid value for argument `checks`, expected one of "
-            f"{list(request_checks.CHECKS)}. Received: checks={checks!r}"
-        )
-    # Under XLA a position past a learned table would be clamped silently.
-    search.check_max_positions(model, max_length, encoder_length)
+    _check_arguments(model, max_length, checks, request_checks.CHECKS, encoder_length)
     trace = DecoderTrace(model, max_length=max_length, cache_dtype=cache_dtype,
                          read_bucket=decoder_trace.READ_BUCKET, update_slices=update_slices)
     vocab, positions = trace.vocabulary_size, trace.max_positions
@@ -318,22 +331,64 @@ def _flattened(fn, out_names):
     return flat
 
 
-def onnx_models(model, *, max_length, opset=17, checks="flag"):
-    """`{"prefill": ModelProto, "decode": ModelProto}` converted with tf2onnx.
+ONNX_WRITERS = ("auto", "direct", "tf2onnx")
 
-    Inputs and outputs carry the signature names, except that an output
-    named like an input gets `_out` appended (`cache_out`). Raises a ValueError if
-    tf2onnx leaves any op that is not a standard ONNX op. `checks` as for
-    `tflite_bytes` ("flag" adds the `valid` output).
-    """
-    import onnx
-    import tf2onnx
 
+def _check_onnx_arguments(model, max_length, checks):
     if checks not in ("flag", "none"):
         raise ValueError(
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (ONNX has no assert op). Received: checks={checks!r}"
         )
+    _check_arguments(model, max_length, checks, ("flag", "none"))
+
+
+def onnx_writer(model, *, max_length, opset=17, writer="auto"):
+    """The writer `onnx_models` / `export_onnx` use: "direct"
+    (`keras_attn.export.onnx_signatures`) where it covers `model`, else
+    "tf2onnx" (`writer="auto"` warns, naming why; `writer="direct"` raises
+    the `NotFusableError` that says it)."""
+    if writer not in ONNX_WRITERS:
+        raise ValueError(
+            f"Received an invalid value for argument `writer`, expected one of "
+            f"{list(ONNX_WRITERS)}. Received: writer={writer!r}")
+    if writer == "tf2onnx":
+        return writer
+    try:
+        onnx_signatures.check_signature_decoder(model, max_length, opset)
+    except NotFusableError as error:
+        if writer == "direct":
+            raise
+        warnings.warn(f"The ONNX prefill/decode export of `{model.name}` falls back to tf2onnx: "
+                      f"keras_attn.export.onnx_signatures does not cover it ({error}).", stacklevel=3)
+        return "tf2onnx"
+    return "direct"
+
+
+def onnx_models(model, *, max_length, opset=17, checks="flag", writer="auto"):
+    """`{"prefill": ModelProto, "decode": ModelProto}` (see the module docstring).
+
+    `writer`: "direct" (`keras_attn.export.onnx_signatures`: written from
+    the weights in standard ops, each proto holding its weights, so under
+    2 GB; `export_onnx` has no such limit), "tf2onnx" (the traced
+    signatures converted), or "auto" (the default: direct where it covers
+    the model, else tf2onnx with a warning naming why).
+    Inputs and outputs carry the signature names, except that an output
+    named like an input gets `_out` appended (`cache_out`). Raises a ValueError if
+    tf2onnx leaves any op that is not a standard ONNX op. `checks` as for
+    `tflite_bytes` ("flag" adds the `valid` output).
+    """
+    _check_onnx_arguments(model, max_length, checks)
+    if onnx_writer(model, max_length=max_length, opset=opset, writer=writer) == "direct":
+        return onnx_signatures.signature_models(model, max_length=max_length, checks=checks, opset=opset,
+                                                read_bucket=decoder_trace.READ_BUCKET)
+    return _tf2onnx_models(model, max_length=max_length, opset=opset, checks=checks)
+
+
+def _tf2onnx_models(model, *, max_length, opset, checks):
+    import onnx
+    import tf2onnx
+
     fns = signature_functions(model, max_length=max_length, checks=checks)
     protos = {}
     for name in ("prefill", "decode"):
@@ -372,19 +427,50 @@ def _ort_runner(session):
     return run
 
 
-def export_onnx(model, directory, *, max_length, opset=17, checks="flag"):
+def _ort_file_runner(path, keep):
+    """`_ort_runner` of the model at `path`, its session opened at the first
+    call and, unless `keep`, closed after each (verification holds one
+    session's copy of the weights at a time)."""
+    import onnxruntime as ort
+
+    held = []
+
+    def run(**kwargs):
+        if not held:
+            held.append(_ort_runner(ort.InferenceSession(path, providers=["CPUExecutionProvider"])))
+        out = held[0](**kwargs)
+        if not keep:
+            held.clear()
+        return out
+
+    return run
+
+
+def export_onnx(model, directory, *, max_length, opset=17, checks="flag", writer="auto"):
     """Writes `prefill.onnx` and `decode.onnx` into `directory`.
+
+    `writer` as for `onnx_models`. The direct writer streams both models'
+    weights, each once, to one external data file beside them
+    (`keras_attn.export.onnx_signatures.WEIGHTS_FILE`), so the export holds
+    one weight at a time and has no 2 GB limit; tf2onnx's models hold their
+    weights inside.
 
     Returns:
         A `SignatureReport` whose `files` are `{"prefill": path, "decode":
-        path}` (`report["prefill"]` works, as on the dict returned before):
+        path}` and, from the direct writer, `"weights"`, the data file
+        (`report["prefill"]` works, as on the dict returned before):
         both models, run in onnxruntime over a random sequence before
         writing, against the Keras model's logits (a `ParityError` beyond
         1e-4 of the largest logit, and nothing is written).
     """
+    _check_onnx_arguments(model, max_length, checks)
+    details = {"max_length": max_length, "opset": opset, "checks": checks,
+               "writer": onnx_writer(model, max_length=max_length, opset=opset, writer=writer)}
+    if details["writer"] == "direct":
+        return _export_onnx_direct(model, directory, details)
     import onnxruntime as ort
 
-    protos = onnx_models(model, max_length=max_length, opset=opset, checks=checks)
+    protos = _tf2onnx_models(model, max_length=max_length, opset=opset, checks=checks)
     contents = {name: proto.SerializeToString() for name, proto in protos.items()}
     sessions = {name: _ort_runner(ort.InferenceSession(content,
                                                        providers=["CPUExecutionProvider"]))
@@ -398,6 +484,43 @@ def export_onnx(model, directory, *, max_length, opset=17, checks="flag"):
         with open(paths[name], "wb") as f:
             f.write(content)
     ops = sorted({n.op_type for proto in protos.values() for n in proto.graph.node})
-    return verification.signature_report(
-        "onnx", directory, verified, ops=ops, files=paths,
-        details={"max_length": max_length, "opset": opset, "checks": checks})
+    return verification.signature_report("onnx", directory, verified, ops=ops, files=paths,
+                                         details=details)
+
+
+def _export_onnx_direct(model, directory, details):
+    """The direct writer's files, written into a hidden folder inside
+    `directory`, verified there, then moved beside whatever `directory`
+    holds (nothing is left on an error)."""
+    directory = os.path.abspath(os.fspath(directory))
+    created = not os.path.exists(directory)
+    os.makedirs(directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".onnx_signatures.partial-", dir=directory)
+    try:
+        names = {"prefill": "prefill.onnx", "decode": "decode.onnx",
+                 "weights": onnx_signatures.WEIGHTS_FILE}
+        staged_paths = {k: os.path.join(staging, n) for k, n in names.items()}
+        protos = onnx_signatures.signature_models(
+            model, max_length=details["max_length"], checks=details["checks"], opset=details["opset"],
+            read_bucket=decoder_trace.READ_BUCKET, external_data=staged_paths["weights"])
+        ops = sorted({n.op_type for proto in protos.values() for n in proto.graph.node})
+        for name, proto in protos.items():
+            with open(staged_paths[name], "wb") as f:
+                f.write(proto.SerializeToString())
+        del protos
+        release_memory()
+        verified = verification.verify_prefill_decode(
+            "onnx", model, _ort_file_runner(staged_paths["prefill"], keep=False),
+            _ort_file_runner(staged_paths["decode"], keep=True), max_length=details["max_length"])
+        release_memory()
+        paths = {k: os.path.join(directory, n) for k, n in names.items()}
+        for name in names:
+            os.replace(staged_paths[name], paths[name])
+    except BaseException:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return verification.signature_report("onnx", directory, verified, ops=ops, files=paths,
+                                         details=details)
