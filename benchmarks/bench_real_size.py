@@ -29,6 +29,9 @@ Stages (`STAGES`, one entry each; later stages are added there):
 - `litertlm_speed`: prefill and decode tokens/s in `litert_lm.Engine` of the
   bundles the stages above wrote, ours and the peer's of each precision in
   alternating rounds (`--prompt`, `--new`, `--rounds`).
+- `sig_onnx`: converts, then times `keras_attn.runtimes.signatures.export_onnx`
+  (prefill.onnx + decode.onnx, `max_length` 1024; the direct writer, weights
+  in one shared file), with its phases (write ONNX, serialize, verify).
 - Encoder exports (BERT): `savedmodel`, `tflite`, `onnx` (export_onnx's
   default path), `onnx_fused` (`fused=True`), `onnx_tf2onnx` (forced
   tf2onnx), `export_all`: each converts, then times the export, its
@@ -609,6 +612,31 @@ def _export_stage(fmt, **kwargs):
     return stage
 
 
+def stage_sig_onnx(name, spec, paths, args):
+    """Converts, then times `keras_attn.runtimes.signatures.export_onnx`
+    (`max_length` 1024; the direct writer where it covers the model, its
+    verification in onnxruntime against Keras included)."""
+    from keras_attn.export import onnx_signatures
+    from keras_attn.runtimes import signatures, verification
+
+    sampler = Sampler()
+    model, _ = _convert(sampler, paths["checkpoint"], args.dtype)
+    folder = os.path.join(paths["work"], "sig_onnx")
+    shutil.rmtree(folder, ignore_errors=True)
+    sampler.mark("export")
+    _wrap(onnx_signatures, "signature_models", before=lambda: sampler.mark("write ONNX"),
+          after=lambda: sampler.mark("serialize"))
+    _wrap(verification, "verify_prefill_decode", before=lambda: sampler.mark("verify"),
+          after=lambda: sampler.mark("move"))
+    start = time.perf_counter()
+    report = signatures.export_onnx(model, folder, max_length=GENAI_MAX_LENGTH)
+    seconds = time.perf_counter() - start
+    sampler.mark(None)
+    return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
+            "artifact_bytes": _dir_bytes(folder), "writer": report.details["writer"],
+            "max_abs_error": report.max_abs_error, "atol": report.atol}
+
+
 def stage_keras_file(name, spec, paths, args):
     """The converted model saved as `.keras`, the CLI's input (not ours)."""
     sampler = Sampler()
@@ -714,6 +742,7 @@ STAGES = {
     "onnx": Stage(_export_stage("onnx"), "convert + export_onnx (default)"),
     "onnx_fused": Stage(_export_stage("onnx_fused", fused=True), "convert + export_onnx(fused=True)"),
     "export_all": Stage(_export_stage("export_all"), "convert + export_all (SavedModel, TFLite, ONNX)"),
+    "sig_onnx": Stage(stage_sig_onnx, "convert + runtimes.signatures.export_onnx, max_length 1024"),
     "keras_file": Stage(stage_keras_file, "convert + model.save(.keras) (CLI input, not ours)",
                         ours=False),
     "cli": Stage(None, "keras-attn export model.keras --format all", command=_cli_command,

@@ -48,15 +48,16 @@ def _sessions(protos):
 
 def keras_greedy(lm, prompts, max_length, pad=0):
     """Each row's prompt (up to its padding) extended by argmax of the Keras
-    model's full forward pass, one token at a time (no cache)."""
-    out = np.full((len(prompts), max_length), pad, np.int32)
-    for row, prompt in enumerate(prompts):
-        ids = [int(t) for t in prompt if t != pad]
-        while len(ids) < max_length:
-            logits = keras.ops.convert_to_numpy(lm(np.array([ids], np.int32)))
-            ids.append(int(np.argmax(logits[0, -1])))
-        out[row] = ids
-    return out
+    model's full forward pass (no cache), one token at a time. The forward
+    pass is causal, so it runs over the whole `(B, max_length)` buffer each
+    step (one shape: one compilation on JAX) and reads position `t - 1`."""
+    lengths = (np.asarray(prompts) != pad).sum(1)
+    tokens = np.full((len(prompts), max_length), pad, np.int32)
+    tokens[:, :prompts.shape[1]] = prompts
+    for t in range(int(lengths.min()), max_length):
+        logits = keras.ops.convert_to_numpy(lm(tokens))
+        tokens[:, t] = np.where(t < lengths, tokens[:, t], np.argmax(logits[:, t - 1], axis=-1))
+    return tokens
 
 
 def teacher_forced(run, ids, prompt):
