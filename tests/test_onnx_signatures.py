@@ -285,7 +285,7 @@ def test_a_converted_model_generates_transformers_tokens():
     np.testing.assert_array_equal(got, models.hf_greedy(hf, prompts, MAX_LEN))
 
 
-def test_uncovered_models_fall_back_to_tf2onnx_with_the_reason():
+def test_uncovered_models_fall_back_to_tf2onnx_with_the_reason(llama_like):
     per_layer = DecoderOnlyLM(models.VOCAB, 16, 32, num_layers=2, num_heads=4, intermediate_dim=48,
                               position="rotary", normalization="rms_norm", head_dim=[8, 16],
                               num_key_value_heads=[2, 1])
@@ -301,7 +301,7 @@ def test_uncovered_models_fall_back_to_tf2onnx_with_the_reason():
                                  position="learned", sliding_window=4)
     with pytest.raises(NotFusableError, match="ring-buffer"):
         signatures.onnx_writer(ring_learned, max_length=8, writer="direct")
-    covered = make_lm(position="rotary")
+    covered = llama_like
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert signatures.onnx_writer(covered, max_length=8) == "direct"

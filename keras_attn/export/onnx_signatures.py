@@ -66,15 +66,11 @@ _ACTIVATIONS = ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear")
 _MASKED_LOGIT = -3.0e38
 
 
-def _windows(model):
-    return model.layer_sliding_windows()
-
-
 def cache_layout(model, max_length):
     """`(cache_length, ring)`: the stacked cache's slots and whether it is a
     ring buffer (every layer with one window shorter than `max_length`, as
     `keras_attn.runtimes.trace.DecoderTrace`)."""
-    windows = set(_windows(model))
+    windows = set(model.layer_sliding_windows())
     if len(windows) == 1 and None not in windows and min(windows) < max_length:
         return min(windows), True
     return max_length, False
