@@ -272,6 +272,12 @@ def test_families_match_keras(family):
     assert_logits_close(run, lm, 12, err_msg=family)
 
 
+def test_decode_reads_every_slot_without_a_bucket():
+    lm = make_lm(**FAMILIES["qwen3"])
+    run = _sessions(onnx_signatures.signature_models(lm, max_length=12, read_bucket=None))
+    assert_logits_close(run, lm, 12, err_msg="read_bucket=None")
+
+
 def test_a_converted_model_generates_transformers_tokens():
     transformers = pytest.importorskip("transformers")
     del transformers

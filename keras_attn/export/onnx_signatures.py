@@ -113,7 +113,8 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
         max_length: the cache's positions.
         checks: "flag" (ids and `index` clamped, a bool `valid` output) or "none".
         opset: 17 or 18.
-        read_bucket: `decode` reads the filled slots rounded up to a multiple of it.
+        read_bucket: `decode` reads the filled slots rounded up to a multiple
+            of it; None: every slot.
         external_data: None (weights inside each proto; under 2 GB in all) or
             the path of the one file both models' weights are streamed to,
             each once (save the protos in its folder).
@@ -510,6 +511,8 @@ class _Signature:
         written slot in that slice."""
         def make():
             bucket, length = self.bucket, self.cache_length
+            if bucket is None:  # every slot (what the bound is measured against)
+                return self.slice_rows(self.i64(0), self.i64(length), window)
             end = self.op("Min", [self.i64(length), self.op("Mul", [self.op("Max", [
                 self.op("Add", [self.op("Div", [self.index, self.i64(bucket)], "buckets"), self.i64(1)], "next"),
                 self.i64(1)], "at_least_one"), self.i64(bucket)], "end")], "end")
@@ -521,13 +524,18 @@ class _Signature:
                 start = self.op("Min", [start, self.op("Sub", [end, self.i64(1)], "last")], "first")
                 start = self.op("Mul", [self.op("Div", [start, self.i64(bucket)], "bucket"), self.i64(bucket)],
                                 "start")
-            positions = self.op("Range", [start, end, self.i64(1)], "slice_positions")
-            mask = self.op("Unsqueeze", [self.band(self.index, positions, window), self.i64([0])], "mask")
-            start, end = (self.op("Reshape", [t, self.i64([1])], "bound") for t in (start, end))
-            rows = self.op("Concat", [self.batch_rows(), self.op("Expand", [
-                self.op("Sub", [self.slot(), start], "offset"), self.batch_column()], "offsets")], "rows", axis=1)
-            return start, end, mask, rows
+            return self.slice_rows(start, end, window)
         return self.once(("bounds", window), make)
+
+    def slice_rows(self, start, end, window):
+        """`(start, end)` as `(1,)`, the mask `(1, end - start)` of slots
+        `[start, end)` and the rows `(B, 2)` of the written slot in them."""
+        positions = self.op("Range", [start, end, self.i64(1)], "slice_positions")
+        mask = self.op("Unsqueeze", [self.band(self.index, positions, window), self.i64([0])], "mask")
+        start, end = (self.op("Reshape", [t, self.i64([1])], "bound") for t in (start, end))
+        rows = self.op("Concat", [self.batch_rows(), self.op("Expand", [
+            self.op("Sub", [self.slot(), start], "offset"), self.batch_column()], "offsets")], "rows", axis=1)
+        return start, end, mask, rows
 
     def batch_rows(self):
         """`[[0], [1], ..., [B - 1]]` int64."""
