@@ -177,7 +177,13 @@ class _Signature:
         return self.g.node(op, inputs, name, outputs=outputs, **attrs)
 
     def c(self, value, dtype, hint="c"):
-        return self.g.const(np.array(value, dtype), self.name(hint))
+        """A small constant inside the graph (a scalar stays a scalar: `Graph.const`
+        makes arrays at least 1-D)."""
+        from onnx import numpy_helper
+
+        name = self.name(hint)
+        self.g.initializers.append(numpy_helper.from_array(np.array(value, dtype), name))
+        return name
 
     def i64(self, value):
         return self.c(value, np.int64, "i64")
