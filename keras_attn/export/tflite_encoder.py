@@ -48,12 +48,11 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite_writer
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.tflite_decoder import quantize_rows
+from keras_attn.ops.masking import MASKED_LOGIT
 
 QUANTIZATIONS = (None, "dynamic")
 ID_CHECKS = (None, "clamp", "flag")
 SIGNATURE_KEY = "serving_default"
-# Masked logits: far below any real one, finite in float32 (masking.MASKED_LOGIT).
-MASKED_LOGIT = -3.0e38
 _ACTIVATIONS = {"relu": "RELU", "tanh": "TANH", "gelu": "GELU", "gelu_tanh": "GELU"}
 _TFLITE_INT8, _TFLITE_FLOAT32 = 9, 0
 
@@ -441,7 +440,11 @@ class _EncoderBuilder:
                     raise NotFusableError(f"{op.name} is called with training=True")
                 if isinstance(op, TransformerEncoderBlock):
                     x, padding, causal = onnx_fused.block_call(op, node)
-                    padding = None if padding is None else self.value(padding).index
+                    if padding is not None:
+                        padding = self.value(padding).index
+                        if len(g.shape(padding)) != 2:
+                            raise NotFusableError(f"{op.name}: a padding mask of rank "
+                                                  f"{len(g.shape(padding))} (not (batch, length))")
                     result = self.block(op, self.value(x), padding, causal)
                 elif isinstance(op, TokenAndPositionEmbedding):
                     ids, types_ = onnx_fused.embedding_call(op, node)
