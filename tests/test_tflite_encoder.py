@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from keras_attn.export import export_tflite
+from keras_attn.export import tflite_encoder
 from keras_attn.export.tflite import tflite_op_names
 from keras_attn.export.tflite_encoder import NotFusableError
 from tests import model_zoo
@@ -161,6 +162,7 @@ def test_dynamic_int8_weights_per_channel_and_outputs(tmp_path):
     """quantization="dynamic": int8 FULLY_CONNECTED weights, one symmetric
     scale per output channel (max|row| / 127 of the Keras kernel), hybrid
     kernels; the outputs stay as close to Keras as the converter's."""
+    from ai_edge_litert import interpreter as litert
     from ai_edge_litert.tools import flatbuffer_utils
 
     model = bert_like(**VARIANTS["post_norm"])
@@ -171,24 +173,24 @@ def test_dynamic_int8_weights_per_channel_and_outputs(tmp_path):
                                         writer=writer)
     assert reports["auto"].details["writer"] == "direct"
     path = tmp_path / "auto.tflite"
-    content = path.read_bytes()
-    flat = flatbuffer_utils.convert_bytearray_to_object(content)
-    graph = flat.subgraphs[0]
-    weights = {}
-    for op in graph.operators:
-        if flatbuffer_utils.opcode_to_name(flat, op.opcodeIndex) == "FULLY_CONNECTED":
-            tensor = graph.tensors[op.inputs[1]]
-            buffer = flat.buffers[tensor.buffer]
-            codes = np.frombuffer(content, np.int8, int(buffer.size), int(buffer.offset))
-            weights[tensor.name.decode()] = (tensor.quantization, codes.reshape(tensor.shape))
-            assert op.builtinOptions.asymmetricQuantizeInputs
-    assert len(weights) == 2 * 4 + 1  # per block qkv, output, two FFN; the pooler
-    block = model.get_layer("encoder_0")
-    kernel = np.asarray(block.feedforward_intermediate_dense.kernel).T  # (out, in)
-    q, codes = weights["encoder_0/ffn1/weight"]
-    assert q.quantizedDimension == 0 and not np.any(q.zeroPoint)
-    np.testing.assert_allclose(q.scale, np.abs(kernel).max(1) / 127, rtol=1e-6)
-    assert np.all(np.abs(codes * q.scale[:, None] - kernel) <= q.scale[:, None] * (0.5 + 1e-4))
+    flat = flatbuffer_utils.convert_bytearray_to_object(path.read_bytes())
+    hybrid = [op.builtinOptions.asymmetricQuantizeInputs for op in flat.subgraphs[0].operators
+              if flatbuffer_utils.opcode_to_name(flat, op.opcodeIndex) == "FULLY_CONNECTED"]
+    assert hybrid == [True] * (2 * 4 + 1)  # per block qkv, output, two FFN; the pooler
+    interpreter = litert.Interpreter(model_path=str(path))
+    tensors = {d["name"]: d for d in interpreter.get_tensor_details()}
+    for name, dense in (("encoder_0/ffn1", model.get_layer("encoder_0").feedforward_intermediate_dense),
+                        ("pooler", model.get_layer("pooler"))):
+        detail = tensors[name + "/weight"]
+        kernel = np.asarray(dense.kernel).T  # (out, in)
+        params = detail["quantization_parameters"]
+        assert detail["dtype"] == np.int8 and params["quantized_dimension"] == 0
+        assert not np.any(params["zero_points"])
+        scale = params["scales"][:, None]
+        np.testing.assert_allclose(scale[:, 0], np.abs(kernel).max(1) / 127, rtol=1e-6)
+        # Rounded to the nearest code: within half a step of its row's scale.
+        codes = interpreter.get_tensor(detail["index"]).astype(np.float64)
+        assert np.all(np.abs(codes * scale - kernel) <= scale * (0.5 + 1e-4)), name
     feed = _masked_feed()
     want = _keras(model, feed)
     errors = {}
@@ -201,10 +203,17 @@ def test_dynamic_int8_weights_per_channel_and_outputs(tmp_path):
     assert errors["auto"] < 0.05 and errors["converter"] < 0.05, errors
 
 
-def test_uncovered_encoder_falls_back_with_a_warning_and_direct_refuses(tmp_path):
+def test_uncovered_encoder_falls_back_with_a_warning_and_direct_refuses(tmp_path, monkeypatch):
     # A mask_zero embedding (the Keras mask as padding) is not covered.
     model = model_zoo.encoder_classifier()
     feed = model_zoo.sample_inputs(model)
+    # Below the size the writer is meant for: the converter, quietly.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        report = export_tflite(model, tmp_path / "small.tflite", sample_inputs=feed)
+    assert report.details["writer"] == "converter"
+    assert "direct_writer_skipped" not in report.details
+    monkeypatch.setattr(tflite_encoder, "MEANT_FOR_PARAMETERS", 1)
     with pytest.warns(UserWarning, match=r"direct TFLite writer does not cover.*mask_zero"):
         report = export_tflite(model, tmp_path / "auto.tflite", sample_inputs=feed)
     assert report.details["writer"] == "converter"
@@ -214,7 +223,8 @@ def test_uncovered_encoder_falls_back_with_a_warning_and_direct_refuses(tmp_path
     assert not (tmp_path / "direct.tflite").exists()
 
 
-def test_other_models_and_quantizations_go_to_the_converter_quietly(tmp_path):
+def test_other_models_and_quantizations_go_to_the_converter_quietly(tmp_path, monkeypatch):
+    monkeypatch.setattr(tflite_encoder, "MEANT_FOR_PARAMETERS", 1)
     inputs = keras.Input((None, 8), name="x")
     plain = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
     with warnings.catch_warnings():

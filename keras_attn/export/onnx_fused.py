@@ -315,6 +315,22 @@ def block_weights(block):
         ffn1=dense_weights(block.feedforward_intermediate_dense, block.name), ffn2=ffn2)
 
 
+def layer_calls(model):
+    """`(layer, node)` of each call in the functional `model`, inputs first
+    (what the direct writers walk); a call with `training=True` raises
+    `NotFusableError`."""
+    import keras
+
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            op = node.operation
+            if node.is_input or isinstance(op, keras.layers.InputLayer):
+                continue
+            if node.arguments.kwargs.get("training"):
+                raise NotFusableError(f"{op.name} is called with training=True")
+            yield op, node
+
+
 def block_call(op, node):
     """`(inputs, padding_mask or None, use_causal_mask)` of a
     `TransformerEncoderBlock`'s call in a functional graph (Keras tensors),
@@ -485,58 +501,52 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
             raise NotFusableError(f"tensor {getattr(t, 'name', t)!r} comes from an unsupported op")
         return w.values[id(t)]
 
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            op = node.operation
-            if node.is_input or isinstance(op, keras.layers.InputLayer):
-                continue
-            args, kwargs = node.arguments.args, node.arguments.kwargs
-            outs = node.outputs
-            kind = type(op).__name__
-            hint = op.name
-            if kwargs.get("training"):
-                raise NotFusableError(f"{op.name} is called with training=True")
-            if isinstance(op, TransformerEncoderBlock):
-                x, padding, causal = block_call(op, node)
-                mask_value = rows = None
-                if padding is not None:
-                    mask_value = value(padding)
-                    rows = w.cached("rows", mask_value, lambda: w.node("Unsqueeze", [
-                        w.node("Cast", [mask_value], "mask_float", to=onnx.TensorProto.FLOAT),
-                        w.const(np.array([2], np.int64), "axis")], "rows"))
-                w.values[id(outs[0])] = _emit_block(w, op, value(x), mask_value, rows, causal, hint)
-            elif isinstance(op, TokenAndPositionEmbedding):
-                ids, types = embedding_call(op, node)
-                w.values[id(outs[0])] = _emit_embedding(
-                    w, op, value(ids), None if types is None else value(types), hint,
-                    clamp=check_ids == "clamp",
-                )
-            elif isinstance(op, keras.layers.Dense):
-                if len(args) != 1:
-                    raise NotFusableError(f"{op.name}: called with extra arguments")
-                kernel, bias, activation = dense_weights(op, op.name)
-                w.values[id(outs[0])] = w.dense(value(args[0]), kernel, bias, activation, hint)
-            elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
-                w.values[id(outs[0])] = value(args[0])
-            elif kind in ("NotEqual", "Equal") and len(args) == 2:
-                x, other = args
-                if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
-                    raise NotFusableError(f"{op.name}: only a comparison with a scalar is fused")
-                x = value(x)
-                scalar = w.const(np.asarray(other, dtype=args[0].dtype), hint + "_scalar")
-                y = w.node("Equal", [x, scalar], hint)
-                w.values[id(outs[0])] = w.node("Not", [y], hint) if kind == "NotEqual" else y
-            elif kind == "GetItem" and len(args) == 2:
-                key = int_key(args[1])
-                if key is None or len(key) != len(args[0].shape):
-                    raise NotFusableError(f"{op.name}: only keys of ints and full slices are fused")
-                x = value(args[0])
-                for axis in reversed(range(len(key))):
-                    if key[axis] is not None:
-                        x = w.node("Gather", [x, w.const(np.int64(key[axis]), hint + "_index")], hint, axis=axis)
-                w.values[id(outs[0])] = x
-            else:
-                raise NotFusableError(f"layer {op.name!r} ({kind}) has no fused form")
+    for op, node in layer_calls(model):
+        args = node.arguments.args
+        outs = node.outputs
+        kind = type(op).__name__
+        hint = op.name
+        if isinstance(op, TransformerEncoderBlock):
+            x, padding, causal = block_call(op, node)
+            mask_value = rows = None
+            if padding is not None:
+                mask_value = value(padding)
+                rows = w.cached("rows", mask_value, lambda: w.node("Unsqueeze", [
+                    w.node("Cast", [mask_value], "mask_float", to=onnx.TensorProto.FLOAT),
+                    w.const(np.array([2], np.int64), "axis")], "rows"))
+            w.values[id(outs[0])] = _emit_block(w, op, value(x), mask_value, rows, causal, hint)
+        elif isinstance(op, TokenAndPositionEmbedding):
+            ids, types = embedding_call(op, node)
+            w.values[id(outs[0])] = _emit_embedding(
+                w, op, value(ids), None if types is None else value(types), hint,
+                clamp=check_ids == "clamp",
+            )
+        elif isinstance(op, keras.layers.Dense):
+            if len(args) != 1:
+                raise NotFusableError(f"{op.name}: called with extra arguments")
+            kernel, bias, activation = dense_weights(op, op.name)
+            w.values[id(outs[0])] = w.dense(value(args[0]), kernel, bias, activation, hint)
+        elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
+            w.values[id(outs[0])] = value(args[0])
+        elif kind in ("NotEqual", "Equal") and len(args) == 2:
+            x, other = args
+            if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
+                raise NotFusableError(f"{op.name}: only a comparison with a scalar is fused")
+            x = value(x)
+            scalar = w.const(np.asarray(other, dtype=args[0].dtype), hint + "_scalar")
+            y = w.node("Equal", [x, scalar], hint)
+            w.values[id(outs[0])] = w.node("Not", [y], hint) if kind == "NotEqual" else y
+        elif kind == "GetItem" and len(args) == 2:
+            key = int_key(args[1])
+            if key is None or len(key) != len(args[0].shape):
+                raise NotFusableError(f"{op.name}: only keys of ints and full slices are fused")
+            x = value(args[0])
+            for axis in reversed(range(len(key))):
+                if key[axis] is not None:
+                    x = w.node("Gather", [x, w.const(np.int64(key[axis]), hint + "_index")], hint, axis=axis)
+            w.values[id(outs[0])] = x
+        else:
+            raise NotFusableError(f"layer {op.name!r} ({kind}) has no fused form")
     outputs = []
     for tensor, name in zip(model.outputs, model.output_names):
         if tensor.dtype != "float32":

@@ -306,9 +306,11 @@ def write_tflite(model, path, *, quantization=None, representative_dataset=None,
     "direct_writer_skipped": why "auto" did not use the direct writer).
 
     `writer`: "auto" (the direct writer, `tflite_encoder`, for float32 and
-    "dynamic" where it covers the model, else the converter: with a warning
-    naming why when the model has Transformer encoder blocks), "direct"
-    (`NotFusableError` naming what it does not cover) or "converter".
+    "dynamic" where it covers the model, else the converter; for a model
+    `tflite_encoder.meant_for` says the direct writer is meant for, with
+    "direct_writer_skipped" and, unless the quantization was the reason, a
+    warning naming why), "direct" (`NotFusableError` naming what it does not
+    cover) or "converter".
     """
     arguments.check_choice("writer", writer, WRITERS)
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
@@ -329,13 +331,14 @@ def write_tflite(model, path, *, quantization=None, representative_dataset=None,
                 raise tflite_encoder.NotFusableError(
                     f"writer='direct': the direct TFLite writer does not cover the model: {error}. "
                     "Pass writer='auto' to use TensorFlow's converter for it.") from error
-            why = str(error)
-            # A quantization the direct writer does not write is the
-            # converter's by design; a layer it does not cover is news.
-            if tflite_encoder.covers(model) and not why.startswith(("quantization=", "calibration")):
-                warnings.warn(f"The direct TFLite writer does not cover the model ({why}); "
-                              "converting with TensorFlow's TFLite converter instead.",
-                              stacklevel=3)
+            if tflite_encoder.meant_for(model):
+                why = str(error)
+                # A quantization the direct writer does not write is the
+                # converter's by design; a layer it does not cover is news.
+                if not why.startswith(("quantization=", "calibration")):
+                    warnings.warn(f"The direct TFLite writer does not cover the model ({why}); "
+                                  "converting with TensorFlow's TFLite converter instead.",
+                                  stacklevel=3)
     content, details = convert(
         model, quantization=quantization, representative_dataset=representative_dataset,
         builtin_ops_only=builtin_ops_only, check_ids=check_ids, float_ops=float_ops)
@@ -452,7 +455,8 @@ def export_tflite(
         writer: "auto" (default): the direct writer where it covers the
             model and the quantization (float32, "dynamic"), else
             TensorFlow's converter (with a warning naming why for a model
-            with `TransformerEncoderBlock`s); "direct": the direct writer or
+            with `TransformerEncoderBlock`s and 16.8M weights or more,
+            `tflite_encoder.meant_for`); "direct": the direct writer or
             a `NotFusableError` naming what it does not cover; "converter":
             always the converter. The report's `details["writer"]` says
             which wrote the file.

@@ -39,6 +39,7 @@ channel with LiteRT's hybrid FULLY_CONNECTED (`asymmetric_quantize_inputs`),
 and the token table int8 per row (GATHER, CAST, MUL by the rows' scales).
 """
 
+import os
 import types
 
 import numpy as np
@@ -53,18 +54,25 @@ from keras_attn.ops.masking import MASKED_LOGIT
 QUANTIZATIONS = (None, "dynamic")
 ID_CHECKS = (None, "clamp", "flag")
 SIGNATURE_KEY = "serving_default"
+# See `meant_for`: 16.8M parameters, 64 MiB of float32 (BERT-base: 110M).
+MEANT_FOR_PARAMETERS = 1 << 24
 _ACTIVATIONS = {"relu": "RELU", "tanh": "TANH", "gelu": "GELU", "gelu_tanh": "GELU"}
 _TFLITE_INT8, _TFLITE_FLOAT32 = 9, 0
 
 
-def covers(model):
-    """True when `model` holds a layer the direct writer is meant for (a
-    `TransformerEncoderBlock`): `export_tflite` warns when it then falls
-    back to the converter, and stays quiet for other models."""
+def meant_for(model):
+    """True when `model` is one the direct writer is meant for: it holds a
+    `TransformerEncoderBlock` and at least `MEANT_FOR_PARAMETERS` weights (64
+    MiB in float32), where the converter's 8-10x the weights starts to
+    count. `export_tflite` warns when it falls back to the converter for
+    such a model, and stays quiet for the others (a small classifier
+    converts in seconds either way)."""
     from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
     layers = getattr(model, "layers", [])
-    return any(isinstance(layer, TransformerEncoderBlock) for layer in layers)
+    if not any(isinstance(layer, TransformerEncoderBlock) for layer in layers):
+        return False
+    return sum(int(np.prod(w.shape)) for w in model.weights) >= MEANT_FOR_PARAMETERS
 
 
 def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
@@ -84,8 +92,6 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
     Raises:
         NotFusableError: a layer, setting or option the writer does not cover.
     """
-    import os
-
     if quantization not in QUANTIZATIONS:
         raise NotFusableError(f"quantization={quantization!r} (the direct TFLite writer writes "
                               f"{list(QUANTIZATIONS)})")
@@ -428,55 +434,49 @@ class _EncoderBuilder:
         g = self.g
         graph_inputs, valid = self.inputs(model, check_ids)
         embedded = saved_model_lib.embedded_inputs(model) if check_ids else {}
-        for depth in sorted(model._nodes_by_depth, reverse=True):
-            for node in model._nodes_by_depth[depth]:
-                op = node.operation
-                if node.is_input or isinstance(op, keras.layers.InputLayer):
-                    continue
-                args, kwargs = node.arguments.args, node.arguments.kwargs
-                out = node.outputs[0]
-                kind = type(op).__name__
-                if kwargs.get("training"):
-                    raise NotFusableError(f"{op.name} is called with training=True")
-                if isinstance(op, TransformerEncoderBlock):
-                    x, padding, causal = onnx_fused.block_call(op, node)
-                    if padding is not None:
-                        padding = self.value(padding).index
-                        if len(g.shape(padding)) != 2:
-                            raise NotFusableError(f"{op.name}: a padding mask of rank "
-                                                  f"{len(g.shape(padding))} (not (batch, length))")
-                    result = self.block(op, self.value(x), padding, causal)
-                elif isinstance(op, TokenAndPositionEmbedding):
-                    ids, types_ = onnx_fused.embedding_call(op, node)
-                    ids_value = self.value(ids)
-                    clamped = any(id(t) == id(ids) for t in model.inputs if t.name in embedded)
-                    result = self.embedding(op, ids_value.index,
-                                            None if types_ is None else self.value(types_).index,
-                                            clamped)
-                elif isinstance(op, keras.layers.Dense):
-                    if len(args) != 1:
-                        raise NotFusableError(f"{op.name}: called with extra arguments")
-                    x = self.value(args[0])
-                    if len(g.shape(x.index)) != 2:
-                        raise NotFusableError(f"{op.name}: input of rank {len(args[0].shape)}")
-                    index = self.dense(x.index, onnx_fused.dense_weights(op, op.name), op.name)
-                    result = types.SimpleNamespace(index=index, rows=x.rows)
-                elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
-                    result = self.value(args[0])
-                elif kind in ("NotEqual", "Equal") and len(args) == 2:
-                    x, other = args
-                    if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
-                        raise NotFusableError(f"{op.name}: only a comparison with a scalar")
-                    x = self.value(x)
-                    scalar = self.const(other, g.dtype(x.index))
-                    name = "NOT_EQUAL" if kind == "NotEqual" else "EQUAL"
-                    index = self.binary(name, x.index, scalar, kind + "Options", np.bool_)
-                    result = types.SimpleNamespace(index=index, rows=x.rows)
-                elif kind == "GetItem" and len(args) == 2:
-                    result = self.get_item(op, self.value(args[0]), args[1])
-                else:
-                    raise NotFusableError(f"layer {op.name!r} ({kind}) has no direct TFLite form")
-                self.values[id(out)] = result
+        for op, node in onnx_fused.layer_calls(model):
+            args = node.arguments.args
+            out = node.outputs[0]
+            kind = type(op).__name__
+            if isinstance(op, TransformerEncoderBlock):
+                x, padding, causal = onnx_fused.block_call(op, node)
+                if padding is not None:
+                    padding = self.value(padding).index
+                    if len(g.shape(padding)) != 2:
+                        raise NotFusableError(f"{op.name}: a padding mask of rank "
+                                              f"{len(g.shape(padding))} (not (batch, length))")
+                result = self.block(op, self.value(x), padding, causal)
+            elif isinstance(op, TokenAndPositionEmbedding):
+                ids, types_ = onnx_fused.embedding_call(op, node)
+                ids_value = self.value(ids)
+                clamped = any(id(t) == id(ids) for t in model.inputs if t.name in embedded)
+                result = self.embedding(op, ids_value.index,
+                                        None if types_ is None else self.value(types_).index,
+                                        clamped)
+            elif isinstance(op, keras.layers.Dense):
+                if len(args) != 1:
+                    raise NotFusableError(f"{op.name}: called with extra arguments")
+                x = self.value(args[0])
+                if len(g.shape(x.index)) != 2:
+                    raise NotFusableError(f"{op.name}: input of rank {len(args[0].shape)}")
+                index = self.dense(x.index, onnx_fused.dense_weights(op, op.name), op.name)
+                result = types.SimpleNamespace(index=index, rows=x.rows)
+            elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
+                result = self.value(args[0])
+            elif kind in ("NotEqual", "Equal") and len(args) == 2:
+                x, other = args
+                if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
+                    raise NotFusableError(f"{op.name}: only a comparison with a scalar")
+                x = self.value(x)
+                scalar = self.const(other, g.dtype(x.index))
+                name = "NOT_EQUAL" if kind == "NotEqual" else "EQUAL"
+                index = self.binary(name, x.index, scalar, kind + "Options", np.bool_)
+                result = types.SimpleNamespace(index=index, rows=x.rows)
+            elif kind == "GetItem" and len(args) == 2:
+                result = self.get_item(op, self.value(args[0]), args[1])
+            else:
+                raise NotFusableError(f"layer {op.name!r} ({kind}) has no direct TFLite form")
+            self.values[id(out)] = result
         outputs = []
         taken = set(graph_inputs.values())
         for k, tensor in enumerate(model.outputs):
