@@ -60,8 +60,8 @@ from keras_attn.export.onnx_decoder import rotary_caches
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.onnx_fused import activation_name
 from keras_attn.export.tflite_writer import HYBRID_FULLY_CONNECTED_VERSION as _HYBRID_FULLY_CONNECTED_VERSION
-from keras_attn.export.tflite_writer import Graph as _Graph
-from keras_attn.export.tflite_writer import streaming_writer
+from keras_attn.export.tflite_writer import Graph
+from keras_attn.export.tflite_writer import write_model
 
 QUANTIZATIONS = (None, "dynamic")
 
@@ -149,19 +149,14 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
     """
     check_direct_decoder(model, quantization, max_length)
     lengths = sorted(set(int(t) for t in prefill_lengths))
-    path = os.fspath(path)
-    with streaming_writer(path) as writer:
+
+    def build(writer):
         builder = _DecoderBuilder(model, writer, max_length, quantization, read_bucket)
-        subgraphs, signatures = [], []
         # Subgraph 0 is `decode`; the runtime finds each signature by name.
-        for index, (name, length) in enumerate(
-                [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]):
-            subgraph, signature = builder.signature(name, length, with_logits=name == "decode")
-            signature.subgraphIndex = index
-            subgraphs.append(subgraph)
-            signatures.append(signature)
-        size, data_size = writer.write(path, subgraphs, signatures, "keras_attn direct TFLite decoder")
-    return {"buffers": len(writer.buffers), "weight_bytes": data_size, "flatbuffer_bytes": size}
+        return [builder.signature(name, length, with_logits=name == "decode")
+                for name, length in [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]]
+
+    return write_model(path, build, "keras_attn direct TFLite decoder")
 
 
 def decoder_tflite_bytes(model, **kwargs):
@@ -254,7 +249,7 @@ class _DecoderBuilder:
     # -- one signature ----------------------------------------------------
     def signature(self, name, length, with_logits):
         s = self.w.s
-        g = _Graph(self.w, name)
+        g = Graph(self.w, name)
         model, t_len, S = self.model, length, self.max_length
         tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
         input_pos = g.tensor(f"{name}_input_pos", (t_len,), np.int32)

@@ -39,7 +39,6 @@ channel with LiteRT's hybrid FULLY_CONNECTED (`asymmetric_quantize_inputs`),
 and the token table int8 per row (GATHER, CAST, MUL by the rows' scales).
 """
 
-import os
 import types
 
 import numpy as np
@@ -102,13 +101,10 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
     names = list(model.output_names)
     if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in names:
         raise NotFusableError(f"check_ids='flag' and an output named {saved_model_lib.VALID_OUTPUT!r}")
-    path = os.fspath(path)
-    with tflite_writer.streaming_writer(path) as writer:
-        builder = _EncoderBuilder(writer, quantization == "dynamic")
-        subgraph, signature = builder.build(model, names, check_ids)
-        size, data_size = writer.write(path, [subgraph], [signature],
-                                       "keras_attn direct TFLite encoder")
-    return {"buffers": len(writer.buffers), "weight_bytes": data_size, "flatbuffer_bytes": size}
+    def build(writer):
+        return [_EncoderBuilder(writer, quantization == "dynamic").build(model, names, check_ids)]
+
+    return tflite_writer.write_model(path, build, "keras_attn direct TFLite encoder")
 
 
 def _array(variable):
@@ -502,7 +498,6 @@ class _EncoderBuilder:
         subgraph.outputs = np.array([index for _, index in outputs], np.int32)
         signature = s.SignatureDefT()
         signature.signatureKey = SIGNATURE_KEY
-        signature.subgraphIndex = 0
         signature.inputs = [_tensor_map(s, name, index) for name, index in graph_inputs.items()]
         signature.outputs = [_tensor_map(s, name, index) for name, index in outputs]
         return subgraph, signature

@@ -8,11 +8,11 @@ subgraph (tensors with their static shapes, None for a dynamic axis, and
 builtin operators); `Writer.write` packs the flatbuffer with each constant
 addressed by offset after it (`Buffer.offset/size`, the converter's
 `_experimental_use_buffer_offset` layout: no 2 GB limit, one weight in memory
-at a time) and appends the data file. `streaming_writer(path)` gives a
-`Writer` whose data file lives in a temporary folder beside `path`.
+at a time) and appends the data file; `write_model(path, build)` runs the
+whole: a `Writer` whose data file lives in a temporary folder beside
+`path`, the subgraphs `build(writer)` makes, the file.
 """
 
-import contextlib
 import hashlib
 import os
 import shutil
@@ -269,13 +269,29 @@ def broadcast(a, b):
     return tuple(out)
 
 
-@contextlib.contextmanager
-def streaming_writer(path):
-    """A `Writer` whose constants stream to a temporary file beside `path`
-    (removed on exit); finish with `writer.write(path, ...)`."""
+def write_model(path, build, description="keras_attn direct TFLite writer"):
+    """Writes the TFLite model `build(writer)` makes to `path`.
+
+    `build` takes a `Writer` and returns `[(subgraph, signature), ...]` in
+    subgraph order; every constant it makes streams to a temporary data file
+    beside `path` as it is made and lands after the flatbuffer, addressed by
+    offset. `description` is the model's description field.
+
+    Returns:
+        `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
+        "flatbuffer_bytes": n}`.
+    """
     from tensorflow.lite.python import schema_py_generated as schema
 
+    path = os.fspath(path)
     with tempfile.TemporaryDirectory(
             prefix="keras_attn_tflite_", dir=os.path.dirname(os.path.abspath(path))) as tmp:
         with open(os.path.join(tmp, "weights.bin"), "w+b") as data_file:
-            yield Writer(data_file, schema)
+            writer = Writer(data_file, schema)
+            subgraphs, signatures = [], []
+            for index, (subgraph, signature) in enumerate(build(writer)):
+                signature.subgraphIndex = index
+                subgraphs.append(subgraph)
+                signatures.append(signature)
+            size, data_size = writer.write(path, subgraphs, signatures, description)
+    return {"buffers": len(writer.buffers), "weight_bytes": data_size, "flatbuffer_bytes": size}
