@@ -152,13 +152,26 @@ def time_folders(folders, args):
             json.dump(config, f, indent=2)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(2, args.vocab, args.prompt)]
-    med = _medians(_time(folders, prompt, args.prompt + args.new, args.rounds)[0])
+    times = _time(folders, prompt, args.prompt + args.new, args.rounds)[0]
+    med = _medians(times)
     print(f"\nprompt {args.prompt}, {args.new} new tokens, batch 1, CPU; medians of {args.rounds} "
           "alternating rounds\n")
     print("| folder | prefill tok/s | decode tok/s |")
     print("|---|---|---|")
     for name, m in med.items():
         print(f"| {name} | {args.prompt / m['prefill']:.0f} | {1 / m['decode']:.1f} |")
+    # Folders named `<who>_<precision>`: the first of each precision against the others.
+    groups = {}
+    for name in folders:
+        groups.setdefault(name.rsplit("_", 1)[-1], []).append(name)
+    print("\nper-round ratios in tokens/s (median [lowest, highest], rounds faster):")
+    for names in groups.values():
+        for peer in names[1:]:
+            text = []
+            for phase in ("prefill", "decode"):
+                median, low, high, faster = paired_ratio(times[names[0]][phase], times[peer][phase])
+                text.append(f"{phase} {median:.3f}x [{low:.2f}, {high:.2f}] {faster:.0%}")
+            print(f"  {names[0]} / {peer}: " + "; ".join(text))
 
 
 def main():

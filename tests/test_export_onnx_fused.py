@@ -221,6 +221,27 @@ def test_fused_graph_matches_keras_on_padded_batches(which, request):
     tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=which)
 
 
+@pytest.mark.parametrize("graph", ["standard", "fused"])
+@pytest.mark.parametrize("which", ["post_norm", "pre_norm"])
+def test_queries_that_see_no_key_give_keras_zeros(which, graph, request):
+    """A row whose keys are all padding (an empty request in a batch), and,
+    in the causal encoder, left padding (its first query sees no key): Keras's
+    attention gives such a query zeros, a softmax over only masked scores
+    would average every value instead."""
+    if graph == "fused":
+        model, path, _ = request.getfixturevalue(which)
+    else:
+        model, path, _ = request.getfixturevalue("plain")[which]
+    feed = _feed(seed=12)
+    feed["attention_mask"][1] = 0  # nothing to see
+    feed["attention_mask"][2] = 1
+    feed["attention_mask"][2, :2] = 0  # left padding
+    got = _run(path, feed, ["last_hidden_state", "pooler_output"])
+    want = [np.asarray(t) for t in model(feed, training=False)]
+    assert all(np.isfinite(g).all() for g in got)
+    tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=f"{which}, {graph}")
+
+
 def test_unsupported_layer_falls_back_to_tf2onnx_with_a_warning(tmp_path):
     inputs = keras.Input((None, DIM), name="x")
     x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalization="rms_norm")(inputs)

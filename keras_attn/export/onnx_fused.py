@@ -196,8 +196,9 @@ class _Writer:
             if padding is not None:
                 inputs.append(self.cached("int", padding, lambda: self.node(
                     "Cast", [padding], "mask_int", to=_onnx_type("int32"))))
-            return self.node("Attention", inputs, hint, domain=MS_DOMAIN, num_heads=heads,
-                             unidirectional=int(causal))
+            context = self.node("Attention", inputs, hint, domain=MS_DOMAIN, num_heads=heads,
+                                unidirectional=int(causal))
+            return self._zero_unseeing_rows(context, h, padding, causal, hint)
         width = kernel.shape[1] // 3
         head = width // heads
         qkv = self.node("MatMul", [h, self.const(kernel, hint + "_qkv_kernel")], hint + "_qkv")
@@ -228,8 +229,36 @@ class _Writer:
                                hint + "_causal")
         probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
         context = self.node("Transpose", [self.node("MatMul", [probs, v], hint)], hint, perm=[0, 2, 1, 3])
-        return self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
-                         hint + "_context")
+        context = self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
+                            hint + "_context")
+        return self._zero_unseeing_rows(context, h, padding, causal, hint)
+
+    def _zero_unseeing_rows(self, context, h, padding, causal, hint):
+        """`context` (B, T, W) with the rows of queries that see no key (every
+        key padded, or none left of a causal query) set to zero, as Keras's
+        attention gives them; a softmax over only masked scores would average
+        every value instead."""
+        if padding is None:
+            return context  # a query always sees itself (or every key)
+
+        def seeing():
+            keys = self.node("Cast", [padding], "seeing_keys", to=_onnx_type("float32"))  # (B, T)
+            keys = self.node("Unsqueeze", [keys, self.const(np.array([1], np.int64), "seeing_axis")],
+                             "seeing_keys")  # (B, 1, T)
+            if causal:  # query t sees keys [0, t]: the mask times the lower triangle
+                length = self.node("Shape", [h], "seeing_length", start=1, end=2)
+                square = self.node("Concat", [length, length], "seeing_square", axis=0)
+                ones = self.node("ConstantOfShape", [square], "seeing_ones",
+                                 value=_onnx_tensor(np.ones(1, np.float32)))
+                keys = self.node("Mul", [keys, self.node("Trilu", [ones], "seeing_causal", upper=0)],
+                                 "seeing_keys")  # (B, T, T)
+            # (B, 1 or T, 1): 1 where a key is seen. (`axes` is an input from opset 18.)
+            if self.opset >= 18:
+                return self.node("ReduceMax", [keys, self.const(np.array([-1], np.int64), "seeing_last")],
+                                 "seeing", keepdims=1)
+            return self.node("ReduceMax", [keys], "seeing", keepdims=1, axes=[-1])
+
+        return self.node("Mul", [context, self.cached("seeing", (padding, causal), seeing)], hint + "_seen")
 
 
 def _onnx_type(dtype):
