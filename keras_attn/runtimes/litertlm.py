@@ -373,7 +373,9 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             `max_length`.
         quantization: None (float32), "float16" (float16 weights),
             "dynamic" (int8 weights, LiteRT's hybrid int8 kernels) or "int4"
-            (int4 weights in blocks of 32, ai-edge-quantizer).
+            (int4 weights in blocks of 32, the layout of ai-edge-quantizer's
+            `dynamic_wi4b32_afp32`, token table included; the converter
+            path runs ai-edge-quantizer and keeps the table float32).
         cache_dtype: "float32" or "float16" (the caches between calls: half
             the memory per token; checked like a quantized bundle).
         bos_token_id: the token LiteRT-LM puts before every prompt (its
@@ -390,8 +392,8 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         overwrite: replace an existing file.
         writer: "auto" (default): the direct writer
             (`keras_attn.export.tflite_decoder`: the TFLite model written
-            from the Keras weights, float32 or "dynamic" int8, float32
-            caches) where it covers the model, else TensorFlow's TFLite
+            from the Keras weights, float32, "dynamic" int8 or "int4",
+            float32 caches) where it covers the model, else TensorFlow's TFLite
             converter, with a warning naming why; "direct" (a ValueError
             where it does not cover the model) or "converter". The report's
             `writer` says which wrote the bundle.
