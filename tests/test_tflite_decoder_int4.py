@@ -42,8 +42,9 @@ def _reference_blocks(w):
     """Symmetric int4 blocks of 32 along the input axis of `w` `(N, K)`:
     scale max|block| / 7 (bfloat16-rounded, as the quantizer stores it)."""
     n, k = w.shape
-    blocks = w.astype(np.float64).reshape(n, k // BLOCK, BLOCK)
-    return _bfloat16(np.abs(blocks).max(-1) / 7)
+    blocks = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
+    # The quantizer divides in float32, then rounds to bfloat16.
+    return _bfloat16(np.abs(blocks).max(-1) / np.float32(7))
 
 
 def _tensor_bytes(model, content, tensor):
@@ -172,9 +173,10 @@ def test_int4_keeps_keras_next_tokens_as_the_converter_path_does(trained):
     """The next token under the same prefix (teacher forcing, the runtime's
     schedule, 200 held-out dates) is float32 Keras's at the export's int4
     floor at least, and within 0.015 of what TensorFlow's converter followed
-    by ai-edge-quantizer gives: its projections are the same int4 blocks,
-    its token table float32 (4x ours, 8x the int4 table's bytes; the int4
-    table cost 0.006 of the positions here)."""
+    by ai-edge-quantizer gives: its projections are the same int4 blocks
+    (with the table in float32 both agree at the same positions), its token
+    table float32 (7x the int4 table's bytes; the int4 table cost 0.006 of
+    the positions here)."""
     lm, _, width, held_out, answer, keras_next = trained
     kwargs = dict(max_length=width + 1, prefill_lengths=(8,), quantization="int4")
     direct = _agreement(tflite_decoder.decoder_tflite_bytes(lm, **kwargs), held_out, answer, keras_next)
@@ -192,8 +194,8 @@ def test_int4_keeps_keras_next_tokens_as_the_converter_path_does(trained):
 def test_int4_bundle_in_litert_lm_engine_from_text(trained, tmp_path):
     """`export_litertlm(quantization="int4")` takes the direct writer (no
     fallback), passes its own verification, and LiteRT-LM's engine
-    generates from text the tokens
-    the TFLite model's own greedy loop gives, mostly Keras's characters."""
+    generates from text the tokens the TFLite model's own greedy loop
+    gives, mostly Keras's characters."""
     litert_lm = pytest.importorskip("litert_lm")
     pytest.importorskip("litert_lm_builder")
     from keras_attn.data.dates import generate_examples
@@ -204,6 +206,7 @@ def test_int4_bundle_in_litert_lm_engine_from_text(trained, tmp_path):
                                       prefill_lengths=(8,), quantization="int4",
                                       stop_token_ids=[EOS])
     assert report.writer == "direct" and report.direct_writer_skipped is None
+    # 0.83 on the export's verification sequence (the converter path too).
     assert report.agreement >= report.min_agreement == litertlm.DEFAULT_MIN_AGREEMENT["int4"]
     content = tflite_decoder.decoder_tflite_bytes(lm, max_length=width, prefill_lengths=(8,),
                                                   quantization="int4")
@@ -228,4 +231,5 @@ def test_int4_bundle_in_litert_lm_engine_from_text(trained, tmp_path):
             total += max(len(want), len(keras))
     finally:
         engine.close()
+    # Measured here: 0.91 of the characters of 20 dates are Keras's.
     assert same / total >= 0.8, same / total
