@@ -326,9 +326,9 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
     reference = np.asarray(model(tokens), np.float64)[0]
     # LiteRT's builtin kernels: XNNPACK would pack the weights once per
     # signature (three float copies of a 2 GB model at once). Except int4:
-    # the builtin blockwise kernel is a scalar loop (12x XNNPACK's time, a
-    # Qwen2.5-0.5B verification 212 s), and XNNPACK's packs of int4 weights
-    # stay small (a 6-layer Qwen2.5-0.5B: 3.39 GB peak, builtin 3.70 GB).
+    # the builtin blockwise kernel is a scalar loop, and XNNPACK's packs of
+    # int4 weights are small (Llama-3.2-1B's export: 82 s and 10.2 GB peak
+    # with XNNPACK, 584 s and 8.4 GB with the builtin kernels).
     got, first = runtime_logits(content, tokens[0], xnnpack=quantization == "int4")
     reference = reference[first:]
     error = float(np.max(np.abs(got - reference)))
