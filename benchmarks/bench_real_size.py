@@ -499,6 +499,27 @@ def stage_litertlm_speed(name, spec, paths, args):
     above), in alternating rounds (bench_litertlm.run_bundle: the engine's
     own counters); one precision's pair loaded at a time."""
     import glob
+
+    results = {}
+    for precision, ours_q in (("int8", "dynamic"), ("fp32", None)):
+        bundles = {}
+        if os.path.exists(_litertlm_path(paths, ours_q)):
+            bundles["keras_attn"] = _litertlm_path(paths, ours_q)
+        found = glob.glob(os.path.join(_peer_folder(paths, precision), "**", "*.litertlm"),
+                          recursive=True)
+        if found:
+            bundles["litert-torch"] = found[0]
+        if bundles:
+            results.update(_engine_speeds({f"{n} {precision}": p for n, p in bundles.items()},
+                                          paths, args))
+    return {"speeds": results, "load": os.getloadavg()}
+
+
+def _engine_speeds(bundles, paths, args):
+    """`{name: {"prefill_tps", "decode_tps", "tokens", "bundle_bytes"}}` of
+    `bundles` (`{name: path}`) in `litert_lm.Engine` (CPU), loaded together
+    and run in alternating rounds on one random prompt (median of the
+    rounds, after a warm-up)."""
     import statistics
 
     import litert_lm
@@ -510,39 +531,44 @@ def stage_litertlm_speed(name, spec, paths, args):
     tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     rng = np.random.default_rng(1)
     text = tok.decode([int(t) for t in rng.integers(300, tok.get_vocab_size(), args.prompt)])
-    results = {}
-    for precision, ours_q in (("int8", "dynamic"), ("fp32", None)):
-        bundles = {}
-        if os.path.exists(_litertlm_path(paths, ours_q)):
-            bundles["keras_attn"] = _litertlm_path(paths, ours_q)
-        found = glob.glob(os.path.join(_peer_folder(paths, precision), "**", "*.litertlm"),
-                          recursive=True)
-        if found:
-            bundles["litert-torch"] = found[0]
-        if not bundles:
-            continue
-        engines = {n: litert_lm.Engine(p, backend=litert_lm.Backend.CPU(), enable_benchmark=True)
-                   for n, p in bundles.items()}
-        speeds = {n: {"prefill": [], "decode": [], "tokens": None} for n in bundles}
-        try:
-            for engine in engines.values():  # warm-up
-                run_bundle(engine, text, args.new)
-            for r in range(args.rounds):
-                for n in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-                    prefill, decode, _, info = run_bundle(engines[n], text, args.new)
-                    speeds[n]["prefill"].append(prefill)
-                    speeds[n]["decode"].append(decode)
-                    speeds[n]["tokens"] = (info.last_prefill_token_count,
-                                           info.last_decode_token_count)
-        finally:
-            for engine in engines.values():
-                engine.close()
-        for n, s in speeds.items():
-            results[f"{n} {precision}"] = {
-                "prefill_tps": statistics.median(s["prefill"]),
+    engines = {n: litert_lm.Engine(p, backend=litert_lm.Backend.CPU(), enable_benchmark=True)
+               for n, p in bundles.items()}
+    speeds = {n: {"prefill": [], "decode": [], "tokens": None} for n in bundles}
+    try:
+        for engine in engines.values():  # warm-up
+            run_bundle(engine, text, args.new)
+        for r in range(args.rounds):
+            for n in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                prefill, decode, _, info = run_bundle(engines[n], text, args.new)
+                speeds[n]["prefill"].append(prefill)
+                speeds[n]["decode"].append(decode)
+                speeds[n]["tokens"] = (info.last_prefill_token_count, info.last_decode_token_count)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {n: {"prefill_tps": statistics.median(s["prefill"]),
                 "decode_tps": statistics.median(s["decode"]), "tokens": s["tokens"],
-                "bundle_bytes": os.path.getsize(bundles[n])}
-    return {"speeds": results, "load": os.getloadavg()}
+                "bundle_bytes": os.path.getsize(bundles[n])} for n, s in speeds.items()}
+
+
+def stage_litertlm_speed_int4(name, spec, paths, args):
+    """Prefill and decode tokens/s in `litert_lm.Engine` (CPU) of our int4
+    bundle (`litertlm_int4`) beside our int8 one (`litertlm_int8`) and
+    litert-torch's int8 one (`litert_torch_int8`), the three loaded together
+    and run in alternating rounds."""
+    import glob
+
+    bundles = {}
+    for label, path in (("keras_attn int4", _litertlm_path(paths, "int4")),
+                        ("keras_attn int8", _litertlm_path(paths, "dynamic"))):
+        if os.path.exists(path):
+            bundles[label] = path
+    found = glob.glob(os.path.join(_peer_folder(paths, "int8"), "**", "*.litertlm"), recursive=True)
+    if found:
+        bundles["litert-torch int8"] = found[0]
+    if "keras_attn int4" not in bundles:
+        raise RuntimeError("no int4 bundle: run the litertlm_int4 stage first")
+    return {"speeds": _engine_speeds(bundles, paths, args), "load": os.getloadavg()}
 
 
 # Encoder exports: the phases are marked by wrapping the exporters' steps
@@ -746,6 +772,8 @@ STAGES = {
                                command=_litert_torch_command("fp32")),
     "litertlm_speed": Stage(stage_litertlm_speed,
                             "LiteRT-LM prefill/decode tokens/s of the bundles above"),
+    "litertlm_speed_int4": Stage(stage_litertlm_speed_int4,
+                                 "LiteRT-LM prefill/decode tokens/s: our int4 and int8, litert-torch's int8"),
     "savedmodel": Stage(_export_stage("savedmodel"), "convert + export_saved_model"),
     "tflite": Stage(_export_stage("tflite"), "convert + export_tflite (float32)"),
     "tflite_converter": Stage(_export_stage("tflite_converter", writer="converter"),

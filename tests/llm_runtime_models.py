@@ -190,12 +190,14 @@ def assert_greedy_equals_hf(hf, lm, prompts, max_length):
     assert len(np.unique(got[:, prompts.shape[1]:])) > 3, "degenerate generation tests nothing"
 
 
-def trained_dates_decoder():
+def trained_dates_decoder(num_heads=3, intermediate_dim=96):
     """A decoder-only date translator trained here to a stated accuracy
     (character vocabulary of the dates data; text "<human date>=<iso>"), to
     judge quantized exports by: `(lm, tokenizer, width, held_out, answer,
     keras_next)`, `answer` marking the characters after "=" and
-    `keras_next` Keras's next tokens on `held_out`."""
+    `keras_next` Keras's next tokens on `held_out`. Heads of 16 features,
+    `16 * num_heads` wide (4 heads, intermediate 128: every projection's
+    input a multiple of 32, as int4 blocks need)."""
     import keras
 
     from keras_attn.data.dates import INPUT_ALPHABET, generate_examples
@@ -214,8 +216,8 @@ def trained_dates_decoder():
     keras.utils.set_random_seed(0)
     # A Llama-like decoder (RMSNorm, SiLU gate, head size 16): what the fused
     # writer covers, so that its int8/int4 graphs are judged here.
-    lm = DecoderOnlyLM(len(INPUT_ALPHABET) + 3, 64, 48, num_layers=2, num_heads=3,
-                       intermediate_dim=96, num_key_value_heads=1, head_dim=16, position="rotary",
+    lm = DecoderOnlyLM(len(INPUT_ALPHABET) + 3, 64, 16 * num_heads, num_layers=2, num_heads=num_heads,
+                       intermediate_dim=intermediate_dim, num_key_value_heads=1, head_dim=16, position="rotary",
                        normalization="rms_norm", use_gated_feedforward=True, activation="silu")
     lm.compile(keras.optimizers.Adam(3e-3),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))

@@ -36,10 +36,21 @@ TensorFlow's graph, SavedModel or converter:
 Weights are float32 or, with `quantization="dynamic"`, int8 per output
 channel, symmetric (zero points 0, `quantized_dimension` 0, the
 converter's dynamic-range layout: FULLY_CONNECTED runs LiteRT's hybrid
-kernels with `asymmetric_quantize_inputs`). A tied token table is stored
-once, as the head's weight, and looked up through it (GATHER of its rows;
-int8: CAST and a MUL by the gathered per-row scales, as for an untied int8
-table; the converter's lookup table is int8 with one scale). Every constant is
+kernels with `asymmetric_quantize_inputs`). With `quantization="int4"`
+they are int4 in blocks of 32 along the input dimension, the layout
+ai-edge-quantizer's `dynamic_wi4b32_afp32` recipe writes: an INT4 tensor
+`(N, K)` packed two codes per byte (the even element in the low nibble),
+symmetric (`max|block| / 7`, no zero points), its `BlockwiseQuantization`
+naming a float16 `(N, K / 32)` tensor of scales rounded to bfloat16's
+precision (XNNPACK's blockwise kernels read them as bfloat16); LiteRT's
+builtin FULLY_CONNECTED and XNNPACK run it with int8 inputs quantized per
+row, and the token table (blocks along the hidden axis) is read by
+EMBEDDING_LOOKUP's blockwise kernel. A weight whose input dimension is not
+a multiple of 32 is written int8 per output channel instead. A tied token
+table is stored once, as the head's weight, and looked up through it
+(GATHER of its rows; int8: CAST and a MUL by the gathered per-row scales,
+as for an untied int8 table; the converter's lookup table is int8 with
+one scale; int4: EMBEDDING_LOOKUP). Every constant is
 written to the file as it is made and addressed by offset after the
 flatbuffer (`Buffer.offset/size`, the converter's
 `_experimental_use_buffer_offset` layout): no 2 GB limit, and one weight in
@@ -53,6 +64,7 @@ to the converter with a warning.
 import os
 import tempfile
 
+import ml_dtypes
 import numpy as np
 
 from keras_attn.export.onnx_decoder import check_decoder_options
@@ -60,10 +72,15 @@ from keras_attn.export.onnx_decoder import rotary_caches
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.onnx_fused import activation_name
 from keras_attn.export.tflite_writer import HYBRID_FULLY_CONNECTED_VERSION as _HYBRID_FULLY_CONNECTED_VERSION
+from keras_attn.export.tflite_writer import INT4
+from keras_attn.export.tflite_writer import Blocks
 from keras_attn.export.tflite_writer import Graph
 from keras_attn.export.tflite_writer import write_model
 
-QUANTIZATIONS = (None, "dynamic")
+QUANTIZATIONS = (None, "dynamic", "int4")
+# int4 weights: one scale per this many input features (ai-edge-quantizer's
+# `dynamic_wi4b32_afp32`, LiteRT-LM's own int4 models).
+BLOCK_SIZE = 32
 
 # Options known and refused by name away from their default (what each is).
 _MODEL_OPTIONS_NOT_COVERED = {
@@ -127,6 +144,37 @@ def quantize_rows(weight):
     return codes, scales
 
 
+# bfloat16's largest finite value that float16 holds (the blockwise scales
+# are float16 tensors read as bfloat16).
+_SCALE_MAX = 65280.0
+
+
+def quantize_blocks(weight, block_size=BLOCK_SIZE):
+    """int4 codes of `weight` `(N, K)` in blocks of `block_size` along K:
+    `(packed, scales)`, `packed` uint8 `(N, K / 2)` (element `2j` of a row
+    in the low nibble of byte `j`, `2j + 1` in the high one) and `scales`
+    float16 `(N, K / block_size)`, one symmetric scale per block,
+    `max|block| / 7` rounded to bfloat16's 8 significant bits;
+    `codes * scales` (repeated over each block) approximates `weight`."""
+    n, k = weight.shape
+    blocks = k // block_size
+    packed = np.empty((n, k // 2), np.uint8)
+    scales = np.empty((n, blocks), np.float16)
+    step = max(1, (1 << 24) // max(1, k))
+    for start in range(0, n, step):
+        rows = weight[start:start + step].reshape(-1, blocks, block_size)
+        scale = np.minimum(np.abs(rows).max(axis=2) / np.float32(7.0), np.float32(_SCALE_MAX))
+        scale = scale.astype(ml_dtypes.bfloat16).astype(np.float16)
+        scales[start:start + step] = scale
+        # A block whose scale rounds to 0 (|w| < 7 * 2**-25) is all zeros.
+        inverse = np.divide(np.float32(1.0), scale, out=np.zeros(scale.shape, np.float32),
+                            where=scale > 0)
+        codes = np.clip(np.rint(rows * inverse[..., None]), -8, 7).astype(np.int8)
+        codes = codes.reshape(len(rows), k)
+        packed[start:start + step] = ((codes[:, 0::2] & 0x0F) | (codes[:, 1::2] << 4)).view(np.uint8)
+    return packed, scales
+
+
 def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
                          read_bucket=128):
     """Writes the LiteRT-LM TFLite model of `model` (a `DecoderOnlyLM`) to `path`.
@@ -136,7 +184,9 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
         path: the `.tflite` file to write.
         max_length: the caches' length.
         prefill_lengths: one `prefill_<T>` signature per chunk length `T`.
-        quantization: None (float32) or "dynamic" (int8 weights per output channel).
+        quantization: None (float32), "dynamic" (int8 weights per output
+            channel) or "int4" (int4 weights in blocks of 32 along the input
+            dimension; int8 per output channel where it is not a multiple of 32).
         read_bucket: attention reads the filled slots rounded up to a
             multiple of this (None: every slot).
 
@@ -174,6 +224,7 @@ class _DecoderBuilder:
         self.w = writer
         self.max_length = int(max_length)
         self.int8 = quantization == "dynamic"
+        self.int4 = quantization == "int4"
         self.read_bucket = read_bucket
         # Each layer's query heads, key/value heads and head size, from its
         # attention (a model may give them per layer).
@@ -183,15 +234,30 @@ class _DecoderBuilder:
         self.rotary_tables = {}  # id(rotary) -> (cos, sin) arrays, computed once
 
     # -- weights -------------------------------------------------------
+    def _quantize(self, weight):
+        """`(array, quantization)` of a weight `(N, K)` as `g.weight` stores it."""
+        if self.int4 and weight.shape[1] % BLOCK_SIZE == 0:
+            packed, scales = quantize_blocks(weight)
+            return packed, Blocks(scales)
+        if self.int8 or self.int4:
+            return quantize_rows(weight)
+        return weight, None
+
     def _fc_weight(self, g, key, make_kernel, name):
         """A FULLY_CONNECTED weight `(N, K)` from `make_kernel()` (`(K, N)`,
-        Keras's layout), float32 or int8 per output channel."""
-        def make():
-            weight = np.ascontiguousarray(make_kernel().T)
-            if not self.int8:
-                return weight, None
-            return quantize_rows(weight)
-        return g.weight(key, make, name)
+        Keras's layout): float32, int8 per output channel or int4 in blocks."""
+        return g.weight(key, lambda: self._quantize(np.ascontiguousarray(make_kernel().T)), name)
+
+    def _fc_options(self, g, weight):
+        """FULLY_CONNECTED's options and version for `weight`: int8 runs the
+        hybrid kernels on asymmetrically quantized inputs; int4 as
+        ai-edge-quantizer writes it (the blockwise kernels quantize inputs
+        asymmetrically whatever the flag)."""
+        int8 = g.dtype(weight) == np.int8
+        options = g.options("FullyConnectedOptions", keepNumDims=False,
+                            asymmetricQuantizeInputs=int8)
+        quantized = self.int8 or self.int4
+        return options, _HYBRID_FULLY_CONNECTED_VERSION if quantized else None
 
     def fully_connected(self, g, x, key, make_kernel, bias, name):
         """`x (T, K) @ kernel + bias` -> `(T, N)`."""
@@ -202,28 +268,25 @@ class _DecoderBuilder:
             inputs.append(g.const(bias, name + "/bias"))
         else:
             inputs.append(-1)
-        options = g.options("FullyConnectedOptions", keepNumDims=False,
-                            asymmetricQuantizeInputs=self.int8)
-        version = _HYBRID_FULLY_CONNECTED_VERSION if self.int8 else None
+        options, version = self._fc_options(g, weight)
         return g.op("FULLY_CONNECTED", inputs, (g.shape(x)[0], n), np.float32, options,
                     version=version, out_name=f"{g.name}/{name}")
 
     def _table_key(self, g):
         """The key of the token table's weight: the tied head's (stored once,
-        `(V, hidden)`, int8 with per-row scales when quantized) or the
-        embedding's."""
+        `(V, hidden)`, quantized as the head) or the embedding's."""
         model = self.model
         table = model.embedding.embeddings
         if model.lm_head is None:
             return self._fc_weight(g, "lm_head", lambda: _value(table).T, "lm_head/weight"), "lm_head"
-
-        def make():
-            return quantize_rows(_value(table)) if self.int8 else (_value(table), None)
-        return g.weight("embedding", make, "embedding/table"), "embedding"
+        return g.weight("embedding", lambda: self._quantize(_value(table)), "embedding/table"), "embedding"
 
     def embed(self, g, ids):
         table, key = self._table_key(g)
-        if g.dtype(table) == np.int8:
+        if g.dtype(table) == INT4:
+            # The blockwise kernel dequantizes each row it looks up.
+            x = g.op("EMBEDDING_LOOKUP", [ids, table], g.shape(ids) + g.shape(table)[1:])
+        elif g.dtype(table) == np.int8:
             # int8 rows, then times their scales (a GATHER does not
             # dequantize per row): the head's weight serves as the table.
             buffer, _, shape, scales = self.w.keyed[key]
@@ -426,10 +489,9 @@ class _DecoderBuilder:
                 # The tied head reads the table as it is stored; the final
                 # norm's scale multiplies its input instead of its weight.
                 h = g.mul(h, g.const(gamma, "final_norm/scale"))
+                options, version = self._fc_options(g, head)
                 logits = g.op("FULLY_CONNECTED", [h, head, -1], (t_len, model.vocabulary_size),
-                              options=g.options("FullyConnectedOptions", keepNumDims=False,
-                                                asymmetricQuantizeInputs=self.int8),
-                              version=_HYBRID_FULLY_CONNECTED_VERSION if self.int8 else None)
+                              options=options, version=version)
             else:
                 head_layer = model.lm_head
                 logits = self.fully_connected(

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 
+import ml_dtypes
 import numpy as np
 
 # Offsets of the constants after the flatbuffer are multiples of this
@@ -121,11 +122,21 @@ class Writer:
         return size, data_size
 
 
-DTYPES = {np.dtype(np.float32): 0, np.dtype(np.int32): 2, np.dtype(np.bool_): 6,
-           np.dtype(np.int8): 9}
+INT4 = np.dtype(ml_dtypes.int4)
+DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 2,
+          np.dtype(np.bool_): 6, np.dtype(np.int8): 9, INT4: 17}
 # The versions TensorFlow's converter gives these ops in the same graph.
-VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4}
+VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4,
+            "EMBEDDING_LOOKUP": 4}  # 4: an int4 table
 HYBRID_FULLY_CONNECTED_VERSION = 12
+
+
+class Blocks:
+    """The quantization of an int4 weight `(N, K)` (its codes packed two per
+    byte, `(N, K / 2)` uint8): its float16 scales `(N, K / block size)`."""
+
+    def __init__(self, scales):
+        self.scales = scales
 
 
 class Graph:
@@ -176,15 +187,31 @@ class Graph:
     def weight(self, key, make, name):
         """A constant computed by `make()` only the first time `key` is
         asked for in the whole model (every signature reads one buffer);
-        `make` returns `(array, quantization or None)`."""
+        `make` returns `(array, quantization or None)`: per-row scales
+        (int8), or `Blocks` (int4 codes packed two per byte)."""
         if key not in self.w.keyed:
             array, quantization = make()
-            self.w.keyed[key] = (self.w.buffer(array), array.dtype, array.shape, quantization)
+            dtype, shape = array.dtype, array.shape
+            if isinstance(quantization, Blocks):
+                dtype, shape = INT4, (shape[0], 2 * shape[1])
+                quantization = (self.w.buffer(quantization.scales), quantization.scales.shape)
+            self.w.keyed[key] = (self.w.buffer(array), dtype, shape, quantization)
             del array
         buffer, dtype, shape, quantization = self.w.keyed[key]
         if (buffer, key) not in self.consts:
             q = None
-            if quantization is not None:
+            if dtype == INT4:
+                # ai-edge-quantizer's blockwise layout: a float16 scales
+                # tensor named by the details, no zero points.
+                scales_buffer, scales_shape = quantization
+                q = self.s.QuantizationParametersT()
+                q.detailsType = self.s.QuantizationDetails.BlockwiseQuantization
+                q.details = self.s.BlockwiseQuantizationT()
+                q.details.scales = self.tensor(name + "_scales", scales_shape, np.float16,
+                                               scales_buffer)
+                q.details.zeroPoints = -1
+                q.details.blockSize = shape[1] // scales_shape[1]
+            elif quantization is not None:
                 q = self.s.QuantizationParametersT()
                 q.scale = quantization
                 q.zeroPoint = np.zeros(len(quantization), np.int64)
