@@ -132,7 +132,7 @@ def quantize_rows(weight):
     return codes, scales
 
 
-class _Writer:
+class Writer:
     """The model's buffers (shared by every signature), its operator codes,
     and the data file the constants stream to."""
 
@@ -204,7 +204,7 @@ _VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4}
 _HYBRID_FULLY_CONNECTED_VERSION = 12
 
 
-class _Graph:
+class Graph:
     """One subgraph (signature) under construction: tensors with their
     static shapes (None for the dynamic read length) and operators."""
 
@@ -366,23 +366,40 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
         NotFusableError: the model (or `quantization`) is not covered.
     """
     check_direct_decoder(model, quantization, max_length)
+    lengths = sorted(set(int(t) for t in prefill_lengths))
+
+    def build(writer):
+        builder = DecoderBuilder(model, writer, max_length, quantization, read_bucket)
+        # Subgraph 0 is `decode`; the runtime finds each signature by name.
+        return [builder.signature(name, length, with_logits=name == "decode")
+                for name, length in [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]]
+
+    return write_model(path, build)
+
+
+def write_model(path, build):
+    """Writes the TFLite model `build(writer)` makes to `path`.
+
+    `build` takes a `Writer` and returns `[(subgraph, signature), ...]` in
+    subgraph order; every constant it makes streams to a data file as it
+    is made and lands after the flatbuffer, addressed by offset.
+
+    Returns:
+        `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
+        "flatbuffer_bytes": n}`.
+    """
     import flatbuffers
     from tensorflow.lite.python import schema_py_generated as schema
 
-    lengths = sorted(set(int(t) for t in prefill_lengths))
     path = os.fspath(path)
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(
             prefix="keras_attn_tflite_", dir=os.path.dirname(os.path.abspath(path))))
         data_path = os.path.join(tmp, "weights.bin")
         data_file = stack.enter_context(open(data_path, "w+b"))
-        writer = _Writer(data_file, schema)
-        builder = _DecoderBuilder(model, writer, max_length, quantization, read_bucket)
+        writer = Writer(data_file, schema)
         subgraphs, signatures = [], []
-        # Subgraph 0 is `decode`; the runtime finds each signature by name.
-        for index, (name, length) in enumerate(
-                [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]):
-            subgraph, signature = builder.signature(name, length, with_logits=name == "decode")
+        for index, (subgraph, signature) in enumerate(build(writer)):
             signature.subgraphIndex = index
             subgraphs.append(subgraph)
             signatures.append(signature)
@@ -419,7 +436,7 @@ def decoder_tflite_bytes(model, **kwargs):
             return f.read()
 
 
-class _DecoderBuilder:
+class DecoderBuilder:
     def __init__(self, model, writer, max_length, quantization, read_bucket):
         self.model = model
         self.w = writer
@@ -500,7 +517,7 @@ class _DecoderBuilder:
     # -- one signature ----------------------------------------------------
     def signature(self, name, length, with_logits):
         s = self.w.s
-        g = _Graph(self.w, name)
+        g = Graph(self.w, name)
         model, t_len, S = self.model, length, self.max_length
         tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
         input_pos = g.tensor(f"{name}_input_pos", (t_len,), np.int32)

@@ -111,7 +111,7 @@ class RotaryEmbedding(keras.layers.Layer):
             x, passed = x[..., :rotary_dim], x[..., rotary_dim:]
         length = ops.shape(inputs)[axis]
         pos = _positions.positions(length, start_index)
-        inv_freq = self._inverse_frequencies(rotary_dim, pos[-1] + 1.0)
+        inv_freq = self.inverse_frequencies(rotary_dim, pos[-1] + 1.0)
         freqs = (pos[:, None] / self.scaling_factor) * inv_freq[None, :]
         angles = ops.concatenate([freqs, freqs], axis=-1)  # (T, rotary_dim)
         shape = [1] * rank
@@ -147,9 +147,10 @@ class RotaryEmbedding(keras.layers.Layer):
                     )
         return rotary_dim
 
-    def _inverse_frequencies(self, dim, seq_len):
-        """`(D/2,)` float32 frequencies; `seq_len` (a float32 scalar tensor)
-        matters only for dynamic scaling."""
+    def inverse_frequencies(self, dim, seq_len):
+        """`(dim/2,)` float32 frequencies of `dim` rotated features: the angle
+        at position `p` is `p / scaling_factor` times them. `seq_len` (a
+        float32 scalar) matters only for dynamic and LongRoPE scaling."""
         exponent = ops.arange(0, dim, 2, dtype="float32") / float(dim)
         scaling = self.rope_scaling or {"rope_type": "default"}
         kind = scaling["rope_type"]

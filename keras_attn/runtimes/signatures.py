@@ -48,10 +48,14 @@ Bad requests (docs/guides/serving_validation.md has the measured table):
 """
 
 import os
+import warnings
 
 import tensorflow as tf
 
+from keras_attn.checks import check_choice
+from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx import rename_value
+from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS, graph_op_types
 from keras_attn.export.staging import staged
 from keras_attn.export.tflite import tflite_op_names
@@ -59,9 +63,23 @@ from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import search
 from keras_attn.runtimes import request_checks, verification
 from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too)
-from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS, signatures_to_tflite
 from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
+
+# "direct": `keras_attn.export.tflite_signatures` writes the TFLite model from
+# the Keras weights; "converter": TensorFlow's converter over the traced
+# signatures; "auto": direct where it covers the model.
+WRITERS = ("auto", "direct", "converter")
+
+
+def check_max_length(max_length):
+    """A ValueError unless `max_length` is an int >= 2 (the exports' cache length)."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(
+            "Received an invalid value for argument `max_length`, expected an "
+            f"integer >= 2. Received: max_length={max_length!r}"
+        )
 
 
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
@@ -86,11 +104,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     `DYNAMIC_UPDATE_SLICE` instead of a select over every slot.
     """
     cache_storage_dtype(cache_dtype)  # checked first, before the model is read
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(
-            "Received an invalid value for argument `max_length`, expected an "
-            f"integer >= 2. Received: max_length={max_length!r}"
-        )
+    check_max_length(max_length)
     if checks not in request_checks.CHECKS:
         raise ValueError(
             f"Received an invalid value for argument `checks`, expected one of "
@@ -249,7 +263,7 @@ def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_
 
 
 def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None,
-                 checks="flag", quantization=None, cache_dtype="float32"):
+                 checks="flag", quantization=None, cache_dtype="float32", writer="auto"):
     """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only.
 
     With `checks="flag"` (the default) token ids and `index` are clamped into
@@ -260,22 +274,58 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
     `tflite_convert.signatures_to_tflite`); `cache_dtype`: "float32" or
     "float16" (see `signature_functions`). benchmarks/bench_decode_quantized.py
     measures speed, size and greedy agreement of each.
+    `writer`: "auto" (default) writes the model from the Keras weights
+    (`keras_attn.export.tflite_signatures`: one weight in memory at a time;
+    a decoder-only `DecoderOnlyLM`, float32 or "dynamic" weights, float32
+    cache) where that covers the model and options, else traces it and runs
+    TensorFlow's converter, with a warning naming why (encoder-decoder
+    models: silently); "direct" (a ValueError where it does not cover them)
+    or "converter".
     """
+    return _tflite_content(model, max_length=max_length, batch_size=batch_size,
+                           prompt_length=prompt_length, encoder_length=encoder_length, checks=checks,
+                           quantization=quantization, cache_dtype=cache_dtype, writer=writer)[0]
+
+
+def _tflite_content(model, *, max_length, batch_size, prompt_length, encoder_length, checks,
+                    quantization, cache_dtype, writer):
+    """`(flatbuffer bytes, the writer that wrote it: "direct" or "converter")`."""
     if checks not in ("flag", "none"):
         raise ValueError(
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (TFLite has no assert op). Received: checks={checks!r}"
         )
-    if hasattr(model, "encode") and encoder_length is None:
+    check_choice("writer", writer, WRITERS)
+    seq2seq = hasattr(model, "encode")
+    if seq2seq and encoder_length is None:
         raise ValueError(
             "Encoder-decoder models need a static `encoder_length` for TFLite. "
             "Received: encoder_length=None"
         )
+    if writer != "converter" and not (seq2seq and writer == "auto"):
+        # The trace's argument checks, before the direct writer reads the model.
+        cache_storage_dtype(cache_dtype)
+        check_choice("quantization", quantization, GENERATION_QUANTIZATIONS)
+        check_max_length(max_length)
+        search.check_max_positions(model, max_length, encoder_length)
+        try:
+            content = tflite_signatures.signatures_tflite_bytes(
+                model, max_length=max_length, batch_size=batch_size, prompt_length=prompt_length,
+                checks=checks, quantization=quantization, cache_dtype=cache_dtype,
+                read_bucket=decoder_trace.READ_BUCKET)
+            return content, "direct"
+        except NotFusableError as error:
+            if writer == "direct":
+                raise ValueError(
+                    f"writer='direct': the direct TFLite writer does not cover this export: {error}. "
+                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
+            warnings.warn(f"The direct TFLite writer does not cover this export ({error}); "
+                          "converting with TensorFlow's TFLite converter instead.", stacklevel=3)
     fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
                               prompt_length=prompt_length, encoder_length=encoder_length,
                               checks=checks, cache_dtype=cache_dtype, update_slices=True)
     fns.pop("generate")
-    return signatures_to_tflite(fns, quantization)
+    return signatures_to_tflite(fns, quantization), "converter"
 
 
 def export_tflite(model, path, **kwargs):
@@ -292,7 +342,10 @@ def export_tflite(model, path, **kwargs):
     """
     from ai_edge_litert import interpreter as litert
 
-    content = tflite_bytes(model, **kwargs)
+    arguments = dict(encoder_length=None, checks="flag", quantization=None, cache_dtype="float32",
+                     writer="auto")
+    arguments.update(kwargs)
+    content, writer = _tflite_content(model, **arguments)
     interpreter = litert.Interpreter(model_content=content)
     verified = verification.verify_prefill_decode(
         "tflite", model, interpreter.get_signature_runner("prefill"),
@@ -306,6 +359,7 @@ def export_tflite(model, path, **kwargs):
     details = {k: kwargs.get(k) for k in ("max_length", "batch_size", "prompt_length",
                                           "quantization")}
     details["signatures"] = sorted(interpreter.get_signature_list())
+    details["writer"] = writer
     return verification.signature_report("tflite", path, verified,
                                          ops=tflite_op_names(content), details=details)
 
