@@ -118,7 +118,8 @@ def signatures_tflite_bytes(model, **kwargs):
 
 def _value(x):
     """A Keras variable (or tensor) as float32 NumPy."""
-    return np.asarray(keras.ops.convert_to_numpy(x), np.float32)
+    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
+    return np.asarray(value, np.float32)
 
 
 def _bias(dense):
