@@ -429,9 +429,14 @@ def write_model(path, build):
 
 def decoder_tflite_bytes(model, **kwargs):
     """`write_decoder_tflite` into memory: the flatbuffer's bytes."""
+    return written_bytes(write_decoder_tflite, model, **kwargs)
+
+
+def written_bytes(write, model, **kwargs):
+    """The bytes `write(model, path, **kwargs)` writes to a temporary `path`."""
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         path = os.path.join(tmp, "model.tflite")
-        write_decoder_tflite(model, path, **kwargs)
+        write(model, path, **kwargs)
         with open(path, "rb") as f:
             return f.read()
 

@@ -38,9 +38,6 @@ A model or option not covered raises `NotFusableError`
 converter with a warning.
 """
 
-import os
-import tempfile
-
 import keras
 import numpy as np
 
@@ -109,11 +106,7 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
 
 def signatures_tflite_bytes(model, **kwargs):
     """`write_signatures_tflite` into memory: the flatbuffer's bytes."""
-    with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
-        path = os.path.join(tmp, "model.tflite")
-        write_signatures_tflite(model, path, **kwargs)
-        with open(path, "rb") as f:
-            return f.read()
+    return tflite_decoder.written_bytes(write_signatures_tflite, model, **kwargs)
 
 
 def _value(x):

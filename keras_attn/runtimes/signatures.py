@@ -1,12 +1,15 @@
 """Export cached generation: prefill/decode (and generate) signatures.
 
 The functions are the shared trace's (`keras_attn.runtimes.trace`) with this
-contract's names, a stacked cache and the request checks.
+contract's names, a stacked cache and the request checks (the direct TFLite
+writer writes the same contract op by op).
 
 - SavedModel with signatures `prefill`, `decode` (cache in, cache out) and a
   one-call greedy `generate` for TF Serving.
 - TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
-  `Interpreter.get_signature_runner`.
+  `Interpreter.get_signature_runner`: written from the Keras weights by
+  `keras_attn.export.tflite_signatures` where that covers the model, else
+  TensorFlow's converter over the trace (`tflite_bytes`' `writer`).
 - ONNX `prefill.onnx` and `decode.onnx` (tf2onnx) for onnxruntime.
 
 Signatures (decoder-only; encoder-decoder models add the marked parts):
@@ -333,12 +336,12 @@ def export_tflite(model, path, **kwargs):
 
     Returns:
         A `SignatureReport`: the model's `prefill` and `decode`, run in
-        LiteRT over a random sequence (the static batch and prompt shapes)
-        before writing, against the Keras model's logits: float32 within
-        1e-4 of the largest logit (a `ParityError` otherwise, and nothing
-        is written); quantized weights or a float16 cache: the share of
-        next tokens equal to Keras's is reported (`agreement`), not
-        checked. `os.fspath(report)` is `path`.
+        LiteRT (its builtin kernels) over a random sequence (the static
+        batch and prompt shapes) before writing, against the Keras model's
+        logits: float32 within 1e-4 of the largest logit (a `ParityError`
+        otherwise, and nothing is written); quantized weights or a float16
+        cache: the share of next tokens equal to Keras's is reported
+        (`agreement`), not checked. `os.fspath(report)` is `path`.
     """
     from ai_edge_litert import interpreter as litert
 
@@ -346,7 +349,12 @@ def export_tflite(model, path, **kwargs):
                      writer="auto")
     arguments.update(kwargs)
     content, writer = _tflite_content(model, **arguments)
-    interpreter = litert.Interpreter(model_content=content)
+    # LiteRT's builtin kernels: the XNNPACK delegate would pack a copy of
+    # the weights for each signature (the Llama-3.2-1B float32 model's 5 GB
+    # twice, benchmarks/RESULTS.md), the check is of the same graph.
+    interpreter = litert.Interpreter(
+        model_content=content,
+        experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
     verified = verification.verify_prefill_decode(
         "tflite", model, interpreter.get_signature_runner("prefill"),
         interpreter.get_signature_runner("decode"), max_length=kwargs["max_length"],
