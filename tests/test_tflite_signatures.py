@@ -124,7 +124,12 @@ def test_ring_buffer_runs_past_its_window_and_max_length():
     and the loop runs past the export's max_length (rotary angles from the
     position, not a table)."""
     window = 4
-    lm = scaled_lm(sliding_window=window, **LLAMA)
+    # A tied head too: the table is stored once, as the head's weight.
+    lm = DecoderOnlyLM(VOCAB, 64, 32, num_layers=2, num_heads=4, intermediate_dim=48, pad_token_id=0,
+                       tie_embeddings=True, sliding_window=window, **LLAMA)
+    lm(np.array([[2, 3]], np.int32))
+    for w in lm.weights:  # spread logits: generations that vary
+        w.assign(w.numpy() * 3)
     content = _direct(lm, max_length=12)
     interpreter, prefill, decode = _runners(content)
     assert tuple(decode.get_input_details()["cache"]["shape"]) == (2, 2, 3, window, 2, 8)
