@@ -1,15 +1,19 @@
 """ONNX Runtime GenAI: our exported folder vs the GenAI model builder's, same model.
 
 One Hugging Face Llama (random weights, seeded; a real tokenizer trained here),
-exported twice per precision: `keras_attn.convert.from_huggingface` +
-`export_onnx_genai`, and `python -m onnxruntime_genai.models.builder` (CPU);
-fp32, int8 and int4 weights (both `MatMulNBits`, blocks of 32, accuracy level 4:
-ours `quantization="int8"|"int4"`, the builder's `-p int8|int4`), and ours
-`quantization="dynamic"` (7-bit `MatMulInteger`) alone. All folders run
-in `onnxruntime_genai` in this process, in alternating rounds: prefill time of a
-`--prompt`-token prompt and decode tokens/s over `--new` greedy tokens; the
-generated tokens of the two must agree. Prints a table and ratios (ours / peer
-for tokens/s: > 1 is faster).
+exported per precision by `keras_attn.convert.from_huggingface` +
+`export_onnx_genai` (its defaults: the last token's logits only) and by
+`python -m onnxruntime_genai.models.builder` (CPU) twice: as it writes by
+default and with `--extra_options prune_lm_head=true` (its head on the last
+position only); fp32, int8 and int4 weights (all `MatMulNBits`, blocks of
+32, accuracy level 4: ours `quantization="int8"|"int4"`, the builder's
+`-p int8|int4`), and ours `quantization="dynamic"` (7-bit `MatMulInteger`)
+alone. All folders run in `onnxruntime_genai` in this process, in
+alternating rounds: prefill time of a `--prompt`-token prompt and decode
+tokens/s over `--new` greedy tokens. Prints a table of medians and, per
+pair, the per-round ratios ours / peer in tokens/s (> 1 is faster: median,
+lowest, highest, share of rounds ours was faster) and how often the greedy
+tokens agree.
 
     python benchmarks/bench_genai.py                  # 8 layers, hidden 512, vocab 32000
     python benchmarks/bench_genai.py --quick          # 2 layers, hidden 128, vocab 4000
@@ -81,6 +85,10 @@ PRECISIONS = (
     ("int4 weights", "int4", "int4"),
     ("int8 dynamic (MatMulInteger)", "dynamic", None),
 )
+# The builder's graph as it writes it by default, and with its option to
+# compute the head for the last position only (ours: `prompt_logits="last"`,
+# the default; the builder's option takes the batch's last position).
+BUILDER_VARIANTS = (("", ()), (" prune_lm_head", ("--extra_options", "prune_lm_head=true")))
 
 
 def run_genai(folder, prompt, max_length):
@@ -104,8 +112,9 @@ def run_genai(folder, prompt, max_length):
 
 
 def _time(folders, prompt, max_length, rounds):
-    """Median prefill seconds and decode seconds per token of each folder, in
-    alternating rounds after one warm-up; the last round's tokens."""
+    """Prefill seconds and decode seconds per token of each folder, one of
+    each per round, in alternating rounds after one warm-up; the last
+    round's tokens."""
     times = {name: {"prefill": [], "decode": []} for name in folders}
     tokens = {}
     for name, folder in folders.items():  # warm-up
@@ -116,7 +125,19 @@ def _time(folders, prompt, max_length, rounds):
             prefill, decode, tokens[name] = run_genai(folders[name], prompt, max_length)
             times[name]["prefill"].append(prefill)
             times[name]["decode"].append(decode)
-    return {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}, tokens
+    return times, tokens
+
+
+def _medians(times):
+    return {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
+
+
+def paired_ratio(ours, peer):
+    """Per-round speed ratios ours / peer (peer's seconds / ours, each round's
+    two runs back to back): (median, lowest, highest, share of rounds > 1)."""
+    ratios = [p / o for o, p in zip(ours, peer)]
+    return (statistics.median(ratios), min(ratios), max(ratios),
+            sum(r > 1 for r in ratios) / len(ratios))
 
 
 def time_folders(folders, args):
@@ -131,13 +152,26 @@ def time_folders(folders, args):
             json.dump(config, f, indent=2)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(2, args.vocab, args.prompt)]
-    med, _ = _time(folders, prompt, args.prompt + args.new, args.rounds)
+    times = _time(folders, prompt, args.prompt + args.new, args.rounds)[0]
+    med = _medians(times)
     print(f"\nprompt {args.prompt}, {args.new} new tokens, batch 1, CPU; medians of {args.rounds} "
           "alternating rounds\n")
     print("| folder | prefill tok/s | decode tok/s |")
     print("|---|---|---|")
     for name, m in med.items():
         print(f"| {name} | {args.prompt / m['prefill']:.0f} | {1 / m['decode']:.1f} |")
+    # Folders named `<who>_<precision>`: the first of each precision against the others.
+    groups = {}
+    for name in folders:
+        groups.setdefault(name.rsplit("_", 1)[-1], []).append(name)
+    print("\nper-round ratios in tokens/s (median [lowest, highest], rounds faster):")
+    for names in groups.values():
+        for peer in names[1:]:
+            text = []
+            for phase in ("prefill", "decode"):
+                median, low, high, faster = paired_ratio(times[names[0]][phase], times[peer][phase])
+                text.append(f"{phase} {median:.3f}x [{low:.2f}, {high:.2f}] {faster:.0%}")
+            print(f"  {names[0]} / {peer}: " + "; ".join(text))
 
 
 def main():
@@ -172,21 +206,24 @@ def main():
         folders[name], export_s[name] = folder, time.perf_counter() - start
         if peer_p is None:
             continue
-        name, folder = f"genai builder {precision}", os.path.join(work, f"builder_{peer_p}")
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir,
-                        "-o", folder, "-p", peer_p, "-e", "cpu",
-                        "-c", os.path.join(work, "cache")], check=True, capture_output=True)
-        folders[name], export_s[name] = folder, time.perf_counter() - start
-        with open(os.path.join(folder, "genai_config.json")) as f:  # same generation length
-            config = json.load(f)
-        config["search"]["max_length"] = max_length
-        with open(os.path.join(folder, "genai_config.json"), "w") as f:
-            json.dump(config, f)
+        for suffix, extra in BUILDER_VARIANTS:
+            name = f"genai builder {precision}{suffix}"
+            folder = os.path.join(work, f"builder_{peer_p}{suffix.strip()}")
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir,
+                            "-o", folder, "-p", peer_p, "-e", "cpu",
+                            "-c", os.path.join(work, "cache"), *extra], check=True, capture_output=True)
+            folders[name], export_s[name] = folder, time.perf_counter() - start
+            with open(os.path.join(folder, "genai_config.json")) as f:  # same generation length
+                config = json.load(f)
+            config["search"]["max_length"] = max_length
+            with open(os.path.join(folder, "genai_config.json"), "w") as f:
+                json.dump(config, f)
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(2, tok.get_vocab_size(), args.prompt)]
-    med, tokens = _time(folders, prompt, max_length, args.rounds)
+    times, tokens = _time(folders, prompt, max_length, args.rounds)
+    med = _medians(times)
     rows = []
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())} "
@@ -201,19 +238,27 @@ def main():
         rows.append(row)
         print(f"| {name} | {row['prefill_ms']:.1f} | {row['prefill_tps']:.0f} | "
               f"{row['decode_ms']:.2f} | {row['decode_tps']:.1f} | {row['export_s']:.1f} |")
-    by_name = {row["name"]: row for row in rows}
     ratios = {}
+    print(f"\nours / builder tokens/s, per round (median [lowest, highest], rounds faster), "
+          f"{args.rounds} rounds:")
     for precision in (p for p, _, peer_p in PRECISIONS if peer_p):
-        ours, peer = by_name[f"keras_attn {precision}"], by_name[f"genai builder {precision}"]
-        agree = float(np.mean([a == b for a, b in zip(tokens[ours["name"]], tokens[peer["name"]])]))
-        ratios[precision] = dict(prefill=ours["prefill_tps"] / peer["prefill_tps"],
-                                 decode=ours["decode_tps"] / peer["decode_tps"], agreement=agree)
-        print(f"ours / builder tokens/s, {precision}: prefill {ratios[precision]['prefill']:.2f}x, "
-              f"decode {ratios[precision]['decode']:.2f}x; greedy tokens equal at {agree:.0%} "
-              f"of {args.new} positions")
+        ours = f"keras_attn {precision}"
+        for suffix, _ in BUILDER_VARIANTS:
+            peer = f"genai builder {precision}{suffix}"
+            agree = float(np.mean([a == b for a, b in zip(tokens[ours], tokens[peer])]))
+            entry = dict(agreement=agree)
+            for phase in ("prefill", "decode"):
+                median, low, high, faster = paired_ratio(times[ours][phase], times[peer][phase])
+                entry[phase], entry[phase + "_range"], entry[phase + "_faster"] = median, (low, high), faster
+            ratios[precision + suffix] = entry
+            print(f"  {precision}, vs builder{suffix or ' default'}: prefill {entry['prefill']:.3f}x "
+                  f"[{entry['prefill_range'][0]:.2f}, {entry['prefill_range'][1]:.2f}] "
+                  f"{entry['prefill_faster']:.0%}; decode {entry['decode']:.3f}x "
+                  f"[{entry['decode_range'][0]:.2f}, {entry['decode_range'][1]:.2f}] "
+                  f"{entry['decode_faster']:.0%}; greedy tokens equal at {agree:.0%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, ratios=ratios, args=vars(args)), f, indent=2)
+            json.dump(dict(rows=rows, ratios=ratios, times=times, args=vars(args)), f, indent=2)
 
 
 if __name__ == "__main__":

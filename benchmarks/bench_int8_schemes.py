@@ -111,7 +111,7 @@ def agreement(work, epochs, examples):
     target = np.zeros_like(held_out)
     target[:, :-1] = held_out[:, 1:]
     folder = os.path.join(work, "dates_fp32")
-    export_onnx_genai(lm, folder, max_length=width)
+    export_onnx_genai(lm, folder, max_length=width, prompt_logits="all")  # every position scored
     src = os.path.join(folder, "model.onnx")
     valid = held_out != 0
     rows = {}

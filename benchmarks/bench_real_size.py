@@ -41,7 +41,9 @@ Stages (`STAGES`, one entry each; later stages are added there):
   once by the `keras_file` stage, not ours). The peer `torch_onnx`:
   `BertModel.from_pretrained(folder, float32)` and `torch.onnx.export`
   (TorchScript exporter, dynamic batch and sequence axes) on the same
-  folder; its export is timed like ours.
+  folder; its export is timed like ours. `tflite` writes encoders with the
+  direct writer (`export_tflite`'s default); `tflite_converter` forces
+  TensorFlow's converter, `tflite_dynamic` is int8 weights.
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
@@ -625,6 +627,13 @@ def _export_phases(sampler):
             _wrap(module, attribute, before=lambda: mark("write ONNX graph"),
                   after=lambda: mark("serialize ONNX"))
     _wrap(verify, "verify_artifact", before=lambda: mark("verify"))
+    try:  # the direct TFLite writer of encoders (absent before it was written)
+        from keras_attn.export import tflite_encoder
+
+        _wrap(tflite_encoder, "write_encoder_tflite", before=lambda: mark("TFLite direct writer"),
+              after=lambda: mark("LiteRT interpreter"))
+    except ImportError:
+        pass
     for module, attribute, label in ((saved_model_lib, "export_saved_model", "SavedModel"),
                                      (tflite_lib, "export_tflite", "TFLite"),
                                      (onnx_lib, "export_onnx", "ONNX")):
@@ -648,7 +657,7 @@ def _export_stage(fmt, **kwargs):
         if fmt == "savedmodel":
             report = export.export_saved_model(model, out, model_name="bert", **kwargs)
             artifact = report.path
-        elif fmt == "tflite":
+        elif fmt.startswith("tflite"):
             report = export.export_tflite(model, os.path.join(out, "bert.tflite"), **kwargs)
             artifact = report.path
         elif fmt.startswith("onnx"):
@@ -775,6 +784,10 @@ STAGES = {
                             "convert + runtimes.signatures.export_saved_model, max_length 1024"),
     "savedmodel": Stage(_export_stage("savedmodel"), "convert + export_saved_model"),
     "tflite": Stage(_export_stage("tflite"), "convert + export_tflite (float32)"),
+    "tflite_converter": Stage(_export_stage("tflite_converter", writer="converter"),
+                              "convert + export_tflite(writer='converter') (float32)"),
+    "tflite_dynamic": Stage(_export_stage("tflite_dynamic", quantization="dynamic"),
+                            "convert + export_tflite(quantization='dynamic')"),
     "onnx": Stage(_export_stage("onnx"), "convert + export_onnx (default)"),
     "onnx_fused": Stage(_export_stage("onnx_fused", fused=True), "convert + export_onnx(fused=True)"),
     "export_all": Stage(_export_stage("export_all"), "convert + export_all (SavedModel, TFLite, ONNX)"),

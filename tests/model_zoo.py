@@ -168,3 +168,53 @@ def left_padded_prompts(vocabulary_size, seed=6, lengths=(3, 6, 5), width=6):
         ids[row, width - n:] = rng.integers(3, vocabulary_size, size=n)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+# BERT-shaped encoders (token types, LayerNorms, key padding, a tanh pooler on
+# the first token), the models the direct ONNX and TFLite writers cover.
+BERT_VOCAB, BERT_LENGTH, BERT_DIM, BERT_HEADS, BERT_FFN = 50, 16, 32, 4, 64
+
+
+def randomize(model, seed):
+    # Non-zero biases and non-unit LayerNorm weights, so that a bias or a
+    # gamma the fused graph dropped or misplaced shows in the outputs.
+    rng = np.random.default_rng(seed)
+    for w in model.weights:
+        w.assign(rng.normal(0.0, 0.3, tuple(w.shape)).astype("float32"))
+
+
+def bert_like(normalize_first, activation, layers, seed, mask_padded_queries=False, causal=False):
+    """`input_ids`, `attention_mask`, `token_type_ids` -> `last_hidden_state`, `pooler_output`."""
+    ids = keras.Input((None,), dtype="int32", name="input_ids")
+    mask = keras.Input((None,), dtype="int32", name="attention_mask")
+    types = keras.Input((None,), dtype="int32", name="token_type_ids")
+    x = kal.TokenAndPositionEmbedding(
+        BERT_VOCAB, BERT_LENGTH, BERT_DIM, position="learned", type_vocabulary_size=2,
+        use_layer_norm=True, name="embedding",
+    )(ids, token_type_ids=types)
+    x = keras.layers.Dropout(0.1)(x)
+    padding = keras.ops.not_equal(mask, 0)
+    for i in range(layers):
+        x = kal.TransformerEncoderBlock(
+            num_heads=BERT_HEADS, intermediate_dim=BERT_FFN, activation=activation, dropout=0.1,
+            normalize_first=normalize_first, mask_padded_queries=mask_padded_queries,
+            name=f"encoder_{i}",
+        )(x, padding_mask=padding, use_causal_mask=causal)
+    pooled = keras.layers.Dense(BERT_DIM, activation="tanh", name="pooler")(x[:, 0, :])
+    outputs = [keras.layers.Identity(name="last_hidden_state")(x),
+               keras.layers.Identity(name="pooler_output")(pooled)]
+    model = keras.Model([ids, mask, types], outputs)
+    randomize(model, seed)
+    return model
+
+
+def bert_feed(batch=3, length=11, seed=0):
+    """Inputs of `bert_like`: rows of `length`, `length - 4` and 3 tokens, right-padded."""
+    rng = np.random.default_rng(seed)
+    lengths = [length, length - 4, 3][:batch]
+    mask = (np.arange(length)[None, :] < np.array(lengths)[:, None]).astype("int32")
+    return {
+        "input_ids": rng.integers(0, BERT_VOCAB, (batch, length)).astype("int32"),
+        "attention_mask": mask,
+        "token_type_ids": rng.integers(0, 2, (batch, length)).astype("int32"),
+    }

@@ -10,55 +10,14 @@ import numpy as np
 import pytest
 
 from keras_attn.export import export_onnx
-from keras_attn.layers import TokenAndPositionEmbedding
 from keras_attn.layers import TransformerEncoderBlock
 from tests import tolerance
-
-VOCAB, LENGTH, DIM, HEADS, FFN = 50, 16, 32, 4, 64
-
-
-def _randomize(model, seed):
-    # Non-zero biases and non-unit LayerNorm weights, so that a bias or a
-    # gamma the fused graph dropped or misplaced shows in the outputs.
-    rng = np.random.default_rng(seed)
-    for w in model.weights:
-        w.assign(rng.normal(0.0, 0.3, tuple(w.shape)).astype("float32"))
-
-
-def _bert_like(normalize_first, activation, layers, seed, mask_padded_queries=False, causal=False):
-    ids = keras.Input((None,), dtype="int32", name="input_ids")
-    mask = keras.Input((None,), dtype="int32", name="attention_mask")
-    types = keras.Input((None,), dtype="int32", name="token_type_ids")
-    x = TokenAndPositionEmbedding(
-        VOCAB, LENGTH, DIM, position="learned", type_vocabulary_size=2, use_layer_norm=True,
-        name="embedding",
-    )(ids, token_type_ids=types)
-    x = keras.layers.Dropout(0.1)(x)
-    padding = keras.ops.not_equal(mask, 0)
-    for i in range(layers):
-        x = TransformerEncoderBlock(
-            num_heads=HEADS, intermediate_dim=FFN, activation=activation, dropout=0.1,
-            normalize_first=normalize_first, mask_padded_queries=mask_padded_queries,
-            name=f"encoder_{i}",
-        )(x, padding_mask=padding, use_causal_mask=causal)
-    pooled = keras.layers.Dense(DIM, activation="tanh", name="pooler")(x[:, 0, :])
-    outputs = [keras.layers.Identity(name="last_hidden_state")(x),
-               keras.layers.Identity(name="pooler_output")(pooled)]
-    model = keras.Model([ids, mask, types], outputs)
-    _randomize(model, seed)
-    return model
-
-
-def _feed(batch=3, length=11, seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = [length, length - 4, 3][:batch]
-    mask = (np.arange(length)[None, :] < np.array(lengths)[:, None]).astype("int32")
-    return {
-        "input_ids": rng.integers(0, VOCAB, (batch, length)).astype("int32"),
-        "attention_mask": mask,
-        "token_type_ids": rng.integers(0, 2, (batch, length)).astype("int32"),
-    }
-
+from tests.model_zoo import BERT_DIM as DIM
+from tests.model_zoo import BERT_FFN as FFN
+from tests.model_zoo import BERT_HEADS as HEADS
+from tests.model_zoo import BERT_VOCAB as VOCAB
+from tests.model_zoo import bert_feed as _feed
+from tests.model_zoo import bert_like as _bert_like
 
 def _run(path, feed, names):
     import onnxruntime as ort
@@ -260,6 +219,27 @@ def test_fused_graph_matches_keras_on_padded_batches(which, request):
     got = _run(path, feed, ["last_hidden_state", "pooler_output"])
     want = [np.asarray(t) for t in model(feed, training=False)]
     tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=which)
+
+
+@pytest.mark.parametrize("graph", ["standard", "fused"])
+@pytest.mark.parametrize("which", ["post_norm", "pre_norm"])
+def test_queries_that_see_no_key_give_keras_zeros(which, graph, request):
+    """A row whose keys are all padding (an empty request in a batch), and,
+    in the causal encoder, left padding (its first query sees no key): Keras's
+    attention gives such a query zeros, a softmax over only masked scores
+    would average every value instead."""
+    if graph == "fused":
+        model, path, _ = request.getfixturevalue(which)
+    else:
+        model, path, _ = request.getfixturevalue("plain")[which]
+    feed = _feed(seed=12)
+    feed["attention_mask"][1] = 0  # nothing to see
+    feed["attention_mask"][2] = 1
+    feed["attention_mask"][2, :2] = 0  # left padding
+    got = _run(path, feed, ["last_hidden_state", "pooler_output"])
+    want = [np.asarray(t) for t in model(feed, training=False)]
+    assert all(np.isfinite(g).all() for g in got)
+    tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg=f"{which}, {graph}")
 
 
 def test_unsupported_layer_falls_back_to_tf2onnx_with_a_warning(tmp_path):

@@ -108,17 +108,54 @@ def run_steps(session, ids, steps, kv_heads, head_dim, num_layers):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prefill_and_decode_logits_are_keras(family):
     lm = make_lm(**FAMILIES[family])
-    proto = decoder_model_proto(lm, max_length=CACHE)
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     ids = np.random.default_rng(1).integers(1, VOCAB, (2, 14))
-    got = run_steps(session, ids, 3, lm.num_key_value_heads, lm.head_dim, lm.num_layers)
     want = keras.ops.convert_to_numpy(lm(ids))
-    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * lm.num_layers,
-                           err_msg=family)
+    for prompt_logits in ("all", "last"):
+        proto = decoder_model_proto(lm, max_length=CACHE, prompt_logits=prompt_logits)
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = run_steps(session, ids, 3, lm.num_key_value_heads, lm.head_dim, lm.num_layers)
+        # "last": the prompt's last position, then each decode step's.
+        expected = want if prompt_logits == "all" else want[:, -4:]
+        tolerance.assert_close(got, expected, terms=tolerance.LAYER_TERMS * lm.num_layers,
+                               err_msg=f"{family}, prompt_logits={prompt_logits}")
     # The window is really applied: without it the logits differ.
     if lm.sliding_window is not None and family == "mistral":
         unwindowed = make_lm(**{k: v for k, v in FAMILIES[family].items() if k != "sliding_window"})
         assert np.abs(keras.ops.convert_to_numpy(unwindowed(ids)) - want).max() > 0.1
+
+
+@pytest.mark.parametrize("prompt_logits", ["all", "last"])
+def test_right_padded_prompts_give_each_rows_last_token(prompt_logits):
+    """A batch as GenAI sends it: the shorter prompt right-padded, its pads
+    masked. "last" must take each row's own last token (not the batch's last
+    position, which is a pad in the shorter row); a decode step after it
+    continues each row from there."""
+    lm = make_lm(**FAMILIES["llama"])
+    rng = np.random.default_rng(2)
+    lengths = (11, 6)
+    ids = np.zeros((2, max(lengths)), np.int64)
+    mask = np.zeros((2, max(lengths)), np.int64)
+    rows = [rng.integers(1, VOCAB, n + 1) for n in lengths]  # prompt + one decoded token
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        ids[r, :n], mask[r, :n] = row[:n], 1
+    proto = decoder_model_proto(lm, max_length=CACHE, prompt_logits=prompt_logits)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    past = {f"past_key_values.{i}.{kind}": np.zeros((2, lm.num_key_value_heads, CACHE, lm.head_dim), np.float32)
+            for i in range(lm.num_layers) for kind in ("key", "value")}
+    out = dict(zip(names, session.run(None, {"input_ids": ids, "attention_mask": mask, **past})))
+    past = {f"past_key_values.{k[len('present.'):]}": v for k, v in out.items() if k.startswith("present.")}
+    step_ids = np.array([[row[-1]] for row in rows], np.int64)
+    step_mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+    step = dict(zip(names, session.run(None, {"input_ids": step_ids, "attention_mask": step_mask, **past})))
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        want = keras.ops.convert_to_numpy(lm(row[None].astype("int32")))[0]
+        prompt_last = out["logits"][r, n - 1 if prompt_logits == "all" else 0]
+        tolerance.assert_close(prompt_last, want[n - 1], terms=tolerance.LAYER_TERMS * lm.num_layers,
+                               err_msg=f"row {r}, prompt")
+        tolerance.assert_close(step["logits"][r, 0], want[n], terms=tolerance.LAYER_TERMS * lm.num_layers,
+                               err_msg=f"row {r}, decode step")
+    assert out["logits"].shape[1] == (max(lengths) if prompt_logits == "all" else 1)
 
 
 def test_graph_is_the_fused_kernels():
@@ -131,8 +168,9 @@ def test_graph_is_the_fused_kernels():
     assert counts["SkipSimplifiedLayerNormalization"] == 2 * lm.num_layers
     # q/k/v packed, output, gate, up, down per layer; the head.
     assert counts["MatMul"] == 5 * lm.num_layers + 1
-    # A handful of nodes per layer, not hundreds (tf2onnx's graph).
-    assert len(graph.node) <= 12 * lm.num_layers + 12
+    # A handful of nodes per layer, not hundreds (tf2onnx's graph); once:
+    # the mask's lengths, each row's last token, the head.
+    assert len(graph.node) <= 12 * lm.num_layers + 20
     gqa = next(n for n in graph.node if n.op_type == "GroupQueryAttention")
     attrs = {a.name: keras.ops.convert_to_numpy(a.i if a.type == 2 else a.f) for a in gqa.attribute}
     assert attrs["do_rotary"] == 1 and attrs["num_heads"] == 6 and attrs["kv_num_heads"] == 2
@@ -160,7 +198,7 @@ def test_nbits_weights_are_the_blockwise_quantized_kernels(bits):
     projection kernels are replaced by their quantized values (computed in
     this test), on every CPU."""
     lm = make_lm(**FAMILIES["qwen2"])
-    proto = decoder_model_proto(lm, max_length=CACHE, bits=bits, accuracy_level=0)
+    proto = decoder_model_proto(lm, max_length=CACHE, bits=bits, accuracy_level=0, prompt_logits="all")
     assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 5 * lm.num_layers + 1
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     ids = np.random.default_rng(2).integers(1, VOCAB, (1, 12))

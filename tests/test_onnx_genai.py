@@ -37,6 +37,44 @@ def exported(tmp_path_factory):
     return lm, folder
 
 
+@pytest.mark.slow
+def test_batch_of_right_padded_prompts_generates_each_rows_tokens(tmp_path):
+    """GenAI right-pads the shorter prompt of a batch and masks its pads; the
+    graph computes each row's last token's logits only (`prompt_logits`
+    "last", the default), taken at that row's own last token: every row
+    continues as it would alone. (The GenAI model builder's
+    `prune_lm_head=true` takes the batch's last position, a pad in the
+    shorter row, and that row's tokens go wrong: benchmarks/RESULTS.md.)"""
+    import onnx
+
+    pytest.importorskip("transformers")
+    from keras_attn.convert import from_huggingface
+
+    lm = from_huggingface(hf_family("llama"))
+    folder = tmp_path
+    export_onnx_genai(lm, folder, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS,
+                      writer="fused")
+
+    logits = onnx.load(str(folder / "model.onnx")).graph.output[0]
+    assert logits.type.tensor_type.shape.dim[1].dim_value == 1  # GenAI reads it as last-token only
+    prompts = [word_tokenizer().encode(text).ids
+               for text in ("a small dog ran in the big box then", "the cat sat")]
+    width = max(len(p) for p in prompts)
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=MAX_LEN, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([p + [0] * (width - len(p)) for p in prompts], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    for row, prompt in enumerate(prompts):
+        want = keras_tokens(lm, prompt, MAX_LEN)
+        got = [int(t) for t in np.asarray(generator.get_sequence(row))[width:]]
+        n = min(len(want), len(got))
+        assert n >= 4, (want, got)
+        assert got[:n] == want[:n], (row, got, want)
+
+
 def test_folder_layout(exported):
     lm, folder = exported
     config = json.loads((folder / "genai_config.json").read_text())
@@ -173,8 +211,8 @@ def test_weights_past_the_threshold_go_to_external_data(trained_dates_lm, tmp_pa
 
 
 def _next_tokens(path, held_out, quantized_ops):
-    """Next-token argmax of the GenAI graph at `path` over the held-out rows,
-    in one call from position 0 (causal: the padding after a row's end does
+    """Next-token argmax of the GenAI graph at `path` (exported with
+    `prompt_logits="all"`) over the held-out rows, in one call from position 0 (causal: the padding after a row's end does
     not reach its earlier positions); the graph must hold one of
     `quantized_ops`."""
     import onnx
@@ -201,7 +239,7 @@ def test_nbits_weights_keep_keras_next_tokens(trained_dates_lm, tmp_path, quanti
     saturating pair sums, tests/test_quantized_portability.py)."""
     lm, tok, width, held_out, answer, keras_next = trained_dates_lm
     export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS,
-                      quantization=quantization, writer="fused")
+                      quantization=quantization, writer="fused", prompt_logits="all")
     got = _next_tokens(tmp_path / "model.onnx", held_out, ("MatMulNBits",))
     valid = held_out != 0
     assert (got == keras_next)[valid].mean() >= floor, (got == keras_next)[valid].mean()
@@ -217,7 +255,7 @@ def test_int8_weights_keep_keras_next_tokens_on_any_cpu(trained_dates_lm, tmp_pa
     weights fall to ~0.88 on x86 CPUs without VNNI (benchmarks/RESULTS.md)."""
     lm, tok, width, held_out, answer, keras_next = trained_dates_lm
     export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS,
-                      quantization="dynamic")
+                      quantization="dynamic", prompt_logits="all")
     int8_next = _next_tokens(tmp_path / "model.onnx", held_out, ("MatMulInteger", "DynamicQuantizeMatMul"))
     valid = held_out != 0
     agreement = (int8_next == keras_next)[valid].mean()

@@ -49,6 +49,7 @@ import os
 
 import numpy as np
 
+from keras_attn import checks
 from keras_attn.export import onnx_quantize
 from keras_attn.export.onnx_fused import MS_DOMAIN
 from keras_attn.export.onnx_fused import NotFusableError
@@ -95,6 +96,7 @@ DECODER_ATTENTION_KEYS = {
     "logit_soft_cap", "use_value_norm", "shared_key_value",
 }
 _ROTARY_PROBE_POSITIONS = 512
+PROMPT_LOGITS = ("last", "all")
 
 
 def check_decoder_options(model, writer, not_covered, choices, max_length=None):
@@ -345,7 +347,7 @@ class _Graph:
 
 
 def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
-                        external_data=None):
+                        external_data=None, prompt_logits="last"):
     """The GenAI decoder graph of `model` (a `DecoderOnlyLM`) as an ONNX
     `ModelProto` with onnxruntime's fused ops (see the module docstring).
 
@@ -361,20 +363,26 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
             the path of a file to write the weights to as they are made (the
             proto then refers to it by its file name: save the proto in the
             same folder).
+        prompt_logits: "last": `logits` is `(B, 1, V)`, each row's last
+            token (what generation reads; GenAI takes a graph whose logits
+            have a static 1 there as one that computes only those); the last
+            layer's output projection, feed-forward, final norm and head run
+            on that row only. "all": `(B, T, V)`, every position.
 
     Raises:
         NotFusableError: `model` has an option the writer does not cover.
     """
     check_fusable_decoder(model, max_length)
+    checks.check_choice("prompt_logits", prompt_logits, PROMPT_LOGITS)
     if bits not in (None, 4, 8):
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
         return _decoder_graph(model, _Graph(bits, block_size, accuracy_level, data_file),
-                              max_length, opset)
+                              max_length, opset, prompt_logits == "last")
 
 
-def _decoder_graph(model, graph, max_length, opset):
+def _decoder_graph(model, graph, max_length, opset, last_only):
     from onnx import TensorProto
     from onnx import helper
 
@@ -383,8 +391,8 @@ def _decoder_graph(model, graph, max_length, opset):
     # seqlens_k = tokens per row - 1; total_sequence_length = mask width.
     one = graph.const(np.array([1], np.int64), "/model/constants/INT64/[1]")
     total_tokens = graph.node("ReduceSum", ["attention_mask", one], "/model/attn_mask/ReduceSum", keepdims=0)
-    seqlens = graph.node("Sub", [total_tokens, one], "/model/attn_mask/Sub")
-    seqlens = graph.node("Cast", [seqlens], "/model/attn_mask/Sub/Cast", to=TensorProto.INT32)
+    seqlens64 = graph.node("Sub", [total_tokens, one], "/model/attn_mask/Sub")
+    seqlens = graph.node("Cast", [seqlens64], "/model/attn_mask/Sub/Cast", to=TensorProto.INT32)
     width = graph.node("Shape", ["attention_mask"], "/model/attn_mask/Shape")
     width = graph.node("Gather", [width, graph.const(np.array(1, np.int64), "/model/constants/INT64/1")],
                        "/model/attn_mask/Gather", axis=0)
@@ -450,6 +458,13 @@ def _decoder_graph(model, graph, max_length, opset):
             local_window_size=-1 if window is None else int(window),
             softcap=float(attention.logit_soft_cap or 0.0),
         )
+        if last_only and i == model.num_layers - 1:
+            # Only each row's last token reaches the logits: from here on
+            # one row per sequence (the prompt's head costs T times less).
+            rows = _last_rows(graph, seqlens64, opset)
+            attn = graph.node("GatherND", [attn, rows], f"{base}/attn/last_token/GatherND", batch_dims=1)
+            residual = graph.node("GatherND", [residual, rows], f"{base}/residual/last_token/GatherND",
+                                  batch_dims=1)
         pending = graph.matmul(attn, _projection_kernel(attention.output_dense, heads_first_input=True),
                                _bias(attention.output_dense), f"{base}/attn/o_proj")
         pending = _post_norm(graph, pending, getattr(block, "self_attention_post_norm", None),
@@ -481,7 +496,8 @@ def _decoder_graph(model, graph, max_length, opset):
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, sequence]),
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [batch, total_dim]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, sequence, model.vocabulary_size])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                             [batch, 1 if last_only else sequence, model.vocabulary_size])]
     for i in range(model.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(
@@ -493,6 +509,26 @@ def _decoder_graph(model, graph, max_length, opset):
         onnx_graph, producer_name="keras_attn",
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
     )
+
+
+def _last_rows(graph, seqlens, opset):
+    """`(B, 1, 1)` int64: the position of each row's last token among this
+    call's: `min(seqlens_k, T - 1)`. A prompt is right-padded in a batch
+    (GenAI masks the pads), so its last token is at `seqlens_k`; a decode
+    step or a later chunk ends at `T - 1`, as GroupQueryAttention places it."""
+    if opset >= 15:  # Shape's start/end
+        tokens = graph.node("Shape", ["input_ids"], "/model/last_token/Shape", start=1, end=2)  # [T]
+    else:
+        tokens = graph.node("Shape", ["input_ids"], "/model/last_token/Shape")
+        tokens = graph.node("Slice", [tokens, graph.const(np.array([1], np.int64), "/model/last_token/start"),
+                                      graph.const(np.array([2], np.int64), "/model/last_token/end")],
+                            "/model/last_token/Slice")
+    last = graph.node("Sub", [tokens, graph.const(np.array([1], np.int64), "/model/last_token/one")],
+                      "/model/last_token/Sub")
+    rows = graph.node("Min", [seqlens, last], "/model/last_token/Min")
+    return graph.node("Reshape", [rows, graph.const(np.array([-1, 1, 1], np.int64),
+                                                      "/model/last_token/shape")],
+                      "/model/last_token/Reshape")
 
 
 def _norm(graph, residual, pending, layer, name):

@@ -196,8 +196,9 @@ class _Writer:
             if padding is not None:
                 inputs.append(self.cached("int", padding, lambda: self.node(
                     "Cast", [padding], "mask_int", to=_onnx_type("int32"))))
-            return self.node("Attention", inputs, hint, domain=MS_DOMAIN, num_heads=heads,
-                             unidirectional=int(causal))
+            context = self.node("Attention", inputs, hint, domain=MS_DOMAIN, num_heads=heads,
+                                unidirectional=int(causal))
+            return self._zero_unseeing_rows(context, h, padding, causal, hint)
         width = kernel.shape[1] // 3
         head = width // heads
         qkv = self.node("MatMul", [h, self.const(kernel, hint + "_qkv_kernel")], hint + "_qkv")
@@ -228,8 +229,36 @@ class _Writer:
                                hint + "_causal")
         probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
         context = self.node("Transpose", [self.node("MatMul", [probs, v], hint)], hint, perm=[0, 2, 1, 3])
-        return self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
-                         hint + "_context")
+        context = self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
+                            hint + "_context")
+        return self._zero_unseeing_rows(context, h, padding, causal, hint)
+
+    def _zero_unseeing_rows(self, context, h, padding, causal, hint):
+        """`context` (B, T, W) with the rows of queries that see no key (every
+        key padded, or none left of a causal query) set to zero, as Keras's
+        attention gives them; a softmax over only masked scores would average
+        every value instead."""
+        if padding is None:
+            return context  # a query always sees itself (or every key)
+
+        def seeing():
+            keys = self.node("Cast", [padding], "seeing_keys", to=_onnx_type("float32"))  # (B, T)
+            keys = self.node("Unsqueeze", [keys, self.const(np.array([1], np.int64), "seeing_axis")],
+                             "seeing_keys")  # (B, 1, T)
+            if causal:  # query t sees keys [0, t]: the mask times the lower triangle
+                length = self.node("Shape", [h], "seeing_length", start=1, end=2)
+                square = self.node("Concat", [length, length], "seeing_square", axis=0)
+                ones = self.node("ConstantOfShape", [square], "seeing_ones",
+                                 value=_onnx_tensor(np.ones(1, np.float32)))
+                keys = self.node("Mul", [keys, self.node("Trilu", [ones], "seeing_causal", upper=0)],
+                                 "seeing_keys")  # (B, T, T)
+            # (B, 1 or T, 1): 1 where a key is seen. (`axes` is an input from opset 18.)
+            if self.opset >= 18:
+                return self.node("ReduceMax", [keys, self.const(np.array([-1], np.int64), "seeing_last")],
+                                 "seeing", keepdims=1)
+            return self.node("ReduceMax", [keys], "seeing", keepdims=1, axes=[-1])
+
+        return self.node("Mul", [context, self.cached("seeing", (padding, causal), seeing)], hint + "_seen")
 
 
 def _onnx_type(dtype):
@@ -244,7 +273,7 @@ def _onnx_tensor(array):
     return onnx.numpy_helper.from_array(array)
 
 
-def _norm_weights(norm, name):
+def norm_weights(norm, name):
     """(gamma, beta, epsilon) of a plain last-axis LayerNorm, else NotFusableError."""
     import keras
 
@@ -256,7 +285,7 @@ def _norm_weights(norm, name):
     return np.asarray(norm.gamma), np.asarray(norm.beta), norm.epsilon
 
 
-def _dense_weights(dense, name):
+def dense_weights(dense, name):
     kernel = np.asarray(dense.kernel)
     bias = np.asarray(dense.bias) if dense.use_bias else None
     activation = activation_name(dense.activation)
@@ -265,13 +294,16 @@ def _dense_weights(dense, name):
     return kernel, bias, activation
 
 
-def _emit_block(w, block, x, padding, rows, causal, hint):
-    """One TransformerEncoderBlock: returns the output value name.
+def block_weights(block):
+    """A `TransformerEncoderBlock`'s weights as NumPy, in the layout both
+    direct writers take: `kernels`/`biases` of the query, key and value as
+    `(D, H d)`/`(H d,)`, `out_kernel` `(H d, D)` and `out_bias` (or None),
+    `attention_norm`/`feedforward_norm` `(gamma, beta, epsilon)`, the
+    feed-forward `(kernel, bias, activation)` pairs `ffn1`/`ffn2`, and
+    `heads`, `head` (the head size). Settings they do not cover raise
+    `NotFusableError` naming them."""
+    import types
 
-    `padding`: the `(B, T)` key mask (bool or int) or None; `rows`: the float
-    `(B, T, 1)` query mask, applied with `mask_padded_queries`; `causal`:
-    `use_causal_mask`.
-    """
     mha = block.self_attention
     checks = {
         "normalization": block.normalization == "layer_norm",
@@ -302,6 +334,76 @@ def _emit_block(w, block, x, padding, rows, causal, hint):
     out_bias = np.asarray(out.bias) if mha.output_use_bias else None
     if out_kernel.shape[1] != features:
         raise NotFusableError(f"{block.name}: attention output size differs from the input's")
+    ffn2 = dense_weights(block.feedforward_output_dense, block.name)
+    if ffn2[2] != "linear":
+        raise NotFusableError(f"{block.name}: activation on the feed-forward output")
+    return types.SimpleNamespace(
+        heads=heads, head=head, kernels=kernels, biases=biases, out_kernel=out_kernel,
+        out_bias=out_bias, attention_norm=norm_weights(block.self_attention_layer_norm, block.name),
+        feedforward_norm=norm_weights(block.feedforward_layer_norm, block.name),
+        ffn1=dense_weights(block.feedforward_intermediate_dense, block.name), ffn2=ffn2)
+
+
+def layer_calls(model):
+    """`(layer, node)` of each call in the functional `model`, inputs first
+    (what the direct writers walk); a call with `training=True` raises
+    `NotFusableError`."""
+    import keras
+
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            op = node.operation
+            if node.is_input or isinstance(op, keras.layers.InputLayer):
+                continue
+            if node.arguments.kwargs.get("training"):
+                raise NotFusableError(f"{op.name} is called with training=True")
+            yield op, node
+
+
+def block_call(op, node):
+    """`(inputs, padding_mask or None, use_causal_mask)` of a
+    `TransformerEncoderBlock`'s call in a functional graph (Keras tensors),
+    else `NotFusableError`."""
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+    extra.pop("padding_mask", None)
+    causal = extra.pop("use_causal_mask", False)
+    if extra or len(args) > 2 or not isinstance(causal, bool):
+        raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
+    padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+    if padding is None and getattr(args[0], "_keras_mask", None) is not None:
+        raise NotFusableError(f"{op.name}: inherits a Keras mask")
+    return args[0], padding, causal
+
+
+def embedding_call(op, node):
+    """`(ids, token_type_ids or None)` of a `TokenAndPositionEmbedding`'s
+    call (Keras tensors), else `NotFusableError` (also for the layer
+    settings the direct writers do not cover)."""
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    extra = {k: v for k, v in kwargs.items() if k != "token_type_ids" and v not in (None, False, 0)}
+    if extra or len(args) > 1:
+        raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
+    checks = {
+        "position": op.position == "learned",
+        "mask_zero": not op.mask_zero,
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise NotFusableError(f"{op.name}: unsupported settings {bad}")
+    return args[0], kwargs.get("token_type_ids")
+
+
+def _emit_block(w, block, x, padding, rows, causal, hint):
+    """One TransformerEncoderBlock: returns the output value name.
+
+    `padding`: the `(B, T)` key mask (bool or int) or None; `rows`: the float
+    `(B, T, 1)` query mask, applied with `mask_padded_queries`; `causal`:
+    `use_causal_mask`.
+    """
+    weights = block_weights(block)
+    heads, kernels, biases = weights.heads, weights.kernels, weights.biases
+    out_kernel, out_bias = weights.out_kernel, weights.out_bias
 
     def attention(h):
         a = w.attention(h, np.concatenate(kernels, axis=1), np.concatenate(biases), padding, heads,
@@ -312,12 +414,10 @@ def _emit_block(w, block, x, padding, rows, causal, hint):
             a = w.node("Mul", [a, rows], hint + "_rows")
         return w.node("MatMul", [a, w.const(out_kernel, hint + "_out_kernel")], hint + "_out")
 
-    att_gamma, att_beta, att_eps = _norm_weights(block.self_attention_layer_norm, block.name)
-    ff_gamma, ff_beta, ff_eps = _norm_weights(block.feedforward_layer_norm, block.name)
-    k1, b1, act = _dense_weights(block.feedforward_intermediate_dense, block.name)
-    k2, b2, act2 = _dense_weights(block.feedforward_output_dense, block.name)
-    if act2 != "linear":
-        raise NotFusableError(f"{block.name}: activation on the feed-forward output")
+    att_gamma, att_beta, att_eps = weights.attention_norm
+    ff_gamma, ff_beta, ff_eps = weights.feedforward_norm
+    k1, b1, act = weights.ffn1
+    k2, b2, _ = weights.ffn2
 
     def ffn(h):
         h = w.dense(h, k1, b1, act, hint + "_ffn1")
@@ -339,14 +439,6 @@ def _emit_block(w, block, x, padding, rows, causal, hint):
 
 
 def _emit_embedding(w, layer, ids, type_ids, hint, clamp):
-    checks = {
-        "position": layer.position == "learned",
-        "mask_zero": not layer.mask_zero,
-    }
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        raise NotFusableError(f"{layer.name}: unsupported settings {bad}")
-
     def lookup(table, index, name):
         table = np.asarray(table)
         if clamp:
@@ -373,12 +465,12 @@ def _emit_embedding(w, layer, ids, type_ids, hint, clamp):
             t = lookup(layer.token_type_embedding.embeddings, type_ids, hint + "_types")
             x = w.node("Add", [x, t], hint + "_sum")
     if layer.layer_norm is not None:
-        gamma, beta, eps = _norm_weights(layer.layer_norm, layer.name)
+        gamma, beta, eps = norm_weights(layer.layer_norm, layer.name)
         x = w.layer_norm(x, gamma, beta, eps, hint + "_ln")
     return x
 
 
-def _int_key(key):
+def int_key(key):
     """`x[:, i, :]`-style keys: a tuple of full slices and ints, else None."""
     if not isinstance(key, tuple):
         key = (key,)
@@ -438,68 +530,52 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
             raise NotFusableError(f"tensor {getattr(t, 'name', t)!r} comes from an unsupported op")
         return w.values[id(t)]
 
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            op = node.operation
-            if node.is_input or isinstance(op, keras.layers.InputLayer):
-                continue
-            args, kwargs = node.arguments.args, node.arguments.kwargs
-            outs = node.outputs
-            kind = type(op).__name__
-            hint = op.name
-            if kwargs.get("training"):
-                raise NotFusableError(f"{op.name} is called with training=True")
-            if isinstance(op, TransformerEncoderBlock):
-                extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
-                extra.pop("padding_mask", None)
-                causal = extra.pop("use_causal_mask", False)
-                if extra or len(args) > 2 or not isinstance(causal, bool):
-                    raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
-                padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
-                if padding is None and getattr(args[0], "_keras_mask", None) is not None:
-                    raise NotFusableError(f"{op.name}: inherits a Keras mask")
-                mask_value = rows = None
-                if padding is not None:
-                    mask_value = value(padding)
-                    rows = w.cached("rows", mask_value, lambda: w.node("Unsqueeze", [
-                        w.node("Cast", [mask_value], "mask_float", to=onnx.TensorProto.FLOAT),
-                        w.const(np.array([2], np.int64), "axis")], "rows"))
-                w.values[id(outs[0])] = _emit_block(w, op, value(args[0]), mask_value, rows, causal, hint)
-            elif isinstance(op, TokenAndPositionEmbedding):
-                extra = {k: v for k, v in kwargs.items() if k != "token_type_ids" and v not in (None, False, 0)}
-                if extra or len(args) > 1:
-                    raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
-                types = kwargs.get("token_type_ids")
-                w.values[id(outs[0])] = _emit_embedding(
-                    w, op, value(args[0]), None if types is None else value(types), hint,
-                    clamp=check_ids == "clamp",
-                )
-            elif isinstance(op, keras.layers.Dense):
-                if len(args) != 1:
-                    raise NotFusableError(f"{op.name}: called with extra arguments")
-                kernel, bias, activation = _dense_weights(op, op.name)
-                w.values[id(outs[0])] = w.dense(value(args[0]), kernel, bias, activation, hint)
-            elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
-                w.values[id(outs[0])] = value(args[0])
-            elif kind in ("NotEqual", "Equal") and len(args) == 2:
-                x, other = args
-                if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
-                    raise NotFusableError(f"{op.name}: only a comparison with a scalar is fused")
-                x = value(x)
-                scalar = w.const(np.asarray(other, dtype=args[0].dtype), hint + "_scalar")
-                y = w.node("Equal", [x, scalar], hint)
-                w.values[id(outs[0])] = w.node("Not", [y], hint) if kind == "NotEqual" else y
-            elif kind == "GetItem" and len(args) == 2:
-                key = _int_key(args[1])
-                if key is None or len(key) != len(args[0].shape):
-                    raise NotFusableError(f"{op.name}: only keys of ints and full slices are fused")
-                x = value(args[0])
-                for axis in reversed(range(len(key))):
-                    if key[axis] is not None:
-                        x = w.node("Gather", [x, w.const(np.int64(key[axis]), hint + "_index")], hint, axis=axis)
-                w.values[id(outs[0])] = x
-            else:
-                raise NotFusableError(f"layer {op.name!r} ({kind}) has no fused form")
+    for op, node in layer_calls(model):
+        args = node.arguments.args
+        outs = node.outputs
+        kind = type(op).__name__
+        hint = op.name
+        if isinstance(op, TransformerEncoderBlock):
+            x, padding, causal = block_call(op, node)
+            mask_value = rows = None
+            if padding is not None:
+                mask_value = value(padding)
+                rows = w.cached("rows", mask_value, lambda: w.node("Unsqueeze", [
+                    w.node("Cast", [mask_value], "mask_float", to=onnx.TensorProto.FLOAT),
+                    w.const(np.array([2], np.int64), "axis")], "rows"))
+            w.values[id(outs[0])] = _emit_block(w, op, value(x), mask_value, rows, causal, hint)
+        elif isinstance(op, TokenAndPositionEmbedding):
+            ids, types = embedding_call(op, node)
+            w.values[id(outs[0])] = _emit_embedding(
+                w, op, value(ids), None if types is None else value(types), hint,
+                clamp=check_ids == "clamp",
+            )
+        elif isinstance(op, keras.layers.Dense):
+            if len(args) != 1:
+                raise NotFusableError(f"{op.name}: called with extra arguments")
+            kernel, bias, activation = dense_weights(op, op.name)
+            w.values[id(outs[0])] = w.dense(value(args[0]), kernel, bias, activation, hint)
+        elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
+            w.values[id(outs[0])] = value(args[0])
+        elif kind in ("NotEqual", "Equal") and len(args) == 2:
+            x, other = args
+            if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
+                raise NotFusableError(f"{op.name}: only a comparison with a scalar is fused")
+            x = value(x)
+            scalar = w.const(np.asarray(other, dtype=args[0].dtype), hint + "_scalar")
+            y = w.node("Equal", [x, scalar], hint)
+            w.values[id(outs[0])] = w.node("Not", [y], hint) if kind == "NotEqual" else y
+        elif kind == "GetItem" and len(args) == 2:
+            key = int_key(args[1])
+            if key is None or len(key) != len(args[0].shape):
+                raise NotFusableError(f"{op.name}: only keys of ints and full slices are fused")
+            x = value(args[0])
+            for axis in reversed(range(len(key))):
+                if key[axis] is not None:
+                    x = w.node("Gather", [x, w.const(np.int64(key[axis]), hint + "_index")], hint, axis=axis)
+            w.values[id(outs[0])] = x
+        else:
+            raise NotFusableError(f"layer {op.name!r} ({kind}) has no fused form")
     outputs = []
     for tensor, name in zip(model.outputs, model.output_names):
         if tensor.dtype != "float32":

@@ -3,6 +3,7 @@
 import os
 import re
 import tempfile
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -13,11 +14,15 @@ from keras_attn.export import report
 from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import staging
+from keras_attn.export import tflite_encoder
 from keras_attn.export import verify
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8", "int16x8")
 # The variants whose activations are integers, calibrated on representative inputs.
 CALIBRATED = ("int8", "int16x8")
+# "auto": the direct writer (`tflite_encoder`) where it covers the model and
+# the quantization, else TensorFlow's converter.
+WRITERS = ("auto", "direct", "converter")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
@@ -294,6 +299,57 @@ def _int8_with_float_ops(converter, float_ops):
     return tflite_convert.mlir_quantize(calibrated, denylisted_ops=list(float_ops))
 
 
+def write_tflite(model, path, *, quantization=None, representative_dataset=None,
+                 builtin_ops_only=True, check_ids="clamp", float_ops=None, writer="auto"):
+    """Writes `model` as TFLite to `path` (no verification); returns the
+    details (`convert`'s, plus "writer": "direct" or "converter", and
+    "direct_writer_skipped": why "auto" did not use the direct writer).
+
+    `writer`: "auto" (the direct writer, `tflite_encoder`, for float32 and
+    "dynamic" where it covers the model, else the converter; for a model
+    `tflite_encoder.meant_for` says the direct writer is meant for, with
+    "direct_writer_skipped" and, unless the quantization was the reason, a
+    warning naming why), "direct" (`NotFusableError` naming what it does not
+    cover) or "converter".
+    """
+    arguments.check_choice("writer", writer, WRITERS)
+    arguments.check_choice("quantization", quantization, QUANTIZATIONS)
+    why = None
+    if writer != "converter":
+        try:
+            if quantization not in tflite_encoder.QUANTIZATIONS:
+                raise tflite_encoder.NotFusableError(
+                    f"quantization={quantization!r} (it writes float32 and 'dynamic')")
+            if representative_dataset is not None or float_ops is not None:
+                raise tflite_encoder.NotFusableError("calibration arguments (it does not calibrate)")
+            mode = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
+            tflite_encoder.write_encoder_tflite(model, path, quantization=quantization,
+                                                check_ids=mode)
+            return {"quantization": quantization or "none", "check_ids": mode, "writer": "direct"}
+        except tflite_encoder.NotFusableError as error:
+            if writer == "direct":
+                raise tflite_encoder.NotFusableError(
+                    f"writer='direct': the direct TFLite writer does not cover the model: {error}. "
+                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
+            if tflite_encoder.meant_for(model):
+                why = str(error)
+                # A quantization the direct writer does not write is the
+                # converter's by design; a layer it does not cover is news.
+                if not why.startswith(("quantization=", "calibration")):
+                    warnings.warn(f"The direct TFLite writer does not cover the model ({why}); "
+                                  "converting with TensorFlow's TFLite converter instead.",
+                                  stacklevel=3)
+    content, details = convert(
+        model, quantization=quantization, representative_dataset=representative_dataset,
+        builtin_ops_only=builtin_ops_only, check_ids=check_ids, float_ops=float_ops)
+    with open(path, "wb") as f:
+        f.write(content)
+    details["writer"] = "converter"
+    if why is not None:
+        details["direct_writer_skipped"] = why
+    return details
+
+
 def run_signature(model_content, sample, input_names, output_names):
     """Runs the `serving_default` signature on one `{name: array}` sample."""
     interpreter = _interpreter(model_content=model_content)
@@ -321,13 +377,18 @@ def export_tflite(
     builtin_ops_only=True,
     overwrite=True,
     check_ids="clamp",
+    writer="auto",
 ):
     """Exports `model` to a `.tflite` file (LiteRT) and verifies it against Keras.
 
-    The model is converted with builtin ops only (no Flex / SELECT_TF_OPS),
+    The model is written with builtin ops only (no Flex / SELECT_TF_OPS),
     keeps a `serving_default` signature with the Keras input and output names
     and dynamic batch/sequence axes (use `resize_tensor_input`), and is run in
-    `ai_edge_litert.interpreter.Interpreter` on the sample inputs.
+    `ai_edge_litert.interpreter.Interpreter` on the sample inputs. Transformer
+    encoders (such as a BERT converted by `from_huggingface`) in float32 or
+    "dynamic" are written straight from their weights
+    (`keras_attn.export.tflite_encoder`, each weight held once); any other
+    model or variant goes through TensorFlow's TFLite converter.
 
     Args:
         model: a built functional or Sequential Keras model, or a
@@ -391,12 +452,22 @@ def export_tflite(
             output `valid` `(batch,)`, False for rows that held such an id;
             None leaves the ids as they are (the lookup then reads an
             unspecified row). Builtins-only TFLite cannot raise.
+        writer: "auto" (default): the direct writer where it covers the
+            model and the quantization (float32, "dynamic"), else
+            TensorFlow's converter (with a warning naming why for a model
+            with `TransformerEncoderBlock`s and 16.8M weights or more,
+            `tflite_encoder.meant_for`); "direct": the direct writer or
+            a `NotFusableError` naming what it does not cover; "converter":
+            always the converter. The report's `details["writer"]` says
+            which wrote the file.
 
     Returns:
         An `ExportReport` with the builtin ops used.
 
     Raises:
         UnsupportedOpsError: an op needs Flex.
+        NotFusableError: `writer="direct"` and the direct writer does not
+            cover the model or the quantization.
         ParityError: LiteRT's outputs differ from Keras beyond `atol`, or
             an output's measure is worse than its threshold (the message
             names the output, the measure, its value and the threshold).
@@ -405,6 +476,7 @@ def export_tflite(
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
+    arguments.check_choice("writer", writer, WRITERS)
     atol = arguments.resolve_atol(atol, DEFAULT_ATOL[quantization])
     if quantization is None:
         for arg, value, default in (("min_agreement", min_agreement, None),
@@ -424,21 +496,14 @@ def export_tflite(
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:
-        content, details = convert(
-            model,
-            quantization=quantization,
-            representative_dataset=representative_dataset,
-            builtin_ops_only=builtin_ops_only,
-            check_ids=check_ids,
-            float_ops=float_ops,
-        )
-        with open(tmp, "wb") as f:
-            f.write(content)
-        size = len(content)
-        # LiteRT maps the file: the flatbuffer is not held a second time in
-        # memory beside the interpreter, and one interpreter (one packed copy
-        # of the weights) runs every sample set.
-        del content
+        details = write_tflite(
+            model, tmp, quantization=quantization, representative_dataset=representative_dataset,
+            builtin_ops_only=builtin_ops_only, check_ids=check_ids, float_ops=float_ops,
+            writer=writer)
+        size = os.path.getsize(tmp)
+        # LiteRT maps the file: the flatbuffer is not held in memory beside
+        # the interpreter, and one interpreter (one packed copy of the
+        # weights) runs every sample set.
         staging.release_memory()
         input_names = [s.name for s in specs]
         interpreter = _interpreter(model_path=tmp)

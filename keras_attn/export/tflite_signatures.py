@@ -13,7 +13,7 @@ clamped). The inputs, outputs and subgraphs are named and ordered as the
 converter's model has them. The ops, the weights (float32 or int8 per
 output channel, "dynamic"), the rotary tables and the streaming of the
 constants after the flatbuffer are `keras_attn.export.tflite_decoder`'s,
-through its `DecoderBuilder`; what differs from LiteRT-LM's model:
+through its `DecoderBuilder` (and `tflite_writer`'s file); what differs from LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
@@ -42,6 +42,7 @@ import keras
 import numpy as np
 
 from keras_attn.export import tflite_decoder
+from keras_attn.export import tflite_writer
 from keras_attn.export.onnx_fused import NotFusableError
 
 QUANTIZATIONS = (None, "dynamic")
@@ -84,7 +85,7 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
                             quantization=None, cache_dtype="float32", read_bucket=128):
     """Writes `model`'s `prefill`/`decode` signatures (the contract above) to `path`.
 
-    Returns `write_model`'s sizes. Raises `NotFusableError` where the model
+    Returns `tflite_writer.write_model`'s sizes. Raises `NotFusableError` where the model
     or an option is not covered (`check_direct_signatures`).
     """
     check_direct_signatures(model, max_length=max_length, batch_size=batch_size,
@@ -101,7 +102,7 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
                                    batch_size=int(batch_size), flag=checks == "flag")
         return [builder.decode(), builder.prefill(int(prompt_length))]
 
-    return tflite_decoder.write_model(path, build)
+    return tflite_writer.write_model(path, build, "keras_attn direct TFLite signatures")
 
 
 def signatures_tflite_bytes(model, **kwargs):
@@ -133,7 +134,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
 
     # -- the two signatures ------------------------------------------------
     def prefill(self, length):
-        g = tflite_decoder.Graph(self.w, "prefill")
+        g = tflite_writer.Graph(self.w, "prefill")
         B, P, S = self.batch, length, self.cache_length
         ids_in = g.tensor("prefill_token_ids", (B, P), np.int32)
         ids, conditions = self._check_ids(g, ids_in)
@@ -175,7 +176,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         return self._finish(g, [ids_in], ["token_ids"], logits, cache, conditions)
 
     def decode(self):
-        g = tflite_decoder.Graph(self.w, "decode")
+        g = tflite_writer.Graph(self.w, "decode")
         B, S, kv, hd = self.batch, self.cache_length, self.kv, self.hd
         N = len(self.sizes)
         ids_in = g.tensor("decode_token_ids", (B, 1), np.int32)

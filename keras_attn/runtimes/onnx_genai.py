@@ -7,7 +7,8 @@ I/O names: int64 `input_ids` `(B, T)` and `attention_mask` `(B, total)` (1 =
 token; `total` = tokens so far, this call's included), per-layer
 `past_key_values.%d.key|value` inputs and `present.%d.key|value` outputs
 `(B, num_key_value_heads, S, head_dim)` (each layer's own heads and head
-size: GenAI sizes each cache from the graph), and `logits` `(B, T, V)`.
+size: GenAI sizes each cache from the graph), and `logits` `(B, T, V)`, or
+`(B, 1, V)` (each row's last token: the fused graph's `prompt_logits="last"`).
 
 The cache is keras_attn's fixed-size one: `S = max_length`, static in the
 graph, which GenAI detects and runs with `past_present_share_buffer` (the
@@ -177,7 +178,7 @@ _WRITERS = ("auto", "fused", "tf2onnx")
 
 
 def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
-                      opset=17, external_data=None):
+                      opset=17, external_data=None, prompt_logits="last"):
     """The GenAI graph of `model` as an ONNX `ModelProto`, quantized (see
     `export_onnx_genai` for the arguments; `external_data`: as
     `keras_attn.export.onnx_decoder.decoder_model_proto`'s, for the fused
@@ -190,7 +191,8 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
         try:
             proto = onnx_decoder.decoder_model_proto(
                 model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
-                external_data=None if quantization == "dynamic" else external_data)
+                external_data=None if quantization == "dynamic" else external_data,
+                prompt_logits=prompt_logits)
         except NotFusableError as error:
             if writer == "fused":
                 raise
@@ -208,7 +210,7 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
 
 def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
-                      quantization=None, writer="auto", accuracy_level=4):
+                      quantization=None, writer="auto", accuracy_level=4, prompt_logits="last"):
     """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
 
     Args:
@@ -235,6 +237,13 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         accuracy_level: `MatMulNBits`' compute precision for "int8"/"int4":
             4 (int8 arithmetic on CPUs with AVX2/AVX-512/ARM dot products,
             float32 elsewhere) or 0 (as the weights: float32).
+        prompt_logits: "last" (default): a call returns each row's last
+            token's logits `(B, 1, V)`, all that generation reads, so the
+            head (a vocabulary-wide MatMul) and the last layer's tail run
+            once per row instead of once per prompt token; "all": every
+            position's `(B, T, V)` (e.g. to score a prompt through
+            `generator.get_output("logits")`). The tf2onnx graph always
+            returns every position.
 
     Returns:
         A `SignatureReport` (`keras_attn.runtimes.verification`; `path` is
@@ -264,6 +273,7 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
     checks.check_choice("writer", writer, _WRITERS)
+    checks.check_choice("prompt_logits", prompt_logits, onnx_decoder.PROMPT_LOGITS)
     check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
@@ -279,7 +289,8 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         os.remove(path + ".data")  # an earlier export's weights
     proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
                               writer=writer, accuracy_level=accuracy_level, opset=opset,
-                              external_data=path + ".data" if large else None)
+                              external_data=path + ".data" if large else None,
+                              prompt_logits=prompt_logits)
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
     try:  # from the file: a large model's weights are in `model.onnx.data`
@@ -301,7 +312,7 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     return verification.signature_report(
         "onnx_genai", folder, verified, ops=sorted({n.op_type for n in proto.graph.node}),
         files=files, details={"max_length": max_length, "opset": opset,
-                              "quantization": quantization})
+                              "quantization": quantization, "prompt_logits": prompt_logits})
 
 
 def verify_genai_model(model, path, *, max_length, quantization=None):
@@ -315,6 +326,7 @@ def verify_genai_model(model, path, *, max_length, quantization=None):
     options.add_session_config_entry("session.disable_prepacking", "1")
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    last_only = session.get_outputs()[0].shape[1] == 1  # logits (B, 1, V): the last token's
 
     def call(token_ids, total, cache):
         feeds = {"input_ids": token_ids.astype(np.int64),
@@ -336,4 +348,5 @@ def verify_genai_model(model, path, *, max_length, quantization=None):
     # for a 0.5B float32 model.
     return verification.verify_prefill_decode(
         "onnx_genai", model, prefill, decode, max_length=max_length,
-        quantization=quantization, decode_steps=2)
+        quantization=quantization, decode_steps=2,
+        prefill_logits="last" if last_only else "all")

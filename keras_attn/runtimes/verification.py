@@ -66,14 +66,16 @@ def verification_ids(model, batch, length, seed=0):
 
 def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size=None,
                           prompt_length=None, encoder_length=None, quantization=None,
-                          cache_dtype="float32", seed=0, decode_steps=None):
+                          cache_dtype="float32", seed=0, decode_steps=None, prefill_logits="all"):
     """Runs `prefill` / `decode` (callables over NumPy dicts named as the
     signatures) against Keras; returns `(checks, atol, agreement, min_agreement)`.
 
     Static shapes (TFLite) are given by `batch_size`, `prompt_length` and
     `encoder_length`; otherwise a batch of 2, a prompt of 4 and an encoder
     input of 6 are used. `decode_steps` (default: up to `VERIFY_LENGTH`
-    tokens in all) bounds the `decode` calls. Raises `ParityError` when a float32 export's logits
+    tokens in all) bounds the `decode` calls. `prefill_logits="last"`: the
+    `prefill` returns the last prompt position's logits only `(B, 1, V)`,
+    compared with Keras's there. Raises `ParityError` when a float32 export's logits
     differ from Keras's by more than `FLOAT32_RTOL` of the largest logit.
     Quantized weights or a float16 cache are reported, not checked: the
     share of positions whose next token (argmax) equals Keras's
@@ -99,7 +101,8 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
         inputs["encoder_ids"] = encoder_ids
     out = prefill(**inputs)
     got = [np.asarray(out["logits"], np.float64)]
-    checks = [_check("prefill", inputs, got[0], reference[:, :prompt])]
+    first = prompt - 1 if prefill_logits == "last" else 0  # the first position compared
+    checks = [_check("prefill", inputs, got[0], reference[:, first:prompt])]
     state = {k: out[k] for k in ("cache", "cross_cache", "encoder_padding_mask") if k in out}
     steps = []
     for i in range(prompt, length):
@@ -114,6 +117,7 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
                              reference[:, prompt:], steps=len(steps)))
     got = np.concatenate(got, axis=1)
     error = max(c["max_abs_error"] for c in checks)
+    reference = reference[:, first:]
     agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
     if quantization is None and cache_dtype == "float32":
         atol = FLOAT32_RTOL * max(1.0, float(np.max(np.abs(reference))))

@@ -1,0 +1,510 @@
+"""TFLite of a Transformer encoder written from the Keras weights (the direct writer).
+
+TensorFlow's converter (`tflite.convert`: a SavedModel, then MLIR) holds the
+weights many times over while it works: about 8-10x them at its peak on a
+converted BERT (benchmarks/RESULTS.md, "Real sizes (issue 36): encoder
+exports"). `write_encoder_tflite` instead walks the functional Keras model
+and writes each layer op by op with the builtin ops the converter emits for
+it, each weight once, streamed to the file as it is made
+(`keras_attn.export.tflite_writer`: constants after the flatbuffer, no 2 GB
+limit). `tflite.export_tflite` uses it wherever it covers the model
+(`writer="auto"`) and the converter for the rest.
+
+It covers what the direct ONNX writer covers (`onnx_fused`, whose helpers
+read the layers): `TokenAndPositionEmbedding` (learned positions, optional
+token types and LayerNorm), `TransformerEncoderBlock` (post- or pre-norm
+LayerNorm, full multi-head self-attention with a padding mask, causal or
+not, `mask_padded_queries` either way, GELU / tanh-GELU / ReLU feed-forward),
+`Dense` (linear, ReLU, tanh, GELU), `Dropout` and `Identity`, comparisons of
+a tensor with a scalar, and `x[:, i, :]`-style indexing (such as a pooler's
+first token). Anything else raises `NotFusableError` naming it.
+
+The graph is the converter's: the signature `serving_default` with the
+model's input names (`serving_default_<name>:0` tensors) and output names
+(`StatefulPartitionedCall:<k>`), dynamic batch and sequence axes; the
+sequence runs as `(batch * length, features)` rows through FULLY_CONNECTED;
+LayerNorm as MEAN, SQUARED_DIFFERENCE, MEAN, ADD, RSQRT, SUB, MUL, MUL, ADD
+(what the converter emits for Keras's LayerNormalization); attention as
+TRANSPOSE, BATCH_MATMUL, the masked logits' bias ADD, SOFTMAX, BATCH_MATMUL,
+with query rows that see no key zeroed (as Keras's attention does) rather
+than NaN; GELU as the builtin GELU (`approximate` as the model has it). The
+`1/sqrt(head_size)` query scale is folded into the query weights (exact in
+real arithmetic). The integer inputs that feed an embedding are clamped into
+range at the graph's entry (`check_ids="clamp"`), and flagged with a
+`valid` output (`"flag"`), as `saved_model.serving_function` does for the
+converter.
+
+Weights are float32, or with `quantization="dynamic"` int8 per output
+channel with LiteRT's hybrid FULLY_CONNECTED (`asymmetric_quantize_inputs`),
+and the token table int8 per row (GATHER, CAST, MUL by the rows' scales).
+"""
+
+import types
+
+import numpy as np
+
+from keras_attn.export import onnx_fused
+from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import tflite_writer
+from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.tflite_decoder import quantize_rows
+from keras_attn.ops.masking import MASKED_LOGIT
+
+QUANTIZATIONS = (None, "dynamic")
+ID_CHECKS = (None, "clamp", "flag")
+SIGNATURE_KEY = "serving_default"
+# See `meant_for`: 16.8M parameters, 64 MiB of float32 (BERT-base: 110M).
+MEANT_FOR_PARAMETERS = 1 << 24
+_ACTIVATIONS = {"relu": "RELU", "tanh": "TANH", "gelu": "GELU", "gelu_tanh": "GELU"}
+_TFLITE_INT8, _TFLITE_FLOAT32 = 9, 0
+
+
+def meant_for(model):
+    """True when `model` is one the direct writer is meant for: it holds a
+    `TransformerEncoderBlock` and at least `MEANT_FOR_PARAMETERS` weights (64
+    MiB in float32), where the converter's 8-10x the weights starts to
+    count. `export_tflite` warns when it falls back to the converter for
+    such a model, and stays quiet for the others (a small classifier
+    converts in seconds either way)."""
+    from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
+
+    layers = getattr(model, "layers", [])
+    if not any(isinstance(layer, TransformerEncoderBlock) for layer in layers):
+        return False
+    return sum(int(np.prod(w.shape)) for w in model.weights) >= MEANT_FOR_PARAMETERS
+
+
+def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
+    """Writes `model` (a functional Keras encoder) as a `.tflite` file at `path`.
+
+    Args:
+        model: a functional Keras model built from the layers listed in the
+            module docstring.
+        path: the `.tflite` file to write (replaced).
+        quantization: None (float32) or "dynamic" (int8 weights).
+        check_ids: None, "clamp" or "flag" (see `tflite.export_tflite`).
+
+    Returns:
+        `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
+        "flatbuffer_bytes": n}`.
+
+    Raises:
+        NotFusableError: a layer, setting or option the writer does not cover.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise NotFusableError(f"quantization={quantization!r} (the direct TFLite writer writes "
+                              f"{list(QUANTIZATIONS)})")
+    if check_ids not in ID_CHECKS:
+        raise NotFusableError(f"check_ids={check_ids!r}")
+    if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "output_names"):
+        raise NotFusableError(f"{type(model).__name__} is not a functional Keras model")
+    names = list(model.output_names)
+    if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in names:
+        raise NotFusableError(f"check_ids='flag' and an output named {saved_model_lib.VALID_OUTPUT!r}")
+    def build(writer):
+        return [_EncoderBuilder(writer, quantization == "dynamic").build(model, names, check_ids)]
+
+    return tflite_writer.write_model(path, build, "keras_attn direct TFLite encoder")
+
+
+def _array(variable):
+    import keras
+
+    return np.asarray(keras.ops.convert_to_numpy(variable), np.float32)
+
+
+class _EncoderBuilder:
+    """The subgraph under construction. A Keras tensor's value is a
+    `SimpleNamespace(index, rows)`: its tensor, and for a `(B, T, ...)`
+    tensor kept as `(B * T, ...)` rows, the `(2,)` int32 shape `(B, T)`
+    (else None)."""
+
+    def __init__(self, writer, int8):
+        self.g = tflite_writer.Graph(writer, SIGNATURE_KEY)
+        self.int8 = int8
+        self.values = {}
+        self._cache = {}
+
+    # -- small helpers ------------------------------------------------------
+    def const(self, value, dtype):
+        return self.g.const(np.asarray(value, dtype))
+
+    def op(self, name, inputs, shape, dtype=np.float32, options=None, **fields):
+        g = self.g
+        if options is not None:
+            options = g.options(options, **fields)
+        return g.op(name, inputs, shape, dtype, options)
+
+    def binary(self, name, a, b, options, dtype=None, **fields):
+        return self.g.binary(name, a, b, dtype, self.g.options(options, **fields))
+
+    def cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def dims(self, rows):
+        """`(B, T)` as `(1,)` int32 tensors, from a `(2,)` shape."""
+        def make():
+            return [self.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
+                            (1,), np.int32, "SliceOptions") for i in (0, 1)]
+        return self.cached(("dims", rows), make)
+
+    def shape_of(self, rows, *parts):
+        """An int32 shape vector of `parts`: "B", "T" (from `rows`) or ints."""
+        def make():
+            b, t = self.dims(rows)
+            pieces = [{"B": b, "T": t}[d] if isinstance(d, str) else self.const([d], np.int32)
+                      for d in parts]
+            return self.g.concat(pieces, 0, np.int32)
+        return self.cached(("shape", rows) + parts, make)
+
+    def reshape(self, x, shape_tensor, static):
+        return self.op("RESHAPE", [x, shape_tensor], static, self.g.dtype(x))
+
+    def unflatten(self, value):
+        """A value's tensor with its `(B, T)` axes back."""
+        if value.rows is None:
+            return value.index
+        x = value.index
+        return self.reshape(x, self.shape_of(value.rows, "B", "T", *self.g.shape(x)[1:]),
+                            (None, None) + self.g.shape(x)[1:])
+
+    # -- layers ---------------------------------------------------------------
+    def fully_connected(self, x, kernel, bias, name):
+        """`x (N, K) @ kernel (K, M) + bias`; `kernel` float32 NumPy."""
+        g = self.g
+        weight = np.ascontiguousarray(kernel.T)
+        quantization = None
+        if self.int8:
+            weight, scales = quantize_rows(weight)
+            quantization = g.s.QuantizationParametersT()
+            quantization.scale = scales
+            quantization.zeroPoint = np.zeros(len(scales), np.int64)
+            quantization.quantizedDimension = 0
+        buffer = g.w.buffer(weight)
+        weight = g.tensor(name + "/weight", weight.shape, weight.dtype, buffer, quantization)
+        inputs = [x, weight, -1 if bias is None else g.const(np.asarray(bias, np.float32), name + "/bias")]
+        options = g.options("FullyConnectedOptions", keepNumDims=False,
+                            asymmetricQuantizeInputs=self.int8)
+        version = tflite_writer.HYBRID_FULLY_CONNECTED_VERSION if self.int8 else None
+        return g.op("FULLY_CONNECTED", inputs, (g.shape(x)[0], kernel.shape[1]), np.float32,
+                    options, version=version, out_name=name)
+
+    def activation(self, x, kind, name):
+        if kind == "linear":
+            return x
+        if kind not in _ACTIVATIONS:
+            raise NotFusableError(f"{name}: activation {kind!r}")
+        if kind.startswith("gelu"):
+            return self.op("GELU", [x], self.g.shape(x), np.float32, "GeluOptions",
+                           approximate=kind == "gelu_tanh")
+        return self.op(_ACTIVATIONS[kind], [x], self.g.shape(x))
+
+    def dense(self, x, weights, name):
+        kernel, bias, kind = weights
+        return self.activation(self.fully_connected(x, kernel, bias, name), kind, name)
+
+    def layer_norm(self, x, norm):
+        """`(x - mean) * rsqrt(var + eps) * gamma + beta` over the last axis."""
+        gamma, beta, epsilon = norm
+        g = self.g
+        axis = self.const([-1], np.int32)
+        reduced = g.shape(x)[:-1] + (1,)
+        mean = self.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
+        square = self.binary("SQUARED_DIFFERENCE", x, mean, "SquaredDifferenceOptions")
+        var = self.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
+        var = g.add(var, self.const(epsilon, np.float32))
+        scale = self.op("RSQRT", [var], reduced)
+        centered = self.binary("SUB", x, mean, "SubOptions")
+        y = g.mul(g.mul(centered, scale), self.const(gamma, np.float32))
+        return g.add(y, self.const(beta, np.float32))
+
+    def lookup(self, table, ids, name, wrap, int8=False):
+        """Rows of `table` `(V, D)` at `ids`; `wrap`: negative ids count from
+        the end (as Keras's Embedding reads them)."""
+        g = self.g
+        if wrap:
+            negative = self.binary("LESS", ids, self.const(0, np.int32), "LessOptions", np.bool_)
+            shifted = g.add(ids, self.const(table.shape[0], np.int32))
+            ids = self.op("SELECT_V2", [negative, shifted, ids], g.shape(ids), np.int32,
+                          "SelectV2Options")
+        if not int8:
+            return g.gather(g.const(table, name), ids)
+        codes, scales = quantize_rows(table)
+        rows = g.gather(g.const(codes, name + "/codes"), ids)
+        rows = self.op("CAST", [rows], g.shape(rows), np.float32, "CastOptions",
+                       inDataType=_TFLITE_INT8, outDataType=_TFLITE_FLOAT32)
+        return g.mul(rows, g.gather(g.const(scales.reshape(-1, 1), name + "/scales"), ids))
+
+    def embedding(self, layer, ids, types_, clamped):
+        g = self.g
+        rows = self.cached(("rows", ids), lambda: self.op("SHAPE", [ids], (2,), np.int32,
+                                                          "ShapeOptions", outType=2))
+        x = self.lookup(_array(layer.token_embedding.embeddings), ids, layer.name + "/tokens",
+                        wrap=not clamped, int8=self.int8)
+        positions = _array(layer.position_embedding.position_embeddings)
+        _, t = self.dims(rows)
+        size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
+        pos = self.op("SLICE", [g.const(positions, layer.name + "/positions"),
+                                self.const([0, 0], np.int32), size],
+                      (None, positions.shape[1]), np.float32, "SliceOptions")
+        x = g.add(x, pos)
+        if layer.token_type_embedding is not None:
+            table = _array(layer.token_type_embedding.embeddings)
+            if types_ is None:
+                x = g.add(x, g.const(table[0], layer.name + "/type0"))
+            else:
+                x = g.add(x, self.lookup(table, types_, layer.name + "/types", wrap=True))
+        x = g.reshape(x, (-1, positions.shape[1]))
+        if layer.layer_norm is not None:
+            x = self.layer_norm(x, onnx_fused.norm_weights(layer.layer_norm, layer.name))
+        return types.SimpleNamespace(index=x, rows=rows)
+
+    def attention_masks(self, padding, rows, causal, queries):
+        """`(bias, keep)`: the additive logits bias `(B|1, 1, T|1, T)` (0 where
+        a key is seen, MASKED_LOGIT elsewhere, 0 on rows that see no key) and
+        the float `(B, 1, T|1, 1)` factor zeroing those rows and, with
+        `queries`, the padded query rows (None when nothing is zeroed)."""
+        g = self.g
+        key = ("masks", padding, rows, causal, queries)
+        if key in self._cache:
+            return self._cache[key]
+        mask = None
+        if padding is not None:
+            if g.dtype(padding) != np.bool_:
+                zero = self.const(0, g.dtype(padding))
+                padding = self.binary("NOT_EQUAL", padding, zero, "NotEqualOptions", np.bool_)
+            mask = self.reshape(padding, self.shape_of(rows, "B", 1, 1, "T"), (None, 1, 1, None))
+        if causal:
+            _, t = self.dims(rows)
+            length = g.reshape(t, ())
+            steps = self.op("RANGE", [self.const(0, np.int32), length, self.const(1, np.int32)],
+                            (None,), np.int32)
+            band = self.binary("LESS_EQUAL", g.reshape(steps, (1, 1, 1, -1)),
+                               g.reshape(steps, (1, 1, -1, 1)), "LessEqualOptions", np.bool_)
+            mask = band if mask is None else self.binary("LOGICAL_AND", mask, band,
+                                                         "LogicalAndOptions", np.bool_)
+        bias = self.op("SELECT_V2", [mask, self.const(0.0, np.float32),
+                                     self.const(MASKED_LOGIT, np.float32)],
+                       g.shape(mask), np.float32, "SelectV2Options")
+        keep = None
+        if padding is not None:
+            axis = self.const([-1], np.int32)
+            seen = self.op("REDUCE_ANY", [mask, axis], g.shape(mask)[:-1] + (1,), np.bool_,
+                           "ReducerOptions", keepDims=True)
+            bias = self.op("SELECT_V2", [seen, bias, self.const(0.0, np.float32)], g.shape(bias),
+                           np.float32, "SelectV2Options")
+            keep = self.op("CAST", [seen], g.shape(seen), np.float32, "CastOptions")
+            if queries:
+                query_rows = self.op("CAST", [padding], g.shape(padding), np.float32, "CastOptions")
+                query_rows = self.reshape(query_rows, self.shape_of(rows, "B", 1, "T", 1), (None, 1, None, 1))
+                keep = g.mul(keep, query_rows)
+        self._cache[key] = (bias, keep)
+        return bias, keep
+
+    def block(self, layer, x, padding, causal):
+        g = self.g
+        w = onnx_fused.block_weights(layer)
+        heads, head = w.heads, w.head
+        width = heads * head
+        rows = x.rows
+        if rows is None:
+            raise NotFusableError(f"{layer.name}: input is not a (batch, length, features) sequence")
+        scale = np.float32(1.0 / np.sqrt(head))
+        qkv_kernel = np.concatenate([w.kernels[0] * scale] + w.kernels[1:], axis=1)
+        qkv_bias = np.concatenate([w.biases[0] * scale] + w.biases[1:])
+        bias, keep = None, None
+        if padding is not None or causal:
+            bias, keep = self.attention_masks(padding, rows, causal,
+                                              padding is not None and layer.mask_padded_queries)
+        heads_shape = self.shape_of(rows, "B", "T", heads, head)
+
+        def attention(h):
+            n = g.shape(h)[0]
+            qkv = self.fully_connected(h, qkv_kernel, qkv_bias, f"{layer.name}/qkv")
+            q, k, v = g.op("SPLIT_V", [qkv, self.const([width] * 3, np.int32),
+                                       self.const(-1, np.int32)], [(n, width)] * 3, np.float32,
+                           g.options("SplitVOptions", numSplits=3), outputs=3)
+            q, k, v = (self.reshape(t, heads_shape, (None, None, heads, head)) for t in (q, k, v))
+            q = g.transpose(q, (0, 2, 1, 3))  # (B, H, T, d)
+            k = g.transpose(k, (0, 2, 3, 1))  # (B, H, d, T)
+            v = g.transpose(v, (0, 2, 1, 3))  # (B, H, T, d)
+            scores = self.op("BATCH_MATMUL", [q, k], (None, heads, None, None), np.float32,
+                             "BatchMatMulOptions")
+            if bias is not None:
+                scores = g.add(scores, bias)
+            probs = self.op("SOFTMAX", [scores], g.shape(scores), np.float32, "SoftmaxOptions",
+                            beta=1.0)
+            out = self.op("BATCH_MATMUL", [probs, v], (None, heads, None, head), np.float32,
+                          "BatchMatMulOptions")
+            if keep is not None:
+                out = g.mul(out, keep)
+            out = g.reshape(g.transpose(out, (0, 2, 1, 3)), (-1, width))
+            return self.fully_connected(out, w.out_kernel, w.out_bias, f"{layer.name}/attention_output")
+
+        def feedforward(h):
+            h = self.dense(h, w.ffn1, f"{layer.name}/ffn1")
+            return self.dense(h, w.ffn2, f"{layer.name}/ffn2")
+
+        h = x.index
+        for fn, norm in ((attention, w.attention_norm), (feedforward, w.feedforward_norm)):
+            if layer.normalize_first:
+                h = g.add(h, fn(self.layer_norm(h, norm)))
+            else:
+                h = self.layer_norm(g.add(h, fn(h)), norm)
+        return types.SimpleNamespace(index=h, rows=rows)
+
+    def get_item(self, op, x, key):
+        key = onnx_fused.int_key(key)
+        g = self.g
+        tensor = self.unflatten(x)
+        if key is None or len(key) != len(g.shape(tensor)) or any(k is not None and k < 0 for k in key):
+            raise NotFusableError(f"{op.name}: only keys of non-negative ints and full slices")
+        for axis in reversed(range(len(key))):
+            if key[axis] is not None:
+                tensor = g.gather(tensor, self.const(key[axis], np.int32), axis=axis)
+        return types.SimpleNamespace(index=tensor, rows=None)
+
+    # -- the model ------------------------------------------------------------
+    def inputs(self, model, check_ids):
+        """The graph inputs (sorted by name, as the converter's signature
+        lists them), and the values the model reads: the embedded ids
+        clamped for "clamp"/"flag", and the `valid` output for "flag"."""
+        g = self.g
+        embedded = saved_model_lib.embedded_inputs(model) if check_ids else {}
+        graph_inputs = {}
+        valid = None
+        for tensor in model.inputs:
+            name = tensor.name
+            if tensor.dtype not in ("int32", "float32"):
+                raise NotFusableError(f"input {name} of dtype {tensor.dtype}")
+            index = g.tensor(f"{SIGNATURE_KEY}_{name}:0", (None,) + tuple(tensor.shape[1:]),
+                             np.dtype(tensor.dtype))
+            graph_inputs[name] = index
+            rows = None
+            if len(tensor.shape) == 3 and tensor.dtype == "float32":
+                # Features in: kept as (B * T, D) rows like every sequence.
+                rows = self.op("SLICE", [self.op("SHAPE", [index], (3,), np.int32, "ShapeOptions"),
+                                         self.const([0], np.int32), self.const([2], np.int32)],
+                               (2,), np.int32, "SliceOptions")
+                index = g.reshape(index, (-1, tensor.shape[2]))
+            elif name in embedded:
+                vocab = embedded[name]
+                clamped = self.binary("MAXIMUM", self.binary(
+                    "MINIMUM", index, self.const(vocab - 1, np.int32), "MaximumMinimumOptions"),
+                    self.const(0, np.int32), "MaximumMinimumOptions")
+                if check_ids == "flag":
+                    same = self.binary("EQUAL", clamped, index, "EqualOptions", np.bool_)
+                    same = self.op("CAST", [same], g.shape(same), np.int32, "CastOptions")
+                    row = self.op("REDUCE_MIN", [same, self.const([1], np.int32)],
+                                  (g.shape(same)[0],), np.int32, "ReducerOptions", keepDims=False)
+                    valid = row if valid is None else self.binary("MINIMUM", valid, row,
+                                                                  "MaximumMinimumOptions")
+                index = clamped
+            self.values[id(tensor)] = types.SimpleNamespace(index=index, rows=rows)
+        if check_ids == "flag":
+            if valid is None:  # no embedded input: every row is valid
+                first = graph_inputs[model.inputs[0].name]
+                batch = self.op("SLICE", [self.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
+                                                  "ShapeOptions"),
+                                          self.const([0], np.int32), self.const([1], np.int32)],
+                                (1,), np.int32, "SliceOptions")
+                valid = self.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
+            else:
+                valid = self.binary("GREATER", valid, self.const(0, np.int32), "GreaterOptions",
+                                    np.bool_)
+        return dict(sorted(graph_inputs.items())), valid
+
+    def value(self, tensor):
+        if id(tensor) not in self.values:
+            raise NotFusableError(f"tensor {getattr(tensor, 'name', tensor)!r} comes from an unsupported op")
+        return self.values[id(tensor)]
+
+    def build(self, model, names, check_ids):
+        import keras
+
+        from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
+        from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
+
+        g = self.g
+        graph_inputs, valid = self.inputs(model, check_ids)
+        embedded = saved_model_lib.embedded_inputs(model) if check_ids else {}
+        for op, node in onnx_fused.layer_calls(model):
+            args = node.arguments.args
+            out = node.outputs[0]
+            kind = type(op).__name__
+            if isinstance(op, TransformerEncoderBlock):
+                x, padding, causal = onnx_fused.block_call(op, node)
+                if padding is not None:
+                    padding = self.value(padding).index
+                    if len(g.shape(padding)) != 2:
+                        raise NotFusableError(f"{op.name}: a padding mask of rank "
+                                              f"{len(g.shape(padding))} (not (batch, length))")
+                result = self.block(op, self.value(x), padding, causal)
+            elif isinstance(op, TokenAndPositionEmbedding):
+                ids, types_ = onnx_fused.embedding_call(op, node)
+                ids_value = self.value(ids)
+                clamped = any(id(t) == id(ids) for t in model.inputs if t.name in embedded)
+                result = self.embedding(op, ids_value.index,
+                                        None if types_ is None else self.value(types_).index,
+                                        clamped)
+            elif isinstance(op, keras.layers.Dense):
+                if len(args) != 1:
+                    raise NotFusableError(f"{op.name}: called with extra arguments")
+                x = self.value(args[0])
+                if len(g.shape(x.index)) != 2:
+                    raise NotFusableError(f"{op.name}: input of rank {len(args[0].shape)}")
+                index = self.dense(x.index, onnx_fused.dense_weights(op, op.name), op.name)
+                result = types.SimpleNamespace(index=index, rows=x.rows)
+            elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
+                result = self.value(args[0])
+            elif kind in ("NotEqual", "Equal") and len(args) == 2:
+                x, other = args
+                if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
+                    raise NotFusableError(f"{op.name}: only a comparison with a scalar")
+                x = self.value(x)
+                scalar = self.const(other, g.dtype(x.index))
+                name = "NOT_EQUAL" if kind == "NotEqual" else "EQUAL"
+                index = self.binary(name, x.index, scalar, kind + "Options", np.bool_)
+                result = types.SimpleNamespace(index=index, rows=x.rows)
+            elif kind == "GetItem" and len(args) == 2:
+                result = self.get_item(op, self.value(args[0]), args[1])
+            else:
+                raise NotFusableError(f"layer {op.name!r} ({kind}) has no direct TFLite form")
+            self.values[id(out)] = result
+        outputs = []
+        taken = set(graph_inputs.values())
+        for k, tensor in enumerate(model.outputs):
+            if tensor.dtype != "float32":
+                raise NotFusableError(f"output {names[k]} of dtype {tensor.dtype}")
+            index = self.unflatten(self.value(tensor))
+            if index in taken:  # an input or another output: a copy of its own
+                index = self.reshape(index, self.op("SHAPE", [index], (len(g.shape(index)),),
+                                                    np.int32, "ShapeOptions", outType=2),
+                                     g.shape(index))
+            taken.add(index)
+            outputs.append((names[k], index))
+        if valid is not None:
+            outputs.append((saved_model_lib.VALID_OUTPUT, valid))
+        for k, (_, index) in enumerate(outputs):
+            g.tensors[index].name = f"StatefulPartitionedCall:{k}"
+        s = g.s
+        subgraph = s.SubGraphT()
+        subgraph.name = "main"
+        subgraph.tensors = g.tensors
+        subgraph.operators = g.operators
+        subgraph.inputs = np.array(list(graph_inputs.values()), np.int32)
+        subgraph.outputs = np.array([index for _, index in outputs], np.int32)
+        signature = s.SignatureDefT()
+        signature.signatureKey = SIGNATURE_KEY
+        signature.inputs = [_tensor_map(s, name, index) for name, index in graph_inputs.items()]
+        signature.outputs = [_tensor_map(s, name, index) for name, index in outputs]
+        return subgraph, signature
+
+
+def _tensor_map(schema, name, index):
+    m = schema.TensorMapT()
+    m.name = name
+    m.tensorIndex = index
+    return m
