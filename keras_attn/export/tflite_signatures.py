@@ -13,7 +13,8 @@ clamped). The inputs, outputs and subgraphs are named and ordered as the
 converter's model has them. The ops, the weights (float32 or int8 per
 output channel, "dynamic"), the rotary tables and the streaming of the
 constants after the flatbuffer are `keras_attn.export.tflite_decoder`'s,
-through its `DecoderBuilder` (and `tflite_writer`'s file); what differs from LiteRT-LM's model:
+through its `DecoderBuilder` (the file `tflite_writer`'s); what differs
+from LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
@@ -74,7 +75,8 @@ def check_direct_signatures(model, *, max_length, batch_size, prompt_length, qua
 
 
 def _ring(model, max_length):
-    """The cache length, and whether it is a ring (every layer one window < max_length)."""
+    """The window when every layer has the same one, shorter than
+    `max_length` (the cache is then a ring of that many slots), else None."""
     windows = set(model.layer_sliding_windows())
     if len(windows) == 1 and None not in windows and min(windows) < max_length:
         return min(windows)
