@@ -32,6 +32,10 @@ Stages (`STAGES`, one entry each; later stages are added there):
 - `sig_onnx`: converts, then times `keras_attn.runtimes.signatures.export_onnx`
   (prefill.onnx + decode.onnx, `max_length` 1024; the direct writer, weights
   in one shared file), with its phases (write ONNX, serialize, verify).
+- `sig_tflite`, `sig_savedmodel`: converts, then times the prefill/decode
+  signatures' `runtimes.signatures.export_tflite(max_length=1024,
+  batch_size=1, prompt_length=128)` (`writer` says which TFLite writer ran)
+  or `export_saved_model(max_length=1024)`, verification included.
 - Encoder exports (BERT): `savedmodel`, `tflite`, `onnx` (export_onnx's
   default path), `onnx_fused` (`fused=True`), `onnx_tf2onnx` (forced
   tf2onnx), `export_all`: each converts, then times the export, its
@@ -571,6 +575,61 @@ def stage_litertlm_speed_int4(name, spec, paths, args):
     return {"speeds": _engine_speeds(bundles, paths, args), "load": os.getloadavg()}
 
 
+# The prefill/decode signatures (keras_attn.runtimes.signatures) at a
+# LiteRT-LM bundle's sizes: cache 1024, one row, prompts of 128.
+SIGNATURES_PROMPT = 128
+
+
+def _signature_phases(sampler):
+    """Marks the signature exports' steps (looked up at call time)."""
+    import tensorflow as tf
+
+    from keras_attn.runtimes import signatures, tflite_convert, verification
+
+    mark = sampler.mark
+    _wrap(signatures, "signature_functions", before=lambda: mark("trace"))
+    _wrap(tflite_convert, "signatures_to_tflite", before=lambda: mark("TFLite converter"))
+    try:
+        from keras_attn.export import tflite_signatures
+    except ImportError:  # a revision without the direct writer
+        pass
+    else:
+        _wrap(tflite_signatures, "write_signatures_tflite", before=lambda: mark("write .tflite"))
+    _wrap(tf.saved_model, "save", before=lambda: mark("write SavedModel"),
+          after=lambda: mark("load SavedModel"))
+    _wrap(verification, "verify_prefill_decode", before=lambda: mark("verify"))
+
+
+def _signatures_stage(fmt):
+    def stage(name, spec, paths, args):
+        """Converts, then times `runtimes.signatures.export_tflite(max_length=1024,
+        batch_size=1, prompt_length=128)` or `export_saved_model(max_length=1024)`
+        (verification against Keras included)."""
+        from keras_attn.runtimes import signatures
+
+        sampler = Sampler()
+        model, _ = _convert(sampler, paths["checkpoint"], args.dtype)
+        _signature_phases(sampler)
+        out = os.path.join(paths["work"], f"sig_{fmt}")
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        sampler.mark("export")
+        start = time.perf_counter()
+        if fmt == "tflite":
+            report = signatures.export_tflite(model, os.path.join(out, "lm.tflite"),
+                                              max_length=LITERTLM_MAX_LENGTH, batch_size=1,
+                                              prompt_length=SIGNATURES_PROMPT)
+        else:
+            report = signatures.export_saved_model(model, os.path.join(out, "lm"),
+                                                   max_length=LITERTLM_MAX_LENGTH)
+        seconds = time.perf_counter() - start
+        sampler.mark(None)
+        return {"seconds": seconds, "keras_bytes": _keras_bytes(model), "phases": sampler.phases,
+                "artifact_bytes": _dir_bytes(out), "writer": report.details.get("writer"),
+                "max_abs_error": report.max_abs_error}
+    return stage
+
+
 # Encoder exports: the phases are marked by wrapping the exporters' steps
 # (looked up at call time), so an older revision is measured the same way.
 def _export_phases(sampler):
@@ -774,6 +833,11 @@ STAGES = {
                             "LiteRT-LM prefill/decode tokens/s of the bundles above"),
     "litertlm_speed_int4": Stage(stage_litertlm_speed_int4,
                                  "LiteRT-LM prefill/decode tokens/s: our int4 and int8, litert-torch's int8"),
+    "sig_tflite": Stage(_signatures_stage("tflite"),
+                        "convert + runtimes.signatures.export_tflite, max_length 1024, batch 1, "
+                        "prompt 128"),
+    "sig_savedmodel": Stage(_signatures_stage("saved_model"),
+                            "convert + runtimes.signatures.export_saved_model, max_length 1024"),
     "savedmodel": Stage(_export_stage("savedmodel"), "convert + export_saved_model"),
     "tflite": Stage(_export_stage("tflite"), "convert + export_tflite (float32)"),
     "tflite_converter": Stage(_export_stage("tflite_converter", writer="converter"),

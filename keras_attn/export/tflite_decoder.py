@@ -201,7 +201,7 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
     lengths = sorted(set(int(t) for t in prefill_lengths))
 
     def build(writer):
-        builder = _DecoderBuilder(model, writer, max_length, quantization, read_bucket)
+        builder = DecoderBuilder(model, writer, max_length, quantization, read_bucket)
         # Subgraph 0 is `decode`; the runtime finds each signature by name.
         return [builder.signature(name, length, with_logits=name == "decode")
                 for name, length in [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]]
@@ -211,14 +211,19 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
 
 def decoder_tflite_bytes(model, **kwargs):
     """`write_decoder_tflite` into memory: the flatbuffer's bytes."""
+    return written_bytes(write_decoder_tflite, model, **kwargs)
+
+
+def written_bytes(write, model, **kwargs):
+    """The bytes `write(model, path, **kwargs)` writes to a temporary `path`."""
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
         path = os.path.join(tmp, "model.tflite")
-        write_decoder_tflite(model, path, **kwargs)
+        write(model, path, **kwargs)
         with open(path, "rb") as f:
             return f.read()
 
 
-class _DecoderBuilder:
+class DecoderBuilder:
     def __init__(self, model, writer, max_length, quantization, read_bucket):
         self.model = model
         self.w = writer

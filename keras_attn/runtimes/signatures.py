@@ -1,12 +1,15 @@
 """Export cached generation: prefill/decode (and generate) signatures.
 
 The functions are the shared trace's (`keras_attn.runtimes.trace`) with this
-contract's names, a stacked cache and the request checks.
+contract's names, a stacked cache and the request checks (the direct TFLite
+writer writes the same contract op by op).
 
 - SavedModel with signatures `prefill`, `decode` (cache in, cache out) and a
   one-call greedy `generate` for TF Serving.
 - TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
-  `Interpreter.get_signature_runner`.
+  `Interpreter.get_signature_runner`: written from the Keras weights by
+  `keras_attn.export.tflite_signatures` where that covers the model, else
+  TensorFlow's converter over the trace (`tflite_bytes`' `writer`).
 - ONNX `prefill.onnx` and `decode.onnx` for any ONNX runtime: written from
   the Keras weights in standard ops (`keras_attn.export.onnx_signatures`,
   both models' weights once, in one external data file beside them), or,
@@ -58,7 +61,9 @@ import warnings
 
 import tensorflow as tf
 
+from keras_attn.checks import check_choice
 from keras_attn.export import onnx_signatures
+from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx import rename_value
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS, graph_op_types
@@ -68,17 +73,27 @@ from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import search
 from keras_attn.runtimes import request_checks, verification
 from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too)
-from keras_attn.runtimes.tflite_convert import signatures_to_tflite
+from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS, signatures_to_tflite
 from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
 
+# "direct": `keras_attn.export.tflite_signatures` writes the TFLite model from
+# the Keras weights; "converter": TensorFlow's converter over the traced
+# signatures; "auto": direct where it covers the model.
+WRITERS = ("auto", "direct", "converter")
 
-def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
+
+def check_max_length(max_length):
+    """A ValueError unless `max_length` is an int >= 2 (the exports' cache length)."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected an "
             f"integer >= 2. Received: max_length={max_length!r}"
         )
+
+
+def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
+    check_max_length(max_length)
     if checks not in allowed:
         raise ValueError(
             f"Received an invalid value for argument `checks`, expected one of "
@@ -262,7 +277,7 @@ def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_
 
 
 def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length=None,
-                 checks="flag", quantization=None, cache_dtype="float32"):
+                 checks="flag", quantization=None, cache_dtype="float32", writer="auto"):
     """A TFLite flatbuffer with `prefill` and `decode` signatures, builtin ops only.
 
     With `checks="flag"` (the default) token ids and `index` are clamped into
@@ -273,22 +288,58 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
     `tflite_convert.signatures_to_tflite`); `cache_dtype`: "float32" or
     "float16" (see `signature_functions`). benchmarks/bench_decode_quantized.py
     measures speed, size and greedy agreement of each.
+    `writer`: "auto" (default) writes the model from the Keras weights
+    (`keras_attn.export.tflite_signatures`: one weight in memory at a time;
+    a decoder-only `DecoderOnlyLM`, float32 or "dynamic" weights, float32
+    cache) where that covers the model and options, else traces it and runs
+    TensorFlow's converter, with a warning naming why (encoder-decoder
+    models: silently); "direct" (a ValueError where it does not cover them)
+    or "converter".
     """
+    return _tflite_content(model, max_length=max_length, batch_size=batch_size,
+                           prompt_length=prompt_length, encoder_length=encoder_length, checks=checks,
+                           quantization=quantization, cache_dtype=cache_dtype, writer=writer)[0]
+
+
+def _tflite_content(model, *, max_length, batch_size, prompt_length, encoder_length, checks,
+                    quantization, cache_dtype, writer):
+    """`(flatbuffer bytes, the writer that wrote it: "direct" or "converter")`."""
     if checks not in ("flag", "none"):
         raise ValueError(
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (TFLite has no assert op). Received: checks={checks!r}"
         )
-    if hasattr(model, "encode") and encoder_length is None:
+    check_choice("writer", writer, WRITERS)
+    seq2seq = hasattr(model, "encode")
+    if seq2seq and encoder_length is None:
         raise ValueError(
             "Encoder-decoder models need a static `encoder_length` for TFLite. "
             "Received: encoder_length=None"
         )
+    if writer != "converter" and not (seq2seq and writer == "auto"):
+        # The trace's argument checks, before the direct writer reads the model.
+        cache_storage_dtype(cache_dtype)
+        check_choice("quantization", quantization, GENERATION_QUANTIZATIONS)
+        check_max_length(max_length)
+        search.check_max_positions(model, max_length, encoder_length)
+        try:
+            content = tflite_signatures.signatures_tflite_bytes(
+                model, max_length=max_length, batch_size=batch_size, prompt_length=prompt_length,
+                checks=checks, quantization=quantization, cache_dtype=cache_dtype,
+                read_bucket=decoder_trace.READ_BUCKET)
+            return content, "direct"
+        except NotFusableError as error:
+            if writer == "direct":
+                raise ValueError(
+                    f"writer='direct': the direct TFLite writer does not cover this export: {error}. "
+                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
+            warnings.warn(f"The direct TFLite writer does not cover this export ({error}); "
+                          "converting with TensorFlow's TFLite converter instead.", stacklevel=3)
     fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
                               prompt_length=prompt_length, encoder_length=encoder_length,
                               checks=checks, cache_dtype=cache_dtype, update_slices=True)
     fns.pop("generate")
-    return signatures_to_tflite(fns, quantization)
+    return signatures_to_tflite(fns, quantization), "converter"
 
 
 def export_tflite(model, path, **kwargs):
@@ -296,17 +347,25 @@ def export_tflite(model, path, **kwargs):
 
     Returns:
         A `SignatureReport`: the model's `prefill` and `decode`, run in
-        LiteRT over a random sequence (the static batch and prompt shapes)
-        before writing, against the Keras model's logits: float32 within
-        1e-4 of the largest logit (a `ParityError` otherwise, and nothing
-        is written); quantized weights or a float16 cache: the share of
-        next tokens equal to Keras's is reported (`agreement`), not
-        checked. `os.fspath(report)` is `path`.
+        LiteRT (its builtin kernels) over a random sequence (the static
+        batch and prompt shapes) before writing, against the Keras model's
+        logits: float32 within 1e-4 of the largest logit (a `ParityError`
+        otherwise, and nothing is written); quantized weights or a float16
+        cache: the share of next tokens equal to Keras's is reported
+        (`agreement`), not checked. `os.fspath(report)` is `path`.
     """
     from ai_edge_litert import interpreter as litert
 
-    content = tflite_bytes(model, **kwargs)
-    interpreter = litert.Interpreter(model_content=content)
+    arguments = dict(encoder_length=None, checks="flag", quantization=None, cache_dtype="float32",
+                     writer="auto")
+    arguments.update(kwargs)
+    content, writer = _tflite_content(model, **arguments)
+    # LiteRT's builtin kernels: the XNNPACK delegate would pack a copy of
+    # the weights for each signature (the Llama-3.2-1B float32 model's 5 GB
+    # twice, benchmarks/RESULTS.md), the check is of the same graph.
+    interpreter = litert.Interpreter(
+        model_content=content,
+        experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
     verified = verification.verify_prefill_decode(
         "tflite", model, interpreter.get_signature_runner("prefill"),
         interpreter.get_signature_runner("decode"), max_length=kwargs["max_length"],
@@ -319,6 +378,7 @@ def export_tflite(model, path, **kwargs):
     details = {k: kwargs.get(k) for k in ("max_length", "batch_size", "prompt_length",
                                           "quantization")}
     details["signatures"] = sorted(interpreter.get_signature_list())
+    details["writer"] = writer
     return verification.signature_report("tflite", path, verified,
                                          ops=tflite_op_names(content), details=details)
 

@@ -1,0 +1,442 @@
+"""The prefill/decode signatures' TFLite model, written from the Keras weights.
+
+`keras_attn.runtimes.signatures.tflite_bytes`' contract (its module docstring
+has it in full), for a decoder-only LM, without TensorFlow's trace,
+SavedModel or converter (which hold several copies of the weights):
+
+    prefill(token_ids int32 (B, P)) -> logits (B, P, V), cache (N, 2, B, S, H_kv, D)
+    decode(token_ids int32 (B, 1), cache, index int32 ()) -> logits (B, 1, V), cache
+
+with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
+clamped into range and a bool output `valid` (False when anything was
+clamped). The inputs, outputs and subgraphs are named and ordered as the
+converter's model has them. The ops, the weights (float32 or int8 per
+output channel, "dynamic"), the rotary tables and the streaming of the
+constants after the flatbuffer are `keras_attn.export.tflite_decoder`'s,
+through its `DecoderBuilder` (the file `tflite_writer`'s); what differs
+from LiteRT-LM's model:
+
+- a batch: the rows run through the fully connected layers as one
+  `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
+  key/value head;
+- one stacked cache, `(N, 2, B, S, H_kv, D)` (`S` is `max_length`, or the
+  window of a model whose every layer has the same window shorter than
+  `max_length`: a ring buffer, slot = position mod `S`, and `index` may
+  pass `max_length`; rotary angles are then computed from the position,
+  `p / scaling_factor * RotaryEmbedding.inverse_frequencies`, instead of
+  read from a table of `max_length` rows);
+- `prefill` attends over its own keys (causal, and the window where a
+  layer has one) and lays them into the cache: zeros after the prompt, a
+  ring's last `S` positions in their slots;
+- `decode` reads each layer's filled slots, rounded up to `read_bucket`
+  (`keras_attn.ops.cache.bounded_reads`' rule; a ring: every slot once it
+  is full), writes its key and value into that slice with
+  DYNAMIC_UPDATE_SLICE, attends, and writes every layer's new slot into
+  the stacked cache with one DYNAMIC_UPDATE_SLICE.
+
+A model or option not covered raises `NotFusableError`
+(`check_direct_signatures`); `tflite_bytes(writer="auto")` then uses the
+converter with a warning.
+"""
+
+import keras
+import numpy as np
+
+from keras_attn.export import tflite_decoder
+from keras_attn.export import tflite_writer
+from keras_attn.export.onnx_fused import NotFusableError
+
+QUANTIZATIONS = (None, "dynamic")
+CHECKS = ("flag", "none")
+
+
+def check_direct_signatures(model, *, max_length, batch_size, prompt_length, quantization=None,
+                            cache_dtype="float32"):
+    """Raises `NotFusableError` naming the first thing about `model` or the
+    options that the direct writer does not cover."""
+    if quantization not in QUANTIZATIONS:
+        raise NotFusableError(
+            f"quantization={quantization!r} (the direct signatures writer writes {list(QUANTIZATIONS)})")
+    if cache_dtype != "float32":
+        raise NotFusableError(f"cache_dtype={cache_dtype!r} (the direct writer keeps float32 caches)")
+    for name, value in (("batch_size", batch_size), ("prompt_length", prompt_length)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
+    if hasattr(model, "encode"):
+        raise NotFusableError("an encoder-decoder model")
+    tflite_decoder.check_direct_decoder(model, quantization, max_length)
+    shapes = {(b.self_attention.num_key_value_heads, b.self_attention.key_dim) for b in model.blocks}
+    if len(shapes) > 1:
+        raise NotFusableError(
+            f"caches of other shapes per layer {sorted(shapes)} (stacked padded to the largest)")
+    if _ring(model, max_length) and (model.rope_scaling or {}).get("rope_type") == "longrope":
+        raise NotFusableError("rope_scaling of type 'longrope' with a ring-buffer cache "
+                              "(positions past max_length)")
+
+
+def _ring(model, max_length):
+    """The window when every layer has the same one, shorter than
+    `max_length` (the cache is then a ring of that many slots), else None."""
+    windows = set(model.layer_sliding_windows())
+    if len(windows) == 1 and None not in windows and min(windows) < max_length:
+        return min(windows)
+    return None
+
+
+def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_length, checks="flag",
+                            quantization=None, cache_dtype="float32", read_bucket=128):
+    """Writes `model`'s `prefill`/`decode` signatures (the contract above) to `path`.
+
+    Returns `tflite_writer.write_model`'s sizes. Raises `NotFusableError` where the model
+    or an option is not covered (`check_direct_signatures`).
+    """
+    check_direct_signatures(model, max_length=max_length, batch_size=batch_size,
+                            prompt_length=prompt_length, quantization=quantization,
+                            cache_dtype=cache_dtype)
+    if checks not in CHECKS:
+        raise ValueError(f"Received an invalid value for argument `checks`, expected one of "
+                         f"{list(CHECKS)}. Received: checks={checks!r}")
+    if not model.built:  # the weights are read before any call would build it
+        model(np.zeros((1, 1), np.int32))
+
+    def build(writer):
+        builder = SignatureBuilder(model, writer, max_length, quantization, read_bucket,
+                                   batch_size=int(batch_size), flag=checks == "flag")
+        return [builder.decode(), builder.prefill(int(prompt_length))]
+
+    return tflite_writer.write_model(path, build, "keras_attn direct TFLite signatures")
+
+
+def signatures_tflite_bytes(model, **kwargs):
+    """`write_signatures_tflite` into memory: the flatbuffer's bytes."""
+    return tflite_decoder.written_bytes(write_signatures_tflite, model, **kwargs)
+
+
+def _value(x):
+    """A Keras variable (or tensor) as float32 NumPy."""
+    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
+    return np.asarray(value, np.float32)
+
+
+def _bias(dense):
+    bias = getattr(dense, "bias", None)
+    return None if bias is None else _value(bias).reshape(-1)
+
+
+class SignatureBuilder(tflite_decoder.DecoderBuilder):
+    """`DecoderBuilder` with the signatures' batch, stacked cache and checks."""
+
+    def __init__(self, model, writer, max_length, quantization, read_bucket, *, batch_size, flag):
+        super().__init__(model, writer, max_length, quantization, read_bucket)
+        self.batch = batch_size
+        self.flag = flag
+        self.ring_window = _ring(model, max_length)
+        self.cache_length = self.ring_window or self.max_length
+        _, self.kv, self.hd = self.sizes[0]
+
+    # -- the two signatures ------------------------------------------------
+    def prefill(self, length):
+        g = tflite_writer.Graph(self.w, "prefill")
+        B, P, S = self.batch, length, self.cache_length
+        ids_in = g.tensor("prefill_token_ids", (B, P), np.int32)
+        ids, conditions = self._check_ids(g, ids_in)
+        if self.flag and P > self.max_length:
+            conditions.append(g.const(np.array(False)))  # a prompt longer than the export
+        positions = np.arange(P, dtype=np.int32)
+        # Rotary rows: a table of max_length rows, or (a ring) the positions.
+        rows = g.const(positions if self.ring_window else np.minimum(positions, self.max_length - 1))
+
+        def mask(window):  # (P, 1, P), static
+            seen = positions[None, :] <= positions[:, None]
+            if window is not None:
+                seen &= positions[:, None] - positions[None, :] < window
+            return g.const(seen[:, None, :])
+
+        # Slot s of the cache holds the last prompt position p with
+        # p mod S == s (p == s without a ring), zeros where there is none.
+        filled = min(P, S)
+        sources = [s + ((P - 1 - s) // S) * S for s in range(filled)]
+
+        def lay(new):  # (B, P, H_kv, D) -> (B, S, H_kv, D)
+            if sources != list(range(P)):
+                new = g.gather(new, g.const(np.array(sources, np.int32)), axis=1)
+            if filled < S:
+                pads = np.array([[0, 0], [0, S - filled], [0, 0], [0, 0]], np.int32)
+                new = g.op("PAD", [new, g.const(pads)], (B, S, self.kv, self.hd),
+                           options=g.options("PadOptions"))
+            return new
+
+        def attend(i, k, v):
+            new = {"keys": lay(k), "values": lay(v)}
+            keys = g.transpose(k, (0, 2, 3, 1))  # (B, H_kv, D, P)
+            values = g.transpose(v, (0, 2, 1, 3))  # (B, H_kv, P, D)
+            return new, keys, values, mask(self.windows[i])
+
+        x, caches = self._layers(g, ids, P, rows, attend)
+        logits = self._logits(g, x, (B, P))
+        cache = g.reshape(self._pack(g, caches), (-1, 2, B, S, self.kv, self.hd))
+        return self._finish(g, [ids_in], ["token_ids"], logits, cache, conditions)
+
+    def decode(self):
+        g = tflite_writer.Graph(self.w, "decode")
+        B, S, kv, hd = self.batch, self.cache_length, self.kv, self.hd
+        N = len(self.sizes)
+        ids_in = g.tensor("decode_token_ids", (B, 1), np.int32)
+        cache_in = g.tensor("decode_cache", (N, 2, B, S, kv, hd), np.float32)
+        index_in = g.tensor("decode_index", (), np.int32)
+        ids, conditions = self._check_ids(g, ids_in)
+        index = g.reshape(index_in, (1,))
+        if self.flag:
+            zero = g.const(np.array([0], np.int32))
+            if self.ring_window:
+                conditions.append(self._all(g, g.binary("GREATER_EQUAL", index, zero, np.bool_,
+                                                       g.options("GreaterEqualOptions"))))
+                index = self._minmax(g, "MAXIMUM", index, 0)
+            else:
+                clamped = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", index, 0), S - 1)
+                conditions.append(self._all(g, g.binary("EQUAL", clamped, index, np.bool_,
+                                                       g.options("EqualOptions"))))
+                index = clamped
+        slot = index
+        if self.ring_window:
+            slot = g.binary("FLOOR_MOD", index, g.const(np.array(S, np.int32)),
+                            options=g.options("FloorModOptions"))
+            rows = index  # angles from the position itself (`_rotary`)
+        else:
+            rows = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", index, 0), S - 1)
+        # Slots read: the filled ones rounded up to the bucket (at least one), at most S.
+        if self.read_bucket is not None and self.read_bucket < S:
+            bucket = np.array(self.read_bucket, np.int32)
+            blocks = g.binary("FLOOR_DIV", index, g.const(bucket), options=g.options("FloorDivOptions"))
+            blocks = self._minmax(g, "MAXIMUM", g.add(blocks, g.const(np.array(1, np.int32))), 1)
+            read = self._minmax(g, "MINIMUM", g.mul(blocks, g.const(bucket)), S)
+            read_len = None
+            key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
+                                       g.const(np.array([0], np.int32)), read],
+                             (None,), np.int32, g.options("SliceOptions"))
+        else:
+            read, read_len = g.const(np.array([S], np.int32)), S
+            key_slots = g.const(np.arange(S, dtype=np.int32))
+        masks = {}
+
+        def mask(window):  # (1, 1, L): slot j seen when j <= index (and index - j < window)
+            if window not in masks:
+                m = g.binary("LESS_EQUAL", key_slots, index, np.bool_, g.options("LessEqualOptions"))
+                if window is not None and not self.ring_window:
+                    low = g.binary("SUB", index, g.const(np.array(window, np.int32)),
+                                   options=g.options("SubOptions"))
+                    m = g.binary("LOGICAL_AND", m, g.binary("GREATER", key_slots, low, np.bool_,
+                                                            g.options("GreaterOptions")),
+                                 np.bool_, g.options("LogicalAndOptions"))
+                masks[window] = g.reshape(m, (1, 1, -1))
+            return masks[window]
+
+        # The cache as (2 N B, S, H_kv, D): layer i's keys are rows [2 i B, 2 i B + B).
+        flat = g.reshape(cache_in, (2 * N * B, S, kv, hd))
+        size = g.concat([g.const(np.array([B], np.int32)), read, g.const(np.array([kv, hd], np.int32))], 0)
+        start = g.concat([g.const(np.array([0], np.int32)), slot, g.const(np.array([0, 0], np.int32))], 0)
+
+        def attend(i, k, v):
+            out = []
+            for j, new in enumerate((k, v)):
+                begin = g.const(np.array([(2 * i + j) * B, 0, 0, 0], np.int32))
+                part = g.op("SLICE", [flat, begin, size], (B, read_len, kv, hd),
+                            options=g.options("SliceOptions"))
+                out.append(g.op("DYNAMIC_UPDATE_SLICE", [part, new, start], (B, read_len, kv, hd),
+                                options=g.options("DynamicUpdateSliceOptions")))
+            keys = g.transpose(out[0], (0, 2, 3, 1))  # (B, H_kv, D, L)
+            values = g.transpose(out[1], (0, 2, 1, 3))  # (B, H_kv, L, D)
+            return {"keys": k, "values": v}, keys, values, mask(self.windows[i])
+
+        x, caches = self._layers(g, ids, 1, rows, attend)
+        logits = self._logits(g, x, (B, 1))
+        slots = g.reshape(self._pack(g, caches), (2 * N * B, 1, kv, hd))
+        cache = g.op("DYNAMIC_UPDATE_SLICE", [flat, slots, start], (2 * N * B, S, kv, hd),
+                     options=g.options("DynamicUpdateSliceOptions"))
+        cache = g.reshape(cache, (N, 2, B, S, kv, hd))
+        return self._finish(g, [ids_in, cache_in, index_in], ["token_ids", "cache", "index"],
+                            logits, cache, conditions)
+
+    # -- shared by both ------------------------------------------------------
+    def _layers(self, g, ids, t_len, rows, attend):
+        """The decoder blocks over `ids` `(B, T)` at positions `rows` `(T,)`;
+        `attend(i, k, v)` (`(B, T, H_kv, D)` each) returns `(cache entries,
+        keys (B, H_kv, D, L), values (B, H_kv, L, D), mask (T, 1, L))`.
+        Returns the last hidden states `(B T, hidden)` and the cache entries."""
+        model, B = self.model, self.batch
+        x = self.embed(g, g.reshape(ids, (B * t_len,)))  # (B T, hidden)
+        neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
+        caches = []
+        for i, block in enumerate(model.blocks):
+            attention = block.self_attention
+            heads, kv, hd = self.sizes[i]
+            groups = heads // kv
+            base = f"layers.{i}"
+            h = self.rms(g, x, block.self_attention_layer_norm.epsilon)
+            q, k, v = self._qkv(g, h, block, i)
+            q = g.reshape(q, (B, t_len, heads, hd))
+            k = g.reshape(k, (B, t_len, kv, hd))
+            v = g.reshape(v, (B, t_len, kv, hd))
+            if attention.query_norm is not None:
+                q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
+                          g.const(_value(attention.query_norm.scale) * np.float32(1.0 / np.sqrt(hd))))
+                k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
+                          g.const(_value(attention.key_norm.scale)))
+            if attention.rotary_embedding is not None:
+                cos, sin = self._rotary(g, attention.rotary_embedding, rows, hd)
+                q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
+            entry, keys, values, seen = attend(i, k, v)
+            caches.append(entry)
+            # query: (B, T, H_kv, G D) -> (B, H_kv, T G, D), rows (t, g).
+            query = g.reshape(q, (B, t_len, kv, groups * hd))
+            if t_len > 1:
+                query = g.transpose(query, (0, 2, 1, 3))
+            query = g.reshape(query, (B, kv, t_len * groups, hd))
+            length = g.shape(keys)[-1]
+            scores = g.op("BATCH_MATMUL", [query, keys], (B, kv, t_len * groups, length),
+                          options=g.options("BatchMatMulOptions"))
+            scores = g.reshape(scores, (B * kv, t_len, groups, -1))  # the mask broadcasts
+            if attention.logit_soft_cap is not None:
+                scores = self._soft_cap(g, scores, attention.logit_soft_cap)
+            scores = g.op("SELECT_V2", [seen, scores, neg], g.shape(scores),
+                          options=g.options("SelectV2Options"))
+            probs = g.op("SOFTMAX", [scores], g.shape(scores), options=g.options("SoftmaxOptions", beta=1.0))
+            probs = g.reshape(probs, (B, kv, t_len * groups, -1))
+            attended = g.op("BATCH_MATMUL", [probs, values], (B, kv, t_len * groups, hd),
+                            options=g.options("BatchMatMulOptions"))
+            if t_len > 1:
+                attended = g.transpose(g.reshape(attended, (B, kv, t_len, groups * hd)), (0, 2, 1, 3))
+            attended = g.reshape(attended, (B * t_len, heads * hd))
+            out = attention.output_dense
+            branch = self.fully_connected(
+                g, attended, f"{base}/o",
+                lambda out=out: _value(out.kernel).reshape(-1, out.kernel.shape[-1]),
+                _bias(out), f"{base}/attn/o")
+            x = g.add(x, self._post_norm(g, branch, getattr(block, "self_attention_post_norm", None)))
+            branch = self._feedforward(g, x, block, base)
+            x = g.add(x, self._post_norm(g, branch, getattr(block, "feedforward_post_norm", None)))
+        return x, caches
+
+    def _qkv(self, g, h, block, i):
+        """The packed query/key/value projection of block `i` (norm scale and,
+        without QK-norm, the query scale folded in), split: `(B T, H D)` each."""
+        attention = block.self_attention
+        heads, kv, hd = self.sizes[i]
+        gamma = _value(block.self_attention_layer_norm.scale)
+        dense = (attention.query_dense, attention.key_dense, attention.value_dense)
+        # With QK-norm the query scale goes into the norm's scale (`_layers`).
+        scale = np.float32(1.0 if attention.query_norm is not None else 1.0 / np.sqrt(hd))
+
+        def kernel():
+            kernels = [_value(d.kernel).reshape(d.kernel.shape[0], -1) for d in dense]
+            kernels[0] = kernels[0] * scale
+            return np.concatenate(kernels, axis=1) * gamma[:, None]
+
+        sizes = (heads * hd, kv * hd, kv * hd)
+        biases = [_bias(d) for d in dense]
+        packed = None
+        if any(b is not None for b in biases):
+            packed = np.concatenate([np.zeros(n, np.float32) if b is None else b
+                                     for b, n in zip(biases, sizes)])
+            packed[:sizes[0]] *= scale
+        qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
+        rows = g.shape(h)[0]
+        return g.op("SPLIT_V", [qkv, g.const(np.array(sizes, np.int32)), g.const(np.array(-1, np.int32))],
+                    [(rows, n) for n in sizes], np.float32, g.options("SplitVOptions", numSplits=3),
+                    outputs=3)
+
+    def _logits(self, g, x, leading):
+        """The final norm and head over `x` `(B T, hidden)`: logits `(B, T, V)`."""
+        model = self.model
+        gamma = _value(model.final_norm.scale)
+        h = self.rms(g, x, model.final_norm.epsilon)
+        vocab = model.vocabulary_size
+        if model.lm_head is None:
+            # The tied head reads the token table as stored (the weight
+            # `embed` made), the final norm's scale multiplies its input.
+            table = model.embedding.embeddings
+            h = g.mul(h, g.const(gamma, "final_norm/scale"))
+            logits = self.fully_connected(g, h, "lm_head", lambda: _value(table).T, None, "lm_head")
+        else:
+            head_layer = model.lm_head
+            logits = self.fully_connected(
+                g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
+                _bias(head_layer), "lm_head")
+        if model.final_logit_soft_cap is not None:
+            logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
+        return g.reshape(logits, (*leading, vocab))
+
+    def _rotary(self, g, rotary, rows, head_dim):
+        if not self.ring_window:
+            return super()._rotary(g, rotary, rows, head_dim)
+        # A ring's positions pass max_length: the angles from the position, as
+        # `RotaryEmbedding.call` computes them (float32, then cos and sin).
+        key = (id(rotary), head_dim)
+        if key not in g.rotary:
+            half = rotary.rotary_dim(head_dim) // 2
+            inverse = _value(rotary.inverse_frequencies(head_dim))
+            t_len = g.shape(rows)[0]
+            position = g.op("CAST", [rows], (t_len,), np.float32,
+                            g.options("CastOptions", inDataType=2, outDataType=0))
+            position = g.binary("DIV", position, g.const(np.array(rotary.scaling_factor, np.float32)),
+                                options=g.options("DivOptions"))
+            angles = g.mul(g.reshape(position, (t_len, 1)), g.const(inverse.reshape(1, half)))
+            cos, sin = g.op("COS", [angles], (t_len, half)), g.op("SIN", [angles], (t_len, half))
+            factor = np.float32((rotary.rope_scaling or {}).get("attention_factor", 1.0))
+            minus = g.mul(sin, g.const(np.array(-1.0, np.float32)))
+            cos, sin = g.concat([cos, cos], -1), g.concat([minus, sin], -1)
+            if factor != 1.0:
+                cos, sin = (g.mul(t, g.const(factor)) for t in (cos, sin))
+            g.rotary[key] = (g.reshape(cos, (t_len, 1, 2 * half)), g.reshape(sin, (t_len, 1, 2 * half)))
+        return g.rotary[key]
+
+    def _pack(self, g, caches):
+        """`[{keys, values}, ...]` `(B, L, H_kv, D)` each -> `(2 N, B, L, H_kv, D)`."""
+        parts = [entry[kind] for entry in caches for kind in ("keys", "values")]
+        return g.op("PACK", parts, (len(parts), *g.shape(parts[0])),
+                    options=g.options("PackOptions", valuesCount=len(parts), axis=0))
+
+    def _minmax(self, g, name, x, bound):
+        return g.binary(name, x, g.const(np.array(bound, np.int32)),
+                        options=g.options("MaximumMinimumOptions"))
+
+    def _all(self, g, condition):
+        """A bool scalar: every element of `condition`."""
+        axes = g.const(np.arange(len(g.shape(condition)), dtype=np.int32))
+        return g.op("REDUCE_ALL", [condition, axes], (), np.bool_,
+                    g.options("ReducerOptions", keepDims=False))
+
+    def _check_ids(self, g, ids):
+        """Token ids clamped into the vocabulary (with `flag`), and the
+        conditions `valid` ANDs."""
+        if not self.flag:
+            return ids, []
+        clamped = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", ids, 0),
+                               self.model.vocabulary_size - 1)
+        ok = g.binary("EQUAL", clamped, ids, np.bool_, g.options("EqualOptions"))
+        return clamped, [self._all(g, ok)]
+
+    def _finish(self, g, inputs, input_names, logits, cache, conditions):
+        """The subgraph and its signature, named and ordered as the converter's."""
+        s = self.w.s
+        outputs = {"cache": cache, "logits": logits}
+        if self.flag:
+            valid = conditions[0]
+            for condition in conditions[1:]:
+                valid = g.binary("LOGICAL_AND", valid, condition, np.bool_,
+                                 g.options("LogicalAndOptions"))
+            outputs["valid"] = valid
+        for key, index in outputs.items():
+            g.tensors[index].name = f"{g.name}_{key}"
+        subgraph = s.SubGraphT()
+        subgraph.name = g.name
+        subgraph.tensors = g.tensors
+        subgraph.operators = g.operators
+        subgraph.inputs = np.array(inputs, np.int32)
+        # The converter lists a dict's outputs in reverse key order.
+        subgraph.outputs = np.array([outputs[k] for k in sorted(outputs, reverse=True)], np.int32)
+        signature = s.SignatureDefT()
+        signature.signatureKey = g.name
+        signature.inputs = [self._map(n, i) for n, i in sorted(zip(input_names, inputs))]
+        signature.outputs = [self._map(k, outputs[k]) for k in sorted(outputs)]
+        return subgraph, signature
