@@ -3,6 +3,7 @@ LiteRT-LM): a byte-level BPE tokenizer trained offline, a random decoder
 whose logits are spread so that greedy generations vary, and Keras's greedy
 tokens as the reference."""
 
+import functools
 import numpy as np
 import tokenizers
 
@@ -190,6 +191,7 @@ def assert_greedy_equals_hf(hf, lm, prompts, max_length):
     assert len(np.unique(got[:, prompts.shape[1]:])) > 3, "degenerate generation tests nothing"
 
 
+@functools.lru_cache(maxsize=None)  # one training per size for the whole run (read-only)
 def trained_dates_decoder(num_heads=3, intermediate_dim=96):
     """A decoder-only date translator trained here to a stated accuracy
     (character vocabulary of the dates data; text "<human date>=<iso>"), to

@@ -175,6 +175,29 @@ def test_int8_keeps_keras_next_tokens_of_a_trained_decoder():
     assert agree >= 0.95 and agree_answer >= 0.95, (agree, agree_answer)
 
 
+@pytest.mark.slow
+def test_int4_keeps_keras_next_tokens_of_a_trained_decoder():
+    """int4 weights in blocks of 32 (the LiteRT-LM writer's layout, XNNPACK's
+    blockwise kernels) written directly, not by the converter and
+    ai-edge-quantizer: the next token of held-out dates, teacher-forced, is
+    Keras's float32 one at the int4 floor of the LiteRT-LM bundles."""
+    from ai_edge_litert import interpreter as litert
+
+    lm, _, width, held_out, answer, keras_next = trained_dates_decoder(num_heads=4, intermediate_dim=128)
+    rows = held_out[:16]
+    content = _direct(lm, max_length=rows.shape[1], batch_size=len(rows), prompt_length=rows.shape[1],
+                      quantization="int4", checks="none")
+    interpreter = litert.Interpreter(model_content=content)  # XNNPACK
+    got = interpreter.get_signature_runner("prefill")(token_ids=rows)["logits"].argmax(-1)
+    real = rows > 0
+    agree = (got == keras_next[:16])[real].mean()
+    agree_answer = (got == keras_next[:16])[answer[:16]].mean()
+    assert agree >= 0.8 and agree_answer >= 0.8, (agree, agree_answer)
+    int8 = _direct(lm, max_length=rows.shape[1], batch_size=len(rows), prompt_length=rows.shape[1],
+                   quantization="dynamic", checks="none")
+    assert len(content) < 0.7 * len(int8)  # four bits, not eight, for most weights
+
+
 def test_auto_falls_back_to_the_converter_naming_why(llama):
     kwargs = dict(max_length=8, batch_size=1, prompt_length=2, cache_dtype="float16")
     with pytest.raises(ValueError, match="cache_dtype='float16'"):

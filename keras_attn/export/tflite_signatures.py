@@ -46,7 +46,7 @@ from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_writer
 from keras_attn.export.onnx_fused import NotFusableError
 
-QUANTIZATIONS = (None, "dynamic")
+QUANTIZATIONS = tflite_decoder.QUANTIZATIONS  # None, "dynamic", "int4"
 CHECKS = ("flag", "none")
 
 
