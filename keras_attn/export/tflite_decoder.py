@@ -487,23 +487,13 @@ class DecoderBuilder:
             branch = self._feedforward(g, x, block, base)
             x = g.add(x, self._post_norm(g, branch, getattr(block, "feedforward_post_norm", None)))
         if with_logits:
-            gamma = _value(model.final_norm.scale)
-            h = self.rms(g, x, model.final_norm.epsilon)
-            if model.lm_head is None:
+            def tied(g, h):
                 head, _ = self._table_key(g)
-                # The tied head reads the table as it is stored; the final
-                # norm's scale multiplies its input instead of its weight.
-                h = g.mul(h, g.const(gamma, "final_norm/scale"))
                 options, version = self._fc_options(g, head)
-                logits = g.op("FULLY_CONNECTED", [h, head, -1], (t_len, model.vocabulary_size),
-                              options=options, version=version)
-            else:
-                head_layer = model.lm_head
-                logits = self.fully_connected(
-                    g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
-                    _bias(head_layer), "lm_head")
-            if model.final_logit_soft_cap is not None:
-                logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
+                return g.op("FULLY_CONNECTED", [h, head, -1], (t_len, model.vocabulary_size),
+                            options=options, version=version)
+
+            logits = self.final_logits(g, x, tied)
             outputs["logits"] = g.reshape(logits, (1, 1, model.vocabulary_size))
         for key, index in outputs.items():
             g.tensors[index].name = f"{name}_{key}"
@@ -527,6 +517,24 @@ class DecoderBuilder:
         if layer is None:
             return x
         return g.mul(self.rms(g, x, layer.epsilon), g.const(_value(layer.scale)))
+
+    def final_logits(self, g, x, tied_head):
+        """The final RMSNorm, the head and the final soft cap over `x`; a tied
+        head's logits are `tied_head(g, h)` (the table as it is stored; the
+        final norm's scale multiplies `h` instead of the head's weight)."""
+        model = self.model
+        gamma = _value(model.final_norm.scale)
+        h = self.rms(g, x, model.final_norm.epsilon)
+        if model.lm_head is None:
+            logits = tied_head(g, g.mul(h, g.const(gamma, "final_norm/scale")))
+        else:
+            head_layer = model.lm_head
+            logits = self.fully_connected(
+                g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
+                _bias(head_layer), "lm_head")
+        if model.final_logit_soft_cap is not None:
+            logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
+        return logits
 
     def _soft_cap(self, g, x, cap):
         """`cap * tanh(x / cap)`."""

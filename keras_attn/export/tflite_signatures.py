@@ -347,24 +347,10 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
 
     def _logits(self, g, x, leading):
         """The final norm and head over `x` `(B T, hidden)`: logits `(B, T, V)`."""
-        model = self.model
-        gamma = _value(model.final_norm.scale)
-        h = self.rms(g, x, model.final_norm.epsilon)
-        vocab = model.vocabulary_size
-        if model.lm_head is None:
-            # The tied head reads the token table as stored (the weight
-            # `embed` made), the final norm's scale multiplies its input.
-            table = model.embedding.embeddings
-            h = g.mul(h, g.const(gamma, "final_norm/scale"))
-            logits = self.fully_connected(g, h, "lm_head", lambda: _value(table).T, None, "lm_head")
-        else:
-            head_layer = model.lm_head
-            logits = self.fully_connected(
-                g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
-                _bias(head_layer), "lm_head")
-        if model.final_logit_soft_cap is not None:
-            logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
-        return g.reshape(logits, (*leading, vocab))
+        table = self.model.embedding.embeddings
+        logits = self.final_logits(g, x, lambda g, h: self.fully_connected(
+            g, h, "lm_head", lambda: _value(table).T, None, "lm_head"))
+        return g.reshape(logits, (*leading, self.model.vocabulary_size))
 
     def _rotary(self, g, rotary, rows, head_dim):
         if not self.ring_window:
