@@ -147,6 +147,26 @@ def test_writer_forced(post_norm, tmp_path):
     assert not (tmp_path / "d.onnx").exists()
 
 
+def test_a_model_loaded_from_a_keras_file_is_written_directly(tmp_path):
+    """`keras-attn export model.keras` exports what `.keras` gives back: the
+    pooler's `x[:, 0, :]` comes back with its key as a list, which Keras reads
+    as the tuple. Both direct writers (ONNX, TFLite) must take it: the
+    fallbacks (tf2onnx, the TFLite converter) hold tens of times the weights
+    and did not fit a BERT-large in 12 GB through the CLI."""
+    from keras_attn.export import export_tflite
+
+    model = _bert_like(normalize_first=False, activation="gelu", layers=1, seed=3)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    feed = _feed(seed=13)
+    want = [np.asarray(t) for t in model(feed, training=False)]
+    onnx_report = export_onnx(loaded, tmp_path / "m.onnx", writer="direct", sample_inputs=feed)
+    got = _run(tmp_path / "m.onnx", feed, ["last_hidden_state", "pooler_output"])
+    tolerance.assert_all_close(got, want, terms=tolerance.LAYER_TERMS, err_msg="onnx")
+    tflite_report = export_tflite(loaded, tmp_path / "m.tflite", writer="direct", sample_inputs=feed)
+    assert onnx_report.details["writer"] == tflite_report.details["writer"] == "direct"
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(writer="onnx"), r"`writer`.*onnx"),
     (dict(writer="tf2onnx", fused=True), r"fused=True, writer='tf2onnx'"),

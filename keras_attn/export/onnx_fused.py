@@ -471,7 +471,11 @@ def _emit_embedding(w, layer, ids, type_ids, hint, clamp):
 
 
 def int_key(key):
-    """`x[:, i, :]`-style keys: a tuple of full slices and ints, else None."""
+    """`x[:, i, :]`-style keys: a tuple of full slices and ints, else None.
+    A list is such a tuple: a `.keras` file stores the key as a list, and
+    Keras's `GetItem` reads it back as the tuple."""
+    if isinstance(key, list):
+        key = tuple(key)
     if not isinstance(key, tuple):
         key = (key,)
     out = []
