@@ -83,17 +83,12 @@ from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
 WRITERS = ("auto", "direct", "converter")
 
 
-def check_max_length(max_length):
-    """A ValueError unless `max_length` is an int >= 2 (the exports' cache length)."""
+def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(
             "Received an invalid value for argument `max_length`, expected an "
             f"integer >= 2. Received: max_length={max_length!r}"
         )
-
-
-def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
-    check_max_length(max_length)
     if checks not in allowed:
         raise ValueError(
             f"Received an invalid value for argument `checks`, expected one of "
@@ -320,8 +315,7 @@ def _tflite_content(model, *, max_length, batch_size, prompt_length, encoder_len
         # The trace's argument checks, before the direct writer reads the model.
         cache_storage_dtype(cache_dtype)
         check_choice("quantization", quantization, GENERATION_QUANTIZATIONS)
-        check_max_length(max_length)
-        search.check_max_positions(model, max_length, encoder_length)
+        _check_arguments(model, max_length, checks, ("flag", "none"), encoder_length)
         try:
             content = tflite_signatures.signatures_tflite_bytes(
                 model, max_length=max_length, batch_size=batch_size, prompt_length=prompt_length,
@@ -410,10 +404,7 @@ def onnx_writer(model, *, max_length, opset=17, writer="auto"):
     (`keras_attn.export.onnx_signatures`) where it covers `model`, else
     "tf2onnx" (`writer="auto"` warns, naming why; `writer="direct"` raises
     the `NotFusableError` that says it)."""
-    if writer not in ONNX_WRITERS:
-        raise ValueError(
-            f"Received an invalid value for argument `writer`, expected one of "
-            f"{list(ONNX_WRITERS)}. Received: writer={writer!r}")
+    check_choice("writer", writer, ONNX_WRITERS)
     if writer == "tf2onnx":
         return writer
     try:
