@@ -71,7 +71,38 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+# Files whose tests take minutes (subprocess runs of the examples, pip
+# resolutions, multi-worker training, peers' suites): run first, so that
+# with `-n auto` (pytest-xdist hands out whole files, in collection order:
+# `--dist loadfile --no-loadscope-reorder` in pyproject.toml) neither worker
+# is left running one of them while the other has nothing to do.
+RUN_FIRST = (
+    "test_examples.py", "test_image_examples.py", "test_install.py",
+    "test_training_distributed.py", "test_upstream_suites.py", "test_benchmarks_smoke.py",
+    "test_export.py", "test_tflite_encoder.py", "test_export_examples.py",
+    "test_export_model_kinds.py", "test_mobile_example.py", "test_pretrained_example.py",
+)
+
+# Each worker holds TensorFlow and the models and exports of the file it
+# runs (benchmarks/RESULTS.md, "The test suite's workers": peak RSS per
+# worker): no more workers than cores, nor than memory allows.
+GIB_PER_WORKER = 6
+
+
+def pytest_xdist_auto_num_workers(config):
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return max(1, cores or 1)
+    return max(1, min(cores or 1, memory // (GIB_PER_WORKER * 2**30)))
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
     backend = keras.backend.backend()
     if backend == "tensorflow":
         return
@@ -106,6 +137,17 @@ def _seed_and_policy():
 
     keras_attn.config.set_attention_implementation(None)
     keras_attn.config.set_device_type(None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    # A shared (module- or class-scoped) fixture is set up before the
+    # per-test seeding above, after whatever tests ran before it in this
+    # process: a parallel worker, `-k` or another file order would give it
+    # other random weights. Seeding here makes it the same in every run.
+    if fixturedef.scope != "function":
+        keras.utils.set_random_seed(1234 + SEED)
+    return (yield)
 
 
 @pytest.fixture
