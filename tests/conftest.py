@@ -86,7 +86,7 @@ RUN_FIRST = (
 # Each worker holds TensorFlow and the models and exports of the file it
 # runs (benchmarks/RESULTS.md, "The test suite's workers": peak RSS per
 # worker): no more workers than cores, nor than memory allows.
-GIB_PER_WORKER = 6
+GIB_PER_WORKER = 8
 
 
 def pytest_xdist_auto_num_workers(config):
