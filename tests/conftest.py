@@ -90,14 +90,12 @@ GIB_PER_WORKER = 8
 
 
 def pytest_xdist_auto_num_workers(config):
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):  # xdist's own override, kept
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return max(1, cores or 1)
-    return max(1, min(cores or 1, memory // (GIB_PER_WORKER * 2**30)))
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count()
+    return max(1, min(cores, psutil.virtual_memory().total // (GIB_PER_WORKER * 2**30)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -116,11 +114,12 @@ def pytest_collection_modifyitems(config, items):
 # that tolerances are checked on other draws than the usual ones (`.ci/run`
 # runs the numeric files once with another seed).
 SEED = int(os.environ.get("KERAS_ATTN_TEST_SEED", "0"))
+KERAS_SEED = 1234 + SEED
 
 
 @pytest.fixture(autouse=True)
 def _seed_and_policy():
-    keras.utils.set_random_seed(1234 + SEED)
+    keras.utils.set_random_seed(KERAS_SEED)
     if keras.backend.backend() == "torch":
         # Tests read outputs with `np.asarray`, which torch refuses for
         # tensors that track gradients. No agnostic test differentiates.
@@ -146,7 +145,7 @@ def pytest_fixture_setup(fixturedef, request):
     # process: a parallel worker, `-k` or another file order would give it
     # other random weights. Seeding here makes it the same in every run.
     if fixturedef.scope != "function":
-        keras.utils.set_random_seed(1234 + SEED)
+        keras.utils.set_random_seed(KERAS_SEED)
     return (yield)
 
 
