@@ -127,11 +127,12 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (ONNX has no assert op). Received: checks={checks!r}")
     check_signature_decoder(model, max_length, opset)
+    names = ("prefill", "decode") + (() if cache_layout(model, max_length)[1] else ("decode_step",))
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
         weights = _Weights(Graph(None, 32, 0, data_file))
         return {name: _Signature(model, name, max_length, checks, opset, read_bucket, weights).proto()
-                for name in ("prefill", "decode")}
+                for name in names}
 
 
 class _Weights:
@@ -154,7 +155,7 @@ class _Weights:
 
 
 class _Signature:
-    """One of the two graphs, `prefill` or `decode`."""
+    """One of the graphs: `prefill`, `decode` or `decode_step`."""
 
     def __init__(self, model, kind, max_length, checks, opset, read_bucket, weights):
         self.model, self.kind, self.checks, self.opset = model, kind, checks, opset
@@ -165,6 +166,8 @@ class _Signature:
         self.heads, self.kv_heads, self.head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
         self.conditions = []
         self.derived = {}  # per-call values shared by the layers (rotary, masks, slices)
+        # `decode_step` takes the first L slots of the caller's cache (L dynamic).
+        self.step = kind == "decode_step"
 
     # -- writing ---------------------------------------------------------------
 
@@ -235,7 +238,8 @@ class _Signature:
         logits = self.head(h)
         cache = self.cache_out(new_keys_values)
 
-        batch, n, slots = "batch_size", len(model.blocks), self.cache_length
+        batch, n = "batch_size", len(model.blocks)
+        slots = "cache_slots" if self.step else self.cache_length
         cache_dims = [n, 2, batch, slots, self.kv_heads, self.head_dim]
         float_, int32 = TensorProto.FLOAT, TensorProto.INT32
         if self.kind == "prefill":
@@ -245,7 +249,8 @@ class _Signature:
             inputs = [helper.make_tensor_value_info("token_ids", int32, [batch, 1]),
                       helper.make_tensor_value_info("cache", float_, cache_dims),
                       helper.make_tensor_value_info("index", int32, [])]
-            outputs = [("cache_out", cache, cache_dims), ("logits", logits, [batch, 1, vocab])]
+            outputs = [("new_cache", cache, [n, 2, batch, 1, self.kv_heads, self.head_dim]) if self.step
+                       else ("cache_out", cache, cache_dims), ("logits", logits, [batch, 1, vocab])]
         infos = [helper.make_tensor_value_info(name, float_, dims) for name, _, dims in outputs]
         if self.checks == "flag":
             valid = self.conditions[0]
@@ -285,11 +290,19 @@ class _Signature:
         ok = self.op("GreaterOrEqual", [index, zero], "ge")
         clamped = self.op("Max", [index, zero], "clamp")
         if not self.ring:
-            last = self.i64(self.cache_length - 1)
+            last = self.op("Sub", [self.held(), self.i64(1)], "last")
             ok = self.op("And", [ok, self.op("LessOrEqual", [index, last], "le")], "ok")
             clamped = self.op("Min", [clamped, last], "clamp")
         self.flag(ok)
         return clamped
+
+    def held(self):
+        """The slots of the `cache` input, an int64 scalar: `cache_length`, or
+        (`decode_step`) the length of the part passed."""
+        if not self.step:
+            return self.i64(self.cache_length)
+        return self.once("held", lambda: self.op("Squeeze", [
+            self.op("Shape", ["cache"], "held", start=3, end=4)], "held"))
 
     def embed(self, ids, positions):
         model = self.model
@@ -496,7 +509,8 @@ class _Signature:
         def make():
             if self.ring:
                 return self.op("Mod", [self.index, self.i64(self.cache_length)], "slot")
-            return self.clipped(self.index, self.cache_length)
+            last = self.op("Sub", [self.held(), self.i64(1)], "last")
+            return self.op("Min", [self.op("Max", [self.index, self.i64(0)], "clip"), last], "clip")
         return self.once("slot", make)
 
     def kept(self, i, new, part):
@@ -506,7 +520,7 @@ class _Signature:
             return new
         inside = self.once("inside", lambda: self.op("And", [
             self.op("GreaterOrEqual", [self.index, self.i64(0)], "ge"),
-            self.op("Less", [self.index, self.i64(self.cache_length)], "lt")], "inside"))
+            self.op("Less", [self.index, self.held()], "lt")], "inside"))
         slot = self.op("Reshape", [self.slot(), self.i64([1])], "slot")
         old = self.cache_slice(i, part, slot, self.op("Add", [slot, self.i64([1])], "slot_end"))
         return self.op("Where", [inside, new, old], "kept")
@@ -516,10 +530,10 @@ class _Signature:
         (`keras_attn.ops.cache.filled_part`), and the rows `(B, 2)` of the
         written slot in that slice."""
         def make():
-            bucket, length = self.bucket, self.cache_length
+            bucket, length = self.bucket, self.held()
             if bucket is None:  # every slot (what the bound is measured against)
-                return self.slice_rows(self.i64(0), self.i64(length), window)
-            end = self.op("Min", [self.i64(length), self.op("Mul", [self.op("Max", [
+                return self.slice_rows(self.i64(0), length, window)
+            end = self.op("Min", [length, self.op("Mul", [self.op("Max", [
                 self.op("Add", [self.op("Div", [self.index, self.i64(bucket)], "buckets"), self.i64(1)], "next"),
                 self.i64(1)], "at_least_one"), self.i64(bucket)], "end")], "end")
             if window is None:
@@ -628,10 +642,14 @@ class _Signature:
 
     def cache_out(self, new_keys_values):
         """prefill: the cache of this block; decode: the input cache with this
-        call's slot written (one ScatterND for every layer)."""
+        call's slot written (one ScatterND for every layer); decode_step:
+        this call's slot alone."""
         n, length = len(new_keys_values), self.cache_length
         stacked = self.op("Concat", [self.op("Unsqueeze", [t, self.i64([0])], "layer_kv")
                                      for pair in new_keys_values for t in pair], "stacked", axis=0)
+        if self.step:  # (2N, B, 1, H_kv, D)
+            return self.op("Reshape", [stacked, self.i64([n, 2, -1, 1, self.kv_heads, self.head_dim])],
+                           "new_cache")
         if self.kind == "prefill":
             # (2N, B, P, H_kv, D) -> the slots: slot s holds position src[s].
             slots = self.i64(np.arange(length))

@@ -102,7 +102,10 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
     def build(writer):
         builder = SignatureBuilder(model, writer, max_length, quantization, read_bucket,
                                    batch_size=int(batch_size), flag=checks == "flag")
-        return [builder.decode(), builder.prefill(int(prompt_length))]
+        graphs = [builder.decode(), builder.prefill(int(prompt_length))]
+        if not builder.ring_window:  # a ring is its window's slots already
+            graphs.append(builder.decode(step=True))
+        return graphs
 
     return tflite_writer.write_model(path, build, "keras_attn direct TFLite signatures")
 
@@ -177,15 +180,26 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         cache = g.reshape(self._pack(g, caches), (-1, 2, B, S, self.kv, self.hd))
         return self._finish(g, [ids_in], ["token_ids"], logits, cache, conditions)
 
-    def decode(self):
-        g = tflite_writer.Graph(self.w, "decode")
+    def decode(self, step=False):
+        """`decode`, or with `step` `decode_step`: the caller keeps the cache
+        and passes its first `L` slots (`L` dynamic, `index < L`); the
+        output `new_cache` `(N, 2, B, 1, H_kv, D)` is the slot `index`."""
+        name = "decode_step" if step else "decode"
+        g = tflite_writer.Graph(self.w, name)
         B, S, kv, hd = self.batch, self.cache_length, self.kv, self.hd
         N = len(self.sizes)
-        ids_in = g.tensor("decode_token_ids", (B, 1), np.int32)
-        cache_in = g.tensor("decode_cache", (N, 2, B, S, kv, hd), np.float32)
-        index_in = g.tensor("decode_index", (), np.int32)
+        ids_in = g.tensor(f"{name}_token_ids", (B, 1), np.int32)
+        cache_in = g.tensor(f"{name}_cache", (N, 2, B, None if step else S, kv, hd), np.float32)
+        index_in = g.tensor(f"{name}_index", (), np.int32)
         ids, conditions = self._check_ids(g, ids_in)
         index = g.reshape(index_in, (1,))
+        # The slots held: S, or the length of the part passed to `decode_step`.
+        if step:
+            shape = g.op("SHAPE", [cache_in], (6,), np.int32, g.options("ShapeOptions", outType=2))
+            held = g.op("SLICE", [shape, g.const(np.array([3], np.int32)), g.const(np.array([1], np.int32))],
+                        (1,), np.int32, g.options("SliceOptions"))
+        else:
+            held = g.const(np.array([S], np.int32))
         if self.flag:
             zero = g.const(np.array([0], np.int32))
             if self.ring_window:
@@ -193,7 +207,9 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
                                                        g.options("GreaterEqualOptions"))))
                 index = self._minmax(g, "MAXIMUM", index, 0)
             else:
-                clamped = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", index, 0), S - 1)
+                last = g.binary("SUB", held, g.const(np.array([1], np.int32)), options=g.options("SubOptions"))
+                clamped = g.binary("MINIMUM", self._minmax(g, "MAXIMUM", index, 0), last,
+                                   options=g.options("MaximumMinimumOptions"))
                 conditions.append(self._all(g, g.binary("EQUAL", clamped, index, np.bool_,
                                                        g.options("EqualOptions"))))
                 index = clamped
@@ -204,18 +220,22 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             rows = index  # angles from the position itself (`_rotary`)
         else:
             rows = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", index, 0), S - 1)
-        # Slots read: the filled ones rounded up to the bucket (at least one), at most S.
-        if self.read_bucket is not None and self.read_bucket < S:
+        # Slots read: the filled ones rounded up to the bucket (at least one), at most those held.
+        if self.read_bucket is not None and (step or self.read_bucket < S):
             bucket = np.array(self.read_bucket, np.int32)
             blocks = g.binary("FLOOR_DIV", index, g.const(bucket), options=g.options("FloorDivOptions"))
             blocks = self._minmax(g, "MAXIMUM", g.add(blocks, g.const(np.array(1, np.int32))), 1)
-            read = self._minmax(g, "MINIMUM", g.mul(blocks, g.const(bucket)), S)
+            read = g.binary("MINIMUM", g.mul(blocks, g.const(bucket)), held,
+                            options=g.options("MaximumMinimumOptions"))
+        else:
+            read = held
+        if step or self.read_bucket is not None and self.read_bucket < S:
             read_len = None
             key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
                                        g.const(np.array([0], np.int32)), read],
                              (None,), np.int32, g.options("SliceOptions"))
         else:
-            read, read_len = g.const(np.array([S], np.int32)), S
+            read_len = S
             key_slots = g.const(np.arange(S, dtype=np.int32))
         masks = {}
 
@@ -232,7 +252,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             return masks[window]
 
         # The cache as (2 N B, S, H_kv, D): layer i's keys are rows [2 i B, 2 i B + B).
-        flat = g.reshape(cache_in, (2 * N * B, S, kv, hd))
+        flat = g.reshape(cache_in, (2 * N * B, -1 if step else S, kv, hd))
         size = g.concat([g.const(np.array([B], np.int32)), read, g.const(np.array([kv, hd], np.int32))], 0)
         start = g.concat([g.const(np.array([0], np.int32)), slot, g.const(np.array([0, 0], np.int32))], 0)
 
@@ -250,9 +270,13 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
 
         x, caches = self._layers(g, ids, 1, rows, attend)
         logits = self._logits(g, x, (B, 1))
-        slots = g.reshape(self._pack(g, caches), (2 * N * B, 1, kv, hd))
-        cache = g.op("DYNAMIC_UPDATE_SLICE", [flat, slots, start], (2 * N * B, S, kv, hd),
-                     options=g.options("DynamicUpdateSliceOptions"))
+        slots = self._pack(g, caches)  # (2 N, B, 1, H_kv, D)
+        if step:
+            return self._finish(g, [ids_in, cache_in, index_in], ["token_ids", "cache", "index"],
+                                logits, g.reshape(slots, (N, 2, B, 1, kv, hd)), conditions,
+                                cache_name="new_cache")
+        cache = g.op("DYNAMIC_UPDATE_SLICE", [flat, g.reshape(slots, (2 * N * B, 1, kv, hd)), start],
+                     (2 * N * B, S, kv, hd), options=g.options("DynamicUpdateSliceOptions"))
         cache = g.reshape(cache, (N, 2, B, S, kv, hd))
         return self._finish(g, [ids_in, cache_in, index_in], ["token_ids", "cache", "index"],
                             logits, cache, conditions)
@@ -402,10 +426,10 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         ok = g.binary("EQUAL", clamped, ids, np.bool_, g.options("EqualOptions"))
         return clamped, [self._all(g, ok)]
 
-    def _finish(self, g, inputs, input_names, logits, cache, conditions):
+    def _finish(self, g, inputs, input_names, logits, cache, conditions, cache_name="cache"):
         """The subgraph and its signature, named and ordered as the converter's."""
         s = self.w.s
-        outputs = {"cache": cache, "logits": logits}
+        outputs = {cache_name: cache, "logits": logits}
         if self.flag:
             valid = conditions[0]
             for condition in conditions[1:]:

@@ -49,8 +49,8 @@ class KeyValue:
         self.cached = cached
 
 
-def check_cache(cache, static_length=True):
-    """`(key_cache, value_cache)`, each `(B, L, H_kv, D)` with a static `L`."""
+def check_cache(cache):
+    """`(key_cache, value_cache)`, each `(B, L, H_kv, D)`."""
     if (
         not isinstance(cache, (tuple, list))
         or len(cache) != 2
@@ -60,11 +60,6 @@ def check_cache(cache, static_length=True):
             "Received an invalid value for argument `cache`, expected a pair "
             "`(key_cache, value_cache)` of rank-4 tensors `(batch, max_length, "
             f"num_key_value_heads, head_dim)`. Received: cache={cache!r}"
-        )
-    if static_length and cache[0].shape[1] is None:
-        raise ValueError(
-            "The cache length (axis 1) must be static. Received: "
-            f"key_cache.shape={tuple(cache[0].shape)}"
         )
     return cache[0], cache[1]
 
@@ -79,9 +74,11 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_length, slidin
     `cache_index`, as the queries') are written first and slots after them
     hold no key yet. When `sliding_window` equals the cache length the cache
     is a ring buffer (slot = position mod length): the call attends over the
-    cache as it was plus the new block, so a block may wrap.
+    cache as it was plus the new block, so a block may wrap. A cache whose
+    length is not static (a traced `decode_step` signature's part of the
+    caller's cache) is never a ring.
     """
-    key_cache, value_cache = check_cache(cache, static_length=cache_index is not None)
+    key_cache, value_cache = check_cache(cache)
     length = key_cache.shape[1]
     query_positions = ops.arange(query_length, dtype="int32")
     if cache_index is None:
@@ -93,7 +90,7 @@ def attend_to_cache(cache, cache_index, new_key, new_value, query_length, slidin
     cache_ops.check_cache_write(length, new_key.shape[1], cache_index, ring=ring)
     if not ring:
         bound = cache_ops.read_bound()
-        positions = ops.arange(length, dtype="int32")
+        positions = ops.arange(shapes.dim(key_cache, 1), dtype="int32")
         if bound is not None and new_key.shape[1] == 1:
             key = cache_ops.write_slot(key_cache, new_key, cache_index, bound[1])
             value = cache_ops.write_slot(value_cache, new_value, cache_index, bound[1])

@@ -21,6 +21,7 @@ import threading
 from keras import ops
 
 from keras_attn.checks import static_int
+from keras_attn.ops import shapes
 
 
 def write_cache(cache, new, index, ring=False):
@@ -32,7 +33,7 @@ def write_cache(cache, new, index, ring=False):
     axis, so the update lowers to TFLite builtins and ONNX (no
     `XlaDynamicUpdateSlice`, no scatter) and keeps the cache's static shape.
     """
-    length = cache.shape[1]
+    length = shapes.dim(cache, 1)
     new = ops.cast(new, cache.dtype)
     index = ops.cast(index, "int32")
     slots = ops.arange(length, dtype="int32")
@@ -148,7 +149,7 @@ def write_slot(cache, new, index, update_slices):
     `index` outside the cache drops the write (the slot it is clipped to is
     written back as it was), so an unchecked bad request changes nothing."""
     index = ops.cast(index, "int32")
-    length = cache.shape[1]
+    length = shapes.dim(cache, 1)
     slot = ops.clip(index, 0, length - 1)
     batch = ops.shape(cache)[0]
     kept = ops.slice(cache, [0, slot, 0, 0], [batch, 1, cache.shape[2], cache.shape[3]])
@@ -175,7 +176,7 @@ def filled_part(key, value, positions, valid, first, last, bucket, sliding_windo
     / bucket) * bucket`; `first`/`last` are the call's first and last query
     positions (int32 scalars). Returns the four, cut.
     """
-    length = key.shape[1]
+    length = shapes.dim(key, 1)
     last = ops.cast(last, "int32")
     # At least one slot, for positions outside the cache too (an unchecked bad
     # request): a read of zero keys fails in XNNPACK instead of giving garbage.

@@ -52,9 +52,14 @@ class Checks:
             expected = "`index` must be >= 0 (a ring-buffer cache wraps). Received: index ="
         else:
             ok = tf.logical_and(index >= 0, index < cache_length)
-            expected = (f"`index` must be in [0, max_length={cache_length}) (the exported "
-                        "cache length). Received: index =")
-        index = self._require(ok, expected, (index,), index)
+            if isinstance(cache_length, int):
+                expected = (f"`index` must be in [0, max_length={cache_length}) (the exported "
+                            "cache length). Received: index =")
+            else:  # `decode_step`: the slots passed
+                expected = ("`index` must be in [0, L), L the slots of the `cache` passed "
+                            "(cache.shape[3]). Received: index, L =")
+        data = (index,) if ring or isinstance(cache_length, int) else (index, cache_length)
+        index = self._require(ok, expected, data, index)
         if self.mode != "flag":
             return index
         return tf.maximum(index, 0) if ring else tf.clip_by_value(index, 0, cache_length - 1)

@@ -151,6 +151,7 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
     step = tf.TensorSpec((batch_size, 1), tf.int32, name="token_ids")
     # A sliding-window model's cache is a ring buffer shorter than max_length.
     cache = spec(trace.cache_length, "cache")
+    step_cache = spec(None, "cache")  # decode_step: the first L slots
     cross = spec(encoder_length, "cross_cache")
     enc_mask = tf.TensorSpec((batch_size, encoder_length), tf.bool, name="encoder_padding_mask")
     index = tf.TensorSpec((), tf.int32, name="index")
@@ -189,6 +190,20 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
             out["valid"] = check.valid()
         return out
 
+    def _decode_step(token_ids, cache, index, cross_cache=None, encoder_padding_mask=None):
+        check = request_checks.Checks(checks, "decode_step")
+        token_ids = check.token_ids("token_ids", token_ids, vocab)
+        index = check.index(index, tf.shape(cache)[3], False)
+        c = unstack(trace.load(cache), trace.load(cross_cache))
+        logits, c = trace.decode(token_ids, c, index, encoder_padding_mask=encoder_padding_mask)
+        # The slot written, (N, 2, B, 1, H_kv, D); what the caller keeps is not copied back.
+        new = [{**layer, "self_attention": tuple(t[:, index:index + 1] for t in layer["self_attention"])}
+               for layer in c]
+        out = {"logits": logits, "new_cache": trace.store(stack(new))}
+        if flag:
+            out["valid"] = check.valid()
+        return out
+
     def _generate(prompt_ids, encoder_ids=None):
         check = request_checks.Checks("assert" if checks == "assert" else "none", "generate")
         prompt_ids, encoder_ids = _check_inputs(check, "prompt_ids", prompt_ids, encoder_ids)
@@ -206,14 +221,23 @@ def signature_functions(model, *, max_length, batch_size=None, prompt_length=Non
             lambda token_ids, cache, index, cross_cache, encoder_padding_mask: _decode(
                 token_ids, cache, index, cross_cache, encoder_padding_mask),
             input_signature=[step, cache, index, cross, enc_mask])
+        decode_step = tf.function(
+            lambda token_ids, cache, index, cross_cache, encoder_padding_mask: _decode_step(
+                token_ids, cache, index, cross_cache, encoder_padding_mask),
+            input_signature=[step, step_cache, index, cross, enc_mask])
         generate = tf.function(lambda prompt_ids, encoder_ids: _generate(prompt_ids, encoder_ids),
                                input_signature=[prompt, enc_ids])
     else:
         prefill = tf.function(lambda token_ids: _prefill(token_ids), input_signature=[ids])
         decode = tf.function(lambda token_ids, cache, index: _decode(token_ids, cache, index),
                              input_signature=[step, cache, index])
+        decode_step = tf.function(lambda token_ids, cache, index: _decode_step(token_ids, cache, index),
+                                  input_signature=[step, step_cache, index])
         generate = tf.function(lambda prompt_ids: _generate(prompt_ids), input_signature=[prompt])
-    return {"prefill": prefill, "decode": decode, "generate": generate}
+    functions = {"prefill": prefill, "decode": decode, "generate": generate}
+    if not trace.ring:  # a ring holds its window's slots already
+        functions["decode_step"] = decode_step
+    return functions
 
 
 def _module(model, functions):
