@@ -4,7 +4,10 @@ One Hugging Face Llama (random weights, seeded; the tokenizer of
 bench_genai.py), converted once and exported with `max_length` 512, 1024,
 2048 and 4096: the TFLite `decode` signature (`tflite_bytes`, driven from
 NumPy with the LiteRT interpreter's signature runner), the plain ONNX
-`decode.onnx` (`onnx_models`, in onnxruntime) and the `.litertlm` bundle
+`decode.onnx` (`onnx_models`, in onnxruntime), the same exports' `decode_step`
+(`tflite_step`, `onnx_step`: the caller keeps the cache and passes its first
+slots, the filled ones rounded up to `keras_attn.runtimes.loop.STEP_BUCKET`,
+as `greedy_loop(step=True)` does) and the `.litertlm` bundle
 (`export_litertlm`, in `litert_lm.Engine`). Each decode is timed at a fill of
 `--fills` tokens (the signatures: `--steps` consecutive decode calls from
 `index = fill`; LiteRT-LM: a prompt of about `fill` tokens, then `--new`
@@ -16,6 +19,7 @@ each length's ratio to `max_length=512` (the target: >= 0.85 at fill 128 for
     python benchmarks/bench_long_context.py                  # 8 layers, hidden 512, vocab 32000
     python benchmarks/bench_long_context.py --quick          # 2 layers, hidden 128, vocab 4000
     python benchmarks/bench_long_context.py --lengths 512 4096 --runtimes tflite litertlm
+    python benchmarks/bench_long_context.py --runtimes tflite tflite_step onnx onnx_step --reads bounded
 
 Needs `litert-lm-api` and `litert-lm-builder` for the bundle, onnxruntime and
 tf2onnx for ONNX.
@@ -40,7 +44,9 @@ import _common  # noqa: E402  (sets the environment first)
 from bench_genai import build_hf  # noqa: E402
 from bench_litertlm import run_bundle  # noqa: E402
 
-RUNTIMES = ("tflite", "onnx", "litertlm")
+# "_step": the `decode_step` signature, driven as `greedy_loop(step=True)`
+# drives it (the caller keeps the cache and passes its first slots).
+RUNTIMES = ("tflite", "tflite_step", "onnx", "onnx_step", "litertlm")
 
 
 def signature_decoder(step, cache_shape, cache_dtype, fill, steps):
@@ -58,33 +64,56 @@ def signature_decoder(step, cache_shape, cache_dtype, fill, steps):
     return run
 
 
-def tflite_step(lm, max_length):
+def kept_cache_decoder(step, cache_shape, cache_dtype, fill, steps):
+    """`signature_decoder` for `decode_step`: the caller's cache, of which each
+    call passes the first slots (the filled ones rounded up to
+    `loop.STEP_BUCKET`) and into which it writes the returned slot."""
+    from keras_attn.runtimes.loop import STEP_BUCKET
+
+    cache = np.random.default_rng(0).normal(size=cache_shape).astype(cache_dtype)
+
+    def run():
+        for i in range(steps):
+            index = fill + i
+            slots = min(cache_shape[3], -(-(index + 1) // STEP_BUCKET) * STEP_BUCKET)
+            new = step(np.array([[5 + i]], np.int32), np.ascontiguousarray(cache[:, :, :, :slots]),
+                       np.array(index, np.int32))
+            cache[:, :, :, index:index + 1] = new
+        return cache
+
+    return run
+
+
+def tflite_step(lm, max_length, kept=False):
     from ai_edge_litert import interpreter as litert
 
     from keras_attn.runtimes.signatures import tflite_bytes
 
     content = tflite_bytes(lm, max_length=max_length, batch_size=1, prompt_length=1,
                            checks="none")
-    runner = litert.Interpreter(model_content=content).get_signature_runner("decode")
-    detail = runner.get_input_details()["cache"]
+    interpreter = litert.Interpreter(model_content=content)
+    detail = interpreter.get_signature_runner("decode").get_input_details()["cache"]
+    name, output = ("decode_step", "new_cache") if kept else ("decode", "cache")
+    runner = interpreter.get_signature_runner(name)
 
     def step(token_ids, cache, index):
-        return runner(token_ids=token_ids, cache=cache, index=index)["cache"]
+        return runner(token_ids=token_ids, cache=cache, index=index)[output]
 
     return step, tuple(detail["shape"]), detail["dtype"]
 
 
-def onnx_step(lm, max_length):
+def onnx_step(lm, max_length, kept=False):
     import onnxruntime as ort
 
     from keras_attn.runtimes.signatures import onnx_models
 
-    proto = onnx_models(lm, max_length=max_length, checks="none")["decode"]
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    position = names.index("cache_out")
-    cache_input = next(i for i in session.get_inputs() if i.name == "cache")
-    shape = tuple(1 if not isinstance(d, int) else d for d in cache_input.shape)
+    protos = onnx_models(lm, max_length=max_length, checks="none")
+    cache_input = next(i for i in protos["decode"].graph.input if i.name == "cache")
+    shape = tuple(d.dim_value or 1 for d in cache_input.type.tensor_type.shape.dim)
+    name, output = ("decode_step", "new_cache") if kept else ("decode", "cache_out")
+    session = ort.InferenceSession(protos[name].SerializeToString(), providers=["CPUExecutionProvider"])
+    del protos
+    position = [o.name for o in session.get_outputs()].index(output)
 
     def step(token_ids, cache, index):
         return session.run(None, {"token_ids": token_ids, "cache": cache, "index": index})[position]
@@ -114,11 +143,13 @@ def add_litertlm(timers, lm, hf_dir, tok, work, length, read, args):
 
 
 def add_signature(timers, lm, runtime, length, read, args):
-    step, shape, dtype = (tflite_step if runtime == "tflite" else onnx_step)(lm, length)
+    kept = runtime.endswith("_step")
+    make = tflite_step if runtime.startswith("tflite") else onnx_step
+    step, shape, dtype = make(lm, length, kept)
     for fill in args.fills:
         if fill + args.steps > length:
             continue
-        decoder = signature_decoder(step, shape, dtype, fill, args.steps)
+        decoder = (kept_cache_decoder if kept else signature_decoder)(step, shape, dtype, fill, args.steps)
 
         def run(decoder=decoder):  # seconds per token
             start = time.perf_counter()

@@ -9,6 +9,8 @@ poisoned with NaN: a read of any of them would make the logits NaN (the
 full-read trace on the same caches shows it does).
 """
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -180,3 +182,87 @@ def test_litertlm_bundle_reads_the_filled_part(lm, reference, tokens, caches, sm
               enumerate(zip("kv" * len(WINDOWS), caches[fill]))}
         out = decode(tokens=tokens[:, fill:fill + 1], input_pos=np.array([fill], np.int32), **kv)
         check_logits(out["logits"], reference, fill, "LiteRT-LM decode")
+
+
+# -- decode_step: the caller keeps the cache and passes its first L slots --------
+
+STEP_PATHS = ("tflite_direct", "tflite_converter", "onnx_direct", "onnx_tf2onnx", "saved_model")
+
+
+@pytest.fixture(scope="module")
+def rms_lm():
+    """`lm` with RMSNorm and a SiLU feed-forward: what the direct TFLite writer covers."""
+    model = DecoderOnlyLM(40, 64, 32, num_layers=2, num_heads=4, num_key_value_heads=2,
+                          intermediate_dim=48, position="rotary", sliding_window=WINDOWS,
+                          normalization="rms_norm", activation="silu")
+    model(tf.zeros((1, 1), tf.int32))
+    return model
+
+
+def step_signature(path, model):
+    """The `decode_step` of one export path, as a callable over NumPy dicts."""
+    from keras_attn.runtimes import signatures
+
+    if path.startswith("tflite"):
+        from ai_edge_litert import interpreter as litert
+
+        content = signatures.tflite_bytes(model, max_length=MAX_LEN, batch_size=1, prompt_length=4,
+                                          writer=path.split("_")[1])
+        return litert.Interpreter(model_content=content).get_signature_runner("decode_step")
+    if path.startswith("onnx"):
+        import onnxruntime as ort
+
+        proto = signatures.onnx_models(model, max_length=MAX_LEN, writer=path.split("_")[1])["decode_step"]
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        return lambda **kwargs: dict(zip(names, session.run(None, kwargs)))
+    fn = signatures.signature_functions(model, max_length=MAX_LEN, checks="assert")["decode_step"]
+    return lambda **kwargs: {k: v.numpy() for k, v in fn(**kwargs).items()}
+
+
+@pytest.mark.parametrize("path", STEP_PATHS)
+def test_decode_step_reads_only_the_slots_passed(path, lm, rms_lm, tokens, small_bucket):
+    """Given only the first `L` slots (the filled ones and the new one, a
+    bucket's worth, or all), `decode_step` gives the full forward pass's
+    logits at `index` and, as `new_cache`, the keys and values Keras's
+    cached call writes at that slot. The read bucket is 4: inside the slots
+    passed, the step reads the filled part only, as `decode` does."""
+    model = rms_lm if path == "tflite_direct" else lm
+    reference = np.asarray(model(tokens), np.float64)[0]
+    step = step_signature(path, model)
+    for fill in FILLS:
+        cache = model.init_cache(1, MAX_LEN, ring_buffers=False)
+        _, cache = model.call_with_cache(tokens[:, :fill], cache, 0)
+        _, written = model.call_with_cache(tokens[:, fill:fill + 1], cache, fill)
+        held = stacked([np.array(t) for layer in cache for t in layer["self_attention"]])
+        want = stacked([np.array(t) for layer in written for t in layer["self_attention"]])[:, :, :, fill]
+        for slots in sorted({fill + 1, min(MAX_LEN, (fill // BUCKET + 2) * BUCKET), MAX_LEN}):
+            out = step(token_ids=tokens[:, fill:fill + 1], cache=np.ascontiguousarray(held[:, :, :, :slots]),
+                       index=np.array(fill, np.int32))
+            what = f"{path} decode_step, {slots} slots"
+            check_logits(out["logits"], reference, fill, what)
+            assert out["new_cache"].shape == want[:, :, :, None].shape, what
+            tolerance.assert_close(out["new_cache"][:, :, :, 0], want, scale=np.abs(want).max(),
+                                   terms=64, err_msg=what)
+
+
+def test_saved_model_decode_step_is_verified_and_refuses_an_index_past_its_slots(lm, tmp_path):
+    from keras_attn.runtimes import greedy_loop
+    from keras_attn.runtimes.signatures import export_saved_model
+
+    report = export_saved_model(lm, str(tmp_path / "sm"), max_length=MAX_LEN)
+    assert "decode_step" in report.details["signatures"]
+    assert "decode_step" in {c["signature"] for c in report.checks}
+    loaded = tf.saved_model.load(os.fspath(report)).signatures
+
+    def run(name):
+        return lambda **kwargs: {k: v.numpy() for k, v in loaded[name](
+            **{k: tf.constant(v) for k, v in kwargs.items()}).items()}
+
+    prompts = np.array([[5, 6, 7], [8, 9, 0]], np.int32)
+    want = greedy_loop(run("prefill"), run("decode"), prompts, MAX_LEN)
+    np.testing.assert_array_equal(greedy_loop(run("prefill"), run("decode_step"), prompts, MAX_LEN,
+                                              step=True), want)
+    cache = run("prefill")(token_ids=prompts)["cache"]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be in \\[0, L\\)"):
+        run("decode_step")(token_ids=prompts[:, :1], cache=cache[:, :, :, :4], index=np.array(4, np.int32))

@@ -64,7 +64,7 @@ def test_saved_model_prefill_decode_generate(tmp_path, decoder_only, encoder_dec
     lm, expected = decoder_only
     path = gen_export.export_saved_model(lm, str(tmp_path / "lm"), max_length=MAX_LEN)
     loaded = tf.saved_model.load(path)
-    assert set(loaded.signatures) == {"prefill", "decode", "generate"}
+    assert set(loaded.signatures) == {"prefill", "decode", "decode_step", "generate"}
     got = _artifact_greedy(_tf_runner(loaded.signatures["prefill"]),
                            _tf_runner(loaded.signatures["decode"]), PROMPTS, MAX_LEN)
     np.testing.assert_array_equal(got, expected)
@@ -99,7 +99,7 @@ def test_tflite_signatures_builtins_only(tmp_path, decoder_only, encoder_decoder
     lm, expected = decoder_only
     content = gen_export.tflite_bytes(lm, max_length=MAX_LEN, batch_size=3, prompt_length=4)
     interpreter, ops = _litert(content)
-    assert set(interpreter.get_signature_list()) == {"prefill", "decode"}
+    assert set(interpreter.get_signature_list()) == {"prefill", "decode", "decode_step"}
     assert not [o for o in ops if o.startswith("Flex") or o == "CUSTOM" or "VAR" in o], ops
     got = _artifact_greedy(interpreter.get_signature_runner("prefill"),
                            interpreter.get_signature_runner("decode"), PROMPTS, MAX_LEN)

@@ -72,12 +72,30 @@ def teacher_forced(run, ids, prompt):
     return np.concatenate(got, axis=1)
 
 
+def teacher_forced_steps(run, ids, prompt):
+    """`teacher_forced` through `decode_step`: the caller keeps the cache and
+    passes exactly the slots filled and the new one."""
+    out = run["prefill"](token_ids=ids[:, :prompt])
+    got, cache = [out["logits"]], np.array(out["cache"])
+    for i in range(prompt, ids.shape[1]):
+        out = run["decode_step"](token_ids=ids[:, i:i + 1], cache=np.ascontiguousarray(cache[:, :, :, :i + 1]),
+                                 index=np.array(i, np.int32))
+        got.append(out["logits"])
+        cache[:, :, :, i:i + 1] = out["new_cache"]
+    return np.concatenate(got, axis=1)
+
+
 def assert_logits_close(run, lm, length, prompt=4, seed=0, err_msg=""):
+    """`decode` (and `decode_step` where the models have it) against Keras."""
     ids = np.random.default_rng(seed).integers(1, lm.vocabulary_size, size=(2, length)).astype("int32")
     want = keras.ops.convert_to_numpy(lm(ids)).astype(np.float64)
-    got = teacher_forced(run, ids, prompt)
-    tolerance.assert_close(got, want, scale=np.abs(want).max(), terms=tolerance.LAYER_TERMS,
-                           err_msg=err_msg)
+    paths = {"decode": teacher_forced}
+    if "decode_step" in run:
+        paths["decode_step"] = teacher_forced_steps
+    for name, path in paths.items():
+        got = path(run, ids, prompt)
+        tolerance.assert_close(got, want, scale=np.abs(want).max(), terms=tolerance.LAYER_TERMS,
+                               err_msg=f"{err_msg} ({name})")
 
 
 def make_lm(**options):
@@ -107,7 +125,7 @@ def exported(llama_like, tmp_path_factory):
     folder = tmp_path_factory.mktemp("direct") / "onnx"
     report = signatures.export_onnx(llama_like, str(folder), max_length=MAX_LEN)
     return report, {k: _runner(ort.InferenceSession(report[k], providers=["CPUExecutionProvider"]))
-                    for k in ("prefill", "decode")}
+                    for k in ("prefill", "decode", "decode_step")}
 
 
 def test_greedy_loop_gives_keras_tokens_on_a_right_padded_batch(llama_like, exported):
@@ -120,10 +138,36 @@ def test_greedy_loop_gives_keras_tokens_on_a_right_padded_batch(llama_like, expo
     assert_logits_close(run, llama_like, MAX_LEN, err_msg="llama-like")
 
 
+def test_decode_step_generates_keras_tokens_from_the_filled_slots(llama_like, exported, monkeypatch):
+    """`decode_step` (the loop keeps the cache, passes its first slots rounded up
+    to a bucket of 4: lengths 8, 12 and 16 here) gives the Keras model's tokens;
+    its checks name the slots passed."""
+    import keras_attn.runtimes.loop as loop
+
+    report, run = exported
+    assert "decode_step" in report.files and "decode_step" in {c["signature"] for c in report.checks}
+    monkeypatch.setattr(loop, "STEP_BUCKET", 4)
+    seen = []
+
+    def step(**kwargs):
+        seen.append(kwargs["cache"].shape[3])
+        return run["decode_step"](**kwargs)
+
+    got = greedy_loop(run["prefill"], step, PROMPTS, MAX_LEN, step=True)
+    np.testing.assert_array_equal(got, keras_greedy(llama_like, PROMPTS, MAX_LEN))
+    assert sorted(set(seen)) == [4, 8, 12, 16]
+    cache = run["prefill"](token_ids=PROMPTS)["cache"]
+    for index, slots, ok in ((3, 4, True), (4, 4, False), (-1, 4, False), (MAX_LEN - 1, MAX_LEN, True)):
+        out = run["decode_step"](token_ids=PROMPTS[:, :1], cache=np.ascontiguousarray(cache[:, :, :, :slots]),
+                                 index=np.array(index, np.int32))
+        assert bool(out["valid"]) is ok, (index, slots)
+        assert out["new_cache"].shape == (2, 2, 2, 1, 2, llama_like.head_dim)
+
+
 def test_the_models_share_one_external_weights_file(llama_like, exported):
     report, _ = exported
     assert sorted(os.listdir(os.path.dirname(report["prefill"]))) == sorted([
-        "decode.onnx", onnx_signatures.WEIGHTS_FILE, "prefill.onnx"])
+        "decode.onnx", "decode_step.onnx", onnx_signatures.WEIGHTS_FILE, "prefill.onnx"])
     assert report.files["weights"].endswith(onnx_signatures.WEIGHTS_FILE)
     assert report.size_bytes == sum(os.path.getsize(p) for p in report.files.values())
 
@@ -133,8 +177,8 @@ def test_the_models_share_one_external_weights_file(llama_like, exported):
                 for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
 
     prefill, decode = external(report["prefill"]), external(report["decode"])
-    # Every weight is stored once: both models read the same bytes of one file.
-    assert prefill == decode
+    # Every weight is stored once: the models read the same bytes of one file.
+    assert prefill == decode == external(report["decode_step"])
     assert {e["location"] for e in prefill.values()} == {onnx_signatures.WEIGHTS_FILE}
     stored = sum(int(e["length"]) for e in prefill.values())
     # Each weight of 1 KB or more, once (the packed Q/K/V is the concatenation
@@ -151,7 +195,7 @@ def test_the_models_share_one_external_weights_file(llama_like, exported):
 
 def test_every_op_is_standard_onnx(exported):
     report, _ = exported
-    for name in ("prefill", "decode"):
+    for name in ("prefill", "decode", "decode_step"):
         proto = onnx.load(report[name], load_external_data=False)
         assert [o.domain for o in proto.opset_import] == [""]
         assert proto.opset_import[0].version == 17
@@ -181,8 +225,15 @@ def test_inputs_and_outputs_are_the_signatures(llama_like):
         ("token_ids", int32, [None, 1]), ("cache", float32, cache), ("index", int32, [])]
     assert io(protos["decode"].graph.output) == [
         ("cache_out", float32, cache), ("logits", float32, [None, 1, vocab]), ("valid", boolean, [])]
+    step_cache = [2, 2, None, None, 2, llama_like.head_dim]
+    assert io(protos["decode_step"].graph.input) == [
+        ("token_ids", int32, [None, 1]), ("cache", float32, step_cache), ("index", int32, [])]
+    assert io(protos["decode_step"].graph.output) == [
+        ("new_cache", float32, [2, 2, None, 1, 2, llama_like.head_dim]),
+        ("logits", float32, [None, 1, vocab]), ("valid", boolean, [])]
     none = onnx_signatures.signature_models(llama_like, max_length=MAX_LEN, checks="none")
     assert [o.name for o in none["decode"].graph.output] == ["cache_out", "logits"]
+    assert [o.name for o in none["decode_step"].graph.output] == ["new_cache", "logits"]
 
 
 def test_flagged_requests_are_clamped_and_marked_invalid(llama_like, exported):
@@ -228,6 +279,7 @@ def test_a_sliding_window_ring_buffer_runs_past_its_window_and_its_cache(tmp_pat
     protos = onnx_signatures.signature_models(lm, max_length=8)
     cache_dims = [d.dim_value for d in protos["decode"].graph.input[1].type.tensor_type.shape.dim]
     assert cache_dims[3] == 4
+    assert "decode_step" not in protos  # the ring holds its window's slots: nothing to pass less of
     run = _sessions(protos)
     got = greedy_loop(run["prefill"], run["decode"], PROMPTS, 14, sliding_window=4)
     np.testing.assert_array_equal(got, keras_greedy(lm, PROMPTS, 14))

@@ -40,7 +40,7 @@ def _shape_report(report, fmt, path):
     assert isinstance(report, SignatureReport) and isinstance(report, ExportReport)
     assert report.format == fmt
     assert report.path == os.path.abspath(path) and os.fspath(report) == report.path
-    assert [c["signature"] for c in report.checks] == ["prefill", "decode"]
+    assert [c["signature"] for c in report.checks] == ["prefill", "decode", "decode_step"]
     assert report.max_abs_error == max(c["max_abs_error"] for c in report.checks)
     assert 0 <= report.max_abs_error <= report.atol
     assert report.size_bytes > 0 and report.ops
@@ -78,12 +78,12 @@ def test_saved_model_and_onnx_exports_return_reports(lm, tmp_path):
     report = export_saved_model(lm, str(tmp_path / "sm"), max_length=MAX_LEN,
                                 include_generate=False)
     _shape_report(report, "saved_model", tmp_path / "sm")
-    assert set(tf.saved_model.load(report).signatures) == {"prefill", "decode"}
+    assert set(tf.saved_model.load(report).signatures) == {"prefill", "decode", "decode_step"}
 
     report = export_onnx(lm, str(tmp_path / "onnx"), max_length=MAX_LEN)
     _shape_report(report, "onnx", tmp_path / "onnx")
     assert report["prefill"] == report.files["prefill"] == str(tmp_path / "onnx" / "prefill.onnx")
-    assert os.path.isfile(report["decode"])
+    assert os.path.isfile(report["decode"]) and os.path.isfile(report["decode_step"])
     assert report.size_bytes == sum(os.path.getsize(p) for p in report.files.values())
 
 

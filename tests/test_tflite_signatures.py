@@ -61,6 +61,35 @@ def test_greedy_loop_gives_keras_tokens_on_right_padded_rows(llama, llama_direct
     assert len(np.unique(got[:, 5:])) > 3, "degenerate generation tests nothing"
 
 
+def test_decode_step_generates_keras_tokens_from_the_filled_slots(llama, llama_direct, monkeypatch):
+    """`decode_step` takes the first `L` slots of the caller's cache (a dynamic
+    axis: the runner resizes it) and returns the new slot: the loop's cache
+    lengths 8, 16 and 24 (bucket 8) give Keras's tokens."""
+    import keras_attn.runtimes.loop as loop
+
+    interpreter, prefill, _ = _runners(llama_direct)
+    step = interpreter.get_signature_runner("decode_step")
+    details = step.get_input_details()["cache"]
+    assert details["shape_signature"].tolist() == [2, 2, 3, -1, 2, 8]
+    assert step.get_output_details()["new_cache"]["shape"].tolist() == [2, 2, 3, 1, 2, 8]
+    monkeypatch.setattr(loop, "STEP_BUCKET", 8)
+    seen = []
+
+    def run(**kwargs):
+        seen.append(kwargs["cache"].shape[3])
+        return step(**kwargs)
+
+    got = greedy_loop(prefill, run, PROMPTS, MAX_LEN, step=True)
+    want = np.asarray(greedy_search(llama, PROMPTS, MAX_LEN, pad_token_id=0))
+    np.testing.assert_array_equal(got, want)
+    assert sorted(set(seen)) == [8, 16, 24]
+    cache = prefill(token_ids=PROMPTS)["cache"]
+    for index, slots, ok in ((4, 5, True), (5, 5, False), (-1, 5, False), (MAX_LEN - 1, MAX_LEN, True)):
+        out = step(token_ids=PROMPTS[:, :1], cache=np.ascontiguousarray(cache[:, :, :, :slots]),
+                   index=np.array(index, np.int32))
+        assert bool(out["valid"]) is ok, (index, slots)
+
+
 def test_logits_within_the_float32_bound_of_keras(llama, llama_direct):
     """Teacher-forced: prefill the prompt, decode the rest of a sequence one
     token at a time; every position's logits against Keras's forward pass."""
@@ -86,13 +115,16 @@ def test_names_shapes_and_order_are_the_converters(llama, llama_direct):
                                         writer="converter")
     models = [litert.Interpreter(model_content=c) for c in (llama_direct, converted)]
     assert models[0].get_signature_list() == models[1].get_signature_list()
-    for name in ("prefill", "decode"):
+    for name in ("prefill", "decode", "decode_step"):
         for kind in ("get_input_details", "get_output_details"):
             details = [getattr(m.get_signature_runner(name), kind)() for m in models]
             assert list(details[0]) == list(details[1])
             for key in details[0]:
                 assert details[0][key]["dtype"] == details[1][key]["dtype"], (name, key)
-                np.testing.assert_array_equal(details[0][key]["shape"], details[1][key]["shape"])
+                # Inputs: the dynamic axes too. Outputs: the direct `new_cache`
+                # says its one slot statically where the converter's is dynamic.
+                shape = "shape_signature" if kind == "get_input_details" else "shape"
+                np.testing.assert_array_equal(details[0][key][shape], details[1][key][shape])
     # Subgraph 0 (decode) in order, as a runner without signatures sees it:
     # token_ids, cache, index in; valid, logits, cache out.
     for kind in ("get_input_details", "get_output_details"):
@@ -133,6 +165,7 @@ def test_ring_buffer_runs_past_its_window_and_max_length():
     content = _direct(lm, max_length=12)
     interpreter, prefill, decode = _runners(content)
     assert tuple(decode.get_input_details()["cache"]["shape"]) == (2, 2, 3, window, 2, 8)
+    assert "decode_step" not in interpreter.get_signature_list()  # a ring: its window's slots
     # Full rows only: a ring cannot step back over a prefilled right-padded prompt.
     full = np.array([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18, 19]], np.int32)
     got = greedy_loop(prefill, decode, full, 30, sliding_window=window)

@@ -9,9 +9,15 @@ import numpy as np
 
 from keras_attn.generation import search
 
+# With `step=True` the loop passes the cache's first `L` slots, `L` the filled
+# slots rounded up to a multiple of this (the exports' read bucket,
+# `keras_attn.runtimes.trace.READ_BUCKET`): a runtime that re-plans its
+# buffers when an input's shape changes does so once per this many tokens.
+STEP_BUCKET = 128
+
 
 def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
-                stop_token_ids=(), pad_token_id=0, sliding_window=None):
+                stop_token_ids=(), pad_token_id=0, sliding_window=None, step=False):
     """Greedy decoding with two callables over NumPy dicts (any exported runtime).
 
     `prefill(**inputs)` and `decode(**inputs)` take and return dicts named as
@@ -30,6 +36,12 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
     cache's end are dropped, which would give wrong tokens. A model exported
     with `sliding_window=W` has a ring-buffer cache of `W` slots that wraps,
     so any `max_length` works: pass `sliding_window=W` to say so.
+
+    `step=True`: `decode` is a `decode_step` signature. The loop keeps the
+    cache, passes its first `L` slots (the filled ones rounded up to
+    `STEP_BUCKET`, at most the cache's) and writes the returned
+    `new_cache` into slot `index`: a step then copies what the context
+    holds, not the whole allocation (benchmarks/bench_long_context.py).
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(
@@ -85,13 +97,25 @@ def greedy_loop(prefill, decode, prompt_ids, max_length, *, encoder_ids=None,
         # prefilled prompt: start from an empty cache, feed prompts one by one.
         state["cache"] = np.zeros_like(out["cache"])
         start = 1
+    if step and cache_length < max_length:
+        raise ValueError(
+            "`step=True` needs a cache of every position (a `decode_step` signature); "
+            f"a ring-buffer cache of {cache_length} slots has none. Pass `decode` with "
+            "step=False.")
+    cache = np.array(out["cache"]) if step else None  # the loop's own, written in place
     done = np.zeros(batch, bool)
     for i in range(start, max_length):
         if done.all():
             break
-        step = dict(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
-        out = _check_valid(_call(decode, "decode", step), "decode", step)
-        state["cache"] = out["cache"]
+        request = dict(token_ids=tokens[:, i - 1: i], index=np.array(i - 1, np.int32), **state)
+        if step:
+            slots = min(cache_length, -(-i // STEP_BUCKET) * STEP_BUCKET)
+            request["cache"] = np.ascontiguousarray(cache[:, :, :, :slots])
+            out = _check_valid(_call(decode, "decode_step", request), "decode_step", request)
+            cache[:, :, :, i - 1: i] = out["new_cache"]
+        else:
+            out = _check_valid(_call(decode, "decode", request), "decode", request)
+            state["cache"] = out["cache"]
         chosen = np.argmax(out["logits"][:, 0], axis=-1).astype(np.int32)
         chosen = np.where(done, pad_token_id, chosen)
         chosen = np.where(in_prompt[:, i], tokens[:, i], chosen)

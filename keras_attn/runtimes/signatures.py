@@ -286,9 +286,11 @@ def export_saved_model(model, path, *, max_length, stop_token_ids=(), pad_token_
     with staged(os.fspath(path), "path") as tmp:
         tf.saved_model.save(module, tmp, signatures=signatures, options=SERVING_SAVE_OPTIONS)
         loaded = tf.saved_model.load(tmp).signatures
+        step = loaded.get("decode_step")
         verified = verification.verify_prefill_decode(
             "saved_model", model, _numpy_runner(loaded["prefill"]),
-            _numpy_runner(loaded["decode"]), max_length=max_length)
+            _numpy_runner(loaded["decode"]), max_length=max_length,
+            decode_step=None if step is None else _numpy_runner(step))
     ops = sorted({op for fn in signatures.values() for op in graph_op_types(fn)})
     return verification.signature_report(
         "saved_model", path, verified, ops=ops,
@@ -386,9 +388,11 @@ def export_tflite(model, path, **kwargs):
     resolver = ({} if arguments["quantization"] == "int4" else
                 dict(experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES))
     interpreter = litert.Interpreter(model_content=content, **resolver)
+    step = ("decode_step" in interpreter.get_signature_list()) or None
     verified = verification.verify_prefill_decode(
         "tflite", model, interpreter.get_signature_runner("prefill"),
         interpreter.get_signature_runner("decode"), max_length=kwargs["max_length"],
+        decode_step=step and interpreter.get_signature_runner("decode_step"),
         batch_size=kwargs.get("batch_size"), prompt_length=kwargs.get("prompt_length"),
         encoder_length=kwargs.get("encoder_length"), quantization=kwargs.get("quantization"),
         cache_dtype=kwargs.get("cache_dtype", "float32"))
@@ -468,7 +472,7 @@ def _tf2onnx_models(model, *, max_length, opset, checks):
 
     fns = signature_functions(model, max_length=max_length, checks=checks)
     protos = {}
-    for name in ("prefill", "decode"):
+    for name in [n for n in ("prefill", "decode", "decode_step") if n in fns]:
         concrete = fns[name].get_concrete_function()
         specs = [tf.TensorSpec(t.shape, t.dtype, name=t.name.split(":")[0])
                  for t in concrete.inputs if t.dtype != tf.resource]
@@ -506,8 +510,8 @@ def _ort_runner(session):
 
 def _ort_file_runner(path, keep):
     """`_ort_runner` of the model at `path`, its session opened at the first
-    call and, unless `keep`, closed after each (verification holds one
-    session's copy of the weights at a time)."""
+    call and, unless `keep`, closed after each; `run.release()` closes it
+    (verification holds one session's copy of the weights at a time)."""
     import onnxruntime as ort
 
     held = []
@@ -520,6 +524,7 @@ def _ort_file_runner(path, keep):
             held.clear()
         return out
 
+    run.release = held.clear
     return run
 
 
@@ -553,7 +558,8 @@ def export_onnx(model, directory, *, max_length, opset=17, checks="flag", writer
                                                        providers=["CPUExecutionProvider"]))
                 for name, content in contents.items()}
     verified = verification.verify_prefill_decode(
-        "onnx", model, sessions["prefill"], sessions["decode"], max_length=max_length)
+        "onnx", model, sessions["prefill"], sessions["decode"], max_length=max_length,
+        decode_step=sessions.get("decode_step"))
     os.makedirs(directory, exist_ok=True)
     paths = {}
     for name, content in contents.items():
@@ -576,6 +582,8 @@ def _export_onnx_direct(model, directory, details):
     try:
         names = {"prefill": "prefill.onnx", "decode": "decode.onnx",
                  "weights": onnx_signatures.WEIGHTS_FILE}
+        if not onnx_signatures.cache_layout(model, details["max_length"])[1]:  # not a ring
+            names["decode_step"] = "decode_step.onnx"
         staged_paths = {k: os.path.join(staging, n) for k, n in names.items()}
         protos = onnx_signatures.signature_models(
             model, max_length=details["max_length"], checks=details["checks"], opset=details["opset"],
@@ -588,7 +596,9 @@ def _export_onnx_direct(model, directory, details):
         release_memory()
         verified = verification.verify_prefill_decode(
             "onnx", model, _ort_file_runner(staged_paths["prefill"], keep=False),
-            _ort_file_runner(staged_paths["decode"], keep=True), max_length=details["max_length"])
+            _ort_file_runner(staged_paths["decode"], keep=True), max_length=details["max_length"],
+            decode_step=("decode_step" in names or None) and _ort_file_runner(
+                staged_paths["decode_step"], keep=True))
         release_memory()
         paths = {k: os.path.join(directory, n) for k, n in names.items()}
         for name in names:

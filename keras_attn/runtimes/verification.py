@@ -66,9 +66,16 @@ def verification_ids(model, batch, length, seed=0):
 
 def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size=None,
                           prompt_length=None, encoder_length=None, quantization=None,
-                          cache_dtype="float32", seed=0, decode_steps=None, prefill_logits="all"):
+                          cache_dtype="float32", seed=0, decode_steps=None, prefill_logits="all",
+                          decode_step=None):
     """Runs `prefill` / `decode` (callables over NumPy dicts named as the
     signatures) against Keras; returns `(checks, atol, agreement, min_agreement)`.
+
+    `decode_step` (the signature whose caller keeps the cache): run over the
+    same tokens from the same prefill, each call given exactly the slots
+    filled so far and the new one (`L = index + 1`, a new length every
+    call), its `new_cache` written into the caller's cache; checked as
+    `decode` is.
 
     Static shapes (TFLite) are given by `batch_size`, `prompt_length` and
     `encoder_length`; otherwise a batch of 2, a prompt of 4 and an encoder
@@ -104,6 +111,7 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
     first = prompt - 1 if prefill_logits == "last" else 0  # the first position compared
     checks = [_check("prefill", inputs, got[0], reference[:, first:prompt])]
     state = {k: out[k] for k in ("cache", "cross_cache", "encoder_padding_mask") if k in out}
+    kept = np.array(out["cache"]) if decode_step is not None else None
     steps = []
     for i in range(prompt, length):
         step = dict(token_ids=ids[:, i:i + 1], index=np.array(i, np.int32), **state)
@@ -115,6 +123,20 @@ def verify_prefill_decode(fmt, model, prefill, decode, *, max_length, batch_size
         got.append(decoded)
         checks.append(_check("decode", {"token_ids": (batch, 1)}, decoded,
                              reference[:, prompt:], steps=len(steps)))
+    if decode_step is not None and length > prompt:
+        release = getattr(decode, "release", None)
+        if release is not None:  # one runtime session's weights at a time
+            release()
+        stepped = []
+        for i in range(prompt, length):
+            step = dict(token_ids=ids[:, i:i + 1], index=np.array(i, np.int32), **state)
+            step["cache"] = np.ascontiguousarray(kept[:, :, :, :i + 1])
+            out = decode_step(**step)
+            kept[:, :, :, i:i + 1] = out["new_cache"]
+            stepped.append(np.asarray(out["logits"], np.float64)[:, 0])
+        stepped = np.stack(stepped, axis=1)
+        checks.append(_check("decode_step", {"token_ids": (batch, 1)}, stepped,
+                             reference[:, prompt:], steps=len(stepped[0])))
     got = np.concatenate(got, axis=1)
     error = max(c["max_abs_error"] for c in checks)
     reference = reference[:, first:]
