@@ -4,8 +4,10 @@ One Hugging Face Llama (random weights, seeded; the tokenizer of
 bench_genai.py), converted once and exported with `max_length` 512, 1024,
 2048 and 4096: the TFLite `decode` signature (`tflite_bytes`, driven from
 NumPy with the LiteRT interpreter's signature runner), the plain ONNX
-`decode.onnx` (`onnx_models`, in onnxruntime), the same exports' `decode_step`
-(`tflite_step`, `onnx_step`: the caller keeps the cache and passes its first
+`decode.onnx` (`onnx_models`, in onnxruntime), the SavedModel's `decode`
+(`saved_model`: its traced function, called in process), the same exports'
+`decode_step` (`tflite_step`, `onnx_step`, `saved_model_step`: the caller
+keeps the cache and passes its first
 slots, the filled ones rounded up to `keras_attn.runtimes.loop.STEP_BUCKET`,
 as `greedy_loop(step=True)` does) and the `.litertlm` bundle
 (`export_litertlm`, in `litert_lm.Engine`). Each decode is timed at a fill of
@@ -46,7 +48,8 @@ from bench_litertlm import run_bundle  # noqa: E402
 
 # "_step": the `decode_step` signature, driven as `greedy_loop(step=True)`
 # drives it (the caller keeps the cache and passes its first slots).
-RUNTIMES = ("tflite", "tflite_step", "onnx", "onnx_step", "litertlm")
+RUNTIMES = ("tflite", "tflite_step", "onnx", "onnx_step", "saved_model", "saved_model_step",
+            "litertlm")
 
 
 def signature_decoder(step, cache_shape, cache_dtype, fill, steps):
@@ -121,6 +124,26 @@ def onnx_step(lm, max_length, kept=False):
     return step, shape, np.float32
 
 
+def saved_model_step(lm, max_length, kept=False):
+    """The SavedModel's signature functions (`signature_functions`, what
+    `export_saved_model` saves), called in this process from NumPy."""
+    import tensorflow as tf
+
+    from keras_attn.runtimes import trace
+    from keras_attn.runtimes.signatures import signature_functions
+
+    fns = signature_functions(lm, max_length=max_length, checks="assert")
+    name, output = ("decode_step", "new_cache") if kept else ("decode", "cache")
+    fn = fns[name]
+    shape = (trace.num_caches(lm), 2, 1, max_length, lm.num_key_value_heads, lm.head_dim)
+
+    def step(token_ids, cache, index):
+        return fn(token_ids=tf.constant(token_ids), cache=tf.constant(cache),
+                  index=tf.constant(index))[output].numpy()
+
+    return step, shape, np.float32
+
+
 def add_litertlm(timers, lm, hf_dir, tok, work, length, read, args):
     import litert_lm
 
@@ -144,7 +167,8 @@ def add_litertlm(timers, lm, hf_dir, tok, work, length, read, args):
 
 def add_signature(timers, lm, runtime, length, read, args):
     kept = runtime.endswith("_step")
-    make = tflite_step if runtime.startswith("tflite") else onnx_step
+    make = {"tflite": tflite_step, "onnx": onnx_step,
+            "saved_model": saved_model_step}[runtime.removesuffix("_step")]
     step, shape, dtype = make(lm, length, kept)
     for fill in args.fills:
         if fill + args.steps > length:

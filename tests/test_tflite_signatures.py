@@ -247,3 +247,14 @@ def test_auto_falls_back_to_the_converter_naming_why(llama):
         signatures.tflite_bytes(mixed, writer="direct", max_length=8, batch_size=1, prompt_length=2)
     with pytest.raises(ValueError, match="writer"):
         signatures.tflite_bytes(llama, writer="fast", max_length=8, batch_size=1, prompt_length=2)
+
+
+def test_an_unbuilt_model_is_built_before_the_direct_writer_reads_it():
+    """A model never called has no weights yet: the writer builds it first
+    (it used to read the blocks' attention layers before they existed)."""
+    lm = DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=2, intermediate_dim=32, **LLAMA)
+    assert not lm.built
+    _, prefill, decode = _runners(_direct(lm, max_length=8, batch_size=1, prompt_length=2))
+    prompt = np.array([[3, 4]], np.int32)
+    got = greedy_loop(prefill, decode, prompt, 8)
+    np.testing.assert_array_equal(got, np.asarray(greedy_search(lm, prompt, 8, pad_token_id=0)))

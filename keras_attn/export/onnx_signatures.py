@@ -32,6 +32,9 @@ TensorFlow graph is involved: it runs on every Keras backend.
   `ScatterND`, and writes every layer's slot into `cache_out` with one
   `ScatterND`. A ring buffer (every layer with one window shorter than
   `max_length`) reads its `window` slots and the new key, as Keras does.
+  `decode_step` (not for a ring) is `decode` over the first `L` slots the
+  caller passes (`cache_slots`, a dynamic axis; `Shape` gives `L`) that
+  returns the layers' new slots, `new_cache (N, 2, B, 1, H_kv, D)`.
 
 Not covered (`NotFusableError` naming the option; the dispatcher then
 uses tf2onnx): encoder-decoder models, per-layer cache shapes and shared

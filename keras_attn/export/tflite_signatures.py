@@ -6,6 +6,7 @@ SavedModel or converter (which hold several copies of the weights):
 
     prefill(token_ids int32 (B, P)) -> logits (B, P, V), cache (N, 2, B, S, H_kv, D)
     decode(token_ids int32 (B, 1), cache, index int32 ()) -> logits (B, 1, V), cache
+    decode_step(token_ids, cache[:, :, :, :L], index) -> logits, new_cache (N, 2, B, 1, H_kv, D)
 
 with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
 clamped into range and a bool output `valid` (False when anything was
@@ -32,7 +33,10 @@ from LiteRT-LM's model:
   (`keras_attn.ops.cache.bounded_reads`' rule; a ring: every slot once it
   is full), writes its key and value into that slice with
   DYNAMIC_UPDATE_SLICE, attends, and writes every layer's new slot into
-  the stacked cache with one DYNAMIC_UPDATE_SLICE.
+  the stacked cache with one DYNAMIC_UPDATE_SLICE;
+- `decode_step` is that `decode` over the `L` slots passed (a dynamic
+  axis: `SHAPE` gives `L`, `index` is clamped below it) that returns the
+  layers' new slots, packed, instead of writing them (not for a ring).
 
 A model or option not covered raises `NotFusableError`
 (`check_direct_signatures`); `tflite_bytes(writer="auto")` then uses the
@@ -64,6 +68,8 @@ def check_direct_signatures(model, *, max_length, batch_size, prompt_length, qua
             raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
     if hasattr(model, "encode"):
         raise NotFusableError("an encoder-decoder model")
+    if not getattr(model, "built", True):  # its layers' weights are read below
+        model(np.zeros((1, 1), np.int32))
     tflite_decoder.check_direct_decoder(model, quantization, max_length)
     shapes = {(b.self_attention.num_key_value_heads, b.self_attention.key_dim) for b in model.blocks}
     if len(shapes) > 1:

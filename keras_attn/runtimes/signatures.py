@@ -4,13 +4,15 @@ The functions are the shared trace's (`keras_attn.runtimes.trace`) with this
 contract's names, a stacked cache and the request checks (the direct TFLite
 writer writes the same contract op by op).
 
-- SavedModel with signatures `prefill`, `decode` (cache in, cache out) and a
-  one-call greedy `generate` for TF Serving.
-- TFLite multi-signature model (`prefill`, `decode`; builtin ops only) for
+- SavedModel with signatures `prefill`, `decode` (cache in, cache out),
+  `decode_step` (the caller keeps the cache) and a one-call greedy
+  `generate` for TF Serving.
+- TFLite multi-signature model (`prefill`, `decode`, `decode_step`; builtin
+  ops only) for
   `Interpreter.get_signature_runner`: written from the Keras weights by
   `keras_attn.export.tflite_signatures` where that covers the model, else
   TensorFlow's converter over the trace (`tflite_bytes`' `writer`).
-- ONNX `prefill.onnx` and `decode.onnx` for any ONNX runtime: written from
+- ONNX `prefill.onnx`, `decode.onnx` and `decode_step.onnx` for any ONNX runtime: written from
   the Keras weights in standard ops (`keras_attn.export.onnx_signatures`,
   both models' weights once, in one external data file beside them), or,
   for what that writer does not cover (encoder-decoder models, Gemma 4's
@@ -24,7 +26,21 @@ Signatures (decoder-only; encoder-decoder models add the marked parts):
     decode(token_ids: int32 (B, 1), cache, index: int32 scalar
            [, cross_cache, encoder_padding_mask])
         -> logits (B, 1, V), cache
+    decode_step(token_ids: int32 (B, 1), cache[:, :, :, :L], index: int32 scalar
+                [, cross_cache, encoder_padding_mask])
+        -> logits (B, 1, V), new_cache (N, 2, B, 1, H_kv, D)
     generate(prompt_ids: int32 (B, P) [, encoder_ids]) -> tokens int32 (B, max_length)
+
+`decode_step` is `decode` for a caller that keeps the cache: it takes the
+first `L` slots (any `L` with `index < L <= max_length`; a dynamic axis in
+every format, which a LiteRT runner resizes) and returns the keys and values
+of position `index`, which the caller writes into slot `index`. The cache
+then crosses the call boundary once per step at the size the context holds,
+where `decode` copies the whole allocation in and out: at a fill of 128 a
+step costs the same at `max_length` 512 and 4096
+(benchmarks/bench_long_context.py). `greedy_loop(..., step=True)` drives it.
+A model whose cache is a ring buffer (one window on every layer) has no
+`decode_step`: its cache is the window already.
 
 `index` is the position of `token_ids` (prefill writes positions [0, P)).
 A greedy loop over these reproduces `greedy_search` token for token: feed the
@@ -447,7 +463,8 @@ def onnx_writer(model, *, max_length, opset=17, writer="auto"):
 
 
 def onnx_models(model, *, max_length, opset=17, checks="flag", writer="auto"):
-    """`{"prefill": ModelProto, "decode": ModelProto}` (see the module docstring).
+    """`{"prefill", "decode", "decode_step"}` ModelProtos (see the module docstring;
+    no `decode_step` for a ring-buffer cache).
 
     `writer`: "direct" (`keras_attn.export.onnx_signatures`: written from
     the weights in standard ops, each proto holding its weights, so under
@@ -529,9 +546,10 @@ def _ort_file_runner(path, keep):
 
 
 def export_onnx(model, directory, *, max_length, opset=17, checks="flag", writer="auto"):
-    """Writes `prefill.onnx` and `decode.onnx` into `directory`.
+    """Writes `prefill.onnx`, `decode.onnx` and `decode_step.onnx` into `directory`.
 
-    `writer` as for `onnx_models`. The direct writer streams both models'
+    (No `decode_step.onnx` for a ring-buffer cache: see the module docstring.)
+    `writer` as for `onnx_models`. The direct writer streams the models'
     weights, each once, to one external data file beside them
     (`keras_attn.export.onnx_signatures.WEIGHTS_FILE`), so the export holds
     one weight at a time and has no 2 GB limit; tf2onnx's models hold their
@@ -539,9 +557,9 @@ def export_onnx(model, directory, *, max_length, opset=17, checks="flag", writer
 
     Returns:
         A `SignatureReport` whose `files` are `{"prefill": path, "decode":
-        path}` and, from the direct writer, `"weights"`, the data file
-        (`report["prefill"]` works, as on the dict returned before):
-        both models, run in onnxruntime over a random sequence before
+        path, "decode_step": path}` and, from the direct writer, `"weights"`,
+        the data file (`report["prefill"]` works, as on the dict returned
+        before): the models, run in onnxruntime over a random sequence before
         writing, against the Keras model's logits (a `ParityError` beyond
         1e-4 of the largest logit, and nothing is written).
     """
