@@ -116,3 +116,36 @@ def test_greedy_loop_names_the_inputs_a_runner_takes(lm):
         greedy_loop(interpreter.get_signature_runner("prefill_4"),
                     interpreter.get_signature_runner("decode"),
                     np.array([[5, 6, 7, 8]], np.int32), MAX_LEN)
+
+
+def test_saved_model_is_checked_without_a_second_copy_of_the_weights(lm, tmp_path, monkeypatch):
+    """`export_saved_model` never loads the folder back (that restores every
+    weight again: 5 GB at 1B); a weight written other than the model holds
+    it is still caught, and nothing is left."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("tf.saved_model.load holds a second copy of the weights")
+
+    monkeypatch.setattr(tf.saved_model, "load", no_load)
+    report = export_saved_model(lm, str(tmp_path / "sm"), max_length=MAX_LEN)
+    assert report.max_abs_error <= report.atol
+    monkeypatch.undo()
+    loaded = tf.saved_model.load(os.fspath(report))  # the artifact still loads and runs
+    out = loaded.signatures["prefill"](token_ids=tf.constant([[5, 6]], tf.int32))
+    want = np.asarray(lm(np.array([[5, 6]], np.int32)))
+    np.testing.assert_allclose(out["logits"].numpy(), want, atol=report.atol)
+
+    save = tf.saved_model.save
+    variable = lm.weights[0]
+
+    def save_another_value(*args, **kwargs):
+        kept = variable.numpy()
+        variable.assign(kept + 1.0)  # what reaches the file differs from the model
+        try:
+            return save(*args, **kwargs)
+        finally:
+            variable.assign(kept)
+
+    monkeypatch.setattr(tf.saved_model, "save", save_another_value)
+    with pytest.raises(ParityError, match="another value"):
+        export_saved_model(lm, str(tmp_path / "bad"), max_length=MAX_LEN)
+    assert not os.path.exists(tmp_path / "bad")
