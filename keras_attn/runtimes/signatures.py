@@ -117,7 +117,9 @@ def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
 def signature_functions(model, *, max_length, batch_size=None, prompt_length=None,
                         encoder_length=None, stop_token_ids=(), pad_token_id=0,
                         checks="none", cache_dtype="float32", update_slices=False):
-    """`{"prefill", "decode", "generate"}` tf.functions with input signatures.
+    """`{"prefill", "decode", "generate", "decode_step"}` tf.functions with input
+    signatures (no `decode_step` for a ring-buffer cache; the module docstring
+    has the contract).
 
     Leave `batch_size`/`prompt_length`/`encoder_length` None for dynamic axes
     (SavedModel, ONNX); give them for TFLite, whose inputs are static.
