@@ -595,7 +595,7 @@ def _signature_phases(sampler):
     else:
         _wrap(tflite_signatures, "write_signatures_tflite", before=lambda: mark("write .tflite"))
     _wrap(tf.saved_model, "save", before=lambda: mark("write SavedModel"),
-          after=lambda: mark("load SavedModel"))
+          after=lambda: mark("check written"))
     _wrap(verification, "verify_prefill_decode", before=lambda: mark("verify"))
 
 
