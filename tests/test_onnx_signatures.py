@@ -283,6 +283,8 @@ def test_a_sliding_window_ring_buffer_runs_past_its_window_and_its_cache(tmp_pat
     run = _sessions(protos)
     got = greedy_loop(run["prefill"], run["decode"], PROMPTS, 14, sliding_window=4)
     np.testing.assert_array_equal(got, keras_greedy(lm, PROMPTS, 14))
+    with pytest.raises(ValueError, match="step=True.*ring-buffer cache of 4 slots"):
+        greedy_loop(run["prefill"], run["decode"], PROMPTS, 14, sliding_window=4, step=True)
     assert_logits_close(run, lm, 14, prompt=6, err_msg="ring buffer")
 
 
