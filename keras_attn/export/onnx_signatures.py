@@ -293,7 +293,7 @@ class _Signature:
         ok = self.op("GreaterOrEqual", [index, zero], "ge")
         clamped = self.op("Max", [index, zero], "clamp")
         if not self.ring:
-            last = self.op("Sub", [self.held(), self.i64(1)], "last")
+            last = self.last_slot()
             ok = self.op("And", [ok, self.op("LessOrEqual", [index, last], "le")], "ok")
             clamped = self.op("Min", [clamped, last], "clamp")
         self.flag(ok)
@@ -306,6 +306,12 @@ class _Signature:
             return self.i64(self.cache_length)
         return self.once("held", lambda: self.op("Squeeze", [
             self.op("Shape", ["cache"], "held", start=3, end=4)], "held"))
+
+    def last_slot(self):
+        """`held() - 1`, the last slot of the `cache` input (a constant for `decode`)."""
+        if not self.step:
+            return self.i64(self.cache_length - 1)
+        return self.once("last_slot", lambda: self.op("Sub", [self.held(), self.i64(1)], "last"))
 
     def embed(self, ids, positions):
         model = self.model
@@ -512,8 +518,8 @@ class _Signature:
         def make():
             if self.ring:
                 return self.op("Mod", [self.index, self.i64(self.cache_length)], "slot")
-            last = self.op("Sub", [self.held(), self.i64(1)], "last")
-            return self.op("Min", [self.op("Max", [self.index, self.i64(0)], "clip"), last], "clip")
+            return self.op("Min", [self.op("Max", [self.index, self.i64(0)], "clip"), self.last_slot()],
+                           "clip")
         return self.once("slot", make)
 
     def kept(self, i, new, part):

@@ -226,8 +226,10 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             rows = index  # angles from the position itself (`_rotary`)
         else:
             rows = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", index, 0), S - 1)
-        # Slots read: the filled ones rounded up to the bucket (at least one), at most those held.
-        if self.read_bucket is not None and (step or self.read_bucket < S):
+        # Slots read: the filled ones rounded up to the bucket (at least one), at most those held;
+        # a dynamic count unless every one of S slots is read.
+        bounded = self.read_bucket is not None and (step or self.read_bucket < S)
+        if bounded:
             bucket = np.array(self.read_bucket, np.int32)
             blocks = g.binary("FLOOR_DIV", index, g.const(bucket), options=g.options("FloorDivOptions"))
             blocks = self._minmax(g, "MAXIMUM", g.add(blocks, g.const(np.array(1, np.int32))), 1)
@@ -235,7 +237,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
                             options=g.options("MaximumMinimumOptions"))
         else:
             read = held
-        if step or self.read_bucket is not None and self.read_bucket < S:
+        if step or bounded:
             read_len = None
             key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
                                        g.const(np.array([0], np.int32)), read],

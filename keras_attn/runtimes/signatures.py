@@ -435,11 +435,12 @@ def export_tflite(model, path, **kwargs):
     resolver = ({} if arguments["quantization"] == "int4" else
                 dict(experimental_op_resolver_type=litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES))
     interpreter = litert.Interpreter(model_content=content, **resolver)
-    step = ("decode_step" in interpreter.get_signature_list()) or None
+    step = (interpreter.get_signature_runner("decode_step")
+            if "decode_step" in interpreter.get_signature_list() else None)
     verified = verification.verify_prefill_decode(
         "tflite", model, interpreter.get_signature_runner("prefill"),
         interpreter.get_signature_runner("decode"), max_length=kwargs["max_length"],
-        decode_step=step and interpreter.get_signature_runner("decode_step"),
+        decode_step=step,
         batch_size=kwargs.get("batch_size"), prompt_length=kwargs.get("prompt_length"),
         encoder_length=kwargs.get("encoder_length"), quantization=kwargs.get("quantization"),
         cache_dtype=kwargs.get("cache_dtype", "float32"))
@@ -646,8 +647,8 @@ def _export_onnx_direct(model, directory, details):
         verified = verification.verify_prefill_decode(
             "onnx", model, _ort_file_runner(staged_paths["prefill"], keep=False),
             _ort_file_runner(staged_paths["decode"], keep=True), max_length=details["max_length"],
-            decode_step=("decode_step" in names or None) and _ort_file_runner(
-                staged_paths["decode_step"], keep=True))
+            decode_step=(_ort_file_runner(staged_paths["decode_step"], keep=True)
+                         if "decode_step" in names else None))
         release_memory()
         paths = {k: os.path.join(directory, n) for k, n in names.items()}
         for name in names:
