@@ -321,16 +321,120 @@ def test_fused_encoder_export_runs_on_this_backend(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_nbits_weight_layout_past_one_chunk_of_columns(bits):
+def test_nbits_weight_layout_past_one_chunk_of_columns(bits, monkeypatch):
     """`nbits_weight` over more output columns than it quantizes at once:
     the codes unpacked here (low nibble first, zero point 2^(bits-1))
     times the scales give this test's own blockwise quantization."""
-    from keras_attn.export.onnx_quantize import nbits_weight
+    from keras_attn.export import onnx_quantize
 
+    # 700 columns a chunk: 12 whole chunks and a part one, on any number of cores.
+    monkeypatch.setattr(onnx_quantize, "_NUMBERS_PER_CHUNK", 40 * 700)
     weight = np.random.default_rng(3).standard_normal((40, 9000)).astype(np.float32)
-    stored, scales = nbits_weight(weight, bits, 32)
+    weight[:, 5] = 0  # a block of zeros: scale 0, codes at the zero point
+    stored, scales = onnx_quantize.nbits_weight(weight, bits, 32)
     if bits == 4:
         stored = np.stack([stored & 15, stored >> 4], axis=-1).reshape(stored.shape[0], stored.shape[1], -1)
     codes = stored.astype(np.float32) - 2 ** (bits - 1)  # (N, blocks, 32)
     got = (codes * scales.reshape(codes.shape[0], -1, 1)).reshape(codes.shape[0], -1)[:, :40].T
     np.testing.assert_array_equal(got, _dequantized(weight, bits))
+
+
+def _variable_memory(variable):
+    """A NumPy view of `variable`'s own buffer, read off the backend here."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return np.asarray(variable.value.read_value())
+    if backend == "torch":
+        return variable.value.detach().cpu().numpy()
+    return np.asarray(variable.value)
+
+
+def _spy_on_verification(monkeypatch, before=None):
+    """Records the `shared` weights `export_onnx_genai` hands its verification
+    (calling `before(path, shared)` first)."""
+    from keras_attn.runtimes import onnx_genai
+
+    seen = {}
+    verify = onnx_genai.verify_genai_model
+
+    def spy(model, path, **kwargs):
+        seen.update(kwargs["shared"])
+        if before is not None:
+            before(path, kwargs["shared"])
+        return verify(model, path, **kwargs)
+
+    monkeypatch.setattr(onnx_genai, "verify_genai_model", spy)
+    monkeypatch.setattr(onnx_genai, "EXTERNAL_DATA_BYTES", 0)  # weights in model.onnx.data
+    return seen
+
+
+def test_genai_verification_runs_on_the_models_own_weights(tmp_path, monkeypatch):
+    """A float32 export's verification runs onnxruntime on the Keras
+    variables' own memory, not on a second copy mapped from
+    `model.onnx.data`: each such weight the writer hands over is a view of
+    its variable's buffer, and the file holds exactly its values."""
+    import onnx
+    from onnx import numpy_helper
+
+    from keras_attn.runtimes import export_onnx_genai
+
+    lm = make_lm(**FAMILIES["qwen2"])
+    shared = _spy_on_verification(monkeypatch)
+    report = export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="fused")
+    assert report.max_abs_error <= report.atol
+    variables = {"model.embed_tokens.weight": lm.embedding.embeddings}
+    for i, block in enumerate(lm.blocks):
+        variables[f"/model/layers.{i}/mlp/gate_proj.weight"] = block.feedforward_gate_dense.kernel
+        variables[f"/model/layers.{i}/mlp/down_proj.weight"] = block.feedforward_output_dense.kernel
+    assert set(variables) <= set(shared), sorted(set(variables) - set(shared))
+    written = {t.name: numpy_helper.to_array(t, base_dir=str(tmp_path))
+               for t in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.initializer}
+    for name, variable in variables.items():
+        assert np.shares_memory(shared[name], _variable_memory(variable)), name
+        assert not shared[name].flags.writeable, name
+        np.testing.assert_array_equal(written[name], keras.ops.convert_to_numpy(variable))
+    # The packed Q/K/V is made for the file: read from it, not handed over.
+    assert "/model/layers.0/attn/qkv_proj.weight" not in shared
+
+
+def test_genai_weight_written_wrong_is_caught(tmp_path, monkeypatch):
+    """One byte of a handed-over weight changed in `model.onnx.data` before
+    the verification: the export fails with a `ParityError` naming it and
+    leaves no model behind."""
+    import onnx
+
+    from keras_attn.export.report import ParityError
+    from keras_attn.runtimes import export_onnx_genai
+
+    name = "/model/layers.1/mlp/up_proj.weight"
+
+    def flip_a_byte(path, shared):
+        tensor = next(t for t in onnx.load(path, load_external_data=False).graph.initializer if t.name == name)
+        where = {e.key: e.value for e in tensor.external_data}
+        with open(tmp_path / where["location"], "r+b") as f:
+            f.seek(int(where["offset"]) + 17)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+
+    _spy_on_verification(monkeypatch, before=flip_a_byte)
+    with pytest.raises(ParityError, match="up_proj"):
+        export_onnx_genai(make_lm(**FAMILIES["llama"]), tmp_path, max_length=CACHE, writer="fused")
+    assert not (tmp_path / "model.onnx").exists() and not (tmp_path / "model.onnx.data").exists()
+
+
+def test_external_data_check_refuses_another_shape_or_type(tmp_path):
+    """`check_external_data` compares the stored type and shape too."""
+    from keras_attn.export.onnx_decoder import check_external_data
+    from keras_attn.export.report import ParityError
+
+    lm = make_lm(**FAMILIES["llama"])
+    shared = {}
+    proto = decoder_model_proto(lm, max_length=CACHE, external_data=str(tmp_path / "model.onnx.data"),
+                                shared=shared)
+    (tmp_path / "model.onnx").write_bytes(proto.SerializeToString())
+    check_external_data(str(tmp_path / "model.onnx"), shared)
+    name, array = next((k, v) for k, v in shared.items() if v.ndim == 2)
+    for wrong in (array.reshape(-1), array.T, array.astype(np.float64)):
+        with pytest.raises(ParityError, match=name):
+            check_external_data(str(tmp_path / "model.onnx"), {name: wrong})

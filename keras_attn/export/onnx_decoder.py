@@ -168,11 +168,34 @@ def check_fusable_decoder(model, max_length=None):
 
 
 def weight_value(x):
-    """A Keras variable or tensor as float32 NumPy (any backend)."""
+    """A Keras variable or tensor as float32 NumPy (any backend). A float32
+    variable comes back as a read-only view of its own memory (no copy: a
+    float32 model's weights are not held twice while they are written)."""
     import keras
 
-    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
-    return np.asarray(value, dtype=np.float32)
+    if not isinstance(x, keras.Variable):
+        return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float32)
+    if x.dtype == "float32":
+        value = x.value
+        backend = keras.backend.backend()
+        if backend == "tensorflow":  # a read of a resource variable shares its buffer
+            value = np.asarray(value.read_value())
+        elif backend == "torch":
+            value = value.detach().cpu().numpy()
+        else:
+            value = np.asarray(value)
+        value = value.view()
+        value.flags.writeable = False
+        return value
+    return np.asarray(x.numpy(), dtype=np.float32)
+
+
+def borrowed(array):
+    """Whether `array` views memory that no NumPy array made here owns (a
+    variable's buffer, from `weight_value`): keeping it costs nothing."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return not isinstance(array, np.ndarray)
 
 
 def projection_kernel(dense, heads_first_input=False):
@@ -215,19 +238,64 @@ _EXTERNAL_MIN_BYTES = 1024
 _EXTERNAL_ALIGNMENT = 4096
 
 
+def check_external_data(path, arrays):
+    """Raises `ParityError` unless each initializer of the ONNX file `path`
+    named in `arrays` (`{name: array}`) is in its external data with that
+    array's type, shape and bytes (read a piece at a time: nothing of the
+    file stays resident)."""
+    import onnx
+    from onnx import helper
+
+    from keras_attn.export.report import ParityError
+
+    folder = os.path.dirname(os.path.abspath(path))
+    tensors = {t.name: t for t in onnx.load(path, load_external_data=False).graph.initializer}
+    piece = np.empty(_COMPARE_BYTES, np.uint8)
+    for name, array in arrays.items():
+        tensor = tensors.get(name)
+        where = {e.key: e.value for e in tensor.external_data} if tensor is not None else {}
+        if (tensor is None or tensor.data_location != onnx.TensorProto.EXTERNAL
+                or tuple(tensor.dims) != array.shape
+                or tensor.data_type != helper.np_dtype_to_tensor_dtype(array.dtype)
+                or int(where.get("length", -1)) != array.nbytes):
+            raise ParityError(f"{path}: initializer {name!r} is not stored as the model's "
+                              f"{array.dtype} {array.shape} weight")
+        expected = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        with open(os.path.join(folder, where["location"]), "rb") as f:
+            f.seek(int(where.get("offset", 0)))
+            for start in range(0, expected.size, piece.size):
+                count = f.readinto(piece[:min(piece.size, expected.size - start)])
+                if count == 0 or not _same_bytes(piece[:count], expected[start:start + count]):
+                    raise ParityError(f"{path}: the bytes of initializer {name!r} in "
+                                      f"{where['location']} differ from the model's weight")
+
+
+_COMPARE_BYTES = 1 << 26
+
+
+def _same_bytes(a, b):
+    """`a == b` for two 1-D uint8 arrays of one size, eight bytes a compare."""
+    whole = a.size // 8 * 8
+    return (np.array_equal(a[:whole].view(np.uint64), b[:whole].view(np.uint64))
+            and np.array_equal(a[whole:], b[whole:]))
+
+
 class Graph:
     """An ONNX graph being written: `nodes`, `initializers` (`const`: each
     large one streamed to `data_file` as it is made, when given) and the
     weight helpers (`weight`, `tied_table`, `apply`, `gather_rows`,
     `activation`) the direct decoder writers share."""
 
-    def __init__(self, bits, block_size, accuracy_level, data_file=None):
+    def __init__(self, bits, block_size, accuracy_level, data_file=None, shared=None):
         self.nodes = []
         self.initializers = []
         self.bits = bits
         self.block_size = block_size
         self.accuracy_level = accuracy_level
         self.data_file = data_file  # open binary file, or None: weights inside the proto
+        # {name: array} of the external weights that are the model's own
+        # memory (`borrowed`), when a dict is given.
+        self.shared = shared
 
     def const(self, array, name):
         from onnx import TensorProto
@@ -250,6 +318,8 @@ class Graph:
                            ("offset", str(offset)), ("length", str(array.nbytes))):
             tensor.external_data.add(key=key, value=value)
         self.initializers.append(tensor)
+        if self.shared is not None and borrowed(array):
+            self.shared[name] = array
         return name
 
     def node(self, op, inputs, name, outputs=1, domain="", **attrs):
@@ -375,7 +445,7 @@ class Graph:
 
 
 def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
-                        external_data=None, prompt_logits="last"):
+                        external_data=None, prompt_logits="last", shared=None):
     """The GenAI decoder graph of `model` (a `DecoderOnlyLM`) as an ONNX
     `ModelProto` with onnxruntime's fused ops (see the module docstring).
 
@@ -396,6 +466,11 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
             have a static 1 there as one that computes only those); the last
             layer's output projection, feed-forward, final norm and head run
             on that row only. "all": `(B, T, V)`, every position.
+        shared: None, or a dict that receives `{initializer name: array}`
+            for each weight written to `external_data` exactly as the model
+            holds it in memory (a read-only view of its variable): a check
+            can run the graph on those arrays (onnxruntime's
+            `SessionOptions.add_initializer`) instead of a second copy.
 
     Raises:
         NotFusableError: `model` has an option the writer does not cover.
@@ -406,7 +481,7 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        return _decoder_graph(model, Graph(bits, block_size, accuracy_level, data_file),
+        return _decoder_graph(model, Graph(bits, block_size, accuracy_level, data_file, shared),
                               max_length, opset, prompt_logits == "last")
 
 

@@ -25,6 +25,9 @@ dot-product kernels and computes in float32 elsewhere (SSE-only CPUs), so
 its answers move with the CPU within the quantization error.
 """
 
+import concurrent.futures
+import os
+
 import numpy as np
 
 # VPMADDUBSW adds two uint8 x int8 products into an int16.
@@ -100,19 +103,28 @@ def check_no_int8_saturation(proto):
 
 
 def _blockwise_symmetric(weight, bits, block_size):
-    """`(codes, scales)`: `weight` (K, N) as signed `bits`-bit codes in blocks
-    of `block_size` along K, one scale per block = max |w| / (2^(bits-1) - 1),
-    laid out as MatMulNBits reads them: codes `(N, blocks, block_size)`
-    (K zero-padded), scales `(N, blocks)`."""
+    """`(codes, scales)`: `weight` (K, N) as `bits`-bit codes with the zero
+    point 2^(bits-1), one scale per block of `block_size` along K = max |w|
+    / (2^(bits-1) - 1), laid out as MatMulNBits reads them: uint8 codes `(N,
+    blocks, block_size * bits / 8)` (K zero-padded; 4-bit codes two a byte,
+    the first in the low nibble), float32 scales `(N, blocks)`."""
     k, n = weight.shape
     blocks = -(-k // block_size)
-    padded = np.zeros((n, blocks * block_size), np.float32)
-    padded[:, :k] = weight.T
-    padded = padded.reshape(n, blocks, block_size)
+    # Worked on in the weight's own (K, N) layout, which reduces and divides
+    # along contiguous rows; only the uint8 codes are transposed at the end.
+    padded = np.zeros((blocks * block_size, n), np.float32)
+    padded[:k] = weight
+    padded = padded.reshape(blocks, block_size, n)
     top = (1 << (bits - 1)) - 1
-    scales = np.abs(padded).max(-1) / top
-    codes = np.rint(padded / np.where(scales == 0, 1, scales)[..., None])
-    return np.clip(codes, -top, top).astype(np.int32), scales.astype(np.float32)
+    scales = np.maximum(padded.max(1), -padded.min(1)) / np.float32(top)
+    np.divide(padded, np.where(scales == 0, np.float32(1), scales)[:, None, :], out=padded)
+    np.rint(padded, out=padded)
+    np.clip(padded, -top, top, out=padded)
+    padded += np.float32(1 << (bits - 1))
+    codes = padded.astype(np.uint8)
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return codes.transpose(2, 0, 1), scales.T
 
 
 def nbits_weight(weight, bits, block_size):
@@ -121,21 +133,27 @@ def nbits_weight(weight, bits, block_size):
     with the default zero point 2^(bits-1): `stored` uint8 `(N, blocks,
     block_size * bits / 8)` (two 4-bit codes a byte, the first in the low
     nibble), `scales` float32 `(N * blocks,)`."""
-    stored, scales = [], []
-    # A few thousand output columns at a time: the float temporaries of a
-    # vocabulary-sized head stay small beside the model.
-    for start in range(0, weight.shape[1], _COLUMNS_PER_CHUNK):
-        chunk = np.asarray(weight[:, start:start + _COLUMNS_PER_CHUNK], np.float32)
-        codes, chunk_scales = _blockwise_symmetric(chunk, bits, block_size)
-        codes = (codes + (1 << (bits - 1))).astype(np.uint8)
-        if bits == 4:
-            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        stored.append(codes)
-        scales.append(chunk_scales)
-    return np.concatenate(stored), np.concatenate(scales).reshape(-1)
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    stored = np.empty((n, blocks, block_size * bits // 8), np.uint8)
+    scales = np.empty((n, blocks), np.float32)
+    # Column chunks of a few million numbers: the float temporaries of a
+    # vocabulary-sized head stay small beside the model, and NumPy, which
+    # lets go of the GIL in its loops, quantizes one chunk per core.
+    columns = max(1, min(-(-n // _THREADS), _NUMBERS_PER_CHUNK // max(k, 1)))
+
+    def quantize(start):
+        chunk = np.asarray(weight[:, start:start + columns], np.float32)
+        stored[start:start + columns], scales[start:start + columns] = _blockwise_symmetric(
+            chunk, bits, block_size)
+
+    with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+        list(pool.map(quantize, range(0, n, columns)))
+    return stored, scales.reshape(-1)
 
 
-_COLUMNS_PER_CHUNK = 4096
+_NUMBERS_PER_CHUNK = 1 << 22
+_THREADS = min(8, os.cpu_count() or 1)
 
 
 def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):

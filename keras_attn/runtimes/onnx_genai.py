@@ -178,9 +178,9 @@ _WRITERS = ("auto", "fused", "tf2onnx")
 
 
 def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
-                      opset=17, external_data=None, prompt_logits="last"):
+                      opset=17, external_data=None, prompt_logits="last", shared=None):
     """The GenAI graph of `model` as an ONNX `ModelProto`, quantized (see
-    `export_onnx_genai` for the arguments; `external_data`: as
+    `export_onnx_genai` for the arguments; `external_data` and `shared`: as
     `keras_attn.export.onnx_decoder.decoder_model_proto`'s, for the fused
     graph without "dynamic" quantization)."""
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
@@ -192,7 +192,7 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
             proto = onnx_decoder.decoder_model_proto(
                 model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
                 external_data=None if quantization == "dynamic" else external_data,
-                prompt_logits=prompt_logits)
+                prompt_logits=prompt_logits, shared=None if quantization == "dynamic" else shared)
         except NotFusableError as error:
             if writer == "fused":
                 raise
@@ -287,15 +287,16 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     large = model.count_params() * 4 > EXTERNAL_DATA_BYTES
     if os.path.exists(path + ".data"):
         os.remove(path + ".data")  # an earlier export's weights
+    shared = {}  # the weights written as the model holds them
     proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
                               writer=writer, accuracy_level=accuracy_level, opset=opset,
                               external_data=path + ".data" if large else None,
-                              prompt_logits=prompt_logits)
+                              prompt_logits=prompt_logits, shared=shared)
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
     try:  # from the file: a large model's weights are in `model.onnx.data`
         verified = verify_genai_model(model, path, max_length=max_length,
-                                      quantization=quantization)
+                                      quantization=quantization, shared=shared)
     except ParityError:
         for written in (path, path + ".data"):
             if os.path.exists(written):
@@ -315,15 +316,30 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
                               "quantization": quantization, "prompt_logits": prompt_logits})
 
 
-def verify_genai_model(model, path, *, max_length, quantization=None):
+def verify_genai_model(model, path, *, max_length, quantization=None, shared=None):
     """The GenAI graph at `path` (`model.onnx`) run in onnxruntime as GenAI
-    runs it, against Keras (`verification.verify_prefill_decode`)."""
+    runs it, against Keras (`verification.verify_prefill_decode`).
+
+    `shared` (`{initializer name: array}`, from the writer): weights in
+    `model.onnx.data` that are the Keras model's own memory. The session
+    runs on those arrays instead of mapping the file (a float32 model would
+    be resident twice), and the file's bytes are checked equal to them
+    (`ParityError` otherwise), so what was run is what was written."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    # No packed copies of the weights for a few verification calls: beside
-    # the Keras model they would be a third copy of a float32 model.
-    options.add_session_config_entry("session.disable_prepacking", "1")
+    if quantization is None:
+        # No packed copies of float32 weights for a few calls: beside the
+        # Keras model they would be a second copy of it. Quantized weights
+        # are packed (a fraction of the model): unpacked, MatMulNBits
+        # unpacks every weight on every call (4 s a call at 1.5B, int4).
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    if shared:
+        onnx_decoder.check_external_data(path, shared)
+    # onnxruntime borrows these values: they must outlive the session.
+    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in (shared or {}).items()}
+    for name, value in values.items():
+        options.add_initializer(name, value)
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     last_only = session.get_outputs()[0].shape[1] == 1  # logits (B, 1, V): the last token's
