@@ -184,3 +184,25 @@ def test_variables_made_on_the_tensors_own_memory_equal_and_share_it_with_nothin
     for name, value in hf.state_dict().items():
         assert torch.equal(value, kept[name]), name
     assert all((keras.ops.convert_to_numpy(v.value) == 7).all() for v in lm.weights)
+
+
+@pytest.mark.parametrize("rows,columns", [(600, 520), (3, 700), (257, 1)])
+def test_assign_takes_transposed_checkpoint_kernels_in_c_order(rows, columns):
+    """A checkpoint's `(out, in)` kernel, transposed (a view read against its
+    memory order, copied in tiles past 256), lands in a Dense kernel as it
+    is, and in an attention kernel `(in, heads, head_dim)` as NumPy's C-order
+    reshape; a value of another shape is refused unless `reshape` is asked."""
+    checkpoint = np.random.default_rng(0).standard_normal((columns, rows)).astype("float32")
+    kernel = keras.Variable(np.zeros((rows, columns), "float32"))
+    common.assign(kernel, checkpoint.T, "dense.weight")
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(kernel), checkpoint.T)
+    if columns % 2 == 0:
+        heads = keras.Variable(np.zeros((rows, 2, columns // 2), "float32"))
+        common.assign(heads, checkpoint.T, "q_proj.weight", reshape=True)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(heads),
+                                      np.reshape(checkpoint.T, (rows, 2, columns // 2)))
+        with pytest.raises(ValueError, match=r"q_proj.weight` has shape .* expects"):
+            common.assign(heads, checkpoint.T, "q_proj.weight")
+    if rows != columns:
+        with pytest.raises(ValueError, match="dense.weight"):
+            common.assign(kernel, checkpoint, "dense.weight", reshape=False)

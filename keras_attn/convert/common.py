@@ -125,12 +125,20 @@ def aligned_empty(shape, dtype, alignment=64):
     pages go back to the system when it is freed. From the heap, the freed
     tensors of a conversion (held until their variables are made) stay in
     the process when the variables are allocated beside them (BERT-base:
-    0.3 GB more at the end, measured).
+    0.3 GB more at the end, measured). The map is private and, on Linux,
+    populated as it is made: the kernel fills it in one pass instead of one
+    page fault per 4 KB as it is written (Qwen2.5-1.5B's conversion: 16.9 s
+    against 20.8 s for a shared map filled by faults, measured).
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes >= _OWN_PAGES:  # page-aligned
-        return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+        if hasattr(mmap, "MAP_PRIVATE"):  # POSIX
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            pages = mmap.mmap(-1, nbytes, flags=flags)
+        else:
+            pages = mmap.mmap(-1, nbytes)
+        return np.frombuffer(pages, dtype).reshape(shape)
     buffer = np.empty(nbytes + alignment, np.uint8)
     start = -buffer.ctypes.data % alignment
     return buffer[start : start + nbytes].view(dtype).reshape(shape)
@@ -342,21 +350,24 @@ def _tensorflow_alias(array):
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
-def assign(variable, value, name):
+def assign(variable, value, name, reshape=False):
     """Gives float32 `value` to `variable`, rounded (to nearest even) to its
     dtype: its initial value if it is deferred (`values_from_checkpoint`),
-    else assigned now."""
+    else assigned now. `reshape`: a value of another shape with as many
+    numbers is taken in C order (a head-major output axis onto `(heads,
+    head_dim)`)."""
     value = np.asarray(value, dtype="float32")
-    if tuple(variable.shape) != value.shape:
+    shape = tuple(variable.shape)
+    if value.shape != shape and not (reshape and value.size == int(np.prod(shape))):
         raise ValueError(
             f"Checkpoint tensor `{name}` has shape {value.shape}; the keras_attn "
-            f"variable `{variable.path}` expects {tuple(variable.shape)}."
+            f"variable `{variable.path}` expects {shape}."
         )
     # Always a copy of its own: the variable may take this memory as it is
     # (`_Value`), so it must share it with no other array (a transformers
     # model's parameter, a view another variable also takes).
-    converted = aligned_empty(value.shape, _VARIABLE_DTYPES[variable.dtype])
-    converted[...] = value
+    converted = aligned_empty(shape, _VARIABLE_DTYPES[variable.dtype])
+    _copy(converted.reshape(value.shape), value)
     # A deferred variable (created in a `keras.StatelessScope`, no value yet)
     # keeps its initializer until the scope ends; Keras has no public way to
     # set it, and `assign` in the scope would only record the value beside it.
@@ -364,6 +375,23 @@ def assign(variable, value, name):
         variable._initializer = _Value(converted)
     else:
         variable.assign(converted)
+
+
+_TILE = 256
+
+
+def _copy(destination, value):
+    """`destination[...] = value`. A 2-D value read against its memory order
+    (a checkpoint's `(out, in)` kernel transposed) is copied in square
+    tiles, which keep both sides in cache: 5x faster than NumPy's strided
+    copy for a 1536 x 8960 kernel, measured."""
+    if value.ndim != 2 or value.flags.c_contiguous:
+        destination[...] = value
+        return
+    rows, columns = value.shape
+    for i in range(0, rows, _TILE):
+        for j in range(0, columns, _TILE):
+            destination[i:i + _TILE, j:j + _TILE] = value[i:i + _TILE, j:j + _TILE]
 
 
 def set_norm(layer, weights, prefix):
@@ -377,9 +405,10 @@ def set_rms_norm(layer, scale, name):
     assign(layer.scale, scale, name)
 
 
-def set_dense(layer, kernel, bias, name):
-    """`bias` None for a Dense without one (both sides must agree)."""
-    assign(layer.kernel, kernel, name + ".weight")
+def set_dense(layer, kernel, bias, name, reshape=False):
+    """`bias` None for a Dense without one (both sides must agree);
+    `reshape` as for `assign` (the bias is always taken in C order)."""
+    assign(layer.kernel, kernel, name + ".weight", reshape=reshape)
     _assign_bias(layer, bias, name)
 
 
@@ -390,14 +419,7 @@ def _assign_bias(layer, bias, name):
             f"keras_attn layer `{layer.path}` {'has' if layer.bias is not None else 'has none'}."
         )
     if bias is not None:
-        assign(layer.bias, _fit(bias, layer.bias.shape), name + ".bias")
-
-
-def _fit(value, shape):
-    """`value` in the layout `shape` when it has as many numbers (a head-major
-    output axis onto `(heads, head_dim)`); else as it is, for `assign` to refuse."""
-    value = np.asarray(value)
-    return np.reshape(value, tuple(shape)) if value.size == int(np.prod(tuple(shape))) else value
+        assign(layer.bias, bias, name + ".bias", reshape=True)
 
 
 def set_attention(mha, q, k, v, out):
@@ -417,7 +439,7 @@ def set_attention(mha, q, k, v, out):
                 f"projection; the checkpoint {'has' if weights is not None else 'has none'}."
             )
         kernel, bias, name = weights
-        set_dense(dense, _fit(kernel, dense.kernel.shape), bias, name)
+        set_dense(dense, kernel, bias, name, reshape=True)
 
 
 def set_lm_head(lm, weights, tied, table, table_name, untied_bias=False):
