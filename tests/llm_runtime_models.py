@@ -234,3 +234,16 @@ def trained_dates_decoder(num_heads=3, intermediate_dim=96):
     # Measured 0.82 (two seeds); full-range int8 weights were told apart at 0.76 already.
     assert accuracy >= 0.75, f"the model to judge int8 by is under-trained: {accuracy:.3f}"
     return lm, tok, data.shape[1], held_out, answer, keras_next
+
+
+def variable_memory(variable):
+    """A NumPy view of `variable`'s own buffer, read off the backend here
+    (to check that an exporter's arrays are views of it, not copies)."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return np.asarray(variable.value.read_value())
+    if backend == "torch":
+        return variable.value.detach().cpu().numpy()
+    return np.asarray(variable.value)

@@ -17,6 +17,7 @@ from keras_attn.export.onnx_decoder import decoder_model_proto
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
+from tests.llm_runtime_models import variable_memory
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -339,16 +340,6 @@ def test_nbits_weight_layout_past_one_chunk_of_columns(bits, monkeypatch):
     np.testing.assert_array_equal(got, _dequantized(weight, bits))
 
 
-def _variable_memory(variable):
-    """A NumPy view of `variable`'s own buffer, read off the backend here."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        return np.asarray(variable.value.read_value())
-    if backend == "torch":
-        return variable.value.detach().cpu().numpy()
-    return np.asarray(variable.value)
-
-
 def _spy_on_verification(monkeypatch, before=None):
     """Records the `shared` weights `export_onnx_genai` hands its verification
     (calling `before(path, shared)` first)."""
@@ -390,7 +381,7 @@ def test_genai_verification_runs_on_the_models_own_weights(tmp_path, monkeypatch
     written = {t.name: numpy_helper.to_array(t, base_dir=str(tmp_path))
                for t in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.initializer}
     for name, variable in variables.items():
-        assert np.shares_memory(shared[name], _variable_memory(variable)), name
+        assert np.shares_memory(shared[name], variable_memory(variable)), name
         assert not shared[name].flags.writeable, name
         np.testing.assert_array_equal(written[name], keras.ops.convert_to_numpy(variable))
     # The packed Q/K/V is made for the file: read from it, not handed over.

@@ -193,6 +193,49 @@ def test_the_models_share_one_external_weights_file(llama_like, exported):
     assert os.path.getsize(report["decode"]) < stored / 4
 
 
+def test_verification_runs_on_the_models_weights_and_catches_a_byte_written_wrong(llama_like, tmp_path,
+                                                                                   monkeypatch):
+    """The verification's sessions run on the Keras variables' own memory
+    (views handed over by the writer, not a second copy mapped from the
+    weights file), after the file's bytes are compared with them: one byte
+    changed in the file fails the export with a `ParityError` naming the
+    weight, and nothing is left in the folder."""
+    from keras_attn.export import onnx_decoder
+    from keras_attn.export.report import ParityError
+
+    handed = {}
+    make_session = onnx_decoder.inference_session
+
+    def spy(path, shared=None, prepack=True):
+        handed.update(shared or {})
+        return make_session(path, shared, prepack)
+
+    monkeypatch.setattr(onnx_decoder, "inference_session", spy)
+    signatures.export_onnx(llama_like, str(tmp_path / "good"), max_length=MAX_LEN)
+    gate = llama_like.blocks[0].feedforward_gate_dense.kernel
+    views = [v for v in handed.values() if v.shape == tuple(gate.shape)]
+    assert views and all(not v.flags.writeable for v in views)
+    assert any(np.shares_memory(v, models.variable_memory(gate)) for v in views)
+
+    check = onnx_decoder.check_external_data
+
+    def corrupt_then_check(path, arrays):
+        name = next(iter(arrays))
+        tensor = next(t for t in onnx.load(path, load_external_data=False).graph.initializer if t.name == name)
+        where = {e.key: e.value for e in tensor.external_data}
+        with open(os.path.join(os.path.dirname(path), where["location"]), "r+b") as f:
+            f.seek(int(where["offset"]) + 5)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 4]))
+        return check(path, arrays)
+
+    monkeypatch.setattr(onnx_decoder, "check_external_data", corrupt_then_check)
+    with pytest.raises(ParityError, match="differ from the model's weight"):
+        signatures.export_onnx(llama_like, str(tmp_path / "bad"), max_length=MAX_LEN)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_every_op_is_standard_onnx(exported):
     report, _ = exported
     for name in ("prefill", "decode", "decode_step"):

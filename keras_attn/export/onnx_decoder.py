@@ -270,6 +270,25 @@ def check_external_data(path, arrays):
                                       f"{where['location']} differ from the model's weight")
 
 
+def inference_session(path, shared=None, prepack=True):
+    """An onnxruntime CPU session of the ONNX file `path` that runs on the
+    arrays `shared` (`{initializer name: array}`, e.g. views of a model's
+    variables) in place of those initializers' stored bytes, which the
+    caller checks against them (`check_external_data`). `prepack=False`:
+    no packed copies of the weights (each call packs them again)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in (shared or {}).items()}
+    for name, value in values.items():
+        options.add_initializer(name, value)
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    session.borrowed_values = values  # onnxruntime borrows them: they must outlive the session
+    return session
+
+
 _COMPARE_BYTES = 1 << 26
 
 

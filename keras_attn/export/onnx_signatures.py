@@ -108,7 +108,7 @@ def check_signature_decoder(model, max_length, opset=17):
 
 
 def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=128,
-                     external_data=None):
+                     external_data=None, shared=None):
     """`{"prefill": ModelProto, "decode": ModelProto}` of `model` (see the module docstring).
 
     Args:
@@ -121,6 +121,8 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
         external_data: None (weights inside each proto; under 2 GB in all) or
             the path of the one file both models' weights are streamed to,
             each once (save the protos in its folder).
+        shared: None, or a dict that receives the weights written exactly
+            as the model holds them (`onnx_decoder.decoder_model_proto`'s).
 
     Raises:
         NotFusableError: `model` has an option this writer does not cover.
@@ -133,7 +135,7 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
     names = ("prefill", "decode") + (() if cache_layout(model, max_length)[1] else ("decode_step",))
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        weights = _Weights(Graph(None, 32, 0, data_file))
+        weights = _Weights(Graph(None, 32, 0, data_file, shared))
         return {name: _Signature(model, name, max_length, checks, opset, read_bucket, weights).proto()
                 for name in names}
 

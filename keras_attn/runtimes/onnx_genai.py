@@ -325,22 +325,13 @@ def verify_genai_model(model, path, *, max_length, quantization=None, shared=Non
     runs on those arrays instead of mapping the file (a float32 model would
     be resident twice), and the file's bytes are checked equal to them
     (`ParityError` otherwise), so what was run is what was written."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if quantization is None:
-        # No packed copies of float32 weights for a few calls: beside the
-        # Keras model they would be a second copy of it. Quantized weights
-        # are packed (a fraction of the model): unpacked, MatMulNBits
-        # unpacks every weight on every call (4 s a call at 1.5B, int4).
-        options.add_session_config_entry("session.disable_prepacking", "1")
     if shared:
         onnx_decoder.check_external_data(path, shared)
-    # onnxruntime borrows these values: they must outlive the session.
-    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in (shared or {}).items()}
-    for name, value in values.items():
-        options.add_initializer(name, value)
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    # No packed copies of float32 weights for a few calls: beside the Keras
+    # model they would be a second copy of it. Quantized weights are packed
+    # (a fraction of the model): unpacked, MatMulNBits unpacks every weight
+    # on every call (4 s a call at 1.5B, int4).
+    session = onnx_decoder.inference_session(path, shared, prepack=quantization is not None)
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     last_only = session.get_outputs()[0].shape[1] == 1  # logits (B, 1, V): the last token's
 

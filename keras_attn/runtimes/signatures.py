@@ -78,6 +78,7 @@ import warnings
 import tensorflow as tf
 
 from keras_attn.checks import check_choice
+from keras_attn.export import onnx_decoder
 from keras_attn.export import onnx_signatures
 from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx import rename_value
@@ -557,17 +558,19 @@ def _ort_runner(session):
     return run
 
 
-def _ort_file_runner(path, keep):
+def _ort_file_runner(path, keep, shared=None):
     """`_ort_runner` of the model at `path`, its session opened at the first
     call and, unless `keep`, closed after each; `run.release()` closes it
-    (verification holds one session's copy of the weights at a time)."""
-    import onnxruntime as ort
+    (verification holds one session's copy of the weights at a time).
 
+    `shared` (`{initializer name: array}`: weights the model holds in
+    memory, checked equal to the file's by the caller): the session runs on
+    those arrays, unpacked, instead of mapping and packing a second copy."""
     held = []
 
     def run(**kwargs):
         if not held:
-            held.append(_ort_runner(ort.InferenceSession(path, providers=["CPUExecutionProvider"])))
+            held.append(_ort_runner(onnx_decoder.inference_session(path, shared, prepack=not shared)))
         out = held[0](**kwargs)
         if not keep:
             held.clear()
@@ -635,20 +638,23 @@ def _export_onnx_direct(model, directory, details):
         if not onnx_signatures.cache_layout(model, details["max_length"])[1]:  # not a ring
             names["decode_step"] = "decode_step.onnx"
         staged_paths = {k: os.path.join(staging, n) for k, n in names.items()}
+        shared = {}  # the weights written as the model holds them
         protos = onnx_signatures.signature_models(
             model, max_length=details["max_length"], checks=details["checks"], opset=details["opset"],
-            read_bucket=decoder_trace.READ_BUCKET, external_data=staged_paths["weights"])
+            read_bucket=decoder_trace.READ_BUCKET, external_data=staged_paths["weights"], shared=shared)
         ops = sorted({n.op_type for proto in protos.values() for n in proto.graph.node})
+        runners = {}
         for name, proto in protos.items():
             with open(staged_paths[name], "wb") as f:
                 f.write(proto.SerializeToString())
+            own = {t.name: shared[t.name] for t in proto.graph.initializer if t.name in shared}
+            onnx_decoder.check_external_data(staged_paths[name], own)
+            runners[name] = _ort_file_runner(staged_paths[name], keep=name != "prefill", shared=own)
         del protos
         release_memory()
         verified = verification.verify_prefill_decode(
-            "onnx", model, _ort_file_runner(staged_paths["prefill"], keep=False),
-            _ort_file_runner(staged_paths["decode"], keep=True), max_length=details["max_length"],
-            decode_step=(_ort_file_runner(staged_paths["decode_step"], keep=True)
-                         if "decode_step" in names else None))
+            "onnx", model, runners["prefill"], runners["decode"], max_length=details["max_length"],
+            decode_step=runners.get("decode_step"))
         release_memory()
         paths = {k: os.path.join(directory, n) for k, n in names.items()}
         for name in names:
