@@ -238,11 +238,14 @@ _EXTERNAL_MIN_BYTES = 1024
 _EXTERNAL_ALIGNMENT = 4096
 
 
-def check_external_data(path, arrays):
+def check_external_data(path, arrays, checked=None):
     """Raises `ParityError` unless each initializer of the ONNX file `path`
     named in `arrays` (`{name: array}`) is in its external data with that
     array's type, shape and bytes (read a piece at a time: nothing of the
-    file stays resident)."""
+    file stays resident). `checked`: a dict of the `(file, offset, length)`
+    already compared, per name, which this call adds to; a tensor stored
+    where one of them is (models sharing one weights file) is not read
+    again."""
     import onnx
     from onnx import helper
 
@@ -250,6 +253,7 @@ def check_external_data(path, arrays):
 
     folder = os.path.dirname(os.path.abspath(path))
     tensors = {t.name: t for t in onnx.load(path, load_external_data=False).graph.initializer}
+    checked = {} if checked is None else checked
     piece = np.empty(_COMPARE_BYTES, np.uint8)
     for name, array in arrays.items():
         tensor = tensors.get(name)
@@ -260,14 +264,18 @@ def check_external_data(path, arrays):
                 or int(where.get("length", -1)) != array.nbytes):
             raise ParityError(f"{path}: initializer {name!r} is not stored as the model's "
                               f"{array.dtype} {array.shape} weight")
+        span = (os.path.join(folder, where["location"]), int(where.get("offset", 0)), array.nbytes)
+        if checked.get(name) == span:
+            continue
         expected = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        with open(os.path.join(folder, where["location"]), "rb") as f:
-            f.seek(int(where.get("offset", 0)))
+        with open(span[0], "rb") as f:
+            f.seek(span[1])
             for start in range(0, expected.size, piece.size):
                 count = f.readinto(piece[:min(piece.size, expected.size - start)])
                 if count == 0 or not _same_bytes(piece[:count], expected[start:start + count]):
                     raise ParityError(f"{path}: the bytes of initializer {name!r} in "
                                       f"{where['location']} differ from the model's weight")
+        checked[name] = span
 
 
 def inference_session(path, shared=None, prepack=True):

@@ -643,12 +643,12 @@ def _export_onnx_direct(model, directory, details):
             model, max_length=details["max_length"], checks=details["checks"], opset=details["opset"],
             read_bucket=decoder_trace.READ_BUCKET, external_data=staged_paths["weights"], shared=shared)
         ops = sorted({n.op_type for proto in protos.values() for n in proto.graph.node})
-        runners = {}
+        runners, checked = {}, {}
         for name, proto in protos.items():
             with open(staged_paths[name], "wb") as f:
                 f.write(proto.SerializeToString())
             own = {t.name: shared[t.name] for t in proto.graph.initializer if t.name in shared}
-            onnx_decoder.check_external_data(staged_paths[name], own)
+            onnx_decoder.check_external_data(staged_paths[name], own, checked)  # each weight's bytes once
             runners[name] = _ort_file_runner(staged_paths[name], keep=name != "prefill", shared=own)
         del protos
         release_memory()
