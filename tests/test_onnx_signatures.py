@@ -219,7 +219,7 @@ def test_verification_runs_on_the_models_weights_and_catches_a_byte_written_wron
 
     check = onnx_decoder.check_external_data
 
-    def corrupt_then_check(path, arrays):
+    def corrupt_then_check(path, arrays, checked=None):
         name = next(iter(arrays))
         tensor = next(t for t in onnx.load(path, load_external_data=False).graph.initializer if t.name == name)
         where = {e.key: e.value for e in tensor.external_data}
@@ -228,7 +228,7 @@ def test_verification_runs_on_the_models_weights_and_catches_a_byte_written_wron
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 4]))
-        return check(path, arrays)
+        return check(path, arrays, checked)
 
     monkeypatch.setattr(onnx_decoder, "check_external_data", corrupt_then_check)
     with pytest.raises(ParityError, match="differ from the model's weight"):
