@@ -169,8 +169,9 @@ def check_fusable_decoder(model, max_length=None):
 
 def weight_value(x):
     """A Keras variable or tensor as float32 NumPy (any backend). A float32
-    variable comes back as a read-only view of its own memory (no copy: a
-    float32 model's weights are not held twice while they are written)."""
+    variable on the CPU comes back as a read-only view of its own memory (no
+    copy: a float32 model's weights are not held twice while they are
+    written); elsewhere as a host copy."""
     import keras
 
     if not isinstance(x, keras.Variable):
