@@ -4,12 +4,12 @@ They measure nothing here: speed is compared only by the scripts themselves,
 side by side in one run (see benchmarks/README.md), never by a timed test.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from tests.environments import child_env
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -33,7 +33,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_script_runs(name, tmp_path):
     args = CASES[name]
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
         [sys.executable, *args], cwd=BENCH, env=env, capture_output=True, text=True, timeout=600
     )

@@ -2,12 +2,13 @@
 with two logical CPU devices (MirroredStrategy with 2 replicas)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.environments import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +50,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def measured():
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    env = child_env(TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           env=env, timeout=300)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.environments import child_env
 
 pytestmark = pytest.mark.slow
 
@@ -75,14 +76,11 @@ def _console_scripts(folder):
 
 
 def _env(scripts=None):
-    env = dict(os.environ)
+    # As in a user's shell: no logging settings inherited from the test process.
+    env = child_env(drop=("TF_CPP_MIN_LOG_LEVEL", "KERAS_ATTN_VERBOSE"))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     if scripts is not None:
         env["PATH"] = str(scripts) + os.pathsep + env["PATH"]
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    # As in a user's shell: no logging settings inherited from the test process.
-    for name in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", "KERAS_ATTN_VERBOSE"):
-        env.pop(name, None)
     return env
 
 

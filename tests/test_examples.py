@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.environments import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -42,12 +43,7 @@ DISTRIBUTED_LEARN = ["--steps", "300", "--num-train", "3000", "--num-test", "300
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["KERAS_BACKEND"] = "tensorflow"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env.pop("TF_CONFIG", None)
-    return env
+    return child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def _run_parallel(commands, cwd):

@@ -372,15 +372,13 @@ def test_kernels_and_choice_on_jax_and_torch(backend):
     """JAX and torch: the kernels against NumPy (the blocked kernel's custom
     gradient against finite differences), and "auto" on a (forced) GPU picks
     `keras.ops.dot_product_attention`."""
-    import os
-    import pathlib
     import subprocess
     import sys
 
     pytest.importorskip(backend)
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(root), TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop(config.ENV_VAR, None)
-    result = subprocess.run([sys.executable, "-c", _OTHER_BACKEND_SCRIPT], cwd=root, env=env,
+    from tests.environments import ROOT, child_env
+
+    env = child_env(drop=(config.ENV_VAR,), KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", _OTHER_BACKEND_SCRIPT], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -2,12 +2,12 @@
 in ONNX Runtime GenAI and LiteRT-LM, equal to Keras's."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.environments import child_env
 
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_runtimes_generate_the_keras_tokens(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, str(SCRIPT), "--output-dir", str(tmp_path)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

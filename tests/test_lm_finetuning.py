@@ -13,6 +13,7 @@ import pytest
 
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
+from tests.environments import child_env
 
 
 def llama_like(**overrides):
@@ -129,7 +130,7 @@ def test_layout_map_shards_heads_and_feedforward_with_the_same_gradients(tmp_pat
     script = tmp_path / "sharded.py"
     script.write_text(_SHARDED)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env = child_env(drop=("KERAS_BACKEND", "XLA_FLAGS"))
     result = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True,
                             env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

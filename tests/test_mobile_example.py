@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.environments import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "translate_dates_mobile.py"
@@ -29,11 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["KERAS_BACKEND"] = "tensorflow"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    return env
+    return child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def _run(args, cwd, timeout=600):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.environments import child_env
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -26,8 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_new_user_path(tmp_path):
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "new_user_path.py"), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

@@ -3,12 +3,12 @@ fine-tuning scale that learns, and local `save_pretrained` directories through
 the same flags at a tiny scale (the loading path; learning is checked above)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.environments import child_env
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -27,10 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(args, cwd, timeout=400):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["KERAS_BACKEND"] = "tensorflow"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(args, cwd=str(cwd), env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -29,6 +29,7 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from tests import tolerance  # noqa: E402
+from tests.environments import child_env  # noqa: E402
 
 K, N, M = 256, 48, 8
 # An AVX2 CPU without VNNI, whatever this machine is (qemu's user-mode
@@ -116,14 +117,16 @@ def _run(tmp_path, paths, data, cpu=None):
     np.savez(tmp_path / "inputs.npz", **data)
     out = tmp_path / f"outputs_{cpu or 'native'}.npz"
     cmd = [sys.executable, str(script), str(tmp_path / "inputs.npz"), str(out)] + [str(p) for p in paths]
-    env = dict(os.environ)
+    # On an emulated CPU, none of the host's CPU pinning (an OpenBLAS core
+    # type of the host's, say): the libraries pick the emulated CPU's kernels.
+    env = child_env(cpu=cpu)
     if cpu:
         # The venv's interpreter is a symlink qemu follows to the base
         # Python: the packages come through PYTHONPATH.
         import onnxruntime
 
         site = os.path.dirname(os.path.dirname(onnxruntime.__file__))
-        env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
         cmd = [shutil.which("qemu-x86_64"), "-cpu", cpu] + cmd
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -227,14 +230,27 @@ def _qemu():
         pytest.skip(f"the emulated CPU is x86_64; this machine is {platform.machine()}")
 
 
+# What a host may set for its own CPU (an AVX2 one here): OpenBLAS's core
+# type and cache size, and NumPy's SIMD features, which NumPy refuses to start
+# with on a CPU that lacks them.
+HOST_PINNING = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512",
+                "NPY_ENABLE_CPU_FEATURES": "X86_V3"}  # NumPy 2.4: AVX2, FMA3, BMI2, ...
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("host", ["as_is", "pinned_to_haswell"])
 @pytest.mark.parametrize("cpu", [EMULATED_CPU, SSE_ONLY_CPU])
-def test_onnx_integer_matmuls_same_on_other_instruction_sets(onnx_artifacts, tmp_path, cpu):
+def test_onnx_integer_matmuls_same_on_other_instruction_sets(onnx_artifacts, tmp_path, cpu, host,
+                                                             monkeypatch):
     """Under an emulated AVX2 CPU without VNNI, and an SSE4-only one, our
     weights stay within the bound. On the AVX2 one full-range int8 weights
     (the control) break it: the emulated CPU ran the saturating kernels,
-    whatever CPU runs this test."""
+    whatever CPU runs this test. The same when the host pins its libraries
+    to an AVX2 CPU: the emulated run must not inherit that."""
     _qemu()
+    if host == "pinned_to_haswell":
+        for name, value in HOST_PINNING.items():
+            monkeypatch.setenv(name, value)
     tmp, w, data = onnx_artifacts
     outputs = _run(tmp_path, [tmp / name for name in SAFE + ("unsafe.onnx",)], data, cpu=cpu)
     for name in SAFE:

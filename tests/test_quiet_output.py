@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from keras_attn.training.quickstart import fit_verbosity
+from tests.environments import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def test_litertlm_generate_hides_litert_log_lines_unless_verbose(tmp_path):
     bundle = tmp_path / "lm.litertlm"
     export_litertlm(lm, bundle, tokenizer=word_tokenizer(vocabulary), max_length=12,
                     prefill_lengths=(4,))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_ATTN_VERBOSE": "0"}
+    env = child_env(KERAS_ATTN_VERBOSE="0")
     done = subprocess.run([sys.executable, "-c", GENERATE, str(bundle)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -71,8 +72,8 @@ def test_litertlm_generate_hides_litert_log_lines_unless_verbose(tmp_path):
 def test_tensorflow_start_up_lines_only_on_request(verbose):
     """`import keras_attn` (before TensorFlow) hides TensorFlow's C++ info and
     warning lines unless KERAS_ATTN_VERBOSE is set."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    env.update(KERAS_ATTN_VERBOSE=verbose, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
+    env = child_env(drop=("TF_CPP_MIN_LOG_LEVEL",), KERAS_ATTN_VERBOSE=verbose,
+                    KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
     run = subprocess.run([sys.executable, "-c", "import keras_attn, tensorflow as tf; tf.constant(1) + 1"],
                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr

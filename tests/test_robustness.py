@@ -1,6 +1,5 @@
 """Numerics at the edges, property-based checks, loading failures, security."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -21,6 +20,7 @@ from keras_attn import saving
 from tests import model_zoo
 from tests import reference as ref
 from tests import tolerance
+from tests.environments import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -227,8 +227,7 @@ def test_loads_in_fresh_process_that_imports_only_keras_attn(tmp_path):
         "print('OK')\n"
     )
     # This checkout's keras_attn, whichever copy is installed.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=root)
+    env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

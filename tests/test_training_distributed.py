@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests import tolerance
+from tests.environments import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "distributed_training.py"
@@ -44,14 +45,8 @@ pytestmark = pytest.mark.slow
 
 
 def _env(tf_config=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["KERAS_BACKEND"] = "tensorflow"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env.pop("TF_CONFIG", None)
-    if tf_config is not None:
-        env["TF_CONFIG"] = json.dumps(tf_config)
-    return env
+    return child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2",
+                     TF_CONFIG=None if tf_config is None else json.dumps(tf_config))
 
 
 def _start(args, log_path, tf_config=None):

@@ -9,7 +9,6 @@ Keras backend. Only the tests listed in PRIVATE_ATTRIBUTE_TESTS are
 deselected: they read KerasHub's private sublayer names.
 """
 
-import os
 import pathlib
 import re
 import subprocess
@@ -17,6 +16,7 @@ import sys
 
 import keras
 import pytest
+from tests.environments import child_env
 
 UPSTREAM = pathlib.Path(__file__).parent / "upstream"
 
@@ -96,11 +96,8 @@ def test_peer_test_files_pass_with_our_classes(tmp_path):
         for test in tests
         for arg in ("--deselect", f"{name}::{test}")
     ]
-    env = dict(os.environ, KERAS_BACKEND=keras.backend.backend())
     # The package under test, wherever this checkout is (the copies live in tmp_path).
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(pathlib.Path(__file__).parents[1])] + [p for p in [env.get("PYTHONPATH")] if p]
-    )
+    env = child_env(KERAS_BACKEND=keras.backend.backend())
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--disable-warnings",
          "--rootdir", str(tmp_path), *(f.name for f in files), *deselect],

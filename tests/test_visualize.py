@@ -18,6 +18,7 @@ from keras_attn.visualize import (AttentionMapCallback, attention_maps, attentio
 from tests import reference as ref
 from tests import tolerance
 from tests.test_attention_layers import _mha_weights
+from tests.environments import child_env
 
 IDS = np.array([[5, 6, 7, 0, 0], [3, 4, 5, 6, 7]], np.int32)
 
@@ -227,14 +228,13 @@ def test_callback_writes_tensorboard_images(encoder, tmp_path):
 def test_cli_writes_png_and_html(encoder, tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     path = tmp_path / "enc.keras"
     encoder.save(path)
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["<pad>"] + [f"w{i}" for i in range(1, 40)]) + "\n")
-    root = Path(__file__).resolve().parents[1]
-    env = {"PYTHONPATH": str(root), "KERAS_BACKEND": "tensorflow", "PATH": "/usr/bin:/bin"}
+    # The host's environment as it is (a CPU pinning it needs included).
+    env = child_env(KERAS_BACKEND="tensorflow")
     for args in (["--ids", "5,6,7"], ["--text", "w5 w6 w7", "--vocab", str(vocab)]):
         out = tmp_path / args[0].strip("-")
         result = subprocess.run([sys.executable, "-m", "keras_attn.cli", "attention", str(path),
