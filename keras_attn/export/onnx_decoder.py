@@ -110,6 +110,14 @@ def check_decoder_options(model, writer, not_covered, choices, max_length=None):
 
     if not isinstance(model, DecoderOnlyLM):
         raise NotFusableError(f"the {writer} takes a DecoderOnlyLM, not {type(model).__name__}")
+    # The writers read float kernels; Keras's `quantize` holds integer ones
+    # with scales beside them.
+    quantized = sorted({layer.quantization_mode for layer in model._flatten_layers()
+                        if getattr(layer, "quantization_mode", None)})
+    if quantized:
+        raise NotFusableError(
+            f"layers quantized by Keras (`model.quantize({quantized[0]!r})`) are not covered by "
+            f"the {writer}; export the float model with the export's own `quantization=`")
     config = model.get_config()
     unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(not_covered))
     if unknown:

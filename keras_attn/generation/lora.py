@@ -38,4 +38,7 @@ def enable_lora(model, rank, target_names=("query", "value"), lora_alpha=None):
     for layer in targets:
         layer.trainable = True
         layer.enable_lora(rank, lora_alpha=lora_alpha)
+    # Keras's own traced `fit`/`evaluate`/`predict` steps read the model
+    # without the adapters (Keras resets them after `quantize`, not here).
+    model.train_function = model.test_function = model.predict_function = None
     return targets

@@ -24,7 +24,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_attn.structure import Structure
+
 _NEG = -1.0e9
+# model -> (its Structure when traced, {search key: tf.function})
 _FUNCTIONS = weakref.WeakKeyDictionary()
 
 
@@ -315,7 +318,14 @@ def decode_loop(model, prompt_ids, encoder_ids, max_length, stop_token_ids, pad_
 
 
 def _compiled(model, key, build, jit_compile):
-    table = _FUNCTIONS.setdefault(model, {})
+    # A trace holds the model as it was traced: after `enable_lora`,
+    # `quantize`, a `trainable` flip or a replaced layer, every search of the
+    # model is traced anew (and the old traces are let go).
+    structure = Structure(model)
+    traced_for, table = _FUNCTIONS.get(model, (None, None))
+    if traced_for != structure:
+        table = {}
+        _FUNCTIONS[model] = (structure, table)
     if key not in table:
         table[key] = tf.function(build, jit_compile=jit_compile, reduce_retracing=True)
     return table[key]

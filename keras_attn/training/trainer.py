@@ -28,6 +28,8 @@ import keras
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
+from keras_attn.structure import Structure
+
 # `tf.summary.scalar` lives in the `tensorboard` package, which
 # tensorflow-cpu does not install; the core `tf.summary.write` with the
 # scalars plugin's metadata writes the same event that TensorBoard reads.
@@ -197,6 +199,9 @@ class Trainer:
                 self.writer = tf.summary.create_noop_writer()
         self._train_step = None
         self._jit_gradients = None
+        # The optimizer's slots, the checkpoint and the traced step are made
+        # for the model as it is now.
+        self._structure = Structure(model)
         self.history = []
 
     # -- checkpoints -------------------------------------------------------
@@ -347,6 +352,13 @@ class Trainer:
         Returns:
             A list of `(step, loss)` pairs, one per log line.
         """
+        if Structure(self.model) != self._structure:
+            raise ValueError(
+                "The model's structure changed after this Trainer was made (LoRA enabled, "
+                "quantized, `trainable` flipped or a layer replaced): its optimizer, "
+                "checkpoint and traced step are for the model as it was. Make a new "
+                "Trainer (and optimizer) for the changed model."
+            )
         start = self.restore()
         replicas_per_pipeline = None
 
