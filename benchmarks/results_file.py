@@ -118,14 +118,36 @@ def command_line(argv=None):
     return " ".join(["python", script, *argv[1:]])
 
 
-def add_argument(parser, default):
-    """`--write-results [NAME]`: write the printed tables into RESULTS.md's section NAME."""
+def add_argument(parser, default=None):
+    """`--write-results [SECTION]`: write this run's tables into RESULTS.md's section SECTION.
+
+    Call `start(args)` right after parsing, so a wrong name fails before the run.
+    """
+    kwargs = dict(nargs="?", const=default) if default else {}
     parser.add_argument(
-        "--write-results", nargs="?", const=default, default=None, metavar="SECTION",
-        help=f"replace section SECTION (default {default!r}) of benchmarks/RESULTS.md with "
-             "this run's tables; the other sections stay as they are")
+        "--write-results", default=None, metavar="SECTION", **kwargs,
+        help="replace section SECTION" + (f" (default {default!r})" if default else "")
+             + " of benchmarks/RESULTS.md with this run's tables; the other sections stay as they are")
     parser.add_argument("--results-file", default=RESULTS,
                         help="the file --write-results writes into (default benchmarks/RESULTS.md)")
+
+
+def start(args):
+    """Checks `--write-results`'s section and notes the run's provenance (its start)."""
+    name = getattr(args, "write_results", None)
+    if name:
+        with open(args.results_file) as f:
+            _span(f.read(), name)
+        args.results_provenance = provenance(command_line())
+    return args
+
+
+def finish(args, text):
+    """Writes `text` under the provenance line into the section, with `--write-results`."""
+    name = getattr(args, "write_results", None)
+    if name:
+        write_section(name, args.results_provenance + "\n\n" + text.strip("\n"), args.results_file)
+        print(f"wrote section {name!r} of {args.results_file}")
 
 
 class _Tee(io.TextIOBase):
@@ -145,19 +167,15 @@ class _Tee(io.TextIOBase):
 @contextlib.contextmanager
 def recording(args):
     """Prints as usual and, with `--write-results`, writes what was printed inside
-    the block (after a provenance line) into the results file's section.
+    the block (after the provenance line) into the results file's section.
 
-    The file is checked before the run, so a wrong section name fails fast.
+    Without an earlier `start(args)` the section is checked here, before the block runs.
     """
-    name = getattr(args, "write_results", None)
-    if not name:
+    if not getattr(args, "write_results", None):
         yield
         return
-    path = args.results_file
-    with open(path) as f:
-        _span(f.read(), name)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    line = provenance(command_line(), started)
+    if not hasattr(args, "results_provenance"):
+        start(args)
     buffer = io.StringIO()
     stdout = sys.stdout
     sys.stdout = _Tee(stdout, buffer)
@@ -165,5 +183,4 @@ def recording(args):
         yield
     finally:
         sys.stdout = stdout
-    write_section(name, line + "\n\n" + buffer.getvalue().strip("\n"), path)
-    print(f"wrote section {name!r} of {path}")
+    finish(args, buffer.getvalue())

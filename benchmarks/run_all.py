@@ -47,7 +47,7 @@ TITLES = {
     "blocks": "Transformer blocks vs KerasHub (tokens/s, fraction of the matmul ceiling)",
     "long": "Long sequences: peak RSS and time (fresh subprocess per config)",
     "export": "Exported encoder classifier: TFLite (XNNPACK) and onnxruntime, batch 1",
-    "decode": "Incremental decoding (issue 7): per-token latency, KV cache vs recompute vs KerasHub",
+    "decode": "Incremental decoding: per-token latency, KV cache vs recompute vs KerasHub",
     "input": "Variable-length training input: fixed padding vs pad-to-batch vs length buckets",
 }
 
