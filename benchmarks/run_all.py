@@ -144,7 +144,7 @@ def section_body(name, table, data, provenance_line):
     if lines:
         parts += ["", "Targets (issue 6):", "", *lines]
     if name in NOTES:
-        parts += ["", *NOTES[name]]
+        parts += ["", "Notes:", "", *NOTES[name]]
     return "\n".join(parts)
 
 

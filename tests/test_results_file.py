@@ -1,6 +1,7 @@
 """benchmarks/results_file.py: one section of RESULTS.md replaced, every other byte kept."""
 
 import importlib
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -152,3 +153,25 @@ def test_run_all_only_rewrites_its_own_section(tmp_path, monkeypatch):
     assert "| tflite | 9.999 |" in body and "9.999 ms vs 1.000 ms -> MISSED" in body
     assert "`python benchmarks/run_all.py --only export`" in body.splitlines()[1]
     assert results_file.replace_section(text, "export", results_file.get_section(original, "export")) == original
+
+
+def test_the_results_figures_are_drawn_from_the_file(tmp_path):
+    make_figures = _load_make_figures()
+    make_figures.draw_results_attention(tmp_path / "a.png")
+    make_figures.draw_results_runtimes(tmp_path / "r.png")
+    assert (tmp_path / "a.png").stat().st_size > 10_000 and (tmp_path / "r.png").stat().st_size > 10_000
+    header, rows = make_figures.section_tables("attention")[0]
+    assert "Keras / ours" in header and len(rows) == 16
+    stripped = tmp_path / "RESULTS.md"
+    text = (BENCH / "RESULTS.md").read_text()
+    stripped.write_text(text.replace("<!-- results:litertlm_speed -->", ""))
+    with pytest.raises(ValueError, match="litertlm_speed"):
+        make_figures.draw_results_runtimes(tmp_path / "x.png", results_md=stripped)
+
+
+def _load_make_figures():
+    spec = importlib.util.spec_from_file_location(
+        "make_figures", BENCH.parent / "docs" / "make_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
