@@ -174,7 +174,10 @@ def main(argv=None):
     with open(output) as f:  # fail before an hour of benchmarks, not after
         text = f.read()
     for name in names:
-        results_file.get_section(text, name)
+        try:
+            results_file.get_section(text, name)
+        except ValueError as error:
+            parser.error(f"{output}: {error}")
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
