@@ -101,10 +101,14 @@ def markdown_table(header, rows):
 
 
 def emit(text, args, **raw):
-    """Prints a result table and writes it (`--markdown`) and the raw rows (`--json`)."""
+    """Prints a result table and writes it (`--markdown`), the raw rows (`--json`) and,
+    with `--write-results`, its section of RESULTS.md (see results_file.py)."""
     import json
 
+    import results_file
+
     print(text)
+    results_file.finish(args, text)
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
             f.write(text)

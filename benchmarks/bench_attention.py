@@ -15,6 +15,7 @@ import json
 import sys
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 BATCH, DIM, HEADS = 8, 256, 8
 LENGTHS = (128, 512)
@@ -147,7 +148,9 @@ def main(argv=None):
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
+    results_file.add_argument(parser, "attention")
     args = parser.parse_args(argv)
+    results_file.start(args)
     rows = run(args.lengths, args.repeats, with_torch=not args.no_torch)
     text = to_markdown(rows)
     _common.emit(text, args, rows=rows)

@@ -16,6 +16,7 @@ import json
 import sys
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 GRID = ((128, 256), (128, 512), (512, 256), (512, 512))
 BATCH, HEADS = 8, 8
@@ -191,7 +192,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="(128, 256) only, graph mode")
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
+    results_file.add_argument(parser, "blocks")
     args = parser.parse_args(argv)
+    results_file.start(args)
     grid = GRID[:1] if args.quick else GRID
     modes = ("graph",) if args.quick else ("graph", "xla")
     ceiling, rows = run(grid, args.repeats, modes=modes)

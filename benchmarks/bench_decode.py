@@ -23,6 +23,7 @@ import argparse
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -128,7 +129,9 @@ def main(argv=None):
     parser.add_argument("--skip-keras-hub", action="store_true")
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown", help="write the table to this file")
+    results_file.add_argument(parser, "decode")
     args = parser.parse_args(argv)
+    results_file.start(args)
     keras.utils.set_random_seed(0)
     max_len = max(args.lengths)
     lm = DecoderOnlyLM(args.vocab, max_len, args.hidden, args.layers, args.heads, args.hidden * 4,

@@ -26,6 +26,7 @@ import statistics
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -131,7 +132,9 @@ def main():
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--generate", type=int, default=256, help="random model: tokens generated")
+    results_file.add_argument(parser, "decode_quantized")
     args = _common.apply_quick(parser.parse_args())
+    results_file.start(args)
     if args.quick:
         args.cache, args.repeats, args.generate = 128, 20, 64
 
@@ -177,18 +180,19 @@ def main():
     for row in rows:
         row["decode_ms"] = speeds[row["variant"]]
     base = rows[0]["decode_ms"]
-    print(f"\nDecoderOnlyLM {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-          f"({args.kv_heads} KV), vocabulary {args.vocab}; TFLite `decode` at batch 1 with a "
-          f"{args.cache}-position cache, median of {args.repeats} calls (LiteRT, XNNPACK)\n")
-    print("| variant | decode ms | speed vs float32 | model MB | cache bytes/token | "
-          f"random model: greedy = float32 Keras ({args.generate} tokens) | trained dates model: "
-          f"greedy = float32 Keras ({len(prompts)} prompts; all tokens equal) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['decode_ms']:.2f} | {base / r['decode_ms']:.2f}x | "
-              f"{r['size_mb']:.1f} | {r['cache_bytes_per_token']} | "
-              f"{r['random_agreement']:.1%} (first difference at {r['random_first_divergence']}) | "
-              f"{r['trained_agreement']:.1%} ({r['trained_exact']:.0%}) |")
+    with results_file.recording(args):
+        print(f"\nDecoderOnlyLM {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+              f"({args.kv_heads} KV), vocabulary {args.vocab}; TFLite `decode` at batch 1 with a "
+              f"{args.cache}-position cache, median of {args.repeats} calls (LiteRT, XNNPACK)\n")
+        print("| variant | decode ms | speed vs float32 | model MB | cache bytes/token | "
+              f"random model: greedy = float32 Keras ({args.generate} tokens) | trained dates model: "
+              f"greedy = float32 Keras ({len(prompts)} prompts; all tokens equal) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['variant']} | {r['decode_ms']:.2f} | {base / r['decode_ms']:.2f}x | "
+                  f"{r['size_mb']:.1f} | {r['cache_bytes_per_token']} | "
+                  f"{r['random_agreement']:.1%} (first difference at {r['random_first_divergence']}) | "
+                  f"{r['trained_agreement']:.1%} ({r['trained_exact']:.0%}) |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, args=vars(args)), f, indent=2)

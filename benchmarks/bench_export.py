@@ -20,6 +20,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 VOCAB, LENGTH, DIM, HEADS, FFN, LAYERS = 1000, 64, 128, 4, 256, 2
 
@@ -142,7 +143,9 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
+    results_file.add_argument(parser, "export")
     args = parser.parse_args(argv)
+    results_file.start(args)
     rows = run(args.repeats, args.calls)
     text = to_markdown(rows)
     _common.emit(text, args, rows=rows)

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -154,6 +155,11 @@ def time_folders(folders, args):
     prompt = [int(t) for t in rng.integers(2, args.vocab, args.prompt)]
     times = _time(folders, prompt, args.prompt + args.new, args.rounds)[0]
     med = _medians(times)
+    with results_file.recording(args):
+        _report_folders(folders, times, med, args)
+
+
+def _report_folders(folders, times, med, args):
     print(f"\nprompt {args.prompt}, {args.new} new tokens, batch 1, CPU; medians of {args.rounds} "
           "alternating rounds\n")
     print("| folder | prefill tok/s | decode tok/s |")
@@ -171,7 +177,7 @@ def time_folders(folders, args):
             for phase in ("prefill", "decode"):
                 median, low, high, faster = paired_ratio(times[names[0]][phase], times[peer][phase])
                 text.append(f"{phase} {median:.3f}x [{low:.2f}, {high:.2f}] {faster:.0%}")
-            print(f"  {names[0]} / {peer}: " + "; ".join(text))
+            print(f"- {names[0]} / {peer}: " + "; ".join(text))
 
 
 def main():
@@ -182,8 +188,10 @@ def main():
     parser.add_argument("--folders", nargs="+", metavar="NAME=PATH",
                         help="time these GenAI folders instead of exporting (e.g. the real-size "
                              "benchmark's, benchmarks/bench_real_size.py); prompt ids from --vocab")
+    results_file.add_argument(parser, "genai")
     args = parser.parse_args()
     _common.apply_quick(args)
+    results_file.start(args)
     if args.folders:
         time_folders(dict(item.split("=", 1) for item in args.folders), args)
         return
@@ -223,6 +231,15 @@ def main():
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(2, tok.get_vocab_size(), args.prompt)]
     times, tokens = _time(folders, prompt, max_length, args.rounds)
+    with results_file.recording(args):
+        rows, ratios = _report(folders, times, tokens, export_s, tok, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, ratios=ratios, times=times, args=vars(args)), f, indent=2)
+
+
+def _report(folders, times, tokens, export_s, tok, args):
+    """Prints the table and the per-round ratios; returns both."""
     med = _medians(times)
     rows = []
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
@@ -251,14 +268,12 @@ def main():
                 median, low, high, faster = paired_ratio(times[ours][phase], times[peer][phase])
                 entry[phase], entry[phase + "_range"], entry[phase + "_faster"] = median, (low, high), faster
             ratios[precision + suffix] = entry
-            print(f"  {precision}, vs builder{suffix or ' default'}: prefill {entry['prefill']:.3f}x "
+            print(f"- {precision}, vs builder{suffix or ' default'}: prefill {entry['prefill']:.3f}x "
                   f"[{entry['prefill_range'][0]:.2f}, {entry['prefill_range'][1]:.2f}] "
                   f"{entry['prefill_faster']:.0%}; decode {entry['decode']:.3f}x "
                   f"[{entry['decode_range'][0]:.2f}, {entry['decode_range'][1]:.2f}] "
                   f"{entry['decode_faster']:.0%}; greedy tokens equal at {agree:.0%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, ratios=ratios, times=times, args=vars(args)), f, indent=2)
+    return rows, ratios
 
 
 if __name__ == "__main__":

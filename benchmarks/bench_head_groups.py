@@ -13,6 +13,7 @@ import argparse
 import sys
 
 import _common
+import results_file  # noqa: E402
 
 BATCH, HEADS, HEAD_DIM = 8, 8, 32
 GROUPS = (1, 2, 4, 8)
@@ -78,7 +79,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json")
     parser.add_argument("--markdown")
+    results_file.add_argument(parser, "head_groups")
     args = parser.parse_args(argv)
+    results_file.start(args)
     rows = run(args.lengths, args.repeats)
     _common.emit(to_markdown(rows), args, rows=rows)
     return 0

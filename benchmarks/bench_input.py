@@ -28,6 +28,7 @@ import json
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 MAX_LENGTH = 256
 BOUNDARIES = (32, 64, 128, 256)
@@ -163,7 +164,9 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=["graph", "xla"], choices=["graph", "xla"])
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
+    results_file.add_argument(parser, "input")
     args = parser.parse_args(argv)
+    results_file.start(args)
     rows = run(args.examples, args.batch_size, args.rounds, args.modes)
     _common.emit(to_markdown(rows, args.examples, args.batch_size), args, rows=rows)
     return 0

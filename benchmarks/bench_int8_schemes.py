@@ -34,6 +34,7 @@ import tempfile
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 import numpy as np  # noqa: E402
 
 SCHEMES = ("fp32", "s8 full range", "s8 reduce_range", "u8u8", "MatMulNBits 8", "MatMulNBits 4")
@@ -202,28 +203,31 @@ def main():
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json")
+    results_file.add_argument(parser, "int8_schemes")
     args = parser.parse_args()
+    results_file.start(args)
     if args.quick:
         args.epochs, args.examples, args.prompt, args.new, args.rounds = 1, 300, 8, 8, 1
     work = tempfile.mkdtemp(prefix="bench_int8_")
     agree, dates_folder = agreement(work, args.epochs, args.examples)
     # --quick times the trained decoder itself: one export fewer.
     fast = speed(work, args, base=dates_folder if args.quick else None)
-    print(f"\nCPU int8 features: {cpu_int8_features()}")
-    print(f"agreement: dates decoder ({args.epochs} epochs on {args.examples} examples), 200 held-out "
-          "sequences, next token under the same prefix vs Keras float32")
-    model = "the dates decoder" if args.quick else (
-        f"decoder {args.layers} x {args.hidden} ({args.heads} heads, {args.kv_heads} KV), vocabulary {args.vocab}")
-    print(f"speed: {model}, prompt {args.prompt}, {args.new} new tokens, onnxruntime_genai, "
-          f"medians of {args.rounds} alternating rounds\n")
-    print("| scheme | agreement (all) | agreement (answers) | answer accuracy | prefill tok/s | "
-          "decode tok/s | decode vs fp32 | MB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for scheme in SCHEMES:
-        a, s = agree[scheme], fast[scheme]
-        print(f"| {scheme} | {a['all']:.4f} | {a['answers']:.4f} | {a['accuracy']:.4f} | "
-              f"{s['prefill_tps']:.0f} | {s['decode_tps']:.1f} | "
-              f"{s['decode_tps'] / fast['fp32']['decode_tps']:.2f}x | {s['size_mb']:.0f} |")
+    with results_file.recording(args):
+        print(f"\nCPU int8 features: {cpu_int8_features()}")
+        print(f"agreement: dates decoder ({args.epochs} epochs on {args.examples} examples), 200 held-out "
+              "sequences, next token under the same prefix vs Keras float32")
+        model = "the dates decoder" if args.quick else (
+            f"decoder {args.layers} x {args.hidden} ({args.heads} heads, {args.kv_heads} KV), vocabulary {args.vocab}")
+        print(f"speed: {model}, prompt {args.prompt}, {args.new} new tokens, onnxruntime_genai, "
+              f"medians of {args.rounds} alternating rounds\n")
+        print("| scheme | agreement (all) | agreement (answers) | answer accuracy | prefill tok/s | "
+              "decode tok/s | decode vs fp32 | MB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for scheme in SCHEMES:
+            a, s = agree[scheme], fast[scheme]
+            print(f"| {scheme} | {a['all']:.4f} | {a['answers']:.4f} | {a['accuracy']:.4f} | "
+                  f"{s['prefill_tps']:.0f} | {s['decode_tps']:.1f} | "
+                  f"{s['decode_tps'] / fast['fp32']['decode_tps']:.2f}x | {s['size_mb']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(agreement=agree, speed=fast, cpu=cpu_int8_features(), args=vars(args)), f, indent=2)

@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402  (sets the environment first)
+import results_file  # noqa: E402
 from bench_genai import build_hf  # noqa: E402
 
 PEER_PYTHON = os.environ.get("PEER_PYTHON", "/work/venv-litert-torch/bin/python")
@@ -78,7 +79,9 @@ def run_bundle(engine, text, new):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _common.add_llm_size_args(parser)
+    results_file.add_argument(parser, "litertlm")
     args = parser.parse_args()
+    results_file.start(args)
     _common.apply_quick(args)
 
     import litert_lm
@@ -136,34 +139,35 @@ def main():
         engine.close()
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in speeds.items()}
 
-    print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-          f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())}, prompt "
-          f"{prompt_tokens} tokens, {args.new} new tokens, batch 1, LiteRT-LM CPU; medians of "
-          f"{args.rounds} alternating rounds\n")
-    print("| bundle | size MB | prefill tok/s | decode tok/s | tokens (prefill, decode) | export s |")
-    print("|---|---|---|---|---|---|")
-    rows = []
-    for name in bundles:
-        m = med[name]
-        row = dict(name=name, size_mb=os.path.getsize(bundles[name]) / 2**20,
-                   prefill_tps=m["prefill"], decode_tps=m["decode"], counts=counts[name],
-                   export_s=export_s[name])
-        rows.append(row)
-        print(f"| {name} | {row['size_mb']:.1f} | {row['prefill_tps']:.0f} | "
-              f"{row['decode_tps']:.1f} | {counts[name]} | {row['export_s']:.1f} |")
-    ratios = {}
-    for precision in ("float32", "int8 weights"):
-        ours, peer = f"keras_attn {precision}", f"litert-torch {precision}"
-        if ours in med and peer in med:
-            ratios[precision] = {k: med[ours][k] / med[peer][k] for k in ("prefill", "decode")}
-            print(f"ours / litert-torch tokens/s, {precision}: prefill "
-                  f"{ratios[precision]['prefill']:.2f}x, decode {ratios[precision]['decode']:.2f}x")
-    if "keras_attn float32" in texts and "litert-torch float32" in texts:
-        same = texts["keras_attn float32"] == texts["litert-torch float32"]
-        print(f"float32 greedy texts equal: {same}")
-    if "keras_attn float32" in med:
-        ours_q = med["keras_attn int8 weights"]["decode"] / med["keras_attn float32"]["decode"]
-        print(f"ours int8 weights / ours float32, decode tokens/s: {ours_q:.2f}x")
+    with results_file.recording(args):
+        print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+              f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())}, prompt "
+              f"{prompt_tokens} tokens, {args.new} new tokens, batch 1, LiteRT-LM CPU; medians of "
+              f"{args.rounds} alternating rounds\n")
+        print("| bundle | size MB | prefill tok/s | decode tok/s | tokens (prefill, decode) | export s |")
+        print("|---|---|---|---|---|---|")
+        rows = []
+        for name in bundles:
+            m = med[name]
+            row = dict(name=name, size_mb=os.path.getsize(bundles[name]) / 2**20,
+                       prefill_tps=m["prefill"], decode_tps=m["decode"], counts=counts[name],
+                       export_s=export_s[name])
+            rows.append(row)
+            print(f"| {name} | {row['size_mb']:.1f} | {row['prefill_tps']:.0f} | "
+                  f"{row['decode_tps']:.1f} | {counts[name]} | {row['export_s']:.1f} |")
+        ratios = {}
+        for precision in ("float32", "int8 weights"):
+            ours, peer = f"keras_attn {precision}", f"litert-torch {precision}"
+            if ours in med and peer in med:
+                ratios[precision] = {k: med[ours][k] / med[peer][k] for k in ("prefill", "decode")}
+                print(f"ours / litert-torch tokens/s, {precision}: prefill "
+                      f"{ratios[precision]['prefill']:.2f}x, decode {ratios[precision]['decode']:.2f}x")
+        if "keras_attn float32" in texts and "litert-torch float32" in texts:
+            same = texts["keras_attn float32"] == texts["litert-torch float32"]
+            print(f"float32 greedy texts equal: {same}")
+        if "keras_attn float32" in med:
+            ours_q = med["keras_attn int8 weights"]["decode"] / med["keras_attn float32"]["decode"]
+            print(f"ours int8 weights / ours float32, decode tokens/s: {ours_q:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, ratios=ratios, notes=notes, texts=texts, args=vars(args)),

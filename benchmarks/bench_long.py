@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+import results_file  # no environment of its own: the workers' stays theirs
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -199,7 +201,9 @@ def main(argv=None):
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown", help="write the table to this file")
+    results_file.add_argument(parser, "long")
     args = parser.parse_args(argv)
+    results_file.start(args)
     check = None if args.no_check else _check()
     if check:
         print(json.dumps(check), flush=True)

@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402  (sets the environment first)
+import results_file  # noqa: E402
 from bench_genai import build_hf  # noqa: E402
 from bench_litertlm import run_bundle  # noqa: E402
 
@@ -199,7 +200,9 @@ def main():
                         choices=["bounded", "full"],
                         help="bounded: the exports' decode (filled part of the cache); full: "
                              "every slot, as without `keras_attn.runtimes.trace.READ_BUCKET`")
+    results_file.add_argument(parser, "long_context")
     args = parser.parse_args()
+    results_file.start(args)
     _common.apply_quick(args)
     if args.quick:
         args.lengths, args.fills, args.steps = [128, 512], [32], 8
@@ -244,26 +247,27 @@ def main():
             seconds[key].append(timers[key]())
     load_end = os.getloadavg()
 
-    print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-          f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())}, batch 1, "
-          f"float32; decode tokens/s, medians of {args.rounds} alternating rounds "
-          f"(signatures: {args.steps} calls from the fill; LiteRT-LM: {args.new} tokens after "
-          f"a prompt of the fill); bounded reads in buckets of {bucket} slots; load average "
-          f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end; peak RSS "
-          f"{_common.peak_rss_kib() / 2**20:.1f} GB\n")
-    base = min(args.lengths)
-    print(f"| runtime | reads | fill | max_length | decode tok/s | vs max_length={base} |")
-    print("|---|---|---|---|---|---|")
-    tps = {key: 1.0 / statistics.median(times) for key, times in seconds.items()}
-    rows = []
-    for key in sorted(tps):
-        runtime, read, length, fill = key
-        ref = (runtime, read, base, fill)
-        rows.append(dict(runtime=runtime, reads=read, max_length=length, fill=fill,
-                         decode_tps=tps[key], ratio=tps[key] / tps[ref] if ref in tps else None,
-                         export_s=export_s[(runtime, read, length)]))
-        ratio = "" if rows[-1]["ratio"] is None else f"{rows[-1]['ratio']:.2f}"
-        print(f"| {runtime} | {read} | {fill} | {length} | {tps[key]:.1f} | {ratio} |")
+    with results_file.recording(args):
+        print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+              f"({args.kv_heads} KV), vocabulary {max(args.vocab, tok.get_vocab_size())}, batch 1, "
+              f"float32; decode tokens/s, medians of {args.rounds} alternating rounds "
+              f"(signatures: {args.steps} calls from the fill; LiteRT-LM: {args.new} tokens after "
+              f"a prompt of the fill); bounded reads in buckets of {bucket} slots; load average "
+              f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end; peak RSS "
+              f"{_common.peak_rss_kib() / 2**20:.1f} GB\n")
+        base = min(args.lengths)
+        print(f"| runtime | reads | fill | max_length | decode tok/s | vs max_length={base} |")
+        print("|---|---|---|---|---|---|")
+        tps = {key: 1.0 / statistics.median(times) for key, times in seconds.items()}
+        rows = []
+        for key in sorted(tps):
+            runtime, read, length, fill = key
+            ref = (runtime, read, base, fill)
+            rows.append(dict(runtime=runtime, reads=read, max_length=length, fill=fill,
+                             decode_tps=tps[key], ratio=tps[key] / tps[ref] if ref in tps else None,
+                             export_s=export_s[(runtime, read, length)]))
+            ratio = "" if rows[-1]["ratio"] is None else f"{rows[-1]['ratio']:.2f}"
+            print(f"| {runtime} | {read} | {fill} | {length} | {tps[key]:.1f} | {ratio} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, load=[load_start, load_end], bucket=bucket, args=vars(args)), f, indent=2)

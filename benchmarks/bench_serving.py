@@ -36,6 +36,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imported by file path in tests
+import results_file  # noqa: E402
+
 VOCAB, LENGTH = 200, 32
 
 
@@ -226,45 +229,48 @@ def main(argv=None):
     parser.add_argument("--requests", type=int, default=10_000, help="soak requests")
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=300, help="latency calls per variant")
+    results_file.add_argument(parser, "serving")
     args = parser.parse_args(argv)
+    results_file.start(args)
 
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
-        _, paths = build_models(tmp)
-        reqs = requests(max(args.threads * args.calls, 64))
-        runners = {"SavedModel": saved_model_runner(paths["saved_model"]),
-                   "ONNX Runtime": onnx_runner(paths["onnx"])}
-        print(f"concurrency: {args.threads} threads x {args.calls} requests (batch 4, "
-              f"length {LENGTH}) vs sequential")
-        for name, run in runners.items():
-            identical, diff, seconds = concurrency(run, reqs, args.threads, args.calls)
-            results[f"concurrency {name}"] = (identical, diff)
-            print(f"  {name:14} identical={identical} max|concurrent - sequential|={diff:.3g} "
-                  f"({seconds:.2f} s)", flush=True)
-        soakers = {"TFLite": tflite_runner(paths["tflite"]), "ONNX Runtime": runners["ONNX Runtime"]}
-        print(f"soak: {args.requests} requests after {args.warmup} warm-up requests")
-        for name, run in soakers.items():
-            before, after, growth, seconds = soak(run, reqs, args.requests, args.warmup)
-            results[f"soak {name}"] = growth
-            print(f"  {name:14} RSS {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB "
-                  f"({growth:+.2f}%), {1e3 * seconds / args.requests:.2f} ms/request",
-                  flush=True)
-        checked = saved_model_runner(paths["saved_model"])
-        unchecked = saved_model_runner(paths["saved_model_unchecked"])
-        medians = interleaved({"check_ids=True": checked, "check_ids=False": unchecked},
-                              reqs, args.repeats)
-        ratio = medians["check_ids=True"] / medians["check_ids=False"]
-        results["check_ids ratio"] = ratio
-        print(f"SavedModel serving_default: check_ids=True {1e3 * medians['check_ids=True']:.3f} ms"
-              f", False {1e3 * medians['check_ids=False']:.3f} ms, ratio {ratio:.3f}")
-        decode = decode_check_costs(tmp, args.repeats)
-        for runtime, on in (("SavedModel", "assert"), ("TFLite", "flag")):
-            a = decode[f"{runtime} decode checks={on}"]
-            b = decode[f"{runtime} decode checks=none"]
-            results[f"{runtime} decode ratio"] = a / b
-            print(f"{runtime} decode (2 layers, cache 64): checks={on} {1e3 * a:.3f} ms, "
-                  f"none {1e3 * b:.3f} ms, ratio {a / b:.3f}", flush=True)
-    return results
+    with results_file.recording(args):
+        results = {}
+        with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+            _, paths = build_models(tmp)
+            reqs = requests(max(args.threads * args.calls, 64))
+            runners = {"SavedModel": saved_model_runner(paths["saved_model"]),
+                       "ONNX Runtime": onnx_runner(paths["onnx"])}
+            print(f"concurrency: {args.threads} threads x {args.calls} requests (batch 4, "
+                  f"length {LENGTH}) vs sequential")
+            for name, run in runners.items():
+                identical, diff, seconds = concurrency(run, reqs, args.threads, args.calls)
+                results[f"concurrency {name}"] = (identical, diff)
+                print(f"- {name:14} identical={identical} max|concurrent - sequential|={diff:.3g} "
+                      f"({seconds:.2f} s)", flush=True)
+            soakers = {"TFLite": tflite_runner(paths["tflite"]), "ONNX Runtime": runners["ONNX Runtime"]}
+            print(f"soak: {args.requests} requests after {args.warmup} warm-up requests")
+            for name, run in soakers.items():
+                before, after, growth, seconds = soak(run, reqs, args.requests, args.warmup)
+                results[f"soak {name}"] = growth
+                print(f"- {name:14} RSS {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB "
+                      f"({growth:+.2f}%), {1e3 * seconds / args.requests:.2f} ms/request",
+                      flush=True)
+            checked = saved_model_runner(paths["saved_model"])
+            unchecked = saved_model_runner(paths["saved_model_unchecked"])
+            medians = interleaved({"check_ids=True": checked, "check_ids=False": unchecked},
+                                  reqs, args.repeats)
+            ratio = medians["check_ids=True"] / medians["check_ids=False"]
+            results["check_ids ratio"] = ratio
+            print(f"SavedModel serving_default: check_ids=True {1e3 * medians['check_ids=True']:.3f} ms"
+                  f", False {1e3 * medians['check_ids=False']:.3f} ms, ratio {ratio:.3f}")
+            decode = decode_check_costs(tmp, args.repeats)
+            for runtime, on in (("SavedModel", "assert"), ("TFLite", "flag")):
+                a = decode[f"{runtime} decode checks={on}"]
+                b = decode[f"{runtime} decode checks=none"]
+                results[f"{runtime} decode ratio"] = a / b
+                print(f"{runtime} decode (2 layers, cache 64): checks={on} {1e3 * a:.3f} ms, "
+                      f"none {1e3 * b:.3f} ms, ratio {a / b:.3f}", flush=True)
+        return results
 
 
 if __name__ == "__main__":

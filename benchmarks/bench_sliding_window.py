@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+import results_file
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -69,26 +71,29 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
     parser.add_argument("--no-full", action="store_true",
                         help="skip the full causal comparison (window 0)")
+    results_file.add_argument(parser, "sliding_window")
     args = parser.parse_args()
-    print(f"load average at start: {os.getloadavg()}")
-    print("| T | W | mode | kernel | peak RSS GiB | under 2 GiB | seconds | time vs full causal |")
-    print("|---|---|---|---|---|---|---|---|")
-    for length in args.lengths:
-        for mode in args.modes:
-            windowed = _run(length, args.window, mode, args.repeats)
-            full = None if args.no_full else _run(length, 0, mode, args.repeats)
-            for w, r in ((args.window, windowed), ("full", full)):
-                if r is None:
-                    continue
-                if "error" in r:
-                    print(f"| {length} | {w} | {mode} | - | error: {r['error']} | | | |")
-                    continue
-                ratio = ""
-                if w != "full" and full and "error" not in full:
-                    ratio = f"{r['seconds'] / full['seconds']:.2f}"
-                print(f"| {length} | {w} | {mode} | {r['kernel']} | {r['peak_gib']:.2f} | "
-                      f"{'yes' if r['peak_gib'] < LIMIT_GIB else 'NO'} | {r['seconds']:.2f} | {ratio} |")
-    print(f"load average at end: {os.getloadavg()}")
+    results_file.start(args)
+    with results_file.recording(args):
+        print(f"load average at start: {os.getloadavg()}\n")
+        print("| T | W | mode | kernel | peak RSS GiB | under 2 GiB | seconds | time vs full causal |")
+        print("|---|---|---|---|---|---|---|---|")
+        for length in args.lengths:
+            for mode in args.modes:
+                windowed = _run(length, args.window, mode, args.repeats)
+                full = None if args.no_full else _run(length, 0, mode, args.repeats)
+                for w, r in ((args.window, windowed), ("full", full)):
+                    if r is None:
+                        continue
+                    if "error" in r:
+                        print(f"| {length} | {w} | {mode} | - | error: {r['error']} | | | |")
+                        continue
+                    ratio = ""
+                    if w != "full" and full and "error" not in full:
+                        ratio = f"{r['seconds'] / full['seconds']:.2f}"
+                    print(f"| {length} | {w} | {mode} | {r['kernel']} | {r['peak_gib']:.2f} | "
+                          f"{'yes' if r['peak_gib'] < LIMIT_GIB else 'NO'} | {r['seconds']:.2f} | {ratio} |")
+        print(f"\nload average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""Runs every benchmark and regenerates benchmarks/RESULTS.md.
+"""Runs the side-by-side benchmarks and writes their sections of benchmarks/RESULTS.md.
 
-    python benchmarks/run_all.py            # the full grid (~30-60 min on 2 busy cores)
-    python benchmarks/run_all.py --quick    # a smoke run, written to RESULTS.quick.md
+    python benchmarks/run_all.py                    # all seven sections (~30-60 min on 2 busy cores)
+    python benchmarks/run_all.py --only attention   # one section; every other byte of the file stays
+    python benchmarks/run_all.py --quick            # a smoke run, written to RESULTS.quick.md
 
-Each benchmark runs in its own process; the tables, the run's conditions and a
-summary of the issue's targets (computed from the same rows) go into the file.
+Each benchmark runs in its own process; its table, the run's provenance and the
+issue's targets computed from the same rows replace that benchmark's section
+(between its `<!-- results:NAME -->` markers, see results_file.py). Sections
+of other scripts in the file are left alone.
 """
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -18,7 +20,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import _common  # noqa: E402
+import _common  # noqa: E402,F401  (the benchmarks' environment, inherited by each run)
+import results_file  # noqa: E402
 
 FULL = {
     "long": [],
@@ -44,30 +47,33 @@ TITLES = {
     "blocks": "Transformer blocks vs KerasHub (tokens/s, fraction of the matmul ceiling)",
     "long": "Long sequences: peak RSS and time (fresh subprocess per config)",
     "export": "Exported encoder classifier: TFLite (XNNPACK) and onnxruntime, batch 1",
-    "decode": "Incremental decoding (issue 7): per-token latency, KV cache vs recompute vs KerasHub",
+    "decode": "Incremental decoding: per-token latency, KV cache vs recompute vs KerasHub",
     "input": "Variable-length training input: fixed padding vs pad-to-batch vs length buckets",
 }
 
 
-NOTES = [
-    "- The machine is 2 cores shared with other jobs (see the load averages above), so "
-    "the matmul ceiling measured in the same rounds varies from row to row (see the "
-    "ceiling column). Ratios of interleaved timings are the meaningful numbers; a "
-    "ratio within ~10-15% of 1.0 is within the run-to-run noise seen here.",
-    "- Long sequences: each configuration is its own subprocess, run one after the other, "
-    "so the time columns of that table are NOT interleaved (one warm run each); the peak "
-    "RSS includes ~0.6 GiB of an idle TensorFlow process. T=2048/4096 use the unblocked "
-    "path (automatic blocking starts above 4096 x 4096 scores), T>=8192 the blocked one.",
-    "- XLA rows (`jit_compile=True`): XLA compiles ours and KerasHub into nearly the same fused "
-    "kernels (it fuses the softmax and LayerNorm passes our hand-written gradients save in "
-    "graph mode), so those ratios sit at parity within the noise (0.87x-1.13x across runs; "
-    "isolated re-runs of the lowest rows read 0.98x-1.05x).",
-    "- \"matmuls only\" times the step's matmuls one after the other; TensorFlow overlaps "
-    "independent ops in a real step, so a step can read a higher fraction than this reference.",
-    "- \"not run\": Keras configurations whose score tensors alone would need more than "
-    "9 GiB are not started (the issue reports `std::bad_alloc` for Keras training at "
-    "T=16384).",
-]
+# Notes that belong to one section: written under its table on every run.
+NOTES = {
+    "long": [
+        "- Each configuration is its own subprocess, run one after the other, so the time "
+        "columns are NOT interleaved (one warm run each); the peak RSS includes ~0.6 GiB of an "
+        "idle TensorFlow process. T=2048/4096 use the unblocked path (automatic blocking starts "
+        "above 4096 x 4096 scores), T>=8192 the blocked one.",
+        "- \"not run\": Keras configurations whose score tensors alone would need more than "
+        "9 GiB are not started (the issue reports `std::bad_alloc` for Keras training at "
+        "T=16384).",
+    ],
+    "blocks": [
+        "- The matmul ceiling is measured in the same rounds as each row, so it varies from row "
+        "to row with the machine's load (see the ceiling column).",
+        "- XLA rows (`jit_compile=True`): XLA compiles ours and KerasHub into nearly the same "
+        "fused kernels (it fuses the softmax and LayerNorm passes our hand-written gradients "
+        "save in graph mode), so those ratios sit at parity within the noise.",
+        "- \"matmuls only\" times the step's matmuls one after the other; TensorFlow overlaps "
+        "independent ops in a real step, so a step can read a higher fraction than this "
+        "reference.",
+    ],
+}
 
 
 def _fmt(x):
@@ -75,10 +81,11 @@ def _fmt(x):
 
 
 def targets(data):
-    """Lines checking the issue's targets against the measured rows."""
-    lines = []
+    """`{section: lines}` checking the issue's targets against that section's rows."""
+    out = {}
     blocks = data.get("blocks", {}).get("rows", [])
     train = [r for r in blocks if r["step"] == "train"]
+    lines = out.setdefault("blocks", [])
     for t, d in ((128, 256), (512, 256)):
         got = [r["ratio"] for r in train if (r["T"], r["d"]) == (t, d)]
         if got:
@@ -101,8 +108,10 @@ def targets(data):
     att = [r for r in data.get("attention", {}).get("rows", [])
            if r["T"] == 512 and r["case"] == "self" and r["step"] == "forward"]
     for r in att:
-        lines.append(f"- forward self-attention at T=512 vs Keras MHA, target >= 1.2x: "
-                     f"{r['ratio_vs_keras']:.2f}x" + (" -> met" if r["ratio_vs_keras"] >= 1.2 else " -> MISSED"))
+        out.setdefault("attention", []).append(
+            f"- forward self-attention at T=512 vs Keras MHA, target >= 1.2x: "
+            f"{r['ratio_vs_keras']:.2f}x" + (" -> met" if r["ratio_vs_keras"] >= 1.2 else " -> MISSED"))
+    lines = out.setdefault("long", [])
     long_rows = data.get("long", {}).get("rows", [])
     for t, mode in ((32768, "fwd"), (16384, "fwd+bwd")):
         for r in long_rows:
@@ -121,99 +130,72 @@ def targets(data):
         lines.append(f"- blocked / unblocked time at T=4096, target <= 1.3: {ratio:.2f}"
                      + (" -> met" if ratio <= 1.3 else " -> MISSED"))
     for r in data.get("export", {}).get("rows", []):
-        lines.append(f"- {r['format']} latency vs KerasHub-built, target ours <= KerasHub: "
-                     f"{r['ours_ms']:.3f} ms vs {r['hub_ms']:.3f} ms"
-                     + (" -> met" if r["ours_ms"] <= r["hub_ms"] else " -> MISSED"))
-    return lines
+        out.setdefault("export", []).append(
+            f"- {r['format']} latency vs KerasHub-built, target ours <= KerasHub: "
+            f"{r['ours_ms']:.3f} ms vs {r['hub_ms']:.3f} ms"
+            + (" -> met" if r["ours_ms"] <= r["hub_ms"] else " -> MISSED"))
+    return {name: lines for name, lines in out.items() if lines}
 
 
-KEPT = "Not re-run by this command: kept from the earlier run"
+def section_body(name, table, data, provenance_line):
+    """What run_all writes between section `name`'s markers."""
+    parts = [provenance_line, "", table.strip("\n")]
+    lines = targets({name: data}).get(name, []) if data is not None else []
+    if lines:
+        parts += ["", "Targets (issue 6):", "", *lines]
+    if name in NOTES:
+        parts += ["", "Notes:", "", *NOTES[name]]
+    return "\n".join(parts)
 
 
-def _earlier_sections(path):
-    """`{title: text}` of the sections of an earlier RESULTS file, and the
-    line saying which command and when generated it."""
-    if not os.path.exists(path):
-        return {}, ""
-    sections, title, generated = {}, None, ""
-    for line in open(path).read().splitlines():
-        if line.startswith("Generated by "):
-            generated = line[len("Generated by "):].rstrip(".")
-        if line.startswith("## "):
-            title = line[3:]
-            sections[title] = []
-        elif title is not None:
-            sections[title].append(line)
-    return {t: "\n".join(lines).strip() + "\n" for t, lines in sections.items()}, generated
+def skeleton(plan):
+    """A results file holding an empty, marked section per benchmark of `plan`."""
+    text = ["# Benchmark results", "",
+            "Written section by section by `python benchmarks/run_all.py`.", ""]
+    for name in plan:
+        text += [f"## {TITLES[name]}: `python benchmarks/run_all.py --only {name}`", "",
+                 f"<!-- results:{name} -->", "Not run yet.", f"<!-- /results:{name} -->", ""]
+    return "\n".join(text)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="+", choices=list(FULL))
-    parser.add_argument("--output")
+    parser.add_argument("--output", help="default: benchmarks/RESULTS.md "
+                                         "(RESULTS.quick.md with --quick), made if missing")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     names = args.only or list(plan)
     output = args.output or os.path.join(HERE, "RESULTS.quick.md" if args.quick else "RESULTS.md")
-    started = datetime.datetime.now(datetime.timezone.utc)
-    conditions = _common.conditions()
-    sections, data = {}, {}
-    command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "") + (
-        " --only " + " ".join(args.only) if args.only else "")
-    # With --only, the other benchmarks' sections of the existing file are kept
-    # (and say so), so the file stays whole.
-    earlier, earlier_run = _earlier_sections(output) if args.only else ({}, "")
-    kept = [n for n in plan if n not in names and TITLES[n] in earlier]
-
-    def write(done):
-        finished = datetime.datetime.now(datetime.timezone.utc)
-        text = [
-            "# Benchmark results",
-            "",
-            f"Generated by `{command}` (from {started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC)"
-            + ("." if done else "; still running, sections so far."),
-            "",
-            f"Conditions: {conditions}; load average at the end "
-            f"{os.getloadavg()[0]:.1f}. Timings are medians of interleaved rounds "
-            "(ours and the peer alternate, so outside load hits both); read the ratios, "
-            "not the absolute times. FLOP counting: see benchmarks/README.md.",
-            "",
-            "## Targets of issue 6",
-            "",
-            *targets(data),
-            *([f"- not re-evaluated here (sections kept from the earlier run): "
-               + ", ".join(TITLES[n] for n in kept)] if kept else []),
-            "",
-        ]
-        for name in plan:
-            if name in sections:
-                text += [f"## {TITLES[name]}", "", sections[name]]
-            elif name in kept:
-                body = earlier[TITLES[name]]
-                if not body.startswith(KEPT):  # kept twice: the first note names its run
-                    body = f"{KEPT}, generated by {earlier_run}.\n\n" + body
-                text += [f"## {TITLES[name]}", "", body]
-        text += ["## Notes on this run", "", *NOTES, ""]
+    if not os.path.exists(output):
         with open(output, "w") as f:
-            f.write("\n".join(text))
+            f.write(skeleton(plan))
+    with open(output) as f:  # fail before an hour of benchmarks, not after
+        text = f.read()
+    for name in names:
+        try:
+            results_file.get_section(text, name)
+        except ValueError as error:
+            parser.error(f"{output}: {error}")
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             md, js = os.path.join(tmp, name + ".md"), os.path.join(tmp, name + ".json")
             cmd = [sys.executable, os.path.join(HERE, f"bench_{name}.py"), *plan[name],
                    "--markdown", md, "--json", js]
+            command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "") + (
+                f" --only {name}")
+            line = results_file.provenance(command)
             print("running", " ".join(cmd[1:]), flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode == 0 and os.path.exists(md):
-                sections[name] = open(md).read()
-                data[name] = json.load(open(js))
+                body = section_body(name, open(md).read(), json.load(open(js)), line)
             else:
                 tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-                sections[name] = f"FAILED (exit {proc.returncode}):\n\n```\n{tail}\n```\n"
-            print(sections[name], flush=True)
-            write(done=False)
-    write(done=True)
+                body = f"{line}\n\nFAILED (exit {proc.returncode}):\n\n```\n{tail}\n```"
+            print(body, flush=True)
+            results_file.write_section(name, body, output)
     print("wrote", output)
     return 0
 

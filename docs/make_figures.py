@@ -12,6 +12,10 @@
 - `architecture.png`: the encoder-decoder the demo builds, layer by layer.
 - `long_sequence_memory.png`: peak memory against sequence length, read from the
   long-sequence table of `benchmarks/RESULTS.md` (`benchmarks/bench_long.py`).
+- `results_attention.png`, `results_runtimes.png` (`--only results`): the headline
+  comparisons of the benchmarks page, read from the current tables of
+  `benchmarks/RESULTS.md` (attention time against Keras by length; ONNX Runtime GenAI and
+  LiteRT-LM tokens/s and peak memory beside the peers' exports).
 """
 
 import argparse
@@ -22,7 +26,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "docs" / "images"
-FIGURES = ("attention", "architecture", "memory")
+FIGURES = ("attention", "architecture", "memory", "results")
+RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
 
 
 def _pyplot():
@@ -72,6 +77,140 @@ def draw_memory(path, results_md=ROOT / "benchmarks" / "RESULTS.md"):
                  fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def section_tables(name, results_md=RESULTS_MD):
+    """`[(header, rows)]` of the tables in section `name` of the results file (its markers)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import results_file
+
+    body = results_file.get_section(pathlib.Path(results_md).read_text(), name)
+    tables, current = [], []
+    for line in body.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif current:
+            tables.append((current[0], current[2:]))
+            current = []
+    if not tables:
+        raise ValueError(f"section {name!r} of {results_md} has no table")
+    return tables
+
+
+def _number(cell):
+    """The first number of a cell (`"1.21x"`, `"197 / 7.4"`, `"3.98 (was 5.86)"`)."""
+    match = re.search(r"\d+(?:\.\d+)?", cell)
+    if not match:
+        raise ValueError(f"no number in table cell {cell!r}")
+    return float(match.group(0))
+
+
+def _pair(cell):
+    """`(a, b)` of an `"a / b"` cell."""
+    a, b = cell.split("/")
+    return _number(a), _number(b)
+
+
+def draw_results_attention(path, results_md=RESULTS_MD):
+    """Keras MHA time / ours by case and length, and the long-sequence times by length."""
+    plt = _pyplot()
+    header, rows = section_tables("attention", results_md)[0]
+    col = header.index("Keras / ours")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    cases = list(dict.fromkeys(r[1] for r in rows))
+    labels, width = [], 0.2
+    for k, (length, step) in enumerate([(t, s) for t in ("128", "512") for s in ("forward", "fwd+bwd")]):
+        values = [_number(next(r[col] for r in rows if r[:3] == [length, case, step])) for case in cases]
+        xs = [i + (k - 1.5) * width for i in range(len(cases))]
+        bars = left.bar(xs, values, width, label=f"T={length} {step}")
+        left.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=6, rotation=90, padding=2)
+        labels = cases
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks(range(len(labels)), labels, fontsize=8)
+    left.set_ylim(0, 1.8)
+    left.set_ylabel("Keras MHA time / keras_attn time (> 1: ours faster)")
+    left.set_title("MultiHeadAttention vs keras.layers.MultiHeadAttention\n(batch 8, d_model 256, 8 heads)",
+                   fontsize=9)
+    left.legend(fontsize=7, loc="upper left", ncol=2)
+
+    header, rows = section_tables("long", results_md)[0]
+    for kind, style in (("fwd+bwd", "-"), ("fwd", "--")):
+        ours = [(int(r[0]), _number(r[4])) for r in rows if r[1] == kind]
+        keras = [(int(r[0]), _number(r[5])) for r in rows if r[1] == kind and "not run" not in r[5]]
+        right.plot(*zip(*ours), style, marker="o", color="tab:blue", label=f"keras_attn {kind}")
+        right.plot(*zip(*keras), style, marker="s", color="tab:red", label=f"Keras MHA {kind}")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("sequence length T")
+    right.set_ylabel("seconds (one warm run)")
+    right.set_title("Long sequences: time by length (batch 1, 8 heads, d=256;\n"
+                    "Keras not run where its scores alone exceed 9 GiB)", fontsize=9)
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_results_runtimes(path, results_md=RESULTS_MD):
+    """Tokens/s and peak memory of our LLM-runtime exports beside the peers' exports."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    speed = {}  # (model, precision) -> ours prefill, ours decode, peer prefill, peer decode
+    for name, model in (("genai_speed_qwen05b", "Qwen 0.5B"), ("genai_speed_llama1b", "Llama 1B"),
+                        ("genai_speed_qwen15b", "Qwen 1.5B")):
+        header, rows = section_tables(name, results_md)[0]
+        for r in rows:
+            precision = r[0].split()[0]
+            speed[(model, precision)] = (*_pair(r[1]), *_pair(r[2]))
+    keys = list(speed)
+    labels = [f"{m}\n{p}" for m, p in keys]
+    for ax, phase, (a, b) in ((axes[0][0], "prefill", (0, 2)), (axes[0][1], "decode", (1, 3))):
+        xs = range(len(keys))
+        for shift, column, label in ((-0.2, a, "keras_attn `export_onnx_genai`"), (0.2, b, "GenAI model builder")):
+            values = [speed[k][column] for k in keys]
+            bars = ax.bar([x + shift for x in xs], values, 0.4, label=label)
+            ax.bar_label(bars, labels=[f"{v:g}" for v in values], fontsize=6, padding=1)
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel(f"{phase} tokens/s")
+        ax.set_title(f"ONNX Runtime GenAI {phase}, same checkpoint, alternating rounds", fontsize=9)
+        ax.legend(fontsize=7)
+
+    header, rows = section_tables("genai_export", results_md)[0]
+    ours_col = next(i for i, h in enumerate(header) if "process peak GB" in h)
+    peer_col = header.index("builder: peak GB")
+    ax = axes[1][0]
+    labels = [f"{r[0].replace('Qwen2.5-', 'Qwen ').replace('Llama-3.2-', 'Llama ')}\n{r[1]}" for r in rows]
+    xs = range(len(rows))
+    for shift, column, label in ((-0.2, ours_col, "keras_attn (conversion + export + verification)"),
+                                 (0.2, peer_col, "GenAI model builder (its whole run)")):
+        values = [_number(r[column]) for r in rows]
+        bars = ax.bar([x + shift for x in xs], values, 0.4, label=label)
+        ax.bar_label(bars, labels=[f"{v:g}" for v in values], fontsize=6, padding=1)
+    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_ylabel("peak RSS of the process (GB)")
+    ax.set_title("ONNX Runtime GenAI export: peak memory", fontsize=9)
+    ax.legend(fontsize=7)
+
+    header, rows = section_tables("litertlm_speed", results_md)[0]
+    ax = axes[1][1]
+    runs = [r[0] for r in rows]
+    for k, (who, col) in enumerate((("keras_attn", 1), ("litert-torch", 2))):
+        for j, phase in enumerate(("prefill", "decode")):
+            values = [_pair(r[col])[j] for r in rows]
+            xs = [j * (len(runs) + 1) + i + (k - 0.5) * 0.4 for i in range(len(runs))]
+            bars = ax.bar(xs, values, 0.4, color=("tab:blue", "tab:orange")[k],
+                          label=who if j == 0 else None)
+            ax.bar_label(bars, labels=[f"{v:g}" for v in values], fontsize=6, padding=2)
+    ax.set_xticks([j * (len(runs) + 1) + i for j in range(2) for i in range(len(runs))],
+                  [f"{phase}\n{run}" for phase in ("prefill", "decode") for run in runs], fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("LiteRT-LM, Qwen2.5-0.5B int8 bundles in one engine (two runs)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.suptitle("Drawn from benchmarks/RESULTS.md by docs/make_figures.py", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -173,6 +312,9 @@ def main(argv=None):
         draw_memory(out / "long_sequence_memory.png")
     if "architecture" in args.only:
         draw_architecture(out / "architecture.png")
+    if "results" in args.only:
+        draw_results_attention(out / "results_attention.png")
+        draw_results_runtimes(out / "results_runtimes.png")
     if "attention" in args.only:
         sys.path.insert(0, str(ROOT))
         import keras_attn_cli
