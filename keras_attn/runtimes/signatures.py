@@ -94,7 +94,6 @@ from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
 
 
-
 def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(
