@@ -183,8 +183,8 @@ def _report_folders(folders, times, med, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _common.add_llm_size_args(parser)
-    parser.add_argument("--writer", default="auto", choices=("auto", "fused", "tf2onnx"),
-                        help="export_onnx_genai's graph writer (tf2onnx: the graph before the fused writer)")
+    parser.add_argument("--writer", default="auto", choices=("auto", "direct", "traced"),
+                        help="export_onnx_genai's graph writer (traced: tf2onnx's graph, from before the direct writer)")
     parser.add_argument("--folders", nargs="+", metavar="NAME=PATH",
                         help="time these GenAI folders instead of exporting (e.g. the real-size "
                              "benchmark's, benchmarks/bench_real_size.py); prompt ids from --vocab")

@@ -186,7 +186,7 @@ def test_litertlm_bundle_reads_the_filled_part(lm, reference, tokens, caches, sm
 
 # -- decode_step: the caller keeps the cache and passes its first L slots --------
 
-STEP_PATHS = ("tflite_direct", "tflite_converter", "onnx_direct", "onnx_tf2onnx", "saved_model")
+STEP_PATHS = ("tflite_direct", "tflite_traced", "onnx_direct", "onnx_traced", "saved_model")
 
 
 @pytest.fixture(scope="module")

@@ -135,14 +135,14 @@ def test_uncovered_model_goes_to_tf2onnx_by_default_without_a_warning(tmp_path):
 
 
 def test_writer_forced(post_norm, tmp_path):
-    from keras_attn.export import ExportError
+    from keras_attn.export.onnx_fused import NotFusableError
 
     model = post_norm[0]
-    report = export_onnx(model, tmp_path / "tf.onnx", writer="tf2onnx", sample_inputs=_feed(seed=5))
+    report = export_onnx(model, tmp_path / "tf.onnx", writer="traced", sample_inputs=_feed(seed=5))
     assert report.details["writer"] == "tf2onnx" and report.max_abs_error <= 1e-4
     inputs = keras.Input((None, DIM), name="x")
     uncovered = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
-    with pytest.raises(ExportError, match=r"writer='direct'.*silu"):
+    with pytest.raises(NotFusableError, match=r"writer='direct'.*silu"):
         export_onnx(uncovered, tmp_path / "d.onnx", writer="direct")
     assert not (tmp_path / "d.onnx").exists()
 
@@ -169,7 +169,8 @@ def test_a_model_loaded_from_a_keras_file_is_written_directly(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(writer="onnx"), r"`writer`.*onnx"),
-    (dict(writer="tf2onnx", fused=True), r"fused=True, writer='tf2onnx'"),
+    (dict(writer="traced", fused=True), r"fused=True, writer='traced'"),
+    (dict(writer="tf2onnx", fused=True), r"fused=True, writer='traced'"),
 ])
 def test_bad_writer_arguments_are_refused(post_norm, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -185,7 +186,7 @@ def test_tf2onnx_past_the_available_memory_is_refused_before_it_starts(tmp_path,
     weights = DIM * 3 * 4 + 3 * 4  # float32 kernel and bias
     monkeypatch.setattr(onnx_lib, "available_memory", lambda: onnx_lib.TF2ONNX_MEMORY_FACTOR * weights - 1)
     monkeypatch.setattr(onnx_lib, "convert", lambda *a, **k: pytest.fail("tf2onnx was started"))
-    with pytest.raises(ExportError, match=r"needs tf2onnx.*silu.*available.*writer='tf2onnx'"):
+    with pytest.raises(ExportError, match=r"needs tf2onnx.*silu.*available.*writer='traced'"):
         export_onnx(model, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
 

@@ -276,14 +276,14 @@ def test_refuses_what_it_does_not_cover_by_name():
 
 
 def test_genai_folder_generates_keras_greedy_tokens_on_this_backend(tmp_path):
-    """`export_onnx_genai(writer="fused")` needs no TensorFlow graph: on any
+    """`export_onnx_genai(writer="direct")` needs no TensorFlow graph: on any
     Keras backend, onnxruntime_genai's greedy tokens are those of Keras's
     full forward pass taken token by token."""
     og = pytest.importorskip("onnxruntime_genai")
     from keras_attn.runtimes import export_onnx_genai
 
     lm = make_lm(**FAMILIES["qwen2"])
-    export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="fused", eos_token_id=0)
+    export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="direct", eos_token_id=0)
     prompt = [5, 17, 33, 2, 60, 41]
     model = og.Model(str(tmp_path))
     params = og.GeneratorParams(model)
@@ -371,7 +371,7 @@ def test_genai_verification_runs_on_the_models_own_weights(tmp_path, monkeypatch
 
     lm = make_lm(**FAMILIES["qwen2"])
     shared = _spy_on_verification(monkeypatch)
-    report = export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="fused")
+    report = export_onnx_genai(lm, tmp_path, max_length=CACHE, writer="direct")
     assert report.max_abs_error <= report.atol
     variables = {"model.embed_tokens.weight": lm.embedding.embeddings}
     for i, block in enumerate(lm.blocks):
@@ -410,7 +410,7 @@ def test_genai_weight_written_wrong_is_caught(tmp_path, monkeypatch):
 
     _spy_on_verification(monkeypatch, before=flip_a_byte)
     with pytest.raises(ParityError, match="up_proj"):
-        export_onnx_genai(make_lm(**FAMILIES["llama"]), tmp_path, max_length=CACHE, writer="fused")
+        export_onnx_genai(make_lm(**FAMILIES["llama"]), tmp_path, max_length=CACHE, writer="direct")
     assert not (tmp_path / "model.onnx").exists() and not (tmp_path / "model.onnx.data").exists()
 
 

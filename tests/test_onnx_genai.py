@@ -53,7 +53,7 @@ def test_batch_of_right_padded_prompts_generates_each_rows_tokens(tmp_path):
     lm = from_huggingface(hf_family("llama"))
     folder = tmp_path
     export_onnx_genai(lm, folder, max_length=MAX_LEN, tokenizer=word_tokenizer(), eos_token_id=EOS,
-                      writer="fused")
+                      writer="direct")
 
     logits = onnx.load(str(folder / "model.onnx")).graph.output[0]
     assert logits.type.tensor_type.shape.dim[1].dim_value == 1  # GenAI reads it as last-token only
@@ -239,7 +239,7 @@ def test_nbits_weights_keep_keras_next_tokens(trained_dates_lm, tmp_path, quanti
     saturating pair sums, tests/test_quantized_portability.py)."""
     lm, tok, width, held_out, answer, keras_next = trained_dates_lm
     export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS,
-                      quantization=quantization, writer="fused", prompt_logits="all")
+                      quantization=quantization, writer="direct", prompt_logits="all")
     got = _next_tokens(tmp_path / "model.onnx", held_out, ("MatMulNBits",))
     valid = held_out != 0
     assert (got == keras_next)[valid].mean() >= floor, (got == keras_next)[valid].mean()
@@ -293,7 +293,7 @@ def test_fused_graph_generates_hf_tokens(tmp_path, family):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to tf2onnx
         export_onnx_genai(lm, tmp_path, max_length=MAX_LEN, tokenizer=word_tokenizer(),
-                          eos_token_id=EOS, writer="fused")
+                          eos_token_id=EOS, writer="direct")
     ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx")).graph.node}
     assert "GroupQueryAttention" in ops and "Transpose" not in ops, ops
     prompt = word_tokenizer().encode("the red cat sat on the big mat then").ids
@@ -310,6 +310,6 @@ def test_writer_falls_back_to_tf2onnx_with_the_reason(tmp_path):
     from keras_attn.export.onnx_fused import NotFusableError
 
     with pytest.raises(NotFusableError, match="position="):
-        export_onnx_genai(lm, tmp_path / "fused", max_length=16, writer="fused")
+        export_onnx_genai(lm, tmp_path / "fused", max_length=16, writer="direct")
     with pytest.raises(ValueError, match="`writer`"):
         export_onnx_genai(lm, tmp_path / "bad", max_length=16, writer="onnx")

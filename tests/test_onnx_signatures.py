@@ -408,7 +408,7 @@ def test_uncovered_models_fall_back_to_tf2onnx_with_the_reason(llama_like):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert signatures.onnx_writer(covered, max_length=8) == "direct"
-        assert signatures.onnx_writer(covered, max_length=8, writer="tf2onnx") == "tf2onnx"
+        assert signatures.onnx_writer(covered, max_length=8, writer="traced") == "tf2onnx"
     with pytest.raises(ValueError, match="writer.*'fast'"):
         signatures.onnx_writer(covered, max_length=8, writer="fast")
     with pytest.raises(ValueError, match="checks.*'assert'"):

@@ -275,7 +275,7 @@ def test_export_falls_back_to_the_converter_with_a_warning(tmp_path):
     pytest.importorskip("litert_lm_builder")
     lm = _refused(normalization="layer_norm")
     tok = word_tokenizer()
-    with pytest.warns(UserWarning, match="direct TFLite writer does not cover the model.*layer_norm"):
+    with pytest.warns(UserWarning, match="direct TFLite writer does not cover this model.*layer_norm"):
         report = litertlm.export_litertlm(lm, tmp_path / "a.litertlm", tokenizer=tok, max_length=8,
                                           prefill_lengths=(4,))
     assert report.writer == "converter" and "layer_norm" in report.direct_writer_skipped

@@ -51,7 +51,7 @@ def exported(request, tmp_path_factory):
     model = bert_like(**VARIANTS[request.param])
     folder = tmp_path_factory.mktemp(request.param)
     out = {}
-    for writer in ("auto", "converter"):
+    for writer in ("auto", "traced"):
         path = folder / f"{writer}.tflite"
         out[writer] = path, export_tflite(model, path, sample_inputs=bert_feed(seed=5), writer=writer)
     return request.param, model, out
@@ -61,7 +61,7 @@ def test_default_writer_is_direct_and_matches_keras(exported):
     which, model, out = exported
     path, report = out["auto"]
     assert report.details["writer"] == "direct"
-    assert out["converter"][1].details["writer"] == "converter"
+    assert out["traced"][1].details["writer"] == "converter"
     feed = _masked_feed()
     got = _runner(path)(**feed)
     assert sorted(got) == sorted(OUTPUTS)
@@ -72,7 +72,7 @@ def test_default_writer_is_direct_and_matches_keras(exported):
 def test_same_outputs_as_the_converter(exported):
     which, model, out = exported
     feed = bert_feed(batch=2, length=13, seed=3)
-    direct, converted = (_runner(out[w][0])(**feed) for w in ("auto", "converter"))
+    direct, converted = (_runner(out[w][0])(**feed) for w in ("auto", "traced"))
     want = _keras(model, feed)
     for got in (direct, converted):
         tolerance.assert_all_close([got[n] for n in OUTPUTS], want, terms=tolerance.LAYER_TERMS,
@@ -86,7 +86,7 @@ def test_fully_masked_row_is_finite_and_equals_keras(exported):
     feed = _masked_feed()
     want = _keras(model, feed)
     assert all(np.isfinite(w).all() for w in want)
-    for writer in ("auto", "converter"):
+    for writer in ("auto", "traced"):
         got = _runner(out[writer][0])(**feed)
         assert all(np.isfinite(got[n]).all() for n in OUTPUTS), writer
         tolerance.assert_all_close([got[n][2] for n in OUTPUTS], [w[2] for w in want],
@@ -110,7 +110,7 @@ def test_signature_is_the_converters(exported):
             for name, d in details.items()
         }, sorted(d["name"] for d in interpreter.get_input_details())
 
-    assert contract(out["auto"][0]) == contract(out["converter"][0])
+    assert contract(out["auto"][0]) == contract(out["traced"][0])
 
 
 def test_only_builtin_ops_each_weight_once_after_the_flatbuffer(exported):
@@ -145,7 +145,7 @@ def test_ids_out_of_range_are_clamped_or_flagged(tmp_path):
     outputs = {}
     # The converter's "clamp" is tested with every model (test_export*); its
     # "flag" here, beside the direct writer's.
-    for check_ids, writer in (("clamp", "auto"), ("flag", "auto"), ("flag", "converter")):
+    for check_ids, writer in (("clamp", "auto"), ("flag", "auto"), ("flag", "traced")):
         path = tmp_path / f"{check_ids}_{writer}.tflite"
         report = export_tflite(model, path, sample_inputs=feed, check_ids=check_ids, writer=writer)
         assert report.details["check_ids"] == check_ids
@@ -154,7 +154,7 @@ def test_ids_out_of_range_are_clamped_or_flagged(tmp_path):
                                    err_msg=f"{check_ids} {writer}")
         outputs[check_ids, writer] = got
     assert "valid" not in outputs["clamp", "auto"]
-    for writer in ("auto", "converter"):
+    for writer in ("auto", "traced"):
         np.testing.assert_array_equal(outputs["flag", writer]["valid"], [False, False, True])
 
 
@@ -167,7 +167,7 @@ def test_dynamic_int8_weights_per_channel_and_outputs(tmp_path):
 
     model = bert_like(**VARIANTS["post_norm"])
     reports = {}
-    for writer in ("auto", "converter"):
+    for writer in ("auto", "traced"):
         reports[writer] = export_tflite(model, tmp_path / f"{writer}.tflite",
                                         sample_inputs=bert_feed(seed=5), quantization="dynamic",
                                         writer=writer)
@@ -194,13 +194,13 @@ def test_dynamic_int8_weights_per_channel_and_outputs(tmp_path):
     feed = _masked_feed()
     want = _keras(model, feed)
     errors = {}
-    for writer in ("auto", "converter"):
+    for writer in ("auto", "traced"):
         got = _runner(tmp_path / f"{writer}.tflite")(**feed)
         errors[writer] = max(float(np.abs(got[n] - w).max() / np.abs(w).max())
                              for n, w in zip(OUTPUTS, want))
     # int8 weights move each output by a few percent of its size at most,
     # as they move the converter's.
-    assert errors["auto"] < 0.05 and errors["converter"] < 0.05, errors
+    assert errors["auto"] < 0.05 and errors["traced"] < 0.05, errors
 
 
 def test_uncovered_encoder_falls_back_with_a_warning_and_direct_refuses(tmp_path, monkeypatch):
@@ -245,5 +245,5 @@ def test_other_models_and_quantizations_go_to_the_converter_quietly(tmp_path, mo
 
 def test_bad_writer_is_refused(tmp_path):
     model = bert_like(**VARIANTS["post_norm"])
-    with pytest.raises(ValueError, match=r"`writer`.*'direct', 'converter'.*writer='tflite'"):
+    with pytest.raises(ValueError, match=r"`writer`.*'direct', 'traced'.*writer='tflite'"):
         export_tflite(model, tmp_path / "m.tflite", writer="tflite")

@@ -112,7 +112,7 @@ def test_logits_within_the_float32_bound_of_keras(llama, llama_direct):
 @pytest.mark.slow
 def test_names_shapes_and_order_are_the_converters(llama, llama_direct):
     converted = signatures.tflite_bytes(llama, max_length=MAX_LEN, batch_size=3, prompt_length=5,
-                                        writer="converter")
+                                        writer="traced")
     models = [litert.Interpreter(model_content=c) for c in (llama_direct, converted)]
     assert models[0].get_signature_list() == models[1].get_signature_list()
     for name in ("prefill", "decode", "decode_step"):

@@ -21,9 +21,9 @@ from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import staging
 from keras_attn.export import verify
+from keras_attn.export import writers
 
 OPSETS = (17, 18)
-WRITERS = ("auto", "direct", "tf2onnx")
 # tf2onnx's peak memory over the model's weight bytes, beyond what the
 # process held before: it freezes the variables into a GraphDef, optimizes
 # it with grappler, then rewrites it op by op in Python. Measured on 2-layer
@@ -157,21 +157,22 @@ def _check_tf2onnx_memory(model, why):
             f"weights, and {available / 1e9:.1f} GB is available. Refused before starting "
             "rather than risk the out-of-memory killer. Export on a machine with more memory, "
             "use layers the direct writer covers (keras_attn.export.onnx_fused), or pass "
-            "writer='tf2onnx' to try anyway."
+            "writer='traced' to try anyway."
         )
 
 
 def _check_writer(fused, writer):
-    arguments.check_choice("writer", writer, WRITERS)
+    writer = writers.check_writer(writer, ("tf2onnx",))
     if not isinstance(fused, bool):
         raise ValueError(
             f"Received an invalid value for argument `fused`, expected True or False. Received: fused={fused!r}"
         )
-    if fused and writer == "tf2onnx":
+    if fused and writer == "traced":
         raise ValueError(
             "`fused=True` selects the direct writer's onnxruntime contrib ops; tf2onnx writes "
-            "none. Received: fused=True, writer='tf2onnx'"
+            "none. Received: fused=True, writer='traced'"
         )
+    return writer
 
 
 def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="auto",
@@ -186,30 +187,30 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
     what the file holds followed by the returned proto's serialization.
     """
     arguments.check_choice("opset", opset, OPSETS)
-    _check_writer(fused, writer)
-    if writer != "tf2onnx":
+    writer = _check_writer(fused, writer)
+
+    def direct():
         try:
-            proto = onnx_fused.direct_model_proto(
+            return onnx_fused.direct_model_proto(
                 model, opset=opset, check_ids=check_ids, fused=fused, weights_file=weights_file)
-            return proto, {"writer": "direct"}
-        except onnx_fused.NotFusableError as error:
+        except onnx_fused.NotFusableError:
             if weights_file is not None:
                 weights_file.seek(0)
                 weights_file.truncate()
-            if writer == "direct":
-                raise report.ExportError(
-                    f"writer='direct': the direct ONNX writer does not cover the model: {error}. "
-                    "Pass writer='auto' to use tf2onnx for it."
-                ) from error
-            why = str(error)
-        if fused:
-            import warnings
+            raise
 
-            warnings.warn(f"fused=True: {why}; exporting the plain tf2onnx graph instead.", stacklevel=3)
-        _check_tf2onnx_memory(model, why)
-        return convert(model, opset=opset, check_ids=check_ids), {
-            "writer": "tf2onnx", "direct_writer_skipped": why}
-    return convert(model, opset=opset, check_ids=check_ids), {"writer": "tf2onnx"}
+    # Only fused=True asked for the direct writer's kind of graph: a plain
+    # model that tf2onnx writes is no news.
+    proto, why = writers.direct_or_none(
+        writer, direct, what=f"The ONNX export (fused=True) of `{model.name}`",
+        direct_name="direct ONNX writer", traced_name="tf2onnx", warn=fused)
+    if proto is not None:
+        return proto, {"writer": "direct"}
+    if why is None:
+        return convert(model, opset=opset, check_ids=check_ids), {"writer": "tf2onnx"}
+    _check_tf2onnx_memory(model, why)
+    return convert(model, opset=opset, check_ids=check_ids), {
+        "writer": "tf2onnx", "direct_writer_skipped": why}
 
 
 def session(model, *, prepack=True):
@@ -263,13 +264,15 @@ def export_onnx(
         fused: the direct writer uses onnxruntime's fused kernels
             (`com.microsoft` Attention, SkipLayerNormalization, BiasGelu;
             the file then runs only in onnxruntime) instead of standard
-            ONNX ops; a model it does not cover goes to tf2onnx with a
-            warning.
+            ONNX ops (the kind of graph, not a choice of writer: tf2onnx
+            writes none).
         writer: "auto" (default): the direct writer where it covers the
-            model, else tf2onnx; "direct": the direct writer or an
-            ExportError naming what it does not cover; "tf2onnx": always
-            tf2onnx, without the memory check. The report's
-            `details["writer"]` says which wrote the file.
+            model, else tf2onnx with a warning naming why; "direct": the
+            direct writer or a `NotFusableError` naming what it does not
+            cover; "traced": always tf2onnx, without the memory check
+            ("tf2onnx", deprecated, is "traced"). The report's
+            `details["writer"]` says which wrote the file ("direct" or
+            "tf2onnx").
 
     Returns:
         An `ExportReport` with the ONNX op types used.
@@ -277,13 +280,14 @@ def export_onnx(
     Raises:
         UnsupportedOpsError: tf2onnx cannot convert some TF op.
         ParityError: onnxruntime differs from Keras beyond `atol`.
-        ExportError: tf2onnx would need more memory than is available, or
-            `writer="direct"` and the direct writer does not cover the model.
+        ExportError: tf2onnx would need more memory than is available.
+        NotFusableError: `writer="direct"` and the direct writer does not
+            cover the model.
     """
     model = model_io.as_functional(model, sample_inputs)
     model_io.input_specs(model)
     names = model_io.output_names(model)
-    _check_writer(fused, writer)
+    writer = _check_writer(fused, writer)
     atol = arguments.resolve_atol(atol, 1e-4)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)

@@ -99,6 +99,13 @@ _ROTARY_PROBE_POSITIONS = 512
 PROMPT_LOGITS = ("last", "all")
 
 
+def is_decoder_only_lm(model):
+    """True for a `keras_attn.generation.DecoderOnlyLM` (or a subclass), read
+    from the class names so that `export` never imports `generation`."""
+    return any(c.__name__ == "DecoderOnlyLM" and c.__module__ == "keras_attn.generation.models"
+               for c in type(model).__mro__)
+
+
 def check_decoder_options(model, writer, not_covered, choices, max_length=None):
     """What both direct decoder writers (this one and `tflite_decoder`)
     check: a `DecoderOnlyLM` with no option they do not know, the options
@@ -106,9 +113,7 @@ def check_decoder_options(model, writer, not_covered, choices, max_length=None):
     (`{key: allowed}`), a static rotary within LongRoPE's original length,
     and self-attention blocks without options they do not write. Raises
     `NotFusableError` naming the option and `writer`."""
-    from keras_attn.generation.models import DecoderOnlyLM
-
-    if not isinstance(model, DecoderOnlyLM):
+    if not is_decoder_only_lm(model):
         raise NotFusableError(f"the {writer} takes a DecoderOnlyLM, not {type(model).__name__}")
     # The writers read float kernels; Keras's `quantize` holds integer ones
     # with scales beside them.

@@ -52,6 +52,7 @@ from keras_attn.export.onnx_decoder import MODEL_OPTIONS_NOT_FUSED
 from keras_attn.export.onnx_decoder import Graph
 from keras_attn.export.onnx_decoder import check_decoder_options
 from keras_attn.export.onnx_decoder import dense_bias
+from keras_attn.export.onnx_decoder import is_decoder_only_lm
 from keras_attn.export.onnx_decoder import projection_kernel
 from keras_attn.export.onnx_decoder import rotary_caches
 from keras_attn.export.onnx_decoder import weight_value
@@ -82,11 +83,9 @@ def cache_layout(model, max_length):
 def check_signature_decoder(model, max_length, opset=17):
     """Raises `NotFusableError` naming the first thing about `model` (a
     cache of `max_length`, `opset`) this writer does not cover."""
-    from keras_attn.generation.models import DecoderOnlyLM
-
     if opset not in OPSETS:
         raise NotFusableError(f"opset={opset!r} (the {WRITER} writes opsets {list(OPSETS)})")
-    if isinstance(model, DecoderOnlyLM) and not model.built:
+    if is_decoder_only_lm(model) and not model.built:
         model(np.zeros((1, 1), "int32"))  # its layers' weights are read below
     check_decoder_options(model, WRITER, MODEL_OPTIONS_NOT_FUSED, _CHOICES, max_length)
     config = model.get_config()

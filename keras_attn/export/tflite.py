@@ -3,7 +3,6 @@
 import os
 import re
 import tempfile
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -16,13 +15,11 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import staging
 from keras_attn.export import tflite_encoder
 from keras_attn.export import verify
+from keras_attn.export import writers
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8", "int16x8")
 # The variants whose activations are integers, calibrated on representative inputs.
 CALIBRATED = ("int8", "int16x8")
-# "auto": the direct writer (`tflite_encoder`) where it covers the model and
-# the quantization, else TensorFlow's converter.
-WRITERS = ("auto", "direct", "converter")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
@@ -310,35 +307,32 @@ def write_tflite(model, path, *, quantization=None, representative_dataset=None,
     `tflite_encoder.meant_for` says the direct writer is meant for, with
     "direct_writer_skipped" and, unless the quantization was the reason, a
     warning naming why), "direct" (`NotFusableError` naming what it does not
-    cover) or "converter".
+    cover) or "traced" (the converter; "converter" is deprecated).
     """
-    arguments.check_choice("writer", writer, WRITERS)
+    writer = writers.check_writer(writer, ("converter",))
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
-    why = None
-    if writer != "converter":
-        try:
-            if quantization not in tflite_encoder.QUANTIZATIONS:
-                raise tflite_encoder.NotFusableError(
-                    f"quantization={quantization!r} (it writes float32 and 'dynamic')")
-            if representative_dataset is not None or float_ops is not None:
-                raise tflite_encoder.NotFusableError("calibration arguments (it does not calibrate)")
-            mode = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
-            tflite_encoder.write_encoder_tflite(model, path, quantization=quantization,
-                                                check_ids=mode)
-            return {"quantization": quantization or "none", "check_ids": mode, "writer": "direct"}
-        except tflite_encoder.NotFusableError as error:
-            if writer == "direct":
-                raise tflite_encoder.NotFusableError(
-                    f"writer='direct': the direct TFLite writer does not cover the model: {error}. "
-                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
-            if tflite_encoder.meant_for(model):
-                why = str(error)
-                # A quantization the direct writer does not write is the
-                # converter's by design; a layer it does not cover is news.
-                if not why.startswith(("quantization=", "calibration")):
-                    warnings.warn(f"The direct TFLite writer does not cover the model ({why}); "
-                                  "converting with TensorFlow's TFLite converter instead.",
-                                  stacklevel=3)
+
+    # The converter's by design: no warning for these.
+    by_design = (f"quantization={quantization!r} (it writes float32 and 'dynamic')"
+                 if quantization not in tflite_encoder.QUANTIZATIONS else
+                 "calibration arguments (it does not calibrate)"
+                 if representative_dataset is not None or float_ops is not None else None)
+
+    def direct():
+        if by_design:
+            raise tflite_encoder.NotFusableError(by_design)
+        mode = saved_model_lib.resolve_check_ids(check_ids, TFLITE_ID_CHECKS)
+        tflite_encoder.write_encoder_tflite(model, path, quantization=quantization, check_ids=mode)
+        return {"quantization": quantization or "none", "check_ids": mode, "writer": "direct"}
+
+    # A model the direct writer is not meant for going to the converter is no news.
+    meant_for = tflite_encoder.meant_for(model)
+    details, why = writers.direct_or_none(
+        writer, direct, what=f"The TFLite export of `{model.name}`", direct_name="direct TFLite writer",
+        traced_name="TensorFlow's TFLite converter", warn=meant_for and by_design is None)
+    if details is not None:
+        return details
+    why = why if meant_for else None
     content, details = convert(
         model, quantization=quantization, representative_dataset=representative_dataset,
         builtin_ops_only=builtin_ops_only, check_ids=check_ids, float_ops=float_ops)
@@ -457,9 +451,10 @@ def export_tflite(
             TensorFlow's converter (with a warning naming why for a model
             with `TransformerEncoderBlock`s and 16.8M weights or more,
             `tflite_encoder.meant_for`); "direct": the direct writer or
-            a `NotFusableError` naming what it does not cover; "converter":
-            always the converter. The report's `details["writer"]` says
-            which wrote the file.
+            a `NotFusableError` naming what it does not cover; "traced":
+            always the converter ("converter", deprecated, is "traced").
+            The report's `details["writer"]` says which wrote the file
+            ("direct" or "converter").
 
     Returns:
         An `ExportReport` with the builtin ops used.
@@ -476,7 +471,7 @@ def export_tflite(
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
-    arguments.check_choice("writer", writer, WRITERS)
+    writer = writers.check_writer(writer, ("converter",), stacklevel=3)
     atol = arguments.resolve_atol(atol, DEFAULT_ATOL[quantization])
     if quantization is None:
         for arg, value, default in (("min_agreement", min_agreement, None),

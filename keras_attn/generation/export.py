@@ -1,9 +1,17 @@
-"""Deprecated alias of `keras_attn.runtimes.signatures` (and of the writers
-`export_litertlm`, `export_onnx_genai` it re-exported), kept for one release."""
+"""Deprecated alias of `keras_attn.runtimes.signatures` (0.2.0's path), kept for one release."""
 
-from keras_attn.generation import _deprecated
+import types
+import warnings
+
 from keras_attn.runtimes import signatures as _signatures
-from keras_attn.runtimes import litertlm as _litertlm
-from keras_attn.runtimes import onnx_genai as _onnx_genai
 
-_deprecated.alias(globals(), _signatures, _litertlm, _onnx_genai)
+# stacklevel 2: the line that imports this module.
+warnings.warn("`keras_attn.generation.export` moved to `keras_attn.runtimes.signatures`; the old "
+              "path is deprecated and will be removed in the next release. Import from the new path.",
+              DeprecationWarning, stacklevel=2)
+__all__ = [name for name, value in sorted(vars(_signatures).items())
+           if not name.startswith("_") and not isinstance(value, types.ModuleType)]
+
+
+def __getattr__(name):
+    return getattr(_signatures, name)

@@ -39,14 +39,13 @@ Greedy decoding in LiteRT-LM (`SamplerConfig(top_k=1)`) gives Keras's
 import dataclasses
 import os
 import tempfile
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from keras_attn import checks
 from keras_attn.export import tflite_decoder
 from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.writers import check_writer, direct_or_none
 from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS
 from keras_attn.runtimes.tflite_convert import signatures_to_tflite
 from keras_attn.runtimes.tokenizers import write_tokenizer
@@ -68,10 +67,6 @@ FLOAT32_RTOL = 1e-4
 # positions whose next token (argmax) equals Keras's, teacher-forced on the
 # verification sequence.
 DEFAULT_MIN_AGREEMENT = {"float16": 0.99, "dynamic": 0.9, "int4": 0.8}
-# "direct": `keras_attn.export.tflite_decoder` writes the TFLite model from
-# the Keras weights; "converter": TensorFlow's TFLite converter over the
-# traced signatures; "auto": direct where it covers the model.
-WRITERS = ("auto", "direct", "converter")
 
 
 def _positive_int(name, value):
@@ -152,7 +147,7 @@ def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=Non
                     cache_dtype="float32", writer="auto"):
     """The bundle's TFLite model (bytes): `prefill_<T>` and `decode` signatures.
 
-    `writer`: "auto", "direct" or "converter" (see `export_litertlm`).
+    `writer`: "auto", "direct" or "traced" (see `export_litertlm`).
     """
     with tempfile.TemporaryDirectory(prefix="keras_attn_litertlm_") as tmp:
         path = os.path.join(tmp, "model.tflite")
@@ -167,28 +162,24 @@ def write_litertlm_tflite(model, path, *, max_length, prefill_lengths=None, quan
     """Writes the bundle's TFLite model to `path`; returns `(writer, why)`:
     the writer used ("direct" or "converter") and, when "auto" fell back to
     the converter, why the direct writer was skipped (else None)."""
-    checks.check_choice("writer", writer, WRITERS)
+    writer = check_writer(writer, ("converter",))
     cache_storage_dtype(cache_dtype)
-    why = None
-    if writer != "converter":
-        try:
-            if cache_dtype != "float32":
-                raise NotFusableError(f"cache_dtype={cache_dtype!r} (the direct writer keeps float32 caches)")
-            check_runtime_decoder(model, RUNTIME)
-            max_length = _positive_int("max_length", max_length)
-            tflite_decoder.write_decoder_tflite(
-                model, path, max_length=max_length,
-                prefill_lengths=_prefill_lengths(prefill_lengths, max_length),
-                quantization=quantization, read_bucket=decoder_trace.READ_BUCKET)
-            return "direct", None
-        except NotFusableError as error:
-            if writer == "direct":
-                raise ValueError(
-                    f"writer='direct': the direct TFLite writer does not cover the model: {error}. "
-                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
-            why = str(error)
-            warnings.warn(f"The direct TFLite writer does not cover the model ({why}); converting "
-                          "with TensorFlow's TFLite converter instead.", stacklevel=3)
+
+    def direct():
+        if cache_dtype != "float32":
+            raise NotFusableError(f"cache_dtype={cache_dtype!r} (the direct writer keeps float32 caches)")
+        check_runtime_decoder(model, RUNTIME)
+        length = _positive_int("max_length", max_length)
+        tflite_decoder.write_decoder_tflite(
+            model, path, max_length=length, prefill_lengths=_prefill_lengths(prefill_lengths, length),
+            quantization=quantization, read_bucket=decoder_trace.READ_BUCKET)
+        return "direct"
+
+    used, why = direct_or_none(writer, direct, what=f"The LiteRT-LM export of `{model.name}`",
+                               direct_name="direct TFLite writer",
+                               traced_name="TensorFlow's TFLite converter")
+    if used:
+        return used, None
     content = signatures_to_tflite(
         litertlm_functions(model, max_length=max_length, prefill_lengths=prefill_lengths,
                            cache_dtype=cache_dtype),
@@ -397,9 +388,11 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             (`keras_attn.export.tflite_decoder`: the TFLite model written
             from the Keras weights, float32, "dynamic" int8 or "int4",
             float32 caches) where it covers the model, else TensorFlow's TFLite
-            converter, with a warning naming why; "direct" (a ValueError
-            where it does not cover the model) or "converter". The report's
-            `writer` says which wrote the bundle.
+            converter, with a warning naming why; "direct" (a
+            `NotFusableError` where it does not cover the model) or
+            "traced" (the converter; "converter", deprecated, is "traced").
+            The report's `writer` says which wrote the bundle ("direct" or
+            "converter").
 
     Returns:
         A `LitertLmReport`.
@@ -430,7 +423,7 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
     if stop_token_ids is None:
         stop_token_ids = (model.pad_token_id,)
     stop_token_ids = tuple(np.atleast_1d(stop_token_ids).tolist())
-    checks.check_choice("writer", writer, WRITERS)
+    writer = check_writer(writer, ("converter",), stacklevel=3)
     with tempfile.TemporaryDirectory(prefix="keras_attn_litertlm_") as tmp:
         # The model is written to a file and read from it (LiteRT maps the
         # weights after the flatbuffer): never whole in Python memory.

@@ -23,24 +23,24 @@ positions (GPT-2), whose padded rows Hugging Face numbers from the mask.
 
 The graph is written one of two ways (`writer=`):
 
-- "fused" (`keras_attn.export.onnx_decoder`): onnxruntime's fused kernels
+- "direct" (`keras_attn.export.onnx_decoder`): onnxruntime's fused kernels
   (`GroupQueryAttention` with rotary and sliding windows inside,
   `SkipSimplifiedLayerNormalization`, packed Q/K/V, `MatMulNBits` for int8
   and int4 weights) from the Keras weights, as the ONNX Runtime GenAI model
   builder writes its graphs; for rotary, RMSNorm decoders (the Llama-like
   families of `keras_attn.convert`).
-- "tf2onnx": `call_with_cache` converted by tf2onnx, so anything
+- "traced": `call_with_cache` converted by tf2onnx, so anything
   `keras_attn.runtimes.signatures` exports exports here (learned positions,
   LayerNorm, relative bias; a sliding window as a band over the full
   cache); not encoder-decoder models.
 
-"auto" (the default) takes the fused writer where it covers the model and
-falls back to tf2onnx with a warning that says why.
+"auto" (the default) takes the direct writer where it covers the model and
+falls back to tf2onnx with a warning that says why. ("fused" and "tf2onnx",
+deprecated, are "direct" and "traced".)
 """
 
 import json
 import os
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -48,10 +48,10 @@ import tensorflow as tf
 from keras_attn import checks
 from keras_attn.export import onnx_decoder
 from keras_attn.export.onnx import rename_value
-from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.onnx_quantize import matmul_nbits
 from keras_attn.export.onnx_quantize import quantize_matmul_weights
 from keras_attn.export.report import ParityError
+from keras_attn.export.writers import check_writer, direct_or_none
 from keras_attn.runtimes import verification
 from keras_attn.runtimes.tokenizers import tokenizer_model_type
 from keras_attn.runtimes.tokenizers import write_tokenizer
@@ -174,7 +174,6 @@ _QUANTIZATIONS = (None, "dynamic", "int8", "int4")
 # while the file is written and verified (the proto, its serialization, the
 # session's copy): a 268M-parameter Gemma 3 peaked at 7.65 GB that way.
 EXTERNAL_DATA_BYTES = 256 << 20
-_WRITERS = ("auto", "fused", "tf2onnx")
 
 
 def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
@@ -184,21 +183,15 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
     `keras_attn.export.onnx_decoder.decoder_model_proto`'s, for the fused
     graph without "dynamic" quantization)."""
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
-    checks.check_choice("writer", writer, _WRITERS)
+    writer = check_writer(writer, ("fused", "tf2onnx"))
     bits = {"int8": 8, "int4": 4}.get(quantization)
-    proto = None
-    if writer != "tf2onnx":
-        try:
-            proto = onnx_decoder.decoder_model_proto(
-                model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
-                external_data=None if quantization == "dynamic" else external_data,
-                prompt_logits=prompt_logits, shared=None if quantization == "dynamic" else shared)
-        except NotFusableError as error:
-            if writer == "fused":
-                raise
-            warnings.warn(
-                f"export_onnx_genai: the fused decoder writer does not cover this model ({error}); "
-                "writing the tf2onnx graph instead (slower in onnxruntime).", stacklevel=3)
+    proto, _ = direct_or_none(
+        writer, lambda: onnx_decoder.decoder_model_proto(
+            model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
+            external_data=None if quantization == "dynamic" else external_data,
+            prompt_logits=prompt_logits, shared=None if quantization == "dynamic" else shared),
+        what="export_onnx_genai", direct_name="fused decoder writer",
+        traced_name="the tf2onnx graph (slower in onnxruntime)")
     if proto is None:
         proto = onnx_genai_model(model, max_length=max_length, opset=opset)
         if bits is not None:
@@ -231,9 +224,10 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             (`keras_attn.export.onnx_quantize`); "int8" / "int4": weights in
             symmetric blocks of 32 as `MatMulNBits` (what the GenAI model
             builder writes), computed per `accuracy_level`.
-        writer: "auto" (the fused graph where it covers the model, else
-            tf2onnx with a warning), "fused" (raise `NotFusableError` where
-            it does not) or "tf2onnx" (see the module docstring).
+        writer: "auto" (the direct writer's fused graph where it covers
+            the model, else tf2onnx with a warning), "direct" (raise
+            `NotFusableError` where it does not) or "traced" (tf2onnx; see
+            the module docstring).
         accuracy_level: `MatMulNBits`' compute precision for "int8"/"int4":
             4 (int8 arithmetic on CPUs with AVX2/AVX-512/ARM dot products,
             float32 elsewhere) or 0 (as the weights: float32).
@@ -272,7 +266,7 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
-    checks.check_choice("writer", writer, _WRITERS)
+    writer = check_writer(writer, ("fused", "tf2onnx"), stacklevel=3)
     checks.check_choice("prompt_logits", prompt_logits, onnx_decoder.PROMPT_LOGITS)
     check_runtime_decoder(model)
     os.makedirs(folder, exist_ok=True)

@@ -73,7 +73,6 @@ Bad requests (docs/guides/serving_validation.md has the measured table):
 import os
 import shutil
 import tempfile
-import warnings
 
 import tensorflow as tf
 
@@ -82,10 +81,10 @@ from keras_attn.export import onnx_decoder
 from keras_attn.export import onnx_signatures
 from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx import rename_value
-from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS, graph_op_types
 from keras_attn.export.staging import release_memory, staged
 from keras_attn.export.tflite import tflite_op_names
+from keras_attn.export.writers import check_writer, direct_or_none
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import search
 from keras_attn.runtimes import request_checks, verification
@@ -93,11 +92,6 @@ from keras_attn.runtimes.loop import greedy_loop  # noqa: F401  (public here too
 from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS, signatures_to_tflite
 from keras_attn.runtimes import trace as decoder_trace
 from keras_attn.runtimes.trace import DecoderTrace, cache_storage_dtype
-
-# "direct": `keras_attn.export.tflite_signatures` writes the TFLite model from
-# the Keras weights; "converter": TensorFlow's converter over the traced
-# signatures; "auto": direct where it covers the model.
-WRITERS = ("auto", "direct", "converter")
 
 
 def _check_arguments(model, max_length, checks, allowed, encoder_length=None):
@@ -362,8 +356,8 @@ def tflite_bytes(model, *, max_length, batch_size, prompt_length, encoder_length
     a decoder-only `DecoderOnlyLM`, float32 or "dynamic" weights, float32
     cache) where that covers the model and options, else traces it and runs
     TensorFlow's converter, with a warning naming why (encoder-decoder
-    models: silently); "direct" (a ValueError where it does not cover them)
-    or "converter".
+    models: silently); "direct" (a `NotFusableError` where it does not
+    cover them) or "traced" (the converter; "converter" is deprecated).
     """
     return _tflite_content(model, max_length=max_length, batch_size=batch_size,
                            prompt_length=prompt_length, encoder_length=encoder_length, checks=checks,
@@ -378,31 +372,29 @@ def _tflite_content(model, *, max_length, batch_size, prompt_length, encoder_len
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (TFLite has no assert op). Received: checks={checks!r}"
         )
-    check_choice("writer", writer, WRITERS)
+    writer = check_writer(writer, ("converter",))
     seq2seq = hasattr(model, "encode")
     if seq2seq and encoder_length is None:
         raise ValueError(
             "Encoder-decoder models need a static `encoder_length` for TFLite. "
             "Received: encoder_length=None"
         )
-    if writer != "converter" and not (seq2seq and writer == "auto"):
+    if seq2seq and writer == "auto":
+        writer = "traced"  # the direct writer is decoder-only: no news
+    if writer != "traced":
         # The trace's argument checks, before the direct writer reads the model.
         cache_storage_dtype(cache_dtype)
         check_choice("quantization", quantization, GENERATION_QUANTIZATIONS)
         _check_arguments(model, max_length, checks, ("flag", "none"), encoder_length)
-        try:
-            content = tflite_signatures.signatures_tflite_bytes(
-                model, max_length=max_length, batch_size=batch_size, prompt_length=prompt_length,
-                checks=checks, quantization=quantization, cache_dtype=cache_dtype,
-                read_bucket=decoder_trace.READ_BUCKET)
-            return content, "direct"
-        except NotFusableError as error:
-            if writer == "direct":
-                raise ValueError(
-                    f"writer='direct': the direct TFLite writer does not cover this export: {error}. "
-                    "Pass writer='auto' to use TensorFlow's converter for it.") from error
-            warnings.warn(f"The direct TFLite writer does not cover this export ({error}); "
-                          "converting with TensorFlow's TFLite converter instead.", stacklevel=3)
+    content, _ = direct_or_none(
+        writer, lambda: tflite_signatures.signatures_tflite_bytes(
+            model, max_length=max_length, batch_size=batch_size, prompt_length=prompt_length,
+            checks=checks, quantization=quantization, cache_dtype=cache_dtype,
+            read_bucket=decoder_trace.READ_BUCKET),
+        what=f"The TFLite prefill/decode export of `{model.name}`",
+        direct_name="direct TFLite writer", traced_name="TensorFlow's TFLite converter")
+    if content is not None:
+        return content, "direct"
     fns = signature_functions(model, max_length=max_length, batch_size=batch_size,
                               prompt_length=prompt_length, encoder_length=encoder_length,
                               checks=checks, cache_dtype=cache_dtype, update_slices=True)
@@ -464,9 +456,6 @@ def _flattened(fn, out_names):
     return flat
 
 
-ONNX_WRITERS = ("auto", "direct", "tf2onnx")
-
-
 def _check_onnx_arguments(model, max_length, checks):
     if checks not in ("flag", "none"):
         raise ValueError(
@@ -477,22 +466,18 @@ def _check_onnx_arguments(model, max_length, checks):
 
 
 def onnx_writer(model, *, max_length, opset=17, writer="auto"):
-    """The writer `onnx_models` / `export_onnx` use: "direct"
-    (`keras_attn.export.onnx_signatures`) where it covers `model`, else
-    "tf2onnx" (`writer="auto"` warns, naming why; `writer="direct"` raises
-    the `NotFusableError` that says it)."""
-    check_choice("writer", writer, ONNX_WRITERS)
-    if writer == "tf2onnx":
-        return writer
-    try:
-        onnx_signatures.check_signature_decoder(model, max_length, opset)
-    except NotFusableError as error:
-        if writer == "direct":
-            raise
-        warnings.warn(f"The ONNX prefill/decode export of `{model.name}` falls back to tf2onnx: "
-                      f"keras_attn.export.onnx_signatures does not cover it ({error}).", stacklevel=3)
-        return "tf2onnx"
-    return "direct"
+    """The writer `onnx_models` / `export_onnx` use, "direct"
+    (`keras_attn.export.onnx_signatures`) or "tf2onnx", for `writer`
+    "auto" (direct where it covers `model`, else a warning naming why),
+    "direct" (or the `NotFusableError` that says why not) or "traced"
+    ("tf2onnx", deprecated, is "traced")."""
+    writer = check_writer(writer, ("tf2onnx",))
+    _, why = direct_or_none(
+        writer, lambda: onnx_signatures.check_signature_decoder(model, max_length, opset),
+        what=f"The ONNX prefill/decode export of `{model.name}`",
+        direct_name="direct ONNX signature writer (keras_attn.export.onnx_signatures)",
+        traced_name="tf2onnx")
+    return "tf2onnx" if writer == "traced" or why is not None else "direct"
 
 
 def onnx_models(model, *, max_length, opset=17, checks="flag", writer="auto"):
@@ -501,8 +486,8 @@ def onnx_models(model, *, max_length, opset=17, checks="flag", writer="auto"):
 
     `writer`: "direct" (`keras_attn.export.onnx_signatures`: written from
     the weights in standard ops, each proto holding its weights, so under
-    2 GB; `export_onnx` has no such limit), "tf2onnx" (the traced
-    signatures converted), or "auto" (the default: direct where it covers
+    2 GB; `export_onnx` has no such limit), "traced" (the traced
+    signatures converted by tf2onnx), or "auto" (the default: direct where it covers
     the model, else tf2onnx with a warning naming why).
     Inputs and outputs carry the signature names, except that an output
     named like an input gets `_out` appended (`cache_out`). Raises a ValueError if
