@@ -41,34 +41,14 @@ like tf2onnx's.
 
 import numpy as np
 
+from keras_attn.layers.activations import canonical_name as activation_name  # noqa: F401
+
 MS_DOMAIN = "com.microsoft"
 _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 
 
 class NotFusableError(ValueError):
     """The model has a layer or setting the fused writer does not cover."""
-
-
-def activation_name(fn):
-    """`"gelu"`, `"gelu_tanh"`, `"silu"`, `"relu"`, `"tanh"`, `"linear"` or None (unknown)."""
-    from keras_attn.layers import activations
-
-    import keras
-
-    if fn is None or fn is keras.activations.linear:
-        return "linear"
-    for name in ("gelu", "gelu_tanh", "silu", "relu"):
-        if fn is activations.ALIASES[name]:
-            return name
-    if fn is keras.activations.gelu:
-        return "gelu"
-    if fn is keras.activations.relu:
-        return "relu"
-    if fn is keras.activations.tanh:
-        return "tanh"
-    if fn is keras.activations.silu:
-        return "silu"
-    return None
 
 
 class _Writer:

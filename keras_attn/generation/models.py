@@ -20,6 +20,7 @@ import numpy as np
 from keras import ops
 
 from keras_attn import checks as _checks
+from keras_attn import description
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import layout
 from keras_attn.generation import lora
@@ -720,6 +721,42 @@ class DecoderOnlyLM(_LMBase):
             decoder_padding_mask=padding_mask, decoder_attention_bias=bias,
         )
         return self._logits(self.embedding, self.final_norm(x)), new_cache
+
+    # get_config keys `describe()` carries into the description, or that do
+    # not change what inference computes. An option added to the model and
+    # not here is recorded as unsupported by name, so no writer drops it
+    # silently (tests/test_description.py checks this set against get_config).
+    DESCRIBED_OPTIONS = frozenset({
+        "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
+        "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",
+        "pad_token_id", "sliding_window", "activation", "layer_norm_epsilon", "tie_embeddings",
+        "mask_padded_queries", "head_dim", "normalization", "use_gated_feedforward",
+        "attention_use_bias", "attention_output_use_bias", "feedforward_use_bias",
+        "lm_head_use_bias", "rope_max_wavelength", "rope_scaling", "embedding_scale",
+        "relative_attention_num_buckets", "relative_attention_max_distance",
+        "share_embeddings", "num_decoder_layers", "use_qk_norm", "use_sandwich_norm",
+        "attention_logit_soft_cap", "final_logit_soft_cap", "local_rope_max_wavelength",
+        "rotary_layers", "partial_rotary_factor", "key_value_sources", "per_layer_input_dim",
+        "per_layer_input_vocabulary_size", "use_value_norm", "use_output_scale",
+    })
+
+    def describe(self):
+        """What this model computes, as plain data (`keras_attn.description.Decoder`):
+        the one description the ONNX and TFLite writers read. Weights are read
+        when a writer asks (views of the variables where the backend allows).
+
+        Example:
+
+        >>> lm = DecoderOnlyLM(vocabulary_size=64, sequence_length=16, hidden_dim=32,
+        ...                    num_layers=2, num_heads=4, intermediate_dim=64,
+        ...                    position="rotary", normalization="rms_norm")
+        >>> d = lm.describe()
+        >>> d.num_layers, d.layers[0].attention.num_heads, d.layers[0].attention.query.kernel.shape
+        (2, 4, (32, 32))
+        """
+        if not self.built:
+            self(np.zeros((1, 1), "int32"))
+        return description.read_decoder(self, self.DESCRIBED_OPTIONS)
 
     def get_config(self):
         config = super().get_config()

@@ -140,3 +140,22 @@ def get(identifier, argument="activation"):
     if fn is None:
         return keras.activations.linear
     return fn
+
+
+def canonical_name(fn):
+    """`"gelu"`, `"gelu_tanh"`, `"silu"`, `"relu"`, `"tanh"`, `"linear"` or None (unknown):
+    the name the graph writers know an activation function by."""
+    if fn is None or fn is keras.activations.linear:
+        return "linear"
+    for name in ("gelu", "gelu_tanh", "silu", "relu"):
+        if fn is ALIASES[name]:
+            return name
+    if fn is keras.activations.gelu:
+        return "gelu"
+    if fn is keras.activations.relu:
+        return "relu"
+    if fn is keras.activations.tanh:
+        return "tanh"
+    if fn is keras.activations.silu:
+        return "silu"
+    return None

@@ -1,0 +1,427 @@
+"""What a model computes, as plain data: the one description every graph writer reads.
+
+`DecoderOnlyLM.describe()` returns a `Decoder`: per layer its norms, its
+attention (heads, key/value heads, head size, the four projections with
+their biases, QK-norm, rotary, window, soft cap, value norm, shared keys and
+values) and its feed-forward; per model the token table, its scale, the head
+(or the tied table), the final norm and soft cap, the positions and the
+per-layer inputs. The ONNX and TFLite writers (`keras_attn.export`) read
+this, never the Keras layers, so that a feature of the model is described
+once here and written once per format; what a writer covers is decided over
+the description by `keras_attn.export.capabilities`.
+
+Weights are `Weight`s: a variable read when a writer asks for it, as a
+read-only float32 view of the variable's own memory where the backend keeps
+it on the CPU in float32 (no second copy of a model while it is written),
+else as a float32 host copy. A description holds no array of its own: at
+real size it costs nothing to make.
+"""
+
+import dataclasses
+from typing import Any
+from typing import Optional
+
+import numpy as np
+
+
+def array_of(x):
+    """A Keras variable or tensor as float32 NumPy (any backend). A float32
+    variable on the CPU comes back as a read-only view of its own memory;
+    anything else as a host copy."""
+    import keras
+
+    if not isinstance(x, keras.Variable):
+        return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float32)
+    if x.dtype == "float32":
+        value = x.value
+        backend = keras.backend.backend()
+        if backend == "tensorflow":  # a read of a resource variable shares its buffer
+            value = np.asarray(value.read_value())
+        elif backend == "torch":
+            value = value.detach().cpu().numpy()
+        else:
+            value = np.asarray(value)
+        value = value.view()
+        value.flags.writeable = False
+        return value
+    return np.asarray(x.numpy(), dtype=np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A weight as a writer reads it: `shape` (after a C-order reshape of the
+    stored `source_shape`) known without reading; `read()` the float32 array
+    (a view where `array_of` gives one; a reshape of a view stays a view).
+    `owner` is a layer whose `attribute` holds the value (read when asked:
+    Keras serves a LoRA-enabled kernel merged), or the value itself when
+    `attribute` is None."""
+
+    owner: Any
+    attribute: Optional[str]
+    shape: tuple
+    source_shape: tuple
+
+    def read(self):
+        value = array_of(self.owner if self.attribute is None else getattr(self.owner, self.attribute))
+        return value if self.shape == self.source_shape else value.reshape(self.shape)
+
+    @property
+    def name(self):
+        if self.attribute is None:
+            return getattr(self.owner, "path", None) or getattr(self.owner, "name", "weight")
+        return f"{self.owner.name}.{self.attribute}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """A projection `x @ kernel (+ bias)`: `kernel` `(in, out)`, `bias` `(out,)` or None."""
+
+    name: str
+    kernel: Weight
+    bias: Optional[Weight]
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """`kind` "rms" (scale only) or "layer" (scale and bias), over the last axis
+    when `last_axis`."""
+
+    name: str
+    kind: str
+    scale: Weight
+    bias: Optional[Weight]
+    epsilon: float
+    last_axis: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """A rotary embedding over the first `rotary_dim` features of each head.
+    `layer` is the model's own `RotaryEmbedding` (its scaling options stay
+    the layer's: `tables` evaluates it); layers sharing one layer share it
+    here too (compare with `is`)."""
+
+    layer: Any
+    head_dim: int
+    rotary_dim: int
+
+    def tables(self, max_length):
+        """`(cos, sin)`, each `(max_length, rotary_dim / 2)` float32."""
+        return rotary_tables(self.layer, self.head_dim, max_length)
+
+
+_ROTARY_PROBE_POSITIONS = 512
+
+
+def rotary_tables(rotary, head_dim, max_length):
+    """`(cos, sin)`, each `(max_length, rotary_dim / 2)`: the angles keras_attn's
+    `RotaryEmbedding` uses (times LongRoPE's attention factor), read off the
+    layer by rotating unit vectors (so its scaling options are the layer's,
+    not re-derived here)."""
+    half = rotary.rotary_dim(head_dim) // 2
+    # One "head" per frequency i, holding the unit vector e_i: the rotated
+    # vector is cos at feature i and sin at feature i + half.
+    probe = np.zeros((1, 1, half, head_dim), np.float32)
+    index = np.arange(half)
+    probe[0, 0, index, index] = 1.0
+    cos, sin = [], []
+    for start in range(0, max_length, _ROTARY_PROBE_POSITIONS):
+        count = min(_ROTARY_PROBE_POSITIONS, max_length - start)
+        rotated = array_of(rotary(np.repeat(probe, count, axis=1), start_index=start))[0]
+        cos.append(rotated[:, index, index])
+        sin.append(rotated[:, index, index + half])
+    return np.concatenate(cos), np.concatenate(sin)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """Self-attention of one layer. `query`/`key`/`value` map the hidden size
+    to `heads * head_dim` (`kv_heads * head_dim`), `output` back; `window`:
+    keys a query sees, its own included (None: all); `key_value_source`: the
+    index of the layer whose keys and values this one reads (None: its own)."""
+
+    num_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    query: Dense
+    key: Dense
+    value: Dense
+    output: Dense
+    query_norm: Optional[Norm]
+    key_norm: Optional[Norm]
+    rotary: Optional[Rotary]
+    window: Optional[int]
+    logit_soft_cap: Optional[float]
+    value_norm: bool = False
+    gate: bool = False
+    key_value_source: Optional[int] = None
+    unsupported: tuple = ()
+
+    def packed_qkv(self):
+        """`(kernel (in, q + k + v), bias or None)`: the three projections as one
+        (a missing bias is zeros where another has one)."""
+        dense = (self.query, self.key, self.value)
+        kernels = [d.kernel.read() for d in dense]
+        biases = [None if d.bias is None else d.bias.read() for d in dense]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = np.concatenate([b if b is not None else np.zeros(k.shape[1], np.float32)
+                                   for b, k in zip(biases, kernels)])
+        return np.concatenate(kernels, axis=1), bias
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedForward:
+    """`down(activation(gate(x)) * up(x))`, or `down(activation(up(x)))` without
+    a gate. `activation` is the canonical name (`activation_name`), or None
+    with `activation_repr` saying what the model has."""
+
+    gate: Optional[Dense]
+    up: Dense
+    down: Dense
+    activation: Optional[str]
+    activation_repr: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    name: str
+    attention_norm: Norm
+    attention: Attention
+    attention_post_norm: Optional[Norm]
+    feedforward_norm: Norm
+    feedforward: FeedForward
+    feedforward_post_norm: Optional[Norm]
+    per_layer_input: bool = False
+    output_scale: Optional[Weight] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """How positions enter: "rotary" (in the attention, per layer), "learned"
+    (`table` `(rows, hidden)`), "sinusoidal" (`layer` evaluated at positions),
+    or "relative" (a bias on the scores)."""
+
+    kind: str
+    table: Optional[Weight] = None
+    layer: Any = None
+    rows: Optional[int] = None
+    rope_scaling: Optional[dict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayer:
+    """One layer's cache: `(slots, num_key_value_heads, head_dim)`; `ring` when
+    the slots are a window reused past it; `shares` the layer whose cache
+    this one reads (None: its own)."""
+
+    num_key_value_heads: int
+    head_dim: int
+    slots: int
+    ring: bool
+    shares: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A decoder-only language model (see the module docstring).
+
+    `unsupported`: `(option, what)` pairs for what the model has and this
+    description does not carry (a writer refuses them by name)."""
+
+    name: str
+    vocabulary_size: int
+    hidden_dim: int
+    embedding: Weight
+    embedding_scale: Optional[float]
+    positions: Positions
+    normalization: str
+    layers: tuple
+    final_norm: Norm
+    head: Optional[Dense]
+    final_logit_soft_cap: Optional[float]
+    per_layer_input_dim: Optional[int] = None
+    quantized: tuple = ()
+    unsupported: tuple = ()
+
+    @property
+    def num_layers(self):
+        return len(self.layers)
+
+    @property
+    def tied(self):
+        """Whether the head reads the token table (stored once)."""
+        return self.head is None
+
+    def windows(self):
+        return [layer.attention.window for layer in self.layers]
+
+    def cache_layout(self, max_length, ring_buffers=True):
+        """Per layer, its `CacheLayer` for a cache of `max_length`: a ring of
+        `window` slots on a windowed layer shorter than `max_length` (with
+        `ring_buffers`), else `max_length` slots."""
+        layout = []
+        for layer in self.layers:
+            a = layer.attention
+            ring = bool(ring_buffers and a.window is not None and a.window < max_length)
+            layout.append(CacheLayer(a.num_key_value_heads, a.head_dim,
+                                     a.window if ring else max_length, ring, a.key_value_source))
+        return tuple(layout)
+
+    def stacked_cache(self, max_length):
+        """`(slots, ring)` of one cache stacked over every layer: a ring of the
+        window when every layer has the same window shorter than
+        `max_length`, else `max_length` slots."""
+        windows = set(self.windows())
+        if len(windows) == 1 and None not in windows and min(windows) < max_length:
+            return min(windows), True
+        return max_length, False
+
+
+# --- Reading a Keras decoder ------------------------------------------------
+# Self-attention options (MultiHeadAttention.get_config) a description
+# carries or that do not change the inference graph; any other is recorded
+# in `Attention.unsupported` by name.
+_ATTENTION_OPTIONS = {
+    "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
+    "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
+    "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
+    "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
+    "output_shape", "attention_axes", "rotary_embedding", "use_qk_norm", "qk_norm_epsilon",
+    "logit_soft_cap", "use_value_norm", "shared_key_value",
+}
+
+
+def _weight(layer, attribute, shape=None):
+    # Keras keeps a LoRA-enabled kernel's variable as `_kernel` and serves the
+    # merged value as `kernel`: the shape comes from the variable, the value
+    # (merged) from the attribute when it is read.
+    raw = getattr(layer, "_" + attribute, None)
+    if raw is None:
+        raw = getattr(layer, attribute)
+    source = tuple(int(d) for d in raw.shape)
+    return Weight(layer, attribute, source if shape is None else tuple(int(d) for d in shape), source)
+
+
+def _dense(layer, heads_first_input=False):
+    """A Dense or attention EinsumDense as `(in, out)`: query/key/value
+    `(D, H, d)` -> `(D, H*d)`; the output projection `(H, d, D)` -> `(H*d, D)`."""
+    kernel = _weight(layer, "kernel")
+    shape = kernel.source_shape
+    flat = (int(np.prod(shape[:-1])), shape[-1]) if heads_first_input else (shape[0], int(np.prod(shape[1:])))
+    bias = getattr(layer, "bias", None)
+    bias = None if bias is None else _weight(layer, "bias", (int(np.prod(bias.shape)),))
+    return Dense(layer.name, _weight(layer, "kernel", flat), bias)
+
+
+def _norm(layer):
+    if layer is None:
+        return None
+    axis = getattr(layer, "axis", -1)
+    last = axis in (-1, [-1], (-1,))
+    if hasattr(layer, "gamma"):  # keras.layers.LayerNormalization
+        bias = _weight(layer, "beta") if getattr(layer, "beta", None) is not None else None
+        scale = _weight(layer, "gamma")
+        return Norm(layer.name, "layer", scale, bias, float(layer.epsilon), last)
+    return Norm(layer.name, "rms", _weight(layer, "scale"), None, float(layer.epsilon), last)
+
+
+def _attention(attention, window, source):
+    unsupported = [(key, "an attention option") for key in sorted(set(attention.get_config()) - _ATTENTION_OPTIONS)]
+    if attention.value_dim != attention.key_dim:
+        unsupported.append(("value_dim", f"value_dim={attention.value_dim} != key_dim={attention.key_dim}"))
+    rotary = attention.rotary_embedding
+    head_dim = attention.key_dim
+    return Attention(
+        num_heads=attention.num_heads,
+        num_key_value_heads=attention.num_key_value_heads or attention.num_heads,
+        head_dim=head_dim,
+        query=_dense(attention.query_dense),
+        key=_dense(attention.key_dense),
+        value=_dense(attention.value_dense),
+        output=_dense(attention.output_dense, heads_first_input=True),
+        query_norm=_norm(getattr(attention, "query_norm", None)),
+        key_norm=_norm(getattr(attention, "key_norm", None)),
+        rotary=None if rotary is None else Rotary(rotary, head_dim, rotary.rotary_dim(head_dim)),
+        window=window,
+        logit_soft_cap=attention.logit_soft_cap,
+        value_norm=bool(getattr(attention, "use_value_norm", False)),
+        gate=bool(getattr(attention, "use_gate", False)),
+        key_value_source=source,
+        unsupported=tuple(unsupported),
+    )
+
+
+def _feedforward(block):
+    from keras_attn.layers.activations import canonical_name
+
+    gate = block.feedforward_gate_dense
+    up = block.feedforward_intermediate_dense
+    function = (gate if gate is not None else up).activation
+    return FeedForward(
+        gate=None if gate is None else _dense(gate),
+        up=_dense(up),
+        down=_dense(block.feedforward_output_dense),
+        activation=canonical_name(function),
+        activation_repr=getattr(function, "__name__", repr(function)),
+    )
+
+
+def read_decoder(model, options_described):
+    """The `Decoder` of a built `DecoderOnlyLM` (`model.describe()`).
+    `options_described`: the model's `get_config` keys this reader carries;
+    any other is recorded in `unsupported` by name (a subclass's option is
+    never written as if absent)."""
+    config = model.get_config()
+    unsupported = [(key, "a model option") for key in sorted(set(config) - set(options_described))]
+    if getattr(model, "per_layer_input_dim", None):
+        unsupported.append(("per_layer_input_dim", "per-layer input embeddings"))
+    if getattr(model, "use_output_scale", False):
+        unsupported.append(("use_output_scale", "a scale on each block's output"))
+    quantized = sorted({layer.quantization_mode for layer in model._flatten_layers()
+                        if getattr(layer, "quantization_mode", None)})
+    sources = getattr(model, "key_value_sources", None) or [None] * len(model.blocks)
+    layers = []
+    for block, window, source in zip(model.blocks, model.layer_sliding_windows(), sources):
+        if getattr(block, "cross_attention", None) is not None:
+            unsupported.append((block.name, "cross-attention"))
+        layers.append(Layer(
+            name=block.name,
+            attention_norm=_norm(block.self_attention_layer_norm),
+            attention=_attention(block.self_attention, window, source),
+            attention_post_norm=_norm(getattr(block, "self_attention_post_norm", None)),
+            feedforward_norm=_norm(block.feedforward_layer_norm),
+            feedforward=_feedforward(block),
+            feedforward_post_norm=_norm(getattr(block, "feedforward_post_norm", None)),
+            per_layer_input=getattr(block, "per_layer_input_gate", None) is not None,
+            output_scale=None if getattr(block, "output_scale", None) is None
+            else _weight(block, "output_scale"),
+        ))
+    position = model.position
+    if position in ("rotary", "relative"):
+        table, positions = _weight(model.embedding, "embeddings"), Positions(position, rope_scaling=model.rope_scaling)
+    else:
+        table = _weight(model.embedding.token_embedding, "embeddings")
+        layer = model.embedding.position_embedding
+        positions = Positions(
+            position,
+            table=_weight(layer, "position_embeddings") if position == "learned" else None,
+            layer=layer, rows=model.max_positions)
+    return Decoder(
+        name=model.name,
+        vocabulary_size=model.vocabulary_size,
+        hidden_dim=model.hidden_dim,
+        embedding=table,
+        embedding_scale=model.embedding_scale,
+        positions=positions,
+        normalization=model.normalization,
+        layers=tuple(layers),
+        final_norm=_norm(model.final_norm),
+        head=None if model.lm_head is None else Dense(
+            model.lm_head.name, _weight(model.lm_head, "kernel"),
+            None if getattr(model.lm_head, "bias", None) is None else _weight(model.lm_head, "bias")),
+        final_logit_soft_cap=model.final_logit_soft_cap,
+        per_layer_input_dim=getattr(model, "per_layer_input_dim", None),
+        quantized=tuple(quantized),
+        unsupported=tuple(unsupported),
+    )
