@@ -374,10 +374,6 @@ def read_decoder(model, options_described):
     never written as if absent)."""
     config = model.get_config()
     unsupported = [(key, "a model option") for key in sorted(set(config) - set(options_described))]
-    if getattr(model, "per_layer_input_dim", None):
-        unsupported.append(("per_layer_input_dim", "per-layer input embeddings"))
-    if getattr(model, "use_output_scale", False):
-        unsupported.append(("use_output_scale", "a scale on each block's output"))
     quantized = sorted({layer.quantization_mode for layer in model._flatten_layers()
                         if getattr(layer, "quantization_mode", None)})
     sources = getattr(model, "key_value_sources", None) or [None] * len(model.blocks)

@@ -50,52 +50,13 @@ import os
 import numpy as np
 
 from keras_attn import checks
+from keras_attn.description import array_of as weight_value  # noqa: F401  (the writers' one reader)
+from keras_attn.description import rotary_tables as rotary_caches  # noqa: F401
+from keras_attn.export import capabilities
 from keras_attn.export import onnx_quantize
 from keras_attn.export.onnx_fused import MS_DOMAIN
 from keras_attn.export.onnx_fused import NotFusableError
-from keras_attn.export.onnx_fused import activation_name
 
-# Options of a DecoderOnlyLM (get_config) the writer reads; any other option
-# away from its default is refused by name, so that a new model option never
-# exports silently wrong.
-_MODEL_DEFAULTS_OK = {
-    "position": ("rotary",),
-    "normalization": ("rms_norm",),
-}
-# (Shared with the direct TFLite writer, `tflite_decoder`.)
-DECODER_MODEL_KEYS = {
-    "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
-    "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",
-    "pad_token_id", "sliding_window", "activation", "layer_norm_epsilon", "tie_embeddings",
-    "mask_padded_queries", "head_dim", "normalization", "use_gated_feedforward",
-    "attention_use_bias", "attention_output_use_bias", "feedforward_use_bias",
-    "lm_head_use_bias", "rope_max_wavelength", "rope_scaling", "embedding_scale",
-    "relative_attention_num_buckets", "relative_attention_max_distance",
-    "share_embeddings", "num_decoder_layers", "use_qk_norm", "use_sandwich_norm",
-    "attention_logit_soft_cap", "final_logit_soft_cap", "local_rope_max_wavelength",
-    "rotary_layers", "partial_rotary_factor",
-}
-# Gemma 4's options: known, and refused by name away from their default.
-MODEL_OPTIONS_NOT_FUSED = {
-    "key_value_sources": (None, "layers attending over another layer's keys and values "
-                                "(GroupQueryAttention projects and caches each layer's own)"),
-    "per_layer_input_dim": (None, "per-layer input embeddings"),
-    "per_layer_input_vocabulary_size": (None, "per-layer input embeddings"),
-    "use_value_norm": (False, "a norm of each value head"),
-    "use_output_scale": (False, "a scale on each block's output"),
-}
-# Sizes the writer takes as one value for every layer, not a list per layer.
-_PER_LAYER_NOT_FUSED = ("head_dim", "num_key_value_heads", "intermediate_dim")
-# Self-attention options (MultiHeadAttention.get_config) the writer honours.
-DECODER_ATTENTION_KEYS = {
-    "name", "trainable", "dtype", "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
-    "sliding_window", "use_gate", "seed", "num_key_value_heads", "chunk_size",
-    "output_use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
-    "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
-    "output_shape", "attention_axes", "rotary_embedding", "use_qk_norm", "qk_norm_epsilon",
-    "logit_soft_cap", "use_value_norm", "shared_key_value",
-}
-_ROTARY_PROBE_POSITIONS = 512
 PROMPT_LOGITS = ("last", "all")
 
 
@@ -106,102 +67,13 @@ def is_decoder_only_lm(model):
                for c in type(model).__mro__)
 
 
-def check_decoder_options(model, writer, not_covered, choices, max_length=None):
-    """What both direct decoder writers (this one and `tflite_decoder`)
-    check: a `DecoderOnlyLM` with no option they do not know, the options
-    `not_covered` (`{key: (default, what)}`) at their defaults, `choices`
-    (`{key: allowed}`), a static rotary within LongRoPE's original length,
-    and self-attention blocks without options they do not write. Raises
-    `NotFusableError` naming the option and `writer`."""
-    if not is_decoder_only_lm(model):
-        raise NotFusableError(f"the {writer} takes a DecoderOnlyLM, not {type(model).__name__}")
-    # The writers read float kernels; Keras's `quantize` holds integer ones
-    # with scales beside them.
-    quantized = sorted({layer.quantization_mode for layer in model._flatten_layers()
-                        if getattr(layer, "quantization_mode", None)})
-    if quantized:
-        raise NotFusableError(
-            f"layers quantized by Keras (`model.quantize({quantized[0]!r})`) are not covered by "
-            f"the {writer}; export the float model with the export's own `quantization=`")
-    config = model.get_config()
-    unknown = sorted(set(config) - DECODER_MODEL_KEYS - set(not_covered))
-    if unknown:
-        raise NotFusableError(f"model option(s) {unknown} are not covered by the {writer}")
-    for key, (default, what) in not_covered.items():
-        if config.get(key, default) != default:
-            raise NotFusableError(f"{key}={config[key]!r} ({what}) is not covered by the {writer}")
-    for key, allowed in choices.items():
-        if config[key] not in allowed:
-            raise NotFusableError(f"{key}={config[key]!r} (the {writer} takes {list(allowed)})")
-    scaling = model.rope_scaling or {}
-    if scaling.get("rope_type") == "dynamic":
-        raise NotFusableError("rope_scaling of type 'dynamic' (its frequencies depend on the call's length)")
-    if scaling.get("rope_type") == "longrope" and (
-            max_length is None or max_length > scaling["original_max_position_embeddings"]):
-        raise NotFusableError(
-            f"rope_scaling of type 'longrope' with max_length={max_length} past "
-            f"original_max_position_embeddings={scaling['original_max_position_embeddings']} "
-            "(its factors switch with the call's length)")
-    for block in model.blocks:
-        attention = block.self_attention
-        extra = sorted(set(attention.get_config()) - DECODER_ATTENTION_KEYS)
-        if extra:
-            raise NotFusableError(f"{block.name}: attention option(s) {extra}")
-        for option in ("use_gate", "use_value_norm", "shared_key_value"):
-            if getattr(attention, option, False):
-                raise NotFusableError(f"{block.name}: {option}=True")
-        if attention.value_dim != attention.key_dim:
-            raise NotFusableError(f"{block.name}: value_dim={attention.value_dim} != key_dim={attention.key_dim}")
-        if getattr(block, "cross_attention", None) is not None:
-            raise NotFusableError(f"{block.name}: cross-attention")
-
-
 def check_fusable_decoder(model, max_length=None):
-    """Raises `NotFusableError` naming the first option of `model` the fused
-    decoder writer does not cover (for a cache of `max_length`, when given)."""
-    check_decoder_options(model, "fused decoder writer", MODEL_OPTIONS_NOT_FUSED, _MODEL_DEFAULTS_OK,
-                          max_length)
-    config = model.get_config()
-    for key in _PER_LAYER_NOT_FUSED:
-        if isinstance(config[key], list):
-            raise NotFusableError(f"{key}={config[key]!r} (one value per layer) is not covered by "
-                                  "the fused decoder writer")
-    if model.head_dim % 16:
-        # onnxruntime's GroupQueryAttention kernels take these sizes only.
-        raise NotFusableError(f"head_dim={model.head_dim} (GroupQueryAttention needs a multiple of 16)")
-    rotary_dim = int(model.head_dim * model.partial_rotary_factor)
-    if rotary_dim % 16:
-        raise NotFusableError(
-            f"partial_rotary_factor={model.partial_rotary_factor} rotates {rotary_dim} of "
-            f"{model.head_dim} features (GroupQueryAttention needs a multiple of 16)")
-    if activation_name(model.blocks[0].feedforward_intermediate_dense.activation
-                       if not model.use_gated_feedforward
-                       else model.blocks[0].feedforward_gate_dense.activation) is None:
-        raise NotFusableError(f"activation={model.activation!r}")
-
-
-def weight_value(x):
-    """A Keras variable or tensor as float32 NumPy (any backend). A float32
-    variable on the CPU comes back as a read-only view of its own memory (no
-    copy: a float32 model's weights are not held twice while they are
-    written); elsewhere as a host copy."""
-    import keras
-
-    if not isinstance(x, keras.Variable):
-        return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float32)
-    if x.dtype == "float32":
-        value = x.value
-        backend = keras.backend.backend()
-        if backend == "tensorflow":  # a read of a resource variable shares its buffer
-            value = np.asarray(value.read_value())
-        elif backend == "torch":
-            value = value.detach().cpu().numpy()
-        else:
-            value = np.asarray(value)
-        value = value.view()
-        value.flags.writeable = False
-        return value
-    return np.asarray(x.numpy(), dtype=np.float32)
+    """`model`'s description when the fused decoder writer covers it (for a
+    cache of `max_length`, when given); else `NotFusableError` naming the
+    first thing it does not cover (`keras_attn.export.capabilities`)."""
+    description = capabilities.describe(model, "onnx_genai")
+    capabilities.check(description, "onnx_genai", max_length)
+    return description
 
 
 def borrowed(array):
@@ -210,40 +82,6 @@ def borrowed(array):
     while isinstance(array, np.ndarray) and array.base is not None:
         array = array.base
     return not isinstance(array, np.ndarray)
-
-
-def projection_kernel(dense, heads_first_input=False):
-    """`(in, out)` kernel of an attention projection: query/key/value
-    `(D, H, d)` -> `(D, H*d)`; the output projection `(H, d, D)` -> `(H*d, D)`."""
-    kernel = weight_value(dense.kernel)
-    return kernel.reshape(-1, kernel.shape[-1]) if heads_first_input else kernel.reshape(kernel.shape[0], -1)
-
-
-def dense_bias(dense):
-    """A layer's bias flattened to 1-D float32 NumPy, or None without one."""
-    bias = getattr(dense, "bias", None)
-    return None if bias is None else weight_value(bias).reshape(-1)
-
-
-def rotary_caches(rotary, head_dim, max_length):
-    """`(cos, sin)`, each `(max_length, rotary_dim / 2)`: the angles keras_attn's
-    `RotaryEmbedding` uses (times LongRoPE's attention factor), read off the
-    layer by rotating unit vectors (so its scaling options are the layer's,
-    not re-derived here)."""
-    half = rotary.rotary_dim(head_dim) // 2
-    # One "head" per frequency i, holding the unit vector e_i: the rotated
-    # vector is cos at feature i and sin at feature i + half.
-    probe = np.zeros((1, 1, half, head_dim), np.float32)
-    index = np.arange(half)
-    probe[0, 0, index, index] = 1.0
-    cos, sin = [], []
-    for start in range(0, max_length, _ROTARY_PROBE_POSITIONS):
-        count = min(_ROTARY_PROBE_POSITIONS, max_length - start)
-        rotated = weight_value(rotary(np.repeat(probe, count, axis=1), start_index=start))[0]
-        # rotated: (count, half, head_dim)
-        cos.append(rotated[:, index, index])
-        sin.append(rotated[:, index, index + half])
-    return np.concatenate(cos), np.concatenate(sin)
 
 
 # Tensors at least this large go to the external data file (when there is
@@ -516,21 +354,23 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
     Raises:
         NotFusableError: `model` has an option the writer does not cover.
     """
-    check_fusable_decoder(model, max_length)
+    description = check_fusable_decoder(model, max_length)
     checks.check_choice("prompt_logits", prompt_logits, PROMPT_LOGITS)
     if bits not in (None, 4, 8):
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        return _decoder_graph(model, Graph(bits, block_size, accuracy_level, data_file, shared),
+        return _decoder_graph(description, Graph(bits, block_size, accuracy_level, data_file, shared),
                               max_length, opset, prompt_logits == "last")
 
 
-def _decoder_graph(model, graph, max_length, opset, last_only):
+def _decoder_graph(d, graph, max_length, opset, last_only):
+    """The graph of the description `d` (a `keras_attn.description.Decoder`)."""
     from onnx import TensorProto
     from onnx import helper
 
-    heads, kv_heads, head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
+    first = d.layers[0].attention
+    heads, kv_heads, head_dim = first.num_heads, first.num_key_value_heads, first.head_dim
 
     # seqlens_k = tokens per row - 1; total_sequence_length = mask width.
     one = graph.const(np.array([1], np.int64), "/model/constants/INT64/[1]")
@@ -542,8 +382,8 @@ def _decoder_graph(model, graph, max_length, opset, last_only):
                        "/model/attn_mask/Gather", axis=0)
     total = graph.node("Cast", [width], "/model/attn_mask/Gather/Cast", to=TensorProto.INT32)
 
-    table = weight_value(model.embedding.embeddings)
-    if model.lm_head is None:
+    table = d.embedding.read()
+    if d.tied:
         head = graph.tied_table(table, "/lm_head")
         x = graph.gather_rows(head, "input_ids", "/model/embed_tokens")
     else:
@@ -551,44 +391,43 @@ def _decoder_graph(model, graph, max_length, opset, last_only):
         x = graph.node("Gather", [graph.const(table, "model.embed_tokens.weight"), "input_ids"],
                        "/model/embed_tokens/Gather")
     del table
-    if model.embedding_scale is not None:
-        scale = graph.const(np.array(model.embedding_scale, np.float32), "/model/constants/embedding_scale")
+    if d.embedding_scale is not None:
+        scale = graph.const(np.array(d.embedding_scale, np.float32), "/model/constants/embedding_scale")
         x = graph.node("Mul", [x, scale], "/model/embed_tokens/Mul")
 
-    caches = {}  # id(RotaryEmbedding) -> (cos, sin) names: layers share their rotary
+    caches = []  # (RotaryEmbedding layer, [cos, sin] names): layers share their rotary
 
     def rotary_inputs(rotary):
         if rotary is None:
             return ["", ""]
-        if id(rotary) not in caches:
-            cos, sin = rotary_caches(rotary, head_dim, max_length)
-            suffix = f"_{len(caches)}" if caches else ""
-            caches[id(rotary)] = [graph.const(cos, "cos_cache" + suffix), graph.const(sin, "sin_cache" + suffix)]
-        return caches[id(rotary)]
+        for layer, names in caches:
+            if layer is rotary.layer:
+                return names
+        cos, sin = rotary.tables(max_length)
+        suffix = f"_{len(caches)}" if caches else ""
+        names = [graph.const(cos, "cos_cache" + suffix), graph.const(sin, "sin_cache" + suffix)]
+        caches.append((rotary.layer, names))
+        return names
 
     residual, pending = x, None  # pending: the last sublayer output not yet added
-    for i, (block, window) in enumerate(zip(model.blocks, model.layer_sliding_windows())):
+    for i, layer in enumerate(d.layers):
         base = f"/model/layers.{i}"
-        attention = block.self_attention
-        residual, h = _norm(graph, residual, pending, block.self_attention_layer_norm, f"{base}/input_layernorm")
-        dense = (attention.query_dense, attention.key_dense, attention.value_dense)
-        kernels = [projection_kernel(d) for d in dense]
-        biases = [dense_bias(d) for d in dense]
-        packed_bias = None
-        if any(b is not None for b in biases):
-            packed_bias = np.concatenate([b if b is not None else np.zeros(k.shape[1], np.float32)
-                                          for b, k in zip(biases, kernels)])
-        qkv = graph.matmul(h, np.concatenate(kernels, axis=1), packed_bias, f"{base}/attn/qkv_proj")
+        attention = layer.attention
+        residual, h = _norm(graph, residual, pending, layer.attention_norm, f"{base}/input_layernorm")
+        kernel, bias = attention.packed_qkv()
+        sizes = [attention.query.kernel.shape[1], attention.key.kernel.shape[1], attention.value.kernel.shape[1]]
+        qkv = graph.matmul(h, kernel, bias, f"{base}/attn/qkv_proj")
+        del kernel, bias
         qkv_inputs = [qkv, "", ""]
         if attention.query_norm is not None:
             # QK-norm: RMSNorm over each head of Q and K, before the rotary
             # inside GroupQueryAttention (whose own q/k norm inputs onnxruntime
             # runs on CUDA and WebGPU only).
-            sizes = graph.const(np.array([k.shape[1] for k in kernels], np.int64), f"{base}/attn/qkv_sizes")
+            sizes = graph.const(np.array(sizes, np.int64), f"{base}/attn/qkv_sizes")
             q, k, v = graph.node("Split", [qkv, sizes], f"{base}/attn/qkv_proj/Split", outputs=3, axis=-1)
             qkv_inputs = [_head_norm(graph, q, attention.query_norm, head_dim, f"{base}/attn/q_norm"),
                           _head_norm(graph, k, attention.key_norm, head_dim, f"{base}/attn/k_norm"), v]
-        rotary = attention.rotary_embedding
+        rotary = attention.rotary
         attn, _, _ = graph.node(
             "GroupQueryAttention",
             list(qkv_inputs) + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total]
@@ -599,31 +438,28 @@ def _decoder_graph(model, graph, max_length, opset, last_only):
             scale=1.0 / math.sqrt(head_dim), do_rotary=int(rotary is not None), rotary_interleaved=0,
             # Both count the keys a query sees, its own included (checked
             # against Keras in tests/test_onnx_decoder.py).
-            local_window_size=-1 if window is None else int(window),
+            local_window_size=-1 if attention.window is None else int(attention.window),
             softcap=float(attention.logit_soft_cap or 0.0),
         )
-        if last_only and i == model.num_layers - 1:
+        if last_only and i == d.num_layers - 1:
             # Only each row's last token reaches the logits: from here on
             # one row per sequence (the prompt's head costs T times less).
             rows = _last_rows(graph, seqlens64, opset)
             attn = graph.node("GatherND", [attn, rows], f"{base}/attn/last_token/GatherND", batch_dims=1)
             residual = graph.node("GatherND", [residual, rows], f"{base}/residual/last_token/GatherND",
                                   batch_dims=1)
-        pending = graph.matmul(attn, projection_kernel(attention.output_dense, heads_first_input=True),
-                               dense_bias(attention.output_dense), f"{base}/attn/o_proj")
-        pending = _post_norm(graph, pending, getattr(block, "self_attention_post_norm", None),
-                             f"{base}/post_attention_norm")
-        residual, h = _norm(graph, residual, pending, block.feedforward_layer_norm,
+        pending = _dense(graph, attn, attention.output, f"{base}/attn/o_proj")
+        pending = _post_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
+        residual, h = _norm(graph, residual, pending, layer.feedforward_norm,
                             f"{base}/pre_feedforward_layernorm")
-        pending = _feedforward(graph, h, block, f"{base}/mlp")
-        pending = _post_norm(graph, pending, getattr(block, "feedforward_post_norm", None),
-                             f"{base}/post_feedforward_norm")
-    _, h = _norm(graph, residual, pending, model.final_norm, "/model/norm")
+        pending = _feedforward(graph, h, layer.feedforward, f"{base}/mlp")
+        pending = _post_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
+    _, h = _norm(graph, residual, pending, d.final_norm, "/model/norm")
     if head is None:
-        logits = graph.matmul(h, weight_value(model.lm_head.kernel), dense_bias(model.lm_head), "/lm_head")
+        logits = _dense(graph, h, d.head, "/lm_head")
     else:
         logits = graph.apply(h, head, None, "/lm_head")
-    cap = model.final_logit_soft_cap
+    cap = d.final_logit_soft_cap
     if cap is not None:
         cap_name = graph.const(np.array(cap, np.float32), "/model/constants/final_logit_soft_cap")
         logits = graph.node("Div", [logits, cap_name], "/lm_head/softcap/Div")
@@ -641,8 +477,8 @@ def _decoder_graph(model, graph, max_length, opset, last_only):
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [batch, total_dim]),
     ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                             [batch, 1 if last_only else sequence, model.vocabulary_size])]
-    for i in range(model.num_layers):
+                                             [batch, 1 if last_only else sequence, d.vocabulary_size])]
+    for i in range(d.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(
                 f"past_key_values.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
@@ -653,6 +489,11 @@ def _decoder_graph(model, graph, max_length, opset, last_only):
         onnx_graph, producer_name="keras_attn",
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
     )
+
+
+def _dense(graph, x, dense, name):
+    """`x @ kernel + bias` of a described `Dense`."""
+    return graph.matmul(x, dense.kernel.read(), None if dense.bias is None else dense.bias.read(), name)
 
 
 def _last_rows(graph, seqlens, opset):
@@ -678,7 +519,7 @@ def _last_rows(graph, seqlens, opset):
 def _norm(graph, residual, pending, layer, name):
     """RMSNorm of `residual + pending` (`pending` None: of `residual`); returns
     `(new residual, normalized)`."""
-    gamma = graph.const(weight_value(layer.scale), name + ".weight")
+    gamma = graph.const(layer.scale.read(), name + ".weight")
     eps = float(layer.epsilon)
     if pending is None:
         out = graph.node("SimplifiedLayerNormalization", [residual, gamma], name + "/SimplifiedLayerNorm",
@@ -695,7 +536,7 @@ def _head_norm(graph, x, layer, head_dim, name):
     heads_last = graph.const(np.array([0, 0, -1, head_dim], np.int64), name + "/heads_shape")
     flat = graph.const(np.array([0, 0, -1], np.int64), name + "/flat_shape")
     x = graph.node("Reshape", [x, heads_last], name + "/Reshape")
-    x = graph.node("SimplifiedLayerNormalization", [x, graph.const(weight_value(layer.scale), name + ".weight")],
+    x = graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
                    name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
     return graph.node("Reshape", [x, flat], name + "/Reshape_back")
 
@@ -704,20 +545,17 @@ def _post_norm(graph, x, layer, name):
     """`layer` (a sandwich norm after a residual branch) applied to `x`, or `x`."""
     if layer is None:
         return x
-    return graph.node("SimplifiedLayerNormalization", [x, graph.const(weight_value(layer.scale), name + ".weight")],
+    return graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
                       name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
 
 
-def _feedforward(graph, h, block, name):
-    output = block.feedforward_output_dense
-    if block.feedforward_gate_dense is not None:
-        gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
-        kind = activation_name(gate_dense.activation)
-        gate = graph.matmul(h, weight_value(gate_dense.kernel), dense_bias(gate_dense), name + "/gate_proj")
-        up = graph.matmul(h, weight_value(up_dense.kernel), dense_bias(up_dense), name + "/up_proj")
-        h = graph.node("Mul", [graph.activation(gate, name + "/act", kind), up], name + "/Mul")
+def _feedforward(graph, h, feedforward, name):
+    """A described `FeedForward`: gated (`gate_proj`, `up_proj`) or not (`fc1`), then `down_proj`."""
+    if feedforward.gate is not None:
+        gate = _dense(graph, h, feedforward.gate, name + "/gate_proj")
+        up = _dense(graph, h, feedforward.up, name + "/up_proj")
+        h = graph.node("Mul", [graph.activation(gate, name + "/act", feedforward.activation), up], name + "/Mul")
     else:
-        dense = block.feedforward_intermediate_dense
-        h = graph.matmul(h, weight_value(dense.kernel), dense_bias(dense), name + "/fc1")
-        h = graph.activation(h, name + "/act", activation_name(dense.activation))
-    return graph.matmul(h, weight_value(output.kernel), dense_bias(output), name + "/down_proj")
+        h = _dense(graph, h, feedforward.up, name + "/fc1")
+        h = graph.activation(h, name + "/act", feedforward.activation)
+    return _dense(graph, h, feedforward.down, name + "/down_proj")
