@@ -158,16 +158,19 @@ class Attention:
     unsupported: tuple = ()
 
     def packed_qkv(self):
-        """`(kernel (in, q + k + v), bias or None)`: the three projections as one
-        (a missing bias is zeros where another has one)."""
+        """`(kernel (in, q + k + v), bias or None)`: the three projections as one."""
+        return self.packed_kernel(), self.packed_bias()
+
+    def packed_kernel(self):
+        return np.concatenate([d.kernel.read() for d in (self.query, self.key, self.value)], axis=1)
+
+    def packed_bias(self):
+        """The three biases as one (zeros for a missing one beside another), or None."""
         dense = (self.query, self.key, self.value)
-        kernels = [d.kernel.read() for d in dense]
-        biases = [None if d.bias is None else d.bias.read() for d in dense]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = np.concatenate([b if b is not None else np.zeros(k.shape[1], np.float32)
-                                   for b, k in zip(biases, kernels)])
-        return np.concatenate(kernels, axis=1), bias
+        if all(d.bias is None for d in dense):
+            return None
+        return np.concatenate([d.bias.read() if d.bias is not None else np.zeros(d.kernel.shape[1], np.float32)
+                               for d in dense])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ TensorFlow graph is involved: it runs on every Keras backend.
   inside each proto. A tied table is stored once and read by the head as a
   `Gemm` with `transB=1` (`onnx_decoder.Graph.tied_table`).
 - Positions: rotary angles gathered from the model's own cos/sin tables
-  (`onnx_decoder.rotary_caches`, so static `rope_scaling` is exact); for a
+  (`keras_attn.description.rotary_tables`, so static `rope_scaling` is exact); for a
   ring-buffer cache, whose positions run past `max_length`, computed from
   the layer's frequencies (`RotaryEmbedding.inverse_frequencies`) as Keras
   does. Learned and sinusoidal position tables likewise (not with a ring).
@@ -48,24 +48,15 @@ import math
 
 import numpy as np
 
-from keras_attn.export.onnx_decoder import MODEL_OPTIONS_NOT_FUSED
+from keras_attn.description import array_of
+from keras_attn.export import capabilities
 from keras_attn.export.onnx_decoder import Graph
-from keras_attn.export.onnx_decoder import check_decoder_options
-from keras_attn.export.onnx_decoder import dense_bias
-from keras_attn.export.onnx_decoder import is_decoder_only_lm
-from keras_attn.export.onnx_decoder import projection_kernel
-from keras_attn.export.onnx_decoder import rotary_caches
-from keras_attn.export.onnx_decoder import weight_value
 from keras_attn.export.onnx_fused import NotFusableError
-from keras_attn.export.onnx_fused import activation_name
 
 WRITER = "direct ONNX signature writer"
 OPSETS = (17, 18)
 # The shared external data file, beside prefill.onnx and decode.onnx.
 WEIGHTS_FILE = "signatures.onnx.data"
-_CHOICES = {"position": ("rotary", "learned", "sinusoidal"),
-            "normalization": ("rms_norm", "layer_norm")}
-_ACTIVATIONS = ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear")
 # What masked logits become (keras_attn.ops.masking.MASKED_LOGIT).
 _MASKED_LOGIT = -3.0e38
 
@@ -74,36 +65,18 @@ def cache_layout(model, max_length):
     """`(cache_length, ring)`: the stacked cache's slots and whether it is a
     ring buffer (every layer with one window shorter than `max_length`, as
     `keras_attn.runtimes.trace.DecoderTrace`)."""
-    windows = set(model.layer_sliding_windows())
-    if len(windows) == 1 and None not in windows and min(windows) < max_length:
-        return min(windows), True
-    return max_length, False
+    return model.describe().stacked_cache(max_length)
 
 
 def check_signature_decoder(model, max_length, opset=17):
-    """Raises `NotFusableError` naming the first thing about `model` (a
-    cache of `max_length`, `opset`) this writer does not cover."""
+    """`model`'s description when this writer covers it (a cache of
+    `max_length`, `opset`); else `NotFusableError` naming the first thing
+    it does not cover (`keras_attn.export.capabilities`)."""
     if opset not in OPSETS:
         raise NotFusableError(f"opset={opset!r} (the {WRITER} writes opsets {list(OPSETS)})")
-    if is_decoder_only_lm(model) and not model.built:
-        model(np.zeros((1, 1), "int32"))  # its layers' weights are read below
-    check_decoder_options(model, WRITER, MODEL_OPTIONS_NOT_FUSED, _CHOICES, max_length)
-    config = model.get_config()
-    for key in ("head_dim", "num_key_value_heads"):
-        if isinstance(config[key], list):
-            raise NotFusableError(f"{key}={config[key]!r} (caches of other shapes per layer; the "
-                                  f"{WRITER} stacks one shape)")
-    for block in model.blocks:
-        dense = block.feedforward_gate_dense or block.feedforward_intermediate_dense
-        if activation_name(dense.activation) not in _ACTIVATIONS:
-            raise NotFusableError(f"activation={model.activation!r}")
-    _, ring = cache_layout(model, max_length)
-    if ring and model.position != "rotary":
-        raise NotFusableError(f"position={model.position!r} with a ring-buffer cache (positions "
-                              "past max_length)")
-    if ring and (model.rope_scaling or {}).get("rope_type") == "longrope":
-        raise NotFusableError("rope_scaling of type 'longrope' with a ring-buffer cache (its "
-                              "factors switch past the original length)")
+    description = capabilities.describe(model, "onnx_signatures")
+    capabilities.check(description, "onnx_signatures", max_length)
+    return description
 
 
 def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=128,
@@ -130,12 +103,12 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
         raise ValueError(
             "Received an invalid value for argument `checks`, expected 'flag' or "
             f"'none' (ONNX has no assert op). Received: checks={checks!r}")
-    check_signature_decoder(model, max_length, opset)
-    names = ("prefill", "decode") + (() if cache_layout(model, max_length)[1] else ("decode_step",))
+    d = check_signature_decoder(model, max_length, opset)
+    names = ("prefill", "decode") + (() if d.stacked_cache(max_length)[1] else ("decode_step",))
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
         weights = _Weights(Graph(None, 32, 0, data_file, shared))
-        return {name: _Signature(model, name, max_length, checks, opset, read_bucket, weights).proto()
+        return {name: _Signature(d, name, max_length, checks, opset, read_bucket, weights).proto()
                 for name in names}
 
 
@@ -161,13 +134,14 @@ class _Weights:
 class _Signature:
     """One of the graphs: `prefill`, `decode` or `decode_step`."""
 
-    def __init__(self, model, kind, max_length, checks, opset, read_bucket, weights):
-        self.model, self.kind, self.checks, self.opset = model, kind, checks, opset
+    def __init__(self, description, kind, max_length, checks, opset, read_bucket, weights):
+        self.d, self.kind, self.checks, self.opset = description, kind, checks, opset
         self.max_length, self.bucket, self.weights = max_length, read_bucket, weights
         self.g = Graph(None, 32, 0)
         self.count = 0
-        self.cache_length, self.ring = cache_layout(model, max_length)
-        self.heads, self.kv_heads, self.head_dim = model.num_heads, model.num_key_value_heads, model.head_dim
+        self.cache_length, self.ring = description.stacked_cache(max_length)
+        first = description.layers[0].attention
+        self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_key_value_heads, first.head_dim
         self.conditions = []
         self.derived = {}  # per-call values shared by the layers (rotary, masks, slices)
         # `decode_step` takes the first L slots of the caller's cache (L dynamic).
@@ -218,8 +192,8 @@ class _Signature:
 
         from keras_attn.export.onnx import rename_value
 
-        model = self.model
-        vocab = model.vocabulary_size
+        d = self.d
+        vocab = d.vocabulary_size
         ids = self.token_ids("token_ids", vocab)
         if self.kind == "prefill":
             length = self.op("Shape", ["token_ids"], "length", start=1, end=2)  # (1,) int64
@@ -236,13 +210,13 @@ class _Signature:
         self.positions = positions
         x = self.embed(ids, positions)
         new_keys_values = []
-        for i, block in enumerate(model.blocks):
-            x = self.block(i, block, x, new_keys_values)
-        h = self.norm(x, model.final_norm, "final_norm")
+        for i, layer in enumerate(d.layers):
+            x = self.block(i, layer, x, new_keys_values)
+        h = self.norm(x, d.final_norm, "final_norm")
         logits = self.head(h)
         cache = self.cache_out(new_keys_values)
 
-        batch, n = "batch_size", len(model.blocks)
+        batch, n = "batch_size", d.num_layers
         slots = "cache_slots" if self.step else self.cache_length
         cache_dims = [n, 2, batch, slots, self.kv_heads, self.head_dim]
         float_, int32 = TensorProto.FLOAT, TensorProto.INT32
@@ -315,34 +289,29 @@ class _Signature:
         return self.once("last_slot", lambda: self.op("Sub", [self.held(), self.i64(1)], "last"))
 
     def embed(self, ids, positions):
-        model = self.model
-        rotary = model.position == "rotary"
-        table_layer = model.embedding if rotary else model.embedding.token_embedding
-        if model.lm_head is None:
-            self.tied = self.weights.described(
-                "tied", lambda g: g.tied_table(weight_value(table_layer.embeddings), "/lm_head"))
+        d = self.d
+        if d.tied:
+            self.tied = self.weights.described("tied", lambda g: g.tied_table(d.embedding.read(), "/lm_head"))
             x = self.g.gather_rows(self.tied, ids, self.name("embed_tokens"))
         else:
-            table = self.weights.get("model.embed_tokens.weight",
-                                     lambda: weight_value(table_layer.embeddings))
+            table = self.weights.get("model.embed_tokens.weight", d.embedding.read)
             x = self.op("Gather", [table, ids], "embed_tokens")
-        if not rotary:
+        if d.positions.kind != "rotary":
             x = self.op("Add", [x, self.position_rows(positions)], "embed_positions")
-        if model.embedding_scale is not None:
-            x = self.op("Mul", [x, self.f32(model.embedding_scale)], "embedding_scale")
+        if d.embedding_scale is not None:
+            x = self.op("Mul", [x, self.f32(d.embedding_scale)], "embedding_scale")
         return x
 
     def position_rows(self, positions):
         """The learned or sinusoidal position embeddings `(T, hidden)` at `positions`."""
-        layer = self.model.embedding.position_embedding
-        if self.model.position == "learned":
-            table = self.weights.get("model.embed_positions.weight",
-                                     lambda: weight_value(layer.position_embeddings))
-            rows = self.model.max_positions
+        described = self.d.positions
+        if described.kind == "learned":
+            table = self.weights.get("model.embed_positions.weight", described.table.read)
+            rows = described.rows
         else:
-            rows, hidden = self.max_length, self.model.hidden_dim
-            table = self.weights.get("model.embed_positions.sinusoids", lambda: weight_value(
-                layer(np.zeros((1, rows, hidden), "float32")))[0])
+            rows, hidden = self.max_length, self.d.hidden_dim
+            table = self.weights.get("model.embed_positions.sinusoids", lambda: array_of(
+                described.layer(np.zeros((1, rows, hidden), "float32")))[0])
         return self.op("Gather", [table, self.clipped(positions, rows)], "positions")
 
     def clipped(self, positions, rows):
@@ -352,29 +321,29 @@ class _Signature:
 
     # -- blocks ---------------------------------------------------------------------
 
-    def block(self, i, block, x, new_keys_values):
+    def block(self, i, layer, x, new_keys_values):
         base = f"layers.{i}"
-        h = self.norm(x, block.self_attention_layer_norm, base + ".input_norm")
-        a = self.attention(i, block, h, new_keys_values)
-        a = self.post_norm(a, getattr(block, "self_attention_post_norm", None), base + ".post_attention_norm")
+        h = self.norm(x, layer.attention_norm, base + ".input_norm")
+        a = self.attention(i, layer.attention, h, new_keys_values)
+        a = self.post_norm(a, layer.attention_post_norm, base + ".post_attention_norm")
         x = self.op("Add", [x, a], "residual")
-        h = self.norm(x, block.feedforward_layer_norm, base + ".ffn_norm")
-        f = self.feedforward(block, h, base)
-        f = self.post_norm(f, getattr(block, "feedforward_post_norm", None), base + ".post_ffn_norm")
+        h = self.norm(x, layer.feedforward_norm, base + ".ffn_norm")
+        f = self.feedforward(layer.feedforward, h, base)
+        f = self.post_norm(f, layer.feedforward_post_norm, base + ".post_ffn_norm")
         return self.op("Add", [x, f], "residual")
 
     def post_norm(self, x, layer, key):
         return x if layer is None else self.norm(x, layer, key)
 
-    def norm(self, x, layer, key):
-        """Keras's RMSNormalization or LayerNormalization over the last axis."""
-        if self.model.normalization == "layer_norm":
-            gamma = self.weights.get(key + ".weight", lambda: weight_value(layer.gamma))
-            beta = self.weights.get(key + ".bias", lambda: weight_value(layer.beta))
+    def norm(self, x, norm, key):
+        """A described `Norm` (RMSNorm, or LayerNorm) over the last axis."""
+        if norm.kind == "layer":
+            gamma = self.weights.get(key + ".weight", norm.scale.read)
+            beta = self.weights.get(key + ".bias", norm.bias.read)
             return self.op("LayerNormalization", [x, gamma, beta], "LayerNorm", axis=-1,
-                           epsilon=float(layer.epsilon))
-        scale = self.weights.get(key + ".weight", lambda: weight_value(layer.scale))
-        return self.rms_norm(x, scale, layer.epsilon)
+                           epsilon=float(norm.epsilon))
+        scale = self.weights.get(key + ".weight", norm.scale.read)
+        return self.rms_norm(x, scale, norm.epsilon)
 
     def rms_norm(self, x, scale, epsilon):
         # x * rsqrt(mean(x^2) + epsilon) * scale, as keras.ops.rms_normalization.
@@ -390,48 +359,39 @@ class _Signature:
             y = self.op("Add", [y, self.weights.get(kernel_key + ".bias", lambda: bias)], hint + "_bias")
         return y
 
-    def feedforward(self, block, h, base):
-        output = block.feedforward_output_dense
-        if block.feedforward_gate_dense is not None:
-            gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
-            gate = self.dense(h, base + ".mlp.gate", lambda: weight_value(gate_dense.kernel),
-                              dense_bias(gate_dense), "gate")
-            up = self.dense(h, base + ".mlp.up", lambda: weight_value(up_dense.kernel),
-                            dense_bias(up_dense), "up")
-            act = self.g.activation(gate, self.name("act"), activation_name(gate_dense.activation), standard=True)
+    def linear(self, x, key, dense, hint):
+        """A described `Dense` through `dense` (its kernel read once for every signature)."""
+        return self.dense(x, key, dense.kernel.read, None if dense.bias is None else dense.bias.read(), hint)
+
+    def feedforward(self, feedforward, h, base):
+        if feedforward.gate is not None:
+            gate = self.linear(h, base + ".mlp.gate", feedforward.gate, "gate")
+            up = self.linear(h, base + ".mlp.up", feedforward.up, "up")
+            act = self.g.activation(gate, self.name("act"), feedforward.activation, standard=True)
             h = self.op("Mul", [act, up], "gated")
         else:
-            dense = block.feedforward_intermediate_dense
-            h = self.dense(h, base + ".mlp.fc1", lambda: weight_value(dense.kernel), dense_bias(dense), "fc1")
-            h = self.g.activation(h, self.name("act"), activation_name(dense.activation), standard=True)
-        return self.dense(h, base + ".mlp.down", lambda: weight_value(output.kernel), dense_bias(output), "down")
+            h = self.linear(h, base + ".mlp.fc1", feedforward.up, "fc1")
+            h = self.g.activation(h, self.name("act"), feedforward.activation, standard=True)
+        return self.linear(h, base + ".mlp.down", feedforward.down, "down")
 
-    def attention(self, i, block, h, new_keys_values):
-        attention = block.self_attention
+    def attention(self, i, attention, h, new_keys_values):
         base = f"layers.{i}.attn"
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        dense = (attention.query_dense, attention.key_dense, attention.value_dense)
-        biases = [dense_bias(layer) for layer in dense]
         widths = [heads * d, kv_heads * d, kv_heads * d]
-        packed_bias = None
-        if any(b is not None for b in biases):
-            packed_bias = np.concatenate([b if b is not None else np.zeros(w, np.float32)
-                                          for b, w in zip(biases, widths)])
-        qkv = self.dense(h, base + ".qkv", lambda: np.concatenate([projection_kernel(layer) for layer in dense],
-                                                                   axis=1), packed_bias, "qkv")
+        qkv = self.dense(h, base + ".qkv", attention.packed_kernel, attention.packed_bias(), "qkv")
         q, k, v = self.op("Split", [qkv, self.i64(widths)], "split_qkv", outputs=3, axis=-1)
         q, k, v = (self.op("Reshape", [t, self.i64([0, 0, n, d])], "heads")
                    for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
         if attention.query_norm is not None:
-            q = self.rms_norm(q, self.weights.get(base + ".q_norm", lambda: weight_value(attention.query_norm.scale)),
+            q = self.rms_norm(q, self.weights.get(base + ".q_norm", attention.query_norm.scale.read),
                               attention.query_norm.epsilon)
-            k = self.rms_norm(k, self.weights.get(base + ".k_norm", lambda: weight_value(attention.key_norm.scale)),
+            k = self.rms_norm(k, self.weights.get(base + ".k_norm", attention.key_norm.scale.read),
                               attention.key_norm.epsilon)
-        rotary = attention.rotary_embedding
+        rotary = attention.rotary
         if rotary is not None:
             cos, sin = self.rotary(rotary)
             q, k = self.rotate(q, cos, sin, rotary), self.rotate(k, cos, sin, rotary)
-        window = attention.sliding_window
+        window = attention.window
         if self.kind == "prefill":
             keys, values = k, v
             mask = self.once(("prefill_mask", window), lambda: self.prefill_mask(window))
@@ -442,18 +402,18 @@ class _Signature:
             keys, values, mask = self.bounded_read(i, k, v, window)
         new_keys_values.append((k, v))
         out = self.attend(q, keys, values, mask, attention.logit_soft_cap)
-        output = attention.output_dense
-        return self.dense(out, base + ".o_proj", lambda: projection_kernel(output, heads_first_input=True),
-                          dense_bias(output), "o_proj")
+        return self.linear(out, base + ".o_proj", attention.output, "o_proj")
 
     # -- positions -------------------------------------------------------------------
 
-    def rotary(self, rotary):
+    def rotary(self, described):
         """`(cos, sin)` `(1, T, 1, rotary_dim / 2)` at this call's positions."""
+        rotary = described.layer
+
         def make():
             key = f"rotary.{id(rotary)}"
             if self.ring:
-                freq = self.weights.get(key + ".inv_freq", lambda: weight_value(
+                freq = self.weights.get(key + ".inv_freq", lambda: array_of(
                     rotary.inverse_frequencies(self.head_dim)).reshape(1, -1))
                 pos = self.op("Cast", [self.positions], "positions_float", to=1)
                 if rotary.scaling_factor != 1.0:
@@ -469,7 +429,7 @@ class _Signature:
 
                 def table(part):
                     if not tables:
-                        tables["cos"], tables["sin"] = rotary_caches(rotary, self.head_dim, self.max_length)
+                        tables["cos"], tables["sin"] = described.tables(self.max_length)
                     return tables.pop(part)
 
                 rows = self.clipped(self.positions, self.max_length)
@@ -483,7 +443,7 @@ class _Signature:
     def rotate(self, x, cos, sin, rotary):
         """keras_attn's RotaryEmbedding ("rotate half") over the first `rotary_dim` features."""
         d = self.head_dim
-        half = rotary.rotary_dim(d) // 2
+        half = rotary.rotary_dim // 2
         sizes = [half, half] + ([d - 2 * half] if 2 * half < d else [])
         parts = self.op("Split", [x, self.i64(sizes)], "rotary_split", outputs=len(sizes), axis=-1)
         x1, x2 = parts[0], parts[1]
@@ -637,13 +597,11 @@ class _Signature:
     # -- outputs --------------------------------------------------------------------------
 
     def head(self, h):
-        model = self.model
-        if model.lm_head is None:
+        if self.d.tied:
             logits = self.g.apply(h, self.tied, None, self.name("lm_head"))
         else:
-            logits = self.dense(h, "lm_head", lambda: weight_value(model.lm_head.kernel),
-                                dense_bias(model.lm_head), "lm_head")
-        cap = model.final_logit_soft_cap
+            logits = self.linear(h, "lm_head", self.d.head, "lm_head")
+        cap = self.d.final_logit_soft_cap
         if cap is not None:
             cap = self.f32(cap)
             logits = self.op("Mul", [self.op("Tanh", [self.op("Div", [logits, cap], "cap")], "tanh"), cap],

@@ -67,8 +67,8 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
-from keras_attn.export.onnx_decoder import check_decoder_options
-from keras_attn.export.onnx_decoder import rotary_caches
+from keras_attn.description import rotary_tables as rotary_caches
+from keras_attn.export import capabilities
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.onnx_fused import activation_name
 from keras_attn.export.tflite_writer import HYBRID_FULLY_CONNECTED_VERSION as _HYBRID_FULLY_CONNECTED_VERSION
@@ -82,37 +82,19 @@ QUANTIZATIONS = (None, "dynamic", "int4")
 # `dynamic_wi4b32_afp32`, LiteRT-LM's own int4 models).
 BLOCK_SIZE = 32
 
-# Options known and refused by name away from their default (what each is).
-_MODEL_OPTIONS_NOT_COVERED = {
-    "key_value_sources": (None, "layers attending over another layer's keys and values"),
-    "per_layer_input_dim": (None, "per-layer input embeddings"),
-    "per_layer_input_vocabulary_size": (None, "per-layer input embeddings"),
-    "use_value_norm": (False, "a norm of each value head"),
-    "use_output_scale": (False, "a scale on each block's output"),
-}
-_MODEL_CHOICES = {"position": ("rotary",), "normalization": ("rms_norm",)}
-_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-
 
 def check_direct_decoder(model, quantization=None, max_length=None):
-    """Raises `NotFusableError` naming the first option of `model` (or the
-    `quantization`) the direct TFLite writer does not cover (for caches of
-    `max_length`, when given)."""
+    """`model`'s description when the direct TFLite writer covers it and
+    `quantization` (caches of `max_length`, when given); else
+    `NotFusableError` naming the first thing it does not cover
+    (`keras_attn.export.capabilities`)."""
     if quantization not in QUANTIZATIONS:
         raise NotFusableError(
             f"quantization={quantization!r} (the direct TFLite writer writes "
             f"{list(QUANTIZATIONS)})")
-    check_decoder_options(model, "direct TFLite writer", _MODEL_OPTIONS_NOT_COVERED, _MODEL_CHOICES,
-                          max_length)
-    for block in model.blocks:
-        dense = (block.feedforward_gate_dense if block.feedforward_gate_dense is not None
-                 else block.feedforward_intermediate_dense)
-        kind = activation_name(dense.activation)
-        if kind not in _ACTIVATIONS:
-            raise NotFusableError(f"activation={model.activation!r}")
-        for layer in (block.self_attention_layer_norm, block.feedforward_layer_norm):
-            if getattr(layer, "axis", -1) not in (-1, [-1]):
-                raise NotFusableError(f"{layer.name}: axis={layer.axis}")
+    description = capabilities.describe(model, "litertlm")
+    capabilities.check(description, "litertlm", max_length)
+    return description
 
 
 def _value(x):
