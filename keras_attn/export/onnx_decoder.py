@@ -50,8 +50,6 @@ import os
 import numpy as np
 
 from keras_attn import checks
-from keras_attn.description import array_of as weight_value  # noqa: F401  (the writers' one reader)
-from keras_attn.description import rotary_tables as rotary_caches  # noqa: F401
 from keras_attn.export import capabilities
 from keras_attn.export import onnx_quantize
 from keras_attn.export.onnx_fused import MS_DOMAIN
@@ -78,7 +76,7 @@ def check_fusable_decoder(model, max_length=None):
 
 def borrowed(array):
     """Whether `array` views memory that no NumPy array made here owns (a
-    variable's buffer, from `weight_value`): keeping it costs nothing."""
+    variable's buffer, from `keras_attn.description.array_of`): keeping it costs nothing."""
     while isinstance(array, np.ndarray) and array.base is not None:
         array = array.base
     return not isinstance(array, np.ndarray)

@@ -13,7 +13,7 @@ TensorFlow's graph, SavedModel or converter:
 - one chunk of `T` tokens at positions `input_pos[0] + [0, T)` (the
   runtime pads a short prompt chunk at its end); rotary angles are the
   layer's own `RotaryEmbedding` evaluated at every cache position
-  (`keras_attn.export.onnx_decoder.rotary_caches`, so static `rope_scaling`,
+  (`keras_attn.description.rotary_tables`, so static `rope_scaling`,
   and LongRoPE within its original length, are exact) and gathered at
   those positions, over the first `rotary_dim` features of each head;
 - `decode` writes its keys and values with DYNAMIC_UPDATE_SLICE (in place
@@ -67,10 +67,8 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
-from keras_attn.description import rotary_tables as rotary_caches
 from keras_attn.export import capabilities
 from keras_attn.export.onnx_fused import NotFusableError
-from keras_attn.export.onnx_fused import activation_name
 from keras_attn.export.tflite_writer import HYBRID_FULLY_CONNECTED_VERSION as _HYBRID_FULLY_CONNECTED_VERSION
 from keras_attn.export.tflite_writer import INT4
 from keras_attn.export.tflite_writer import Blocks
@@ -97,17 +95,9 @@ def check_direct_decoder(model, quantization=None, max_length=None):
     return description
 
 
-def _value(x):
-    """A Keras variable as float32 NumPy."""
-    import keras
-
-    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
-    return np.asarray(value, dtype=np.float32)
-
-
 def _bias(dense):
-    bias = getattr(dense, "bias", None)
-    return None if bias is None else _value(bias).reshape(-1)
+    """A described `Dense`'s bias as float32 NumPy, or None."""
+    return None if dense.bias is None else dense.bias.read()
 
 
 def quantize_rows(weight):
@@ -179,11 +169,11 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
     Raises:
         NotFusableError: the model (or `quantization`) is not covered.
     """
-    check_direct_decoder(model, quantization, max_length)
+    description = check_direct_decoder(model, quantization, max_length)
     lengths = sorted(set(int(t) for t in prefill_lengths))
 
     def build(writer):
-        builder = DecoderBuilder(model, writer, max_length, quantization, read_bucket)
+        builder = DecoderBuilder(description, writer, max_length, quantization, read_bucket)
         # Subgraph 0 is `decode`; the runtime finds each signature by name.
         return [builder.signature(name, length, with_logits=name == "decode")
                 for name, length in [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]]
@@ -206,8 +196,10 @@ def written_bytes(write, model, **kwargs):
 
 
 class DecoderBuilder:
-    def __init__(self, model, writer, max_length, quantization, read_bucket):
-        self.model = model
+    """Writes the signatures of a described decoder (`keras_attn.description.Decoder`)."""
+
+    def __init__(self, description, writer, max_length, quantization, read_bucket):
+        self.d = description
         self.w = writer
         self.max_length = int(max_length)
         self.int8 = quantization == "dynamic"
@@ -215,10 +207,10 @@ class DecoderBuilder:
         self.read_bucket = read_bucket
         # Each layer's query heads, key/value heads and head size, from its
         # attention (a model may give them per layer).
-        self.sizes = [(b.self_attention.num_heads, b.self_attention.num_key_value_heads,
-                       b.self_attention.key_dim) for b in model.blocks]
-        self.windows = model.layer_sliding_windows()
-        self.rotary_tables = {}  # id(rotary) -> (cos, sin) arrays, computed once
+        self.sizes = [(a.num_heads, a.num_key_value_heads, a.head_dim)
+                      for a in (layer.attention for layer in description.layers)]
+        self.windows = description.windows()
+        self.rotary_tables = {}  # (id(rotary layer), head_dim) -> (cos, sin) arrays, computed once
 
     # -- weights -------------------------------------------------------
     def _quantize(self, weight):
@@ -262,11 +254,10 @@ class DecoderBuilder:
     def _table_key(self, g):
         """The key of the token table's weight: the tied head's (stored once,
         `(V, hidden)`, quantized as the head) or the embedding's."""
-        model = self.model
-        table = model.embedding.embeddings
-        if model.lm_head is None:
-            return self._fc_weight(g, "lm_head", lambda: _value(table).T, "lm_head/weight"), "lm_head"
-        return g.weight("embedding", lambda: self._quantize(_value(table)), "embedding/table"), "embedding"
+        table = self.d.embedding
+        if self.d.tied:
+            return self._fc_weight(g, "lm_head", lambda: table.read().T, "lm_head/weight"), "lm_head"
+        return g.weight("embedding", lambda: self._quantize(table.read()), "embedding/table"), "embedding"
 
     def embed(self, g, ids):
         table, key = self._table_key(g)
@@ -284,8 +275,8 @@ class DecoderBuilder:
             x = g.mul(rows, g.gather(g.const(scales.reshape(-1, 1), f"{key}/scales"), ids))
         else:
             x = g.gather(table, ids)
-        if self.model.embedding_scale is not None:
-            x = g.mul(x, g.const(np.array(self.model.embedding_scale, np.float32)))
+        if self.d.embedding_scale is not None:
+            x = g.mul(x, g.const(np.array(self.d.embedding_scale, np.float32)))
         return x
 
     def rms(self, g, x, epsilon):
@@ -300,7 +291,7 @@ class DecoderBuilder:
     def signature(self, name, length, with_logits):
         s = self.w.s
         g = Graph(self.w, name)
-        model, t_len, S = self.model, length, self.max_length
+        d, t_len, S = self.d, length, self.max_length
         tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
         input_pos = g.tensor(f"{name}_input_pos", (t_len,), np.int32)
         caches = []
@@ -395,31 +386,27 @@ class DecoderBuilder:
         x = self.embed(g, ids)  # (T, hidden)
         outputs = {}
         neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
-        for i, block in enumerate(model.blocks):
-            attention = block.self_attention
+        for i, layer in enumerate(d.layers):
+            attention = layer.attention
             heads, kv, hd = self.sizes[i]
             groups = heads // kv
             base = f"layers.{i}"
-            gamma = _value(block.self_attention_layer_norm.scale)
-            h = self.rms(g, x, block.self_attention_layer_norm.epsilon)
-            dense = (attention.query_dense, attention.key_dense, attention.value_dense)
+            norm = layer.attention_norm
+            h = self.rms(g, x, norm.epsilon)
             # The 1/sqrt(head_dim) query scale goes into the query weights,
             # or after QK-norm into its scale (the norm would undo it).
             q_scale = 1.0 / np.sqrt(hd)
             qk_norm = attention.query_norm is not None
             weight_scale = 1.0 if qk_norm else q_scale
 
-            def qkv_kernel(dense=dense, gamma=gamma, weight_scale=weight_scale):
-                kernels = [_value(d.kernel).reshape(d.kernel.shape[0], -1) for d in dense]
-                kernels[0] = kernels[0] * np.float32(weight_scale)
-                return np.concatenate(kernels, axis=1) * gamma[:, None]
+            def qkv_kernel(attention=attention, norm=norm, weight_scale=weight_scale, rows=heads * hd):
+                kernel = attention.packed_kernel()
+                kernel[:, :rows] *= np.float32(weight_scale)
+                kernel *= norm.scale.read()[:, None]
+                return kernel
 
-            biases = [_bias(d) for d in dense]
-            packed = None
-            if any(b is not None for b in biases):
-                sizes = (heads * hd, kv * hd, kv * hd)
-                packed = np.concatenate([b if b is not None else np.zeros(n, np.float32)
-                                         for b, n in zip(biases, sizes)])
+            packed = attention.packed_bias()
+            if packed is not None:
                 packed[:heads * hd] *= np.float32(weight_scale)
             qkv = self.fully_connected(g, h, f"{base}/qkv", qkv_kernel, packed, f"{base}/attn/qkv")
             q, k, v = g.op("SPLIT_V", [qkv, g.const(np.array([heads * hd, kv * hd, kv * hd], np.int32)),
@@ -429,16 +416,16 @@ class DecoderBuilder:
             q, k = g.reshape(q, (t_len, heads, hd)), g.reshape(k, (t_len, kv, hd))
             if qk_norm:
                 q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
-                          g.const(_value(attention.query_norm.scale) * np.float32(q_scale)))
+                          g.const(attention.query_norm.scale.read() * np.float32(q_scale)))
                 k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
-                          g.const(_value(attention.key_norm.scale)))
-            if attention.rotary_embedding is not None:
-                cos, sin = self._rotary(g, attention.rotary_embedding, rotary_rows, hd)
+                          g.const(np.array(attention.key_norm.scale.read())))
+            if attention.rotary is not None:
+                cos, sin = self._rotary(g, attention.rotary, rotary_rows)
                 q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
             k_cache = write(caches[i][0], k)
             v_cache = write(caches[i][1], v)
             outputs[f"kv_cache_k_{i}"], outputs[f"kv_cache_v_{i}"] = k_cache, v_cache
-            if not with_logits and i == len(model.blocks) - 1:
+            if not with_logits and i == d.num_layers - 1:
                 break  # a prefill outputs only the caches
             keys = g.transpose(read_slots(k_cache), (0, 2, 3, 1))  # (1, H_kv, D, L)
             values = g.transpose(read_slots(v_cache), (0, 2, 1, 3))  # (1, H_kv, L, D)
@@ -461,22 +448,20 @@ class DecoderBuilder:
             if t_len > 1:
                 attended = g.transpose(g.reshape(attended, (kv, t_len, groups, hd)), (1, 0, 2, 3))
             attended = g.reshape(attended, (t_len, heads * hd))
-            out = attention.output_dense
-            branch = self.fully_connected(
-                g, attended, f"{base}/o", lambda out=out: _value(out.kernel).reshape(-1, out.kernel.shape[-1]),
-                _bias(out), f"{base}/attn/o")
-            x = g.add(x, self._post_norm(g, branch, getattr(block, "self_attention_post_norm", None)))
-            branch = self._feedforward(g, x, block, base)
-            x = g.add(x, self._post_norm(g, branch, getattr(block, "feedforward_post_norm", None)))
+            out = attention.output
+            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, _bias(out), f"{base}/attn/o")
+            x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
+            branch = self._feedforward(g, x, layer, base)
+            x = g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
         if with_logits:
             def tied(g, h):
                 head, _ = self._table_key(g)
                 options, version = self._fc_options(g, head)
-                return g.op("FULLY_CONNECTED", [h, head, -1], (t_len, model.vocabulary_size),
+                return g.op("FULLY_CONNECTED", [h, head, -1], (t_len, d.vocabulary_size),
                             options=options, version=version)
 
             logits = self.final_logits(g, x, tied)
-            outputs["logits"] = g.reshape(logits, (1, 1, model.vocabulary_size))
+            outputs["logits"] = g.reshape(logits, (1, 1, d.vocabulary_size))
         for key, index in outputs.items():
             g.tensors[index].name = f"{name}_{key}"
         subgraph = s.SubGraphT()
@@ -498,24 +483,22 @@ class DecoderBuilder:
         """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
         if layer is None:
             return x
-        return g.mul(self.rms(g, x, layer.epsilon), g.const(_value(layer.scale)))
+        return g.mul(self.rms(g, x, layer.epsilon), g.const(np.array(layer.scale.read())))
 
     def final_logits(self, g, x, tied_head):
         """The final RMSNorm, the head and the final soft cap over `x`; a tied
         head's logits are `tied_head(g, h)` (the table as it is stored; the
         final norm's scale multiplies `h` instead of the head's weight)."""
-        model = self.model
-        gamma = _value(model.final_norm.scale)
-        h = self.rms(g, x, model.final_norm.epsilon)
-        if model.lm_head is None:
+        d = self.d
+        gamma = np.array(d.final_norm.scale.read())
+        h = self.rms(g, x, d.final_norm.epsilon)
+        if d.tied:
             logits = tied_head(g, g.mul(h, g.const(gamma, "final_norm/scale")))
         else:
-            head_layer = model.lm_head
             logits = self.fully_connected(
-                g, h, "lm_head", lambda: _value(head_layer.kernel) * gamma[:, None],
-                _bias(head_layer), "lm_head")
-        if model.final_logit_soft_cap is not None:
-            logits = self._soft_cap(g, logits, model.final_logit_soft_cap)
+                g, h, "lm_head", lambda: d.head.kernel.read() * gamma[:, None], _bias(d.head), "lm_head")
+        if d.final_logit_soft_cap is not None:
+            logits = self._soft_cap(g, logits, d.final_logit_soft_cap)
         return logits
 
     def _soft_cap(self, g, x, cap):
@@ -529,13 +512,14 @@ class DecoderBuilder:
         m.tensorIndex = index
         return m
 
-    def _rotary(self, g, rotary, rows, head_dim):
+    def _rotary(self, g, rotary, rows):
         """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
         carries the rotation's sign (`[-sin, sin]`), so a rotation is
         `x * cos + swap_halves(x) * sin` over the first `rotary_dim` features."""
-        key = (id(rotary), head_dim)
+        head_dim = rotary.head_dim
+        key = (id(rotary.layer), head_dim)
         if key not in self.rotary_tables:
-            cos, sin = rotary_caches(rotary, head_dim, self.max_length)
+            cos, sin = rotary.tables(self.max_length)
             self.rotary_tables[key] = (np.concatenate([cos, cos], axis=1),
                                        np.concatenate([-sin, sin], axis=1))
         cos_table, sin_table = self.rotary_tables[key]
@@ -563,29 +547,26 @@ class DecoderBuilder:
         out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))
         return out if passed is None else g.concat([out, passed], -1)
 
-    def _feedforward(self, g, x, block, base):
-        norm = block.feedforward_layer_norm
-        gamma = _value(norm.scale)
+    def _feedforward(self, g, x, layer, base):
+        norm, feedforward = layer.feedforward_norm, layer.feedforward
+        gamma = norm.scale.read()
         h = self.rms(g, x, norm.epsilon)
 
         def folded(dense):
-            return lambda: _value(dense.kernel) * gamma[:, None]
+            return lambda: dense.kernel.read() * gamma[:, None]
 
-        if block.feedforward_gate_dense is not None:
-            gate_dense, up_dense = block.feedforward_gate_dense, block.feedforward_intermediate_dense
-            kind = activation_name(gate_dense.activation)
-            gate = self.fully_connected(g, h, f"{base}/gate", folded(gate_dense), _bias(gate_dense),
+        if feedforward.gate is not None:
+            gate = self.fully_connected(g, h, f"{base}/gate", folded(feedforward.gate), _bias(feedforward.gate),
                                         f"{base}/mlp/gate")
-            up = self.fully_connected(g, h, f"{base}/up", folded(up_dense), _bias(up_dense),
+            up = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), _bias(feedforward.up),
                                       f"{base}/mlp/up")
-            h = g.mul(self._activation(g, gate, kind), up)
+            h = g.mul(self._activation(g, gate, feedforward.activation), up)
         else:
-            dense = block.feedforward_intermediate_dense
-            h = self.fully_connected(g, h, f"{base}/up", folded(dense), _bias(dense), f"{base}/mlp/up")
-            h = self._activation(g, h, activation_name(dense.activation))
-        out = block.feedforward_output_dense
-        return self.fully_connected(g, h, f"{base}/down", lambda: _value(out.kernel), _bias(out),
-                                    f"{base}/mlp/down")
+            h = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), _bias(feedforward.up),
+                                     f"{base}/mlp/up")
+            h = self._activation(g, h, feedforward.activation)
+        down = feedforward.down
+        return self.fully_connected(g, h, f"{base}/down", down.kernel.read, _bias(down), f"{base}/mlp/down")
 
     def _activation(self, g, x, kind):
         if kind == "silu":

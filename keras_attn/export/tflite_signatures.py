@@ -43,12 +43,14 @@ A model or option not covered raises `NotFusableError`
 converter with a warning.
 """
 
-import keras
 import numpy as np
 
+from keras_attn.description import array_of
+from keras_attn.export import capabilities
 from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_writer
 from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.tflite_decoder import _bias
 
 QUANTIZATIONS = tflite_decoder.QUANTIZATIONS  # None, "dynamic", "int4"
 CHECKS = ("flag", "none")
@@ -56,8 +58,9 @@ CHECKS = ("flag", "none")
 
 def check_direct_signatures(model, *, max_length, batch_size, prompt_length, quantization=None,
                             cache_dtype="float32"):
-    """Raises `NotFusableError` naming the first thing about `model` or the
-    options that the direct writer does not cover."""
+    """`model`'s description when the direct writer covers it and the
+    options; else `NotFusableError` naming the first thing it does not
+    cover (`keras_attn.export.capabilities`)."""
     if quantization not in QUANTIZATIONS:
         raise NotFusableError(
             f"quantization={quantization!r} (the direct signatures writer writes {list(QUANTIZATIONS)})")
@@ -68,25 +71,9 @@ def check_direct_signatures(model, *, max_length, batch_size, prompt_length, qua
             raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
     if hasattr(model, "encode"):
         raise NotFusableError("an encoder-decoder model")
-    if not getattr(model, "built", True):  # its layers' weights are read below
-        model(np.zeros((1, 1), np.int32))
-    tflite_decoder.check_direct_decoder(model, quantization, max_length)
-    shapes = {(b.self_attention.num_key_value_heads, b.self_attention.key_dim) for b in model.blocks}
-    if len(shapes) > 1:
-        raise NotFusableError(
-            f"caches of other shapes per layer {sorted(shapes)} (stacked padded to the largest)")
-    if _ring(model, max_length) and (model.rope_scaling or {}).get("rope_type") == "longrope":
-        raise NotFusableError("rope_scaling of type 'longrope' with a ring-buffer cache "
-                              "(positions past max_length)")
-
-
-def _ring(model, max_length):
-    """The window when every layer has the same one, shorter than
-    `max_length` (the cache is then a ring of that many slots), else None."""
-    windows = set(model.layer_sliding_windows())
-    if len(windows) == 1 and None not in windows and min(windows) < max_length:
-        return min(windows)
-    return None
+    description = capabilities.describe(model, "tflite_signatures")
+    capabilities.check(description, "tflite_signatures", max_length)
+    return description
 
 
 def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_length, checks="flag",
@@ -96,17 +83,15 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
     Returns `tflite_writer.write_model`'s sizes. Raises `NotFusableError` where the model
     or an option is not covered (`check_direct_signatures`).
     """
-    check_direct_signatures(model, max_length=max_length, batch_size=batch_size,
-                            prompt_length=prompt_length, quantization=quantization,
-                            cache_dtype=cache_dtype)
     if checks not in CHECKS:
         raise ValueError(f"Received an invalid value for argument `checks`, expected one of "
                          f"{list(CHECKS)}. Received: checks={checks!r}")
-    if not model.built:  # the weights are read before any call would build it
-        model(np.zeros((1, 1), np.int32))
+    description = check_direct_signatures(model, max_length=max_length, batch_size=batch_size,
+                                          prompt_length=prompt_length, quantization=quantization,
+                                          cache_dtype=cache_dtype)
 
     def build(writer):
-        builder = SignatureBuilder(model, writer, max_length, quantization, read_bucket,
+        builder = SignatureBuilder(description, writer, max_length, quantization, read_bucket,
                                    batch_size=int(batch_size), flag=checks == "flag")
         graphs = [builder.decode(), builder.prefill(int(prompt_length))]
         if not builder.ring_window:  # a ring is its window's slots already
@@ -121,25 +106,15 @@ def signatures_tflite_bytes(model, **kwargs):
     return tflite_decoder.written_bytes(write_signatures_tflite, model, **kwargs)
 
 
-def _value(x):
-    """A Keras variable (or tensor) as float32 NumPy."""
-    value = x.numpy() if isinstance(x, keras.Variable) else keras.ops.convert_to_numpy(x)
-    return np.asarray(value, np.float32)
-
-
-def _bias(dense):
-    bias = getattr(dense, "bias", None)
-    return None if bias is None else _value(bias).reshape(-1)
-
-
 class SignatureBuilder(tflite_decoder.DecoderBuilder):
     """`DecoderBuilder` with the signatures' batch, stacked cache and checks."""
 
-    def __init__(self, model, writer, max_length, quantization, read_bucket, *, batch_size, flag):
-        super().__init__(model, writer, max_length, quantization, read_bucket)
+    def __init__(self, description, writer, max_length, quantization, read_bucket, *, batch_size, flag):
+        super().__init__(description, writer, max_length, quantization, read_bucket)
         self.batch = batch_size
         self.flag = flag
-        self.ring_window = _ring(model, max_length)
+        slots, ring = description.stacked_cache(max_length)
+        self.ring_window = slots if ring else None
         self.cache_length = self.ring_window or self.max_length
         _, self.kv, self.hd = self.sizes[0]
 
@@ -295,27 +270,27 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         `attend(i, k, v)` (`(B, T, H_kv, D)` each) returns `(cache entries,
         keys (B, H_kv, D, L), values (B, H_kv, L, D), mask (T, 1, L))`.
         Returns the last hidden states `(B T, hidden)` and the cache entries."""
-        model, B = self.model, self.batch
+        B = self.batch
         x = self.embed(g, g.reshape(ids, (B * t_len,)))  # (B T, hidden)
         neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
         caches = []
-        for i, block in enumerate(model.blocks):
-            attention = block.self_attention
+        for i, layer in enumerate(self.d.layers):
+            attention = layer.attention
             heads, kv, hd = self.sizes[i]
             groups = heads // kv
             base = f"layers.{i}"
-            h = self.rms(g, x, block.self_attention_layer_norm.epsilon)
-            q, k, v = self._qkv(g, h, block, i)
+            h = self.rms(g, x, layer.attention_norm.epsilon)
+            q, k, v = self._qkv(g, h, layer, i)
             q = g.reshape(q, (B, t_len, heads, hd))
             k = g.reshape(k, (B, t_len, kv, hd))
             v = g.reshape(v, (B, t_len, kv, hd))
             if attention.query_norm is not None:
                 q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
-                          g.const(_value(attention.query_norm.scale) * np.float32(1.0 / np.sqrt(hd))))
+                          g.const(attention.query_norm.scale.read() * np.float32(1.0 / np.sqrt(hd))))
                 k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
-                          g.const(_value(attention.key_norm.scale)))
-            if attention.rotary_embedding is not None:
-                cos, sin = self._rotary(g, attention.rotary_embedding, rows, hd)
+                          g.const(np.array(attention.key_norm.scale.read())))
+            if attention.rotary is not None:
+                cos, sin = self._rotary(g, attention.rotary, rows)
                 q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
             entry, keys, values, seen = attend(i, k, v)
             caches.append(entry)
@@ -339,37 +314,30 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             if t_len > 1:
                 attended = g.transpose(g.reshape(attended, (B, kv, t_len, groups * hd)), (0, 2, 1, 3))
             attended = g.reshape(attended, (B * t_len, heads * hd))
-            out = attention.output_dense
-            branch = self.fully_connected(
-                g, attended, f"{base}/o",
-                lambda out=out: _value(out.kernel).reshape(-1, out.kernel.shape[-1]),
-                _bias(out), f"{base}/attn/o")
-            x = g.add(x, self._post_norm(g, branch, getattr(block, "self_attention_post_norm", None)))
-            branch = self._feedforward(g, x, block, base)
-            x = g.add(x, self._post_norm(g, branch, getattr(block, "feedforward_post_norm", None)))
+            out = attention.output
+            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, _bias(out), f"{base}/attn/o")
+            x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
+            branch = self._feedforward(g, x, layer, base)
+            x = g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
         return x, caches
 
-    def _qkv(self, g, h, block, i):
-        """The packed query/key/value projection of block `i` (norm scale and,
+    def _qkv(self, g, h, layer, i):
+        """The packed query/key/value projection of layer `i` (norm scale and,
         without QK-norm, the query scale folded in), split: `(B T, H D)` each."""
-        attention = block.self_attention
+        attention = layer.attention
         heads, kv, hd = self.sizes[i]
-        gamma = _value(block.self_attention_layer_norm.scale)
-        dense = (attention.query_dense, attention.key_dense, attention.value_dense)
         # With QK-norm the query scale goes into the norm's scale (`_layers`).
         scale = np.float32(1.0 if attention.query_norm is not None else 1.0 / np.sqrt(hd))
+        sizes = (heads * hd, kv * hd, kv * hd)
 
         def kernel():
-            kernels = [_value(d.kernel).reshape(d.kernel.shape[0], -1) for d in dense]
-            kernels[0] = kernels[0] * scale
-            return np.concatenate(kernels, axis=1) * gamma[:, None]
+            packed = attention.packed_kernel()
+            packed[:, :sizes[0]] *= scale
+            packed *= layer.attention_norm.scale.read()[:, None]
+            return packed
 
-        sizes = (heads * hd, kv * hd, kv * hd)
-        biases = [_bias(d) for d in dense]
-        packed = None
-        if any(b is not None for b in biases):
-            packed = np.concatenate([np.zeros(n, np.float32) if b is None else b
-                                     for b, n in zip(biases, sizes)])
+        packed = attention.packed_bias()
+        if packed is not None:
             packed[:sizes[0]] *= scale
         qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
         rows = g.shape(h)[0]
@@ -379,20 +347,21 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
 
     def _logits(self, g, x, leading):
         """The final norm and head over `x` `(B T, hidden)`: logits `(B, T, V)`."""
-        table = self.model.embedding.embeddings
+        table = self.d.embedding
         logits = self.final_logits(g, x, lambda g, h: self.fully_connected(
-            g, h, "lm_head", lambda: _value(table).T, None, "lm_head"))
-        return g.reshape(logits, (*leading, self.model.vocabulary_size))
+            g, h, "lm_head", lambda: table.read().T, None, "lm_head"))
+        return g.reshape(logits, (*leading, self.d.vocabulary_size))
 
-    def _rotary(self, g, rotary, rows, head_dim):
+    def _rotary(self, g, described, rows):
         if not self.ring_window:
-            return super()._rotary(g, rotary, rows, head_dim)
+            return super()._rotary(g, described, rows)
         # A ring's positions pass max_length: the angles from the position, as
         # `RotaryEmbedding.call` computes them (float32, then cos and sin).
+        rotary, head_dim = described.layer, described.head_dim
         key = (id(rotary), head_dim)
         if key not in g.rotary:
-            half = rotary.rotary_dim(head_dim) // 2
-            inverse = _value(rotary.inverse_frequencies(head_dim))
+            half = described.rotary_dim // 2
+            inverse = array_of(rotary.inverse_frequencies(head_dim))
             t_len = g.shape(rows)[0]
             position = g.op("CAST", [rows], (t_len,), np.float32,
                             g.options("CastOptions", inDataType=2, outDataType=0))
@@ -430,7 +399,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         if not self.flag:
             return ids, []
         clamped = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", ids, 0),
-                               self.model.vocabulary_size - 1)
+                               self.d.vocabulary_size - 1)
         ok = g.binary("EQUAL", clamped, ids, np.bool_, g.options("EqualOptions"))
         return clamped, [self._all(g, ok)]
 
