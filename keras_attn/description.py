@@ -138,14 +138,15 @@ class Attention:
     """Self-attention of one layer. `query`/`key`/`value` map the hidden size
     to `heads * head_dim` (`kv_heads * head_dim`), `output` back; `window`:
     keys a query sees, its own included (None: all); `key_value_source`: the
-    index of the layer whose keys and values this one reads (None: its own)."""
+    index of the layer whose keys and values this one reads (None: its own;
+    `key` and `value` are then None)."""
 
     num_heads: int
     num_key_value_heads: int
     head_dim: int
     query: Dense
-    key: Dense
-    value: Dense
+    key: Optional[Dense]
+    value: Optional[Dense]
     output: Dense
     query_norm: Optional[Norm]
     key_norm: Optional[Norm]
@@ -340,8 +341,8 @@ def _attention(attention, window, source):
         num_key_value_heads=attention.num_key_value_heads or attention.num_heads,
         head_dim=head_dim,
         query=_dense(attention.query_dense),
-        key=_dense(attention.key_dense),
-        value=_dense(attention.value_dense),
+        key=None if attention.key_dense is None else _dense(attention.key_dense),
+        value=None if attention.value_dense is None else _dense(attention.value_dense),
         output=_dense(attention.output_dense, heads_first_input=True),
         query_norm=_norm(getattr(attention, "query_norm", None)),
         key_norm=_norm(getattr(attention, "key_norm", None)),
