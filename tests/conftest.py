@@ -24,6 +24,8 @@ BACKEND_AGNOSTIC_FILES = {
     "test_blocks.py",
     "test_cache_masks.py",
     "test_convert_streaming.py",
+    "test_decoder_writers.py",
+    "test_description.py",
     "test_errors.py",
     "test_family_options.py",
     "test_gemma4_options.py",

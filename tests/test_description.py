@@ -171,3 +171,12 @@ def test_cache_layout_per_layer():
         (2, 16, 5, True, None), (1, 32, 16, False, None), (1, 32, 16, False, 1)]
     assert d.stacked_cache(16) == (16, False)
     assert make_lm("mistral").describe().stacked_cache(16) == (5, True)
+
+
+def test_the_docs_show_the_capability_table():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides" / "generation.md").read_text()
+    shown = re.search(r"<!-- capabilities:[^>]*-->\n(.*?)\n<!-- /capabilities -->", text, re.S).group(1)
+    assert shown == capabilities.markdown_table()
