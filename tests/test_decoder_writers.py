@@ -31,6 +31,9 @@ from tests.decoder_variants import make_lm
 ort = pytest.importorskip("onnxruntime")
 
 LENGTH, PROMPT = 12, 7
+# Smaller than the cache: decode steps read the filled slots only (the
+# dynamic-length reads real sizes take).
+READ_BUCKET = 8
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,8 @@ def run_genai(lm, ids):
 
 def run_onnx_signatures(lm, ids):
     """`prefill` on PROMPT tokens, then `decode` per token (the stacked cache)."""
-    sessions = {k: _session(p) for k, p in onnx_signatures.signature_models(lm, max_length=CACHE).items()}
+    sessions = {k: _session(p) for k, p in onnx_signatures.signature_models(
+        lm, max_length=CACHE, read_bucket=READ_BUCKET).items()}
 
     def run(name, **feeds):
         names = [o.name for o in sessions[name].get_outputs()]
@@ -91,7 +95,8 @@ def run_onnx_signatures(lm, ids):
 
 def run_litertlm(lm, ids):
     """LiteRT-LM's schedule (chunked prefill of the first half, then decode), per row."""
-    content = tflite_decoder.decoder_tflite_bytes(lm, max_length=CACHE, prefill_lengths=(4, 8), read_bucket=8)
+    content = tflite_decoder.decoder_tflite_bytes(lm, max_length=CACHE, prefill_lengths=(4, 8),
+                                                  read_bucket=READ_BUCKET)
     rows = [litertlm.runtime_logits(content, row) for row in ids]
     first = rows[0][1]
     return np.stack([r[0] for r in rows]), first
@@ -101,7 +106,7 @@ def run_tflite_signatures(lm, ids):
     from ai_edge_litert import interpreter as litert
 
     content = tflite_signatures.signatures_tflite_bytes(lm, max_length=CACHE, batch_size=len(ids),
-                                                        prompt_length=PROMPT)
+                                                        prompt_length=PROMPT, read_bucket=READ_BUCKET)
     interpreter = litert.Interpreter(model_content=content)
     prefill, decode = (interpreter.get_signature_runner(n) for n in ("prefill", "decode"))
     out = prefill(token_ids=ids[:, :PROMPT])

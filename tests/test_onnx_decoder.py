@@ -106,12 +106,13 @@ def run_steps(session, ids, steps, kv_heads, head_dim, num_layers):
     return np.concatenate(logits, axis=1)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Every family with prompt_logits="all": tests/test_decoder_writers.py.
+@pytest.mark.parametrize("family", ["gemma2", "llama", "mistral", "phi3"])
 def test_prefill_and_decode_logits_are_keras(family):
     lm = make_lm(**FAMILIES[family])
     ids = np.random.default_rng(1).integers(1, VOCAB, (2, 14))
     want = keras.ops.convert_to_numpy(lm(ids))
-    for prompt_logits in ("all", "last"):
+    for prompt_logits in ("last",):
         proto = decoder_model_proto(lm, max_length=CACHE, prompt_logits=prompt_logits)
         session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
         got = run_steps(session, ids, 3, lm.num_key_value_heads, lm.head_dim, lm.num_layers)

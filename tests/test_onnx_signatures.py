@@ -362,7 +362,9 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Every family through prefill and decode: tests/test_decoder_writers.py;
+# here a band over a full cache, and a table of positions, through decode_step too.
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 def test_families_match_keras(family):
     lm = make_lm(**FAMILIES[family])
     run = _sessions(onnx_signatures.signature_models(lm, max_length=12, read_bucket=4))
