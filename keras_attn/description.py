@@ -80,6 +80,10 @@ class Dense:
     kernel: Weight
     bias: Optional[Weight]
 
+    def read_bias(self):
+        """The bias as float32 NumPy, or None."""
+        return None if self.bias is None else self.bias.read()
+
 
 @dataclasses.dataclass(frozen=True)
 class Norm:

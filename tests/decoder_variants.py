@@ -90,11 +90,16 @@ VARIANTS = {
 
 
 def make_lm(name):
-    """The variant `name`, built, with weights spread so that attention is
-    sharp (logits of order 10) and biases and norm scales are visible."""
+    """The variant `name`, built (`build_lm`)."""
+    return build_lm(**VARIANTS[name][0])
+
+
+def build_lm(**options):
+    """A `DecoderOnlyLM` of `BASE` with `options`, built, with weights spread
+    so that attention is sharp (logits of order 10) and biases and norm
+    scales are visible."""
     from keras_attn.generation import DecoderOnlyLM
 
-    options, _ = VARIANTS[name]
     keras.utils.set_random_seed(0)
     options = {**BASE, **options}
     if options["position"] == "rotary":

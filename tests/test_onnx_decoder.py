@@ -17,6 +17,7 @@ from keras_attn.export.onnx_decoder import decoder_model_proto
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
+from tests.decoder_variants import build_lm
 from tests.llm_runtime_models import variable_memory
 
 ort = pytest.importorskip("onnxruntime")
@@ -65,26 +66,7 @@ FAMILIES = {
 
 
 def make_lm(**options):
-    keras.utils.set_random_seed(0)
-    # head_dim 16: GroupQueryAttention's kernels take multiples of 16.
-    base = dict(vocabulary_size=VOCAB, sequence_length=64, hidden_dim=48, num_layers=2, head_dim=16,
-                intermediate_dim=80, position="rotary", normalization="rms_norm",
-                use_gated_feedforward=True, activation="silu", attention_use_bias=False,
-                attention_output_use_bias=False, feedforward_use_bias=False,
-                lm_head_use_bias=False, mask_padded_queries=False, rope_max_wavelength=500.0)
-    base.update(options)
-    lm = DecoderOnlyLM(**base)
-    lm(np.zeros((1, 1), "int32"))
-    rng = np.random.default_rng(0)
-    for w in lm.weights:
-        # Sharp attention (logits of order 10) and visible biases and norms.
-        value = keras.ops.convert_to_numpy(w)
-        if "query" in w.path or "key" in w.path:
-            value = value * 3
-        if "bias" in w.path or "scale" in w.path:
-            value = value + rng.standard_normal(value.shape).astype("float32") * 0.3
-        w.assign(value)
-    return lm
+    return build_lm(**options)
 
 
 def run_steps(session, ids, steps, kv_heads, head_dim, num_layers):

@@ -491,7 +491,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
 
 def _dense(graph, x, dense, name):
     """`x @ kernel + bias` of a described `Dense`."""
-    return graph.matmul(x, dense.kernel.read(), None if dense.bias is None else dense.bias.read(), name)
+    return graph.matmul(x, dense.kernel.read(), dense.read_bias(), name)
 
 
 def _last_rows(graph, seqlens, opset):

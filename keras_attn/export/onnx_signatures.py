@@ -361,7 +361,7 @@ class _Signature:
 
     def linear(self, x, key, dense, hint):
         """A described `Dense` through `dense` (its kernel read once for every signature)."""
-        return self.dense(x, key, dense.kernel.read, None if dense.bias is None else dense.bias.read(), hint)
+        return self.dense(x, key, dense.kernel.read, dense.read_bias(), hint)
 
     def feedforward(self, feedforward, h, base):
         if feedforward.gate is not None:

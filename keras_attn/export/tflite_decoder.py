@@ -95,11 +95,6 @@ def check_direct_decoder(model, quantization=None, max_length=None):
     return description
 
 
-def _bias(dense):
-    """A described `Dense`'s bias as float32 NumPy, or None."""
-    return None if dense.bias is None else dense.bias.read()
-
-
 def quantize_rows(weight):
     """int8 codes and float32 scales of `weight` `(N, K)`, one symmetric scale
     per row (output channel): `codes * scales[:, None]` approximates it."""
@@ -449,7 +444,7 @@ class DecoderBuilder:
                 attended = g.transpose(g.reshape(attended, (kv, t_len, groups, hd)), (1, 0, 2, 3))
             attended = g.reshape(attended, (t_len, heads * hd))
             out = attention.output
-            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, _bias(out), f"{base}/attn/o")
+            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, out.read_bias(), f"{base}/attn/o")
             x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
             branch = self._feedforward(g, x, layer, base)
             x = g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
@@ -496,7 +491,7 @@ class DecoderBuilder:
             logits = tied_head(g, g.mul(h, g.const(gamma, "final_norm/scale")))
         else:
             logits = self.fully_connected(
-                g, h, "lm_head", lambda: d.head.kernel.read() * gamma[:, None], _bias(d.head), "lm_head")
+                g, h, "lm_head", lambda: d.head.kernel.read() * gamma[:, None], d.head.read_bias(), "lm_head")
         if d.final_logit_soft_cap is not None:
             logits = self._soft_cap(g, logits, d.final_logit_soft_cap)
         return logits
@@ -556,17 +551,17 @@ class DecoderBuilder:
             return lambda: dense.kernel.read() * gamma[:, None]
 
         if feedforward.gate is not None:
-            gate = self.fully_connected(g, h, f"{base}/gate", folded(feedforward.gate), _bias(feedforward.gate),
+            gate = self.fully_connected(g, h, f"{base}/gate", folded(feedforward.gate), feedforward.gate.read_bias(),
                                         f"{base}/mlp/gate")
-            up = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), _bias(feedforward.up),
+            up = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), feedforward.up.read_bias(),
                                       f"{base}/mlp/up")
             h = g.mul(self._activation(g, gate, feedforward.activation), up)
         else:
-            h = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), _bias(feedforward.up),
+            h = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), feedforward.up.read_bias(),
                                      f"{base}/mlp/up")
             h = self._activation(g, h, feedforward.activation)
         down = feedforward.down
-        return self.fully_connected(g, h, f"{base}/down", down.kernel.read, _bias(down), f"{base}/mlp/down")
+        return self.fully_connected(g, h, f"{base}/down", down.kernel.read, down.read_bias(), f"{base}/mlp/down")
 
     def _activation(self, g, x, kind):
         if kind == "silu":

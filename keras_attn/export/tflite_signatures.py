@@ -50,7 +50,6 @@ from keras_attn.export import capabilities
 from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_writer
 from keras_attn.export.onnx_fused import NotFusableError
-from keras_attn.export.tflite_decoder import _bias
 
 QUANTIZATIONS = tflite_decoder.QUANTIZATIONS  # None, "dynamic", "int4"
 CHECKS = ("flag", "none")
@@ -315,7 +314,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
                 attended = g.transpose(g.reshape(attended, (B, kv, t_len, groups * hd)), (0, 2, 1, 3))
             attended = g.reshape(attended, (B * t_len, heads * hd))
             out = attention.output
-            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, _bias(out), f"{base}/attn/o")
+            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, out.read_bias(), f"{base}/attn/o")
             x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
             branch = self._feedforward(g, x, layer, base)
             x = g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
