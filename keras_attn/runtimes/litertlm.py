@@ -268,17 +268,51 @@ class LitertLmReport:
     direct_writer_skipped: object = None
 
 
+def prefill_chunks(prefill_lengths, num_tokens, capacity=None):
+    """The prefill calls LiteRT-LM's CPU executor makes for `num_tokens` prompt tokens.
+
+    `[(T, n), ...]`: a call of signature `prefill_<T>` with `n <= T` real
+    tokens (the rest padding). LiteRT-LM 0.18 on CPU
+    (`GetOptimizedPrefillWorkGroups(..., use_greedy_chunking=true)` in
+    `runtime/executor/litert_compiled_model_executor_utils.cc`) fills greedily
+    from the largest signature down: as many full chunks of each length as fit,
+    the remainder cascading to the next smaller length, and what is left after
+    the smallest goes into one padded call of the smallest. A chunk is never
+    padded up to a larger signature: with (32, 128), 127 tokens are four calls
+    of `prefill_32`, each reading every weight. Signatures longer than
+    `capacity` (the cache slots left) are not used.
+    """
+    lengths = sorted({int(t) for t in prefill_lengths}, reverse=True)
+    room = float("inf") if capacity is None else int(capacity)
+    calls, remaining = [], int(num_tokens)
+    for t in lengths:
+        if remaining <= 0:
+            break
+        if t > room:
+            continue
+        full = int(min(remaining // t, room // t))
+        calls += [(t, t)] * full
+        room, remaining = room - full * t, remaining - full * t
+        if remaining and t == lengths[-1] and t <= room:
+            calls.append((t, remaining))
+            remaining = 0
+    if remaining:
+        raise ValueError(f"LiteRT-LM cannot prefill {num_tokens} tokens with prefill_lengths="
+                         f"{tuple(sorted(lengths))} in {capacity} cache slots")
+    return calls
+
+
 def runtime_logits(content, tokens, xnnpack=True):
     """`tokens` run through a bundle's TFLite model (bytes or a path) on LiteRT-LM's schedule.
 
-    The first half of `tokens` (`n_prefill`) is prefilled in chunks as the
-    runtime picks them (the largest `prefill_<T>` while the rest is at least
-    that long, then the smallest that holds the rest, padded with token 0 at
-    position 0), then every remaining token goes through `decode`. Returns
-    `(logits, n_prefill)`: the `decode` logits `(len(tokens) - n_prefill, V)`,
-    row `i` predicting the token after position `n_prefill + i`.
-    `xnnpack=False` runs LiteRT's builtin kernels instead of the XNNPACK
-    delegate, which packs a copy of the weights for every signature.
+    The first half of `tokens` (`n_prefill`) is prefilled in the chunks the
+    runtime's CPU executor picks (`prefill_chunks`; a short chunk padded with
+    token 0 at position 0), then every remaining token goes through `decode`.
+    Returns `(logits, n_prefill)`: the `decode` logits
+    `(len(tokens) - n_prefill, V)`, row `i` predicting the token after
+    position `n_prefill + i`. `xnnpack=False` runs LiteRT's builtin kernels
+    instead of the XNNPACK delegate, which packs a copy of the weights for
+    every signature.
     """
     from ai_edge_litert import interpreter as litert
 
@@ -289,23 +323,21 @@ def runtime_logits(content, tokens, xnnpack=True):
             litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
     interpreter = litert.Interpreter(**source)
     signatures = interpreter.get_signature_list()
-    chunks = sorted((int(k.split("_", 1)[1]), k) for k in signatures if k.startswith("prefill_"))
+    chunks = {int(k.split("_", 1)[1]): k for k in signatures if k.startswith("prefill_")}
     decode = interpreter.get_signature_runner("decode")
     cache = {name: np.zeros(d["shape"], d["dtype"])
              for name, d in decode.get_input_details().items() if name.startswith("kv_cache_")}
     tokens = [int(t) for t in tokens]
     n_prefill = max(1, len(tokens) // 2)
-    step, remaining = 0, n_prefill
-    while remaining:
-        fitting = [c for c in chunks if c[0] >= remaining]
-        length, name = fitting[0] if fitting else chunks[-1]
-        take = min(length, remaining)
+    capacity = next(iter(cache.values())).shape[SEQUENCE_AXIS] if cache else None
+    step = 0
+    for length, take in prefill_chunks(chunks, n_prefill, capacity):
         ids = np.zeros((1, length), np.int32)
         pos = np.zeros((length,), np.int32)
         ids[0, :take] = tokens[step:step + take]
         pos[:take] = np.arange(step, step + take)
-        cache = interpreter.get_signature_runner(name)(tokens=ids, input_pos=pos, **cache)
-        step, remaining = step + take, remaining - take
+        cache = interpreter.get_signature_runner(chunks[length])(tokens=ids, input_pos=pos, **cache)
+        step += take
     logits = []
     for position in range(n_prefill, len(tokens)):
         out = decode(tokens=np.array([[tokens[position]]], np.int32),
