@@ -60,7 +60,17 @@ RUNTIME = "LiteRT-LM"
 # The caches keep keras_attn's layout (1, S, H_kv, d); the bundle's executor
 # metadata tells LiteRT-LM where the sequence is (its default is axis 2).
 SEQUENCE_AXIS = 1
-DEFAULT_PREFILL_LENGTHS = (32, 128)
+# One prefill signature of 128 (issue 54). LiteRT-LM's CPU executor never pads
+# a chunk up to a larger signature: it cascades the rest of a prompt down to
+# the smaller ones (`prefill_chunks`), and every call reads every weight. With
+# (32, 128), 97-127 tokens (and every 128 k + 97-127) were four calls of 32
+# against one call of 128 in litert-torch's bundle: 0.75-0.86x its prefill at
+# Llama-3.2-1B. One signature of 128 makes the calls litert-torch's bundle
+# makes, is smaller (one signature's graph less) and peaks lower; short
+# prompts pay for it (one padded call of 128 instead of one of 32), which
+# `prefill_lengths=(32, 128)` buys back (benchmarks/RESULTS.md,
+# "LiteRT-LM prefill by prompt length").
+DEFAULT_PREFILL_LENGTHS = (128,)
 # The verification's float32 bound, relative to the largest Keras logit:
 # the TFLite graph reorders float32 sums (XNNPACK), nothing more.
 FLOAT32_RTOL = 1e-4
@@ -403,9 +413,14 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         max_length: the context (prompt + generated tokens): the caches'
             length and the bundle's `max_num_tokens`.
         prefill_lengths: prefill chunk lengths, one `prefill_<T>` signature
-            each (the runtime runs long prompts in chunks of the largest and
-            the rest in the smallest that fits); default (32, 128), capped at
-            `max_length`.
+            each; default (128,), capped at `max_length`. LiteRT-LM's CPU
+            executor runs a prompt in as many full chunks of the largest
+            length as fit, then of the next ones down, and the rest in one
+            padded chunk of the smallest (`prefill_chunks`); every call reads
+            all the weights. A smaller length (e.g. `(32, 128)`) makes short
+            prompts faster and prompts just under a multiple of the largest
+            slower (several small calls where one would do); each signature
+            adds its graph to the bundle and its buffers to the memory.
         quantization: None (float32), "float16" (float16 weights),
             "dynamic" (int8 weights, LiteRT's hybrid int8 kernels) or "int4"
             (int4 weights in blocks of 32, the layout of ai-edge-quantizer's
