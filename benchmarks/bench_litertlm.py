@@ -227,8 +227,9 @@ def sweep_model(model, args, ours_sets):
     speeds = {(n, length): [] for n in bundles for length in lengths}
     counts = {}
     try:
+        warm = prompt_ids(tok, max(signature_lengths) + 1)
         for engine in engines.values():  # warm-up: every signature once
-            run_bundle(engine, texts[lengths[-1]], 1)
+            run_bundle(engine, warm, 1)
         for r in range(args.rounds):
             for i, length in enumerate(lengths):
                 order = list(engines) if (r + i) % 2 == 0 else list(reversed(engines))
@@ -237,7 +238,9 @@ def sweep_model(model, args, ours_sets):
                     speeds[n, length].append(prefill)
                     counts[n, length] = info.last_prefill_token_count
             loads.append(os.getloadavg()[0])
-            print(f"  round {r + 1}/{args.rounds} done, load {loads[-1]:.1f}", flush=True)
+            print(f"  round {r + 1}/{args.rounds} done, load {loads[-1]:.1f}: " + ", ".join(
+                f"{length}: " + "/".join(f"{speeds[n, length][-1]:.0f}" for n in bundles)
+                for length in lengths), flush=True)
     finally:
         for engine in engines.values():
             engine.close()
