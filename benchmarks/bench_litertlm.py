@@ -213,8 +213,14 @@ def _signature_lengths(name):
 
 
 def sweep_model(model, args, ours_sets):
-    """One model's sweep: `(rows, sizes)`; prints its tables."""
+    """One model's sweep: `(rows, sizes, text)`; prints its tables (`text`)."""
     import litert_lm
+
+    lines = []
+
+    def say(line=""):
+        print(line, flush=True)
+        lines.append(line)
 
     bundles, tok = _sweep_bundles(model, args, ours_sets)
     signature_lengths = sorted({t for n in bundles for t in _signature_lengths(n)})
@@ -255,29 +261,29 @@ def sweep_model(model, args, ours_sets):
     if not args.no_rss:
         for n, p in bundles.items():
             sizes[n] = dict(bytes=os.path.getsize(p), **_child("--rss-child", p, texts[lengths[-1]]))
-    print(f"\n### {model}: prefill tokens/s by prompt length\n")
-    print(f"Int8 weights, cache {SWEEP_MAX_LENGTH}, `litert_lm.Engine` 0.18.1 CPU, the engine's "
+    say(f"\n### {model}: prefill tokens/s by prompt length\n")
+    say(f"Int8 weights, cache {SWEEP_MAX_LENGTH}, `litert_lm.Engine` 0.18.1 CPU, the engine's "
           f"prefill counter; medians of {args.rounds} alternating rounds, all bundles loaded in one "
           f"process; load average {min(loads):.1f}-{max(loads):.1f} during the sweep. "
           f"Ratios: ours / litert-torch tokens/s (> 1 is faster).\n")
-    print("| prompt tokens | " + " | ".join(f"{n} tok/s" for n in bundles) + " | "
+    say("| prompt tokens | " + " | ".join(f"{n} tok/s" for n in bundles) + " | "
           + " | ".join(f"{n} / litert-torch" for n in ours) + " |")
-    print("|---" * (1 + len(bundles) + len(ours)) + "|")
+    say("|---" * (1 + len(bundles) + len(ours)) + "|")
     for row in rows:
-        print(f"| {row['prompt']} | " + " | ".join(f"{row['tps'][n]:.0f}" for n in bundles) + " | "
+        say(f"| {row['prompt']} | " + " | ".join(f"{row['tps'][n]:.0f}" for n in bundles) + " | "
               + " | ".join(f"{row['ratio'][n]:.2f}x" for n in ours) + " |")
     for n in ours:
         worst = min(rows, key=lambda row: row["ratio"][n])
-        print(f"\n{n}: lowest ratio {worst['ratio'][n]:.2f}x at {worst['prompt']} tokens, "
+        say(f"\n{n}: lowest ratio {worst['ratio'][n]:.2f}x at {worst['prompt']} tokens, "
               f"highest {max(r['ratio'][n] for r in rows):.2f}x; "
               f"{sum(r['ratio'][n] >= 1.0 for r in rows)} of {len(rows)} lengths >= 1.00x.")
     if sizes:
-        print(f"\n| bundle | size MB | peak RSS after load GiB | peak RSS after a "
+        say(f"\n| bundle | size MB | peak RSS after load GiB | peak RSS after a "
               f"{lengths[-1]}-token prefill GiB |")
-        print("|---|---|---|---|")
+        say("|---|---|---|---|")
         for n, s in sizes.items():
-            print(f"| {n} | {s['bytes'] / 2**20:.1f} | {s['load'] / 2**30:.2f} | {s['run'] / 2**30:.2f} |")
-    return rows, sizes
+            say(f"| {n} | {s['bytes'] / 2**20:.1f} | {s['load'] / 2**30:.2f} | {s['run'] / 2**30:.2f} |")
+    return rows, sizes, "\n".join(lines)
 
 
 def sweep_main(args):
@@ -288,17 +294,20 @@ def sweep_main(args):
     if args.ours_prefill_rule:
         ours_sets.insert(0, litertlm._prefill_lengths(None, SWEEP_MAX_LENGTH))
     results = {}
-    with results_file.recording(args):
-        print(f"Prompt-length sweep (issue 54): ours = `export_litertlm(max_length={SWEEP_MAX_LENGTH}, "
+    # The tables are collected and written at the end (litert_lm's import
+    # replaces sys.stdout, so results_file.recording would miss them).
+    intro = (f"Prompt-length sweep (issue 54): ours = `export_litertlm(max_length={SWEEP_MAX_LENGTH}, "
               f"quantization=\"dynamic\", prefill_lengths=...)`, the signature lengths in brackets; "
               f"litert-torch 0.10 = `export_hf --prefill_lengths=[{PEER_PREFILL}] --cache_length="
               f"{SWEEP_MAX_LENGTH} --quantization_recipe={PEER_RECIPE}`; random bfloat16 weights in "
               f"the published shapes (bench_real_size.py).")
-        for model in args.real_size.split(","):
-            results[model] = sweep_model(model, args, ours_sets)
+    print(intro)
+    for model in args.real_size.split(","):
+        results[model] = sweep_model(model, args, ours_sets)
+    results_file.finish(args, "\n".join([intro] + [text for _, _, text in results.values()]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({m: dict(rows=r, sizes=s) for m, (r, s) in results.items()}, f, indent=2)
+            json.dump({m: dict(rows=r, sizes=s) for m, (r, s, _) in results.items()}, f, indent=2)
 
 
 def main():
