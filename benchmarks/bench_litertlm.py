@@ -169,7 +169,7 @@ def _rss_child(path, text):
 
 def _child(*argv):
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True,
-                         text=True)
+                         text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"{argv[0]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -179,9 +179,8 @@ def _sweep_bundles(model, args, ours_sets):
     """`({name: path}, tokenizer)` of one real-size model: the checkpoint (made
     by bench_real_size.py when missing), our bundle per prefill set and
     litert-torch's, each exported when missing (one export at a time)."""
-    import tokenizers
-
     import bench_real_size
+    import tokenizers
 
     paths = bench_real_size._paths(args, model)
     if not os.path.isdir(paths["checkpoint"]):
@@ -307,7 +306,7 @@ def sweep_main(args):
     results_file.finish(args, "\n".join([intro] + [text for _, _, text in results.values()]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({m: dict(rows=r, sizes=s) for m, (r, s, _) in results.items()}, f, indent=2)
+            json.dump({m: {"rows": r, "sizes": s} for m, (r, s, _) in results.items()}, f, indent=2)
 
 
 def main():

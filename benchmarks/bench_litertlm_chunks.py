@@ -69,8 +69,8 @@ def main():
     finally:
         for engine in engines.values():
             engine.close()
-    lines = [f"Prefill ms by prompt length, medians of {args.rounds} alternating rounds, load "
-          f"{min(loads):.1f}-{max(loads):.1f}; in brackets the calls `prefill_chunks` predicts.\n",
+    lines = [(f"Prefill ms by prompt length, medians of {args.rounds} alternating rounds, load "
+              f"{min(loads):.1f}-{max(loads):.1f}; in brackets the calls `prefill_chunks` predicts.\n"),
              "| prompt tokens | " + " | ".join(f"{list(s)} ms" for s in SETS) + " |",
              "|---" * (1 + len(SETS)) + "|"]
     for n in LENGTHS:
