@@ -98,6 +98,33 @@ def test_runtime_schedule_in_the_interpreter_matches_keras(bundle):
     assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
 
 
+@pytest.mark.parametrize("lengths, tokens, capacity, want", [
+    # LiteRT-LM's own cases (litert_compiled_model_executor_utils_test.cc,
+    # CpuGreedyChunking and CpuGreedyCascadesRemainder).
+    ((128, 1024), 512, None, [(128, 128)] * 4),
+    ((32, 128, 512), 768, None, [(512, 512), (128, 128), (128, 128)]),
+    # Issue 54: (32, 128) prefills 107 tokens in four calls of 32, (128,) in one.
+    ((32, 128), 107, None, [(32, 32)] * 3 + [(32, 11)]),
+    ((128,), 107, None, [(128, 107)]),
+    ((128,), 1000, 1024, [(128, 128)] * 7 + [(128, 104)]),
+    ((32, 128), 1020, 1024, [(128, 128)] * 7 + [(32, 32)] * 3 + [(32, 28)]),
+])
+def test_prefill_chunks_are_the_cpu_executors(lengths, tokens, capacity, want):
+    assert litertlm.prefill_chunks(lengths, tokens, capacity) == want
+
+
+def test_prefill_chunks_refuse_what_the_cache_cannot_hold():
+    with pytest.raises(ValueError, match="cannot prefill 1000 tokens"):
+        litertlm.prefill_chunks((128,), 1000, capacity=900)
+
+
+def test_default_prefill_is_one_signature_of_128_capped_at_max_length():
+    assert litertlm.DEFAULT_PREFILL_LENGTHS == (128,)
+    lm = scaled_lm(position="rotary")
+    assert sorted(litertlm.litertlm_functions(lm, max_length=12)) == ["decode", "prefill_12"]
+    assert sorted(litertlm.litertlm_functions(lm, max_length=256)) == ["decode", "prefill_128"]
+
+
 def test_dynamic_int8_bundle_generates(bundle, tmp_path):
     lm, _, _, _ = bundle
     path = tmp_path / "lm_int8.litertlm"

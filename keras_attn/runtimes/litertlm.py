@@ -59,7 +59,17 @@ RUNTIME = "LiteRT-LM"
 # The caches keep keras_attn's layout (1, S, H_kv, d); the bundle's executor
 # metadata tells LiteRT-LM where the sequence is (its default is axis 2).
 SEQUENCE_AXIS = 1
-DEFAULT_PREFILL_LENGTHS = (32, 128)
+# One prefill signature of 128 (issue 54). LiteRT-LM's CPU executor never pads
+# a chunk up to a larger signature: it cascades the rest of a prompt down to
+# the smaller ones (`prefill_chunks`), and every call reads every weight. With
+# (32, 128), 97-127 tokens (and every 128 k + 97-127) were four calls of 32
+# against one call of 128 in litert-torch's bundle: 0.75-0.86x its prefill at
+# Llama-3.2-1B. One signature of 128 makes the calls litert-torch's bundle
+# makes, is smaller (one signature's graph less) and peaks lower; short
+# prompts pay for it (one padded call of 128 instead of one of 32), which
+# `prefill_lengths=(32, 128)` buys back (benchmarks/RESULTS.md,
+# "LiteRT-LM prefill by prompt length").
+DEFAULT_PREFILL_LENGTHS = (128,)
 # The verification's float32 bound, relative to the largest Keras logit:
 # the TFLite graph reorders float32 sums (XNNPACK), nothing more.
 FLOAT32_RTOL = 1e-4
@@ -259,17 +269,51 @@ class LitertLmReport:
     direct_writer_skipped: object = None
 
 
+def prefill_chunks(prefill_lengths, num_tokens, capacity=None):
+    """The prefill calls LiteRT-LM's CPU executor makes for `num_tokens` prompt tokens.
+
+    `[(T, n), ...]`: a call of signature `prefill_<T>` with `n <= T` real
+    tokens (the rest padding). LiteRT-LM 0.18 on CPU
+    (`GetOptimizedPrefillWorkGroups(..., use_greedy_chunking=true)` in
+    `runtime/executor/litert_compiled_model_executor_utils.cc`) fills greedily
+    from the largest signature down: as many full chunks of each length as fit,
+    the remainder cascading to the next smaller length, and what is left after
+    the smallest goes into one padded call of the smallest. A chunk is never
+    padded up to a larger signature: with (32, 128), 127 tokens are four calls
+    of `prefill_32`, each reading every weight. Signatures longer than
+    `capacity` (the cache slots left) are not used.
+    """
+    lengths = sorted({int(t) for t in prefill_lengths}, reverse=True)
+    room = float("inf") if capacity is None else int(capacity)
+    calls, remaining = [], int(num_tokens)
+    for t in lengths:
+        if remaining <= 0:
+            break
+        if t > room:
+            continue
+        full = int(min(remaining // t, room // t))
+        calls += [(t, t)] * full
+        room, remaining = room - full * t, remaining - full * t
+        if remaining and t == lengths[-1] and t <= room:
+            calls.append((t, remaining))
+            remaining = 0
+    if remaining:
+        raise ValueError(f"LiteRT-LM cannot prefill {num_tokens} tokens with prefill_lengths="
+                         f"{tuple(sorted(lengths))} in {capacity} cache slots")
+    return calls
+
+
 def runtime_logits(content, tokens, xnnpack=True):
     """`tokens` run through a bundle's TFLite model (bytes or a path) on LiteRT-LM's schedule.
 
-    The first half of `tokens` (`n_prefill`) is prefilled in chunks as the
-    runtime picks them (the largest `prefill_<T>` while the rest is at least
-    that long, then the smallest that holds the rest, padded with token 0 at
-    position 0), then every remaining token goes through `decode`. Returns
-    `(logits, n_prefill)`: the `decode` logits `(len(tokens) - n_prefill, V)`,
-    row `i` predicting the token after position `n_prefill + i`.
-    `xnnpack=False` runs LiteRT's builtin kernels instead of the XNNPACK
-    delegate, which packs a copy of the weights for every signature.
+    The first half of `tokens` (`n_prefill`) is prefilled in the chunks the
+    runtime's CPU executor picks (`prefill_chunks`; a short chunk padded with
+    token 0 at position 0), then every remaining token goes through `decode`.
+    Returns `(logits, n_prefill)`: the `decode` logits
+    `(len(tokens) - n_prefill, V)`, row `i` predicting the token after
+    position `n_prefill + i`. `xnnpack=False` runs LiteRT's builtin kernels
+    instead of the XNNPACK delegate, which packs a copy of the weights for
+    every signature.
     """
     from ai_edge_litert import interpreter as litert
 
@@ -280,23 +324,21 @@ def runtime_logits(content, tokens, xnnpack=True):
             litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
     interpreter = litert.Interpreter(**source)
     signatures = interpreter.get_signature_list()
-    chunks = sorted((int(k.split("_", 1)[1]), k) for k in signatures if k.startswith("prefill_"))
+    chunks = {int(k.split("_", 1)[1]): k for k in signatures if k.startswith("prefill_")}
     decode = interpreter.get_signature_runner("decode")
     cache = {name: np.zeros(d["shape"], d["dtype"])
              for name, d in decode.get_input_details().items() if name.startswith("kv_cache_")}
     tokens = [int(t) for t in tokens]
     n_prefill = max(1, len(tokens) // 2)
-    step, remaining = 0, n_prefill
-    while remaining:
-        fitting = [c for c in chunks if c[0] >= remaining]
-        length, name = fitting[0] if fitting else chunks[-1]
-        take = min(length, remaining)
+    capacity = next(iter(cache.values())).shape[SEQUENCE_AXIS] if cache else None
+    step = 0
+    for length, take in prefill_chunks(chunks, n_prefill, capacity):
         ids = np.zeros((1, length), np.int32)
         pos = np.zeros((length,), np.int32)
         ids[0, :take] = tokens[step:step + take]
         pos[:take] = np.arange(step, step + take)
-        cache = interpreter.get_signature_runner(name)(tokens=ids, input_pos=pos, **cache)
-        step, remaining = step + take, remaining - take
+        cache = interpreter.get_signature_runner(chunks[length])(tokens=ids, input_pos=pos, **cache)
+        step += take
     logits = []
     for position in range(n_prefill, len(tokens)):
         out = decode(tokens=np.array([[tokens[position]]], np.int32),
@@ -362,9 +404,14 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         max_length: the context (prompt + generated tokens): the caches'
             length and the bundle's `max_num_tokens`.
         prefill_lengths: prefill chunk lengths, one `prefill_<T>` signature
-            each (the runtime runs long prompts in chunks of the largest and
-            the rest in the smallest that fits); default (32, 128), capped at
-            `max_length`.
+            each; default (128,), capped at `max_length`. LiteRT-LM's CPU
+            executor runs a prompt in as many full chunks of the largest
+            length as fit, then of the next ones down, and the rest in one
+            padded chunk of the smallest (`prefill_chunks`); every call reads
+            all the weights. A smaller length (e.g. `(32, 128)`) makes short
+            prompts faster and prompts just under a multiple of the largest
+            slower (several small calls where one would do); each signature
+            adds its graph to the bundle and its buffers to the memory.
         quantization: None (float32), "float16" (float16 weights),
             "dynamic" (int8 weights, LiteRT's hybrid int8 kernels) or "int4"
             (int4 weights in blocks of 32, the layout of ai-edge-quantizer's
