@@ -98,6 +98,22 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, psutil.virtual_memory().total // (GIB_PER_WORKER * 2**30)))
 
 
+def pytest_collection_finish(session):
+    # Every test file is imported now, and with it TensorFlow, ONNX Runtime,
+    # the peers...: ~600k objects that live as long as the process. Keras's
+    # `quantize` and our exporters (`staging.release_memory`) call
+    # `gc.collect()`, each a full collection walking all of them (~0.5 s on
+    # CI's machine, more once a worker holds a few files' models), and so do
+    # Python's own gen-2 collections. Freezing them (after collecting what
+    # collection left as garbage) leaves those collections only the objects
+    # the tests make. Frozen objects are never collected: what is frozen here
+    # (modules, their globals, the collected items) lives for the session.
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
