@@ -81,6 +81,11 @@ RUN_FIRST = (
     "test_training_distributed.py", "test_upstream_suites.py", "test_benchmarks_smoke.py",
     "test_export.py", "test_tflite_encoder.py", "test_export_examples.py",
     "test_export_model_kinds.py", "test_mobile_example.py", "test_pretrained_example.py",
+    # Minutes too (exports of quantized models and of while loops, the docs'
+    # commands): early, so that the files a worker gets last are short ones
+    # (test_traced_structure.py, alphabetically near the end, came last).
+    "test_traced_structure.py", "test_documented_commands.py", "test_docs.py",
+    "test_chunked.py", "test_activations.py",
 )
 
 # Each worker holds TensorFlow and the models and exports of the file it
