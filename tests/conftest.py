@@ -83,6 +83,11 @@ RUN_FIRST = (
     "test_training_distributed.py", "test_upstream_suites.py", "test_benchmarks_smoke.py",
     "test_export.py", "test_tflite_encoder.py", "test_export_examples.py",
     "test_export_model_kinds.py", "test_mobile_example.py", "test_pretrained_example.py",
+    # Minutes too (exports of quantized models and of while loops, the docs'
+    # commands): early, so that the files a worker gets last are short ones
+    # (test_traced_structure.py, alphabetically near the end, came last).
+    "test_traced_structure.py", "test_documented_commands.py", "test_docs.py",
+    "test_chunked.py", "test_activations.py",
 )
 
 # Each worker holds TensorFlow and the models and exports of the file it
@@ -98,6 +103,22 @@ def pytest_xdist_auto_num_workers(config):
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count()
     return max(1, min(cores, psutil.virtual_memory().total // (GIB_PER_WORKER * 2**30)))
+
+
+def pytest_collection_finish(session):
+    # Every test file is imported now, and with it TensorFlow, ONNX Runtime,
+    # the peers...: ~600k objects that live as long as the process. Keras's
+    # `quantize` and our exporters (`staging.release_memory`) call
+    # `gc.collect()`, each a full collection walking all of them (~0.5 s on
+    # CI's machine, more once a worker holds a few files' models), and so do
+    # Python's own gen-2 collections. Freezing them (after collecting what
+    # collection left as garbage) leaves those collections only the objects
+    # the tests make. Frozen objects are never collected: what is frozen here
+    # (modules, their globals, the collected items) lives for the session.
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
