@@ -53,23 +53,16 @@ class Weight:
     stored `source_shape`) known without reading; `read()` the float32 array
     (a view where `array_of` gives one; a reshape of a view stays a view).
     `owner` is a layer whose `attribute` holds the value (read when asked:
-    Keras serves a LoRA-enabled kernel merged), or the value itself when
-    `attribute` is None."""
+    Keras serves a LoRA-enabled kernel merged)."""
 
     owner: Any
-    attribute: Optional[str]
+    attribute: str
     shape: tuple
     source_shape: tuple
 
     def read(self):
-        value = array_of(self.owner if self.attribute is None else getattr(self.owner, self.attribute))
+        value = array_of(getattr(self.owner, self.attribute))
         return value if self.shape == self.source_shape else value.reshape(self.shape)
-
-    @property
-    def name(self):
-        if self.attribute is None:
-            return getattr(self.owner, "path", None) or getattr(self.owner, "name", "weight")
-        return f"{self.owner.name}.{self.attribute}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +193,6 @@ class Layer:
     feedforward_norm: Norm
     feedforward: FeedForward
     feedforward_post_norm: Optional[Norm]
-    per_layer_input: bool = False
     output_scale: Optional[Weight] = None
 
 
@@ -397,7 +389,6 @@ def read_decoder(model, options_described):
             feedforward_norm=_norm(block.feedforward_layer_norm),
             feedforward=_feedforward(block),
             feedforward_post_norm=_norm(getattr(block, "feedforward_post_norm", None)),
-            per_layer_input=getattr(block, "per_layer_input_gate", None) is not None,
             output_scale=None if getattr(block, "output_scale", None) is None
             else _weight(block, "output_scale"),
         ))
