@@ -66,6 +66,26 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
+    # Per file and per worker, to keep CI under its time budget: which files
+    # to make cheaper, and whether RUN_FIRST leaves a worker idle at the end.
+    by_file, by_worker = {}, {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            duration = getattr(report, "duration", None)
+            if duration is None or not hasattr(report, "nodeid"):
+                continue
+            path = report.nodeid.split("::")[0]
+            by_file[path] = by_file.get(path, 0.0) + duration
+            worker = getattr(getattr(report, "node", None), "gateway", None)
+            worker = getattr(worker, "id", "main")
+            by_worker[worker] = by_worker.get(worker, 0.0) + duration
+    if by_file:
+        top = sorted(by_file.items(), key=lambda item: -item[1])[:25]
+        terminalreporter.write_line(
+            "seconds per file (setup + call + teardown): "
+            + ", ".join(f"{path} {seconds:.0f}" for path, seconds in top))
+        terminalreporter.write_line(
+            "seconds per worker: " + ", ".join(f"{w} {s:.0f}" for w, s in sorted(by_worker.items())))
     if _NOT_COLLECTED:
         terminalreporter.write_line(
             f"TensorFlow-only test files not run on backend {keras.backend.backend()} "
