@@ -15,8 +15,9 @@ import keras
 class Structure:
     """The structure of `model` now, compared by value.
 
-    For the model and every layer it holds: the layer, `trainable`, the dtype
-    policy (quantization included) and the LoRA settings; every variable and
+    For the model and every layer it holds: the layer and its class,
+    `trainable`, the dtype policy (quantization included) and the LoRA
+    settings (merged or not included); every variable and
     its `trainable`. Variable values are not part of it: training in place
     keeps the structure equal. Layers and variables are compared by identity;
     holding them keeps a replaced one from handing its identity to a new one.
@@ -65,9 +66,12 @@ def _held(model):
 def _settings(layer):
     return (
         id(layer),
+        type(layer),  # enable_lora's PEFT style switches the class
         layer.trainable,
         getattr(layer.dtype_policy, "name", None),
         getattr(layer, "lora_enabled", False),
         getattr(layer, "lora_rank", None),
         getattr(layer, "lora_alpha", None),
+        getattr(layer, "lora_dropout", None),
+        getattr(layer, "lora_merged", None),
     )

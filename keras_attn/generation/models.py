@@ -335,21 +335,64 @@ class _LMBase(keras.Model):
         """
         return self.sequence_length if self.position == "learned" else None
 
-    def enable_lora(self, rank, target_names=("query", "value"), lora_alpha=None):
+    def enable_lora(self, rank, target_names=("query", "value"), lora_alpha=None, *,
+                    style="peft", dropout=0.0):
         """Low-rank adapters (Hu et al., 2021) on the named projections, all
-        other weights frozen (KerasHub's `Backbone.enable_lora` recipe).
+        other weights frozen; Hugging Face PEFT's LoRA by default.
 
-        Every built `Dense`/`EinsumDense` sublayer whose name is in
-        `target_names` (the attention's `"query"`, `"key"`, `"value"`,
-        `"attention_output"`, the blocks' `"feedforward_gate_dense"`,
-        `"feedforward_intermediate_dense"`, `"feedforward_output_dense"`)
-        gets Keras's own LoRA: its kernel becomes
-        `kernel + lora_kernel_a @ lora_kernel_b * (lora_alpha / rank)`, with
-        `lora_kernel_b` starting at zero (outputs unchanged until trained).
-        Exports see the merged kernel. Returns the adapted layers
-        (`keras_attn.generation.lora.enable_lora`).
+        Every built `Dense`/`EinsumDense` sublayer named in `target_names`
+        gets an adapter: ours names (the attention's `"query"`, `"key"`,
+        `"value"`, `"attention_output"`, the blocks'
+        `"feedforward_gate_dense"`, `"feedforward_intermediate_dense"`,
+        `"feedforward_output_dense"`) or the `transformers` ones (`"q_proj"`,
+        `"k_proj"`, `"v_proj"`, `"o_proj"`, `"gate_proj"`, `"up_proj"`,
+        `"down_proj"`).
+
+        With `style="peft"`, `enable_lora(r, ("q_proj", "v_proj"))` is
+        `peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"])`: per
+        projection `A (in, r)`, `B (r, out)` over its whole input and output
+        (all heads), `y = x @ W + (lora_alpha / r) * dropout(x) @ A @ B + b`,
+        `A` initialised as PEFT's, `B` at zero (outputs unchanged until
+        trained); only `A` and `B` train (biases frozen). `lora_alpha`
+        defaults to PEFT's 8 (not Keras's `rank`), so that the same
+        arguments give the same model and the same learning-rate behaviour
+        as a PEFT recipe. `style="keras"` is Keras's own
+        `EinsumDense.enable_lora` (rank on the kernel's last axis: an
+        adapter per head; `lora_alpha` defaults to `rank`; biases train).
+
+        The layers' `kernel` is served merged, so the description, exports
+        and `.keras` files see `W + (lora_alpha / r) * A @ B` (a reloaded
+        `.keras` model has merged kernels and no adapters;
+        `keras_attn.convert.save_peft_adapter` keeps them). Returns the
+        adapted layers (`keras_attn.generation.lora.enable_lora`).
+
+        Args:
+            rank: the adapters' rank `r`, a positive integer.
+            target_names: projection names, ours or `transformers`'.
+            lora_alpha: the scale's numerator; None: 8 (`"peft"`) or `rank`
+                (`"keras"`).
+            style: `"peft"` or `"keras"`.
+            dropout: PEFT's `lora_dropout`, on the adapters' input while
+                training (`"peft"` only).
+
+        Raises:
+            ValueError: an unknown or absent target name (the known ones
+                are listed), a bad `rank`, `lora_alpha`, `style` or
+                `dropout`, or a model not built yet.
         """
-        return lora.enable_lora(self, rank, target_names, lora_alpha)
+        return lora.enable_lora(self, rank, target_names, lora_alpha, style=style, dropout=dropout)
+
+    def merge_lora(self):
+        """Adds each PEFT-style adapter into its kernel (`W += (alpha / r) * A @ B`);
+        the forward pass is then the base model's (one matmul per
+        projection, no adapter path) with the same logits. `unmerge_lora`
+        takes the update out again (float32 rounding of the kernels aside).
+        Returns the adapted layers (`keras_attn.generation.lora.merge_lora`)."""
+        return lora.merge_lora(self)
+
+    def unmerge_lora(self):
+        """Undoes `merge_lora`: the kernels lose the update, the adapters act again."""
+        return lora.unmerge_lora(self)
 
     def get_layout_map(self, device_mesh, model_axis="model", data_axis="data"):
         """A `keras.distribution.LayoutMap` that shards this model over
