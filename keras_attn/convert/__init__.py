@@ -7,8 +7,13 @@ each becomes). One module per family (`bert`, `gpt2`, `llama`, `gemma`,
 `gemma2`, `gemma4`, `qwen3`, `smollm3`, `phi3`, `t5`), found through the table in
 `keras_attn.convert.registry`; what they share (the checkpoint and weight
 source, the refusals, the weight copies) is `keras_attn.convert.common`.
+
+LoRA adapters convert both ways as Hugging Face PEFT folders
+(`save_peft_adapter`, `from_huggingface(..., adapter=folder)`; see
+`keras_attn.convert.adapters`).
 """
 
+from keras_attn.convert.adapters import save_peft_adapter
 from keras_attn.convert.huggingface import from_huggingface
 
-__all__ = ["from_huggingface"]
+__all__ = ["from_huggingface", "save_peft_adapter"]

@@ -30,7 +30,7 @@ import json
 import mmap
 import os
 import struct
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import keras
 import ml_dtypes
@@ -155,8 +155,10 @@ class SafetensorsTensors(collections.abc.Mapping):
     array and nothing else. Integer tensors keep their dtype.
     """
 
-    def __init__(self, folder):
-        files = safetensors_files(folder)
+    def __init__(self, folder, files=None):
+        # `files`: these files of `folder` instead of its checkpoint's (a
+        # PEFT adapter's `adapter_model.safetensors`).
+        files = safetensors_files(folder) if files is None else files
         if not files:
             raise ValueError(f"No safetensors checkpoint in {folder!r}: expected model.safetensors "
                              "or model.safetensors.index.json")
@@ -222,12 +224,18 @@ class Family:
         architectures: the model classes it takes, names or `fnmatch` patterns
             (`"*ForCausalLM"`); another class of these model types is refused.
         convert: `convert(checkpoint, *, dropout=None) -> keras.Model`.
+        projections: `projections(model) -> {transformers module name: layer}`
+            for the families whose linear layers map one to one, unscaled,
+            onto ours (`llama.projections`): what LoRA adapters convert
+            through (`keras_attn.convert.adapters`); None where they do not
+            (fused or rescaled projections).
     """
 
     name: str
     model_types: Tuple[str, ...]
     architectures: Tuple[str, ...]
     convert: Callable
+    projections: Optional[Callable] = None
 
     def takes(self, architecture):
         return any(fnmatch.fnmatchcase(architecture, pattern) for pattern in self.architectures)

@@ -44,4 +44,5 @@ FAMILY = common.Family(
     model_types=("gemma",),
     architectures=("*ForCausalLM",),
     convert=convert,
+    projections=llama.projections,
 )

@@ -67,6 +67,7 @@ import sys
 import keras
 
 from keras_attn import checks
+from keras_attn.convert import adapters
 from keras_attn.convert import bert
 from keras_attn.convert import common
 from keras_attn.convert import gpt2
@@ -79,7 +80,7 @@ DECODER_TYPES = gpt2.FAMILY.model_types
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32"):
+def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapter=None):
     """Converts a Hugging Face BERT-, RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- or T5-style model.
 
     Args:
@@ -98,6 +99,14 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32"):
             `"float16"`, whatever the checkpoint's. The checkpoint's tensors
             are read as float32 (exactly, from bfloat16 or float16) and
             rounded to nearest even into `dtype`.
+        adapter: None, or the path of a PEFT LoRA adapter folder
+            (`adapter_config.json` + `adapter_model.safetensors`, as
+            `PeftModel.save_pretrained` writes it) for this model: it is put
+            on the converted decoder as PEFT-style LoRA (`enable_lora`'s
+            default), active and not merged, every other weight frozen, so
+            the logits are `PeftModel.from_pretrained`'s. Families whose
+            projections map one to one (Llama, Mistral, Qwen2/3, SmolLM3,
+            Gemma) take adapters (`keras_attn.convert.adapters`).
 
     Returns:
         A functional `keras.Model` for encoders (BERT family,
@@ -106,7 +115,10 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32"):
 
     Raises:
         ValueError: a model type, head or config field that keras_attn
-            cannot represent, named with its value; an unknown `dtype`.
+            cannot represent, named with its value; an unknown `dtype`; an
+            adapter that is not plain LoRA (DoRA, rsLoRA, trained biases,
+            ...: the field is named) or for a family whose adapters do not
+            convert.
         TypeError: `model_or_local_dir` is neither a model nor a path.
 
     Example:
@@ -120,14 +132,19 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32"):
     ['last_hidden_state', 'pooler_output']
     """
     checks.check_choice("dtype", dtype, DTYPES)
+    if adapter is not None:  # checked before the (long) conversion
+        adapters.read_config(os.fspath(adapter))
     checkpoint = _checkpoint(model_or_local_dir)
     # The family converters build their layers under the global policy.
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(dtype)
     try:
-        return registry.convert(checkpoint, dropout=dropout)
+        model = registry.convert(checkpoint, dropout=dropout)
     finally:
         keras.config.set_dtype_policy(previous)
+    if adapter is not None:
+        adapters.load_peft_adapter(model, registry.find(checkpoint), os.fspath(adapter))
+    return model
 
 
 def _checkpoint(model_or_local_dir):

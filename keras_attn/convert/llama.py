@@ -38,6 +38,34 @@ from keras_attn.generation.models import DecoderOnlyLM
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
+# A block's linear layers: the `transformers` module (under
+# `model.layers.i.self_attn.` and `model.layers.i.mlp.`) and our sublayer
+# (of the attention, of the block). Read both ways: checkpoint to model
+# (`LlamaConverter.set_block`) and adapters either way (`projections`).
+ATTENTION_PROJECTIONS = (("q_proj", "query_dense"), ("k_proj", "key_dense"),
+                         ("v_proj", "value_dense"), ("o_proj", "output_dense"))
+FEEDFORWARD_PROJECTIONS = (("gate_proj", "feedforward_gate_dense"),
+                           ("up_proj", "feedforward_intermediate_dense"),
+                           ("down_proj", "feedforward_output_dense"))
+
+
+def projections(lm):
+    """`{transformers module name: layer}` of `lm`'s linear layers under the
+    Llama names (`model.layers.0.self_attn.q_proj` -> the first block's
+    query `EinsumDense`): the families whose projections convert one to one
+    and unscaled share them (`common.Family.projections`)."""
+    names = {}
+    for i, block in enumerate(lm.blocks):
+        for module, attribute in ATTENTION_PROJECTIONS:
+            layer = getattr(block.self_attention, attribute, None)
+            if layer is not None:
+                names[f"model.layers.{i}.self_attn.{module}"] = layer
+        for module, attribute in FEEDFORWARD_PROJECTIONS:
+            layer = getattr(block, attribute, None)
+            if layer is not None:
+                names[f"model.layers.{i}.mlp.{module}"] = layer
+    return names
+
 
 def rope(config, params=None, rope_types=ROPE_TYPES):
     """`(rope_theta, rope_scaling or None)` from `rope_parameters` (transformers
@@ -176,23 +204,15 @@ class LlamaConverter:
     def set_attention(self, attention, prefix):
         """The attention projections (`prefix` = `model.layers.i.self_attn.`)."""
         linear = self.weights.linear
-        common.set_attention(
-            attention, linear(prefix + "q_proj"), linear(prefix + "k_proj"),
-            linear(prefix + "v_proj"), linear(prefix + "o_proj"),
-        )
+        common.set_attention(attention, *(linear(prefix + module) for module, _ in ATTENTION_PROJECTIONS))
 
     def set_block(self, block, prefix):
         """Copies one decoder block's tensors (`prefix` = `model.layers.i.`)."""
-        linear = self.weights.linear
         self.set_attention(block.self_attention, prefix + "self_attn.")
         self.set_norm(block.self_attention_layer_norm, prefix + "input_layernorm")
         self.set_norm(block.feedforward_layer_norm, prefix + "post_attention_layernorm")
-        for dense, name in (
-            (block.feedforward_gate_dense, "mlp.gate_proj"),
-            (block.feedforward_intermediate_dense, "mlp.up_proj"),
-            (block.feedforward_output_dense, "mlp.down_proj"),
-        ):
-            common.set_dense(dense, *linear(prefix + name))
+        for module, attribute in FEEDFORWARD_PROJECTIONS:
+            common.set_dense(getattr(block, attribute), *self.weights.linear(prefix + "mlp." + module))
 
     # -- the conversion ------------------------------------------------------
 
@@ -232,4 +252,5 @@ FAMILY = common.Family(
     model_types=("llama", "mistral", "qwen2"),
     architectures=("*ForCausalLM",),
     convert=convert,
+    projections=projections,
 )

@@ -42,4 +42,5 @@ FAMILY = common.Family(
     model_types=("qwen3",),
     architectures=("*ForCausalLM",),
     convert=convert,
+    projections=llama.projections,
 )

@@ -35,4 +35,5 @@ FAMILY = common.Family(
     model_types=("smollm3",),
     architectures=("*ForCausalLM",),
     convert=convert,
+    projections=llama.projections,
 )

@@ -1,0 +1,318 @@
+"""LoRA with PEFT's meaning (`enable_lora`'s default style) and PEFT folders
+both ways (`save_peft_adapter`, `from_huggingface(adapter=...)`).
+
+The layer math against NumPy written here (an adapter over the whole input
+and output of query, output and feed-forward projections, dropout on the
+adapter's input only); the trainable-parameter count against PEFT's; the
+merged kernel the description and `.keras` files see; and converted tiny
+random Llama/Mistral/Qwen2/Qwen3/Gemma models against
+`peft.PeftModel` with trained (non-zero B) adapters, each direction.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn.generation import DecoderOnlyLM
+from keras_attn.generation import lora
+from keras_attn.layers import MultiHeadAttention
+from tests import tolerance
+
+
+def tiny_lm(**overrides):
+    kwargs = dict(
+        vocabulary_size=40, sequence_length=16, hidden_dim=24, num_layers=2, num_heads=6,
+        num_key_value_heads=2, intermediate_dim=20, position="rotary", normalization="rms_norm",
+        use_gated_feedforward=True, activation="silu", attention_use_bias=True,
+        feedforward_use_bias=True, lm_head_use_bias=False,
+    )
+    kwargs.update(overrides)
+    lm = DecoderOnlyLM(**kwargs)
+    lm(np.ones((1, 3), "int32"))
+    return lm
+
+
+def _randomise_b(layers, seed=0, scale=0.5):
+    rng = np.random.default_rng(seed)
+    for layer in layers:
+        layer.lora_kernel_b.assign(rng.standard_normal(layer.lora_kernel_b.shape).astype("float32") * scale)
+
+
+# --- the layer math against NumPy ---------------------------------------------
+
+
+def test_adapters_span_every_head_and_match_numpy():
+    """Query `(D, H, d)`: A `(D, r)`, B `(r, H*d)`; output `(H, d, D)`: A
+    `(H*d, r)`; gate Dense with its activation after the update. Each layer's
+    output is `act(x @ W + alpha/r * x @ A @ B + b)` with heads flattened in
+    C order, in float64 NumPy."""
+    lm = tiny_lm()
+    layers = lm.enable_lora(3, target_names=("q_proj", "o_proj", "feedforward_gate_dense"), lora_alpha=6)
+    block = lm.blocks[0]
+    query, output = block.self_attention.query_dense, block.self_attention.output_dense
+    gate = block.feedforward_gate_dense
+    assert tuple(query.lora_kernel_a.shape) == (24, 3) and tuple(query.lora_kernel_b.shape) == (3, 6 * 4)
+    assert tuple(output.lora_kernel_a.shape) == (6 * 4, 3) and tuple(output.lora_kernel_b.shape) == (3, 24)
+    assert tuple(gate.lora_kernel_a.shape) == (24, 3) and tuple(gate.lora_kernel_b.shape) == (3, 20)
+    _randomise_b(layers)
+    rng = np.random.default_rng(1)
+    for layer, x in ((query, rng.standard_normal((2, 5, 24))), (output, rng.standard_normal((2, 5, 6, 4))),
+                     (gate, rng.standard_normal((2, 5, 24)))):
+        x = x.astype("float32")
+        w = np.asarray(layer._kernel.numpy(), np.float64)
+        a, b = (np.asarray(v.numpy(), np.float64) for v in (layer.lora_kernel_a, layer.lora_kernel_b))
+        in_size = a.shape[0]
+        flat_x = x.reshape(2, 5, in_size).astype(np.float64)
+        want = flat_x @ w.reshape(in_size, -1) + 2.0 * flat_x @ a @ b + np.asarray(layer.bias.numpy()).reshape(-1)
+        if layer is gate:
+            want = want / (1 + np.exp(-want))  # silu
+        got = keras.ops.convert_to_numpy(layer(x)).reshape(want.shape)
+        tolerance.assert_close(got, want, terms=in_size, err_msg=layer.name)
+
+
+def test_only_a_and_b_train_and_outputs_start_unchanged():
+    lm = tiny_lm()
+    ids = np.random.default_rng(0).integers(1, 40, (2, 7)).astype("int32")
+    before = keras.ops.convert_to_numpy(lm(ids))
+    layers = lm.enable_lora(4, target_names=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj"))
+    assert len(layers) == 7 * 2
+    assert sorted({v.path.split("/")[-1] for v in lm.trainable_weights}) == ["lora_kernel_a", "lora_kernel_b"]
+    for layer in layers:
+        assert not layer.bias.trainable and not layer._kernel.trainable
+        in_size = layer.lora_kernel_a.shape[0]
+        # PEFT's kaiming_uniform_(a=sqrt(5)) on (r, in): uniform in +-1/sqrt(in).
+        a = layer.lora_kernel_a.numpy()
+        assert np.abs(a).max() <= 1 / np.sqrt(in_size) and np.abs(a).max() > 0.5 / np.sqrt(in_size)
+        assert not np.any(layer.lora_kernel_b.numpy())
+        assert (layer.lora_rank, layer.lora_alpha) == (4, lora.PEFT_ALPHA)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(lm(ids)), before)
+
+
+def test_dropout_is_on_the_adapter_input_only():
+    lm = tiny_lm()
+    query = lm.enable_lora(2, target_names="query", dropout=0.5)[0]
+    x = np.random.default_rng(0).standard_normal((2, 5, 24)).astype("float32")
+    # B = 0: dropping the adapter's input changes nothing (the base is not dropped).
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(query(x, training=True)),
+                                  keras.ops.convert_to_numpy(query(x, training=False)))
+    _randomise_b([query])
+    train = [keras.ops.convert_to_numpy(query(x, training=True)) for _ in range(2)]
+    infer = [keras.ops.convert_to_numpy(query(x, training=False)) for _ in range(2)]
+    np.testing.assert_array_equal(infer[0], infer[1])
+    assert not np.array_equal(train[0], infer[0]) and not np.array_equal(train[0], train[1])
+
+
+def test_trainable_count_at_qwen2_5_0_5b_shape_is_peft_s():
+    """Qwen2.5-0.5B: hidden 896, 14 query heads and 2 key/value heads of 64,
+    24 layers. PEFT's LoraConfig(r=16, target_modules=["q_proj", "v_proj"])
+    trains 24 * 16 * ((896 + 896) + (896 + 128)) = 1,081,344 parameters (one
+    layer built here at the real shape, times 24); Keras's per-head LoRA,
+    biases still trainable, 5.2 times as many."""
+    def one_layer(style):
+        layer = MultiHeadAttention(14, 64, num_key_value_heads=2, use_bias=True)
+        layer.build((1, 4, 896), (1, 4, 896))
+        if style == "peft":
+            lora.adapt(layer, [layer.query_dense, layer.value_dense], 16, 32)
+        else:
+            layer.query_dense.enable_lora(16)
+            layer.value_dense.enable_lora(16)
+        return sum(int(np.prod(v.shape)) for d in (layer.query_dense, layer.value_dense)
+                   for v in d.trainable_weights)
+
+    assert 24 * one_layer("peft") == 1_081_344
+    # The issue's count before this change: per-head adapters and the q/v biases.
+    assert 24 * one_layer("keras") == 5_578_752
+
+
+def test_keras_style_stays_available_per_head():
+    lm = tiny_lm()
+    layers = lm.enable_lora(2, target_names=("query",), style="keras")
+    query = layers[0]
+    assert not isinstance(query, lora.LoRALayer)
+    assert tuple(query.lora_kernel_a.shape) == (24, 6, 2) and tuple(query.lora_kernel_b.shape) == (2, 4)
+    assert query.lora_alpha == 2  # Keras's default: rank
+
+
+def test_merge_unmerge_and_the_merged_kernel_everyone_reads(tmp_path):
+    lm = tiny_lm()
+    ids = np.random.default_rng(0).integers(1, 40, (2, 7)).astype("int32")
+    layers = lm.enable_lora(2, target_names=("query", "value", "down_proj"), lora_alpha=4)
+    _randomise_b(layers)
+    query = lm.blocks[0].self_attention.query_dense
+    original = query._kernel.numpy().copy()
+    want_kernel = original.reshape(24, -1) + 2.0 * query.lora_kernel_a.numpy() @ query.lora_kernel_b.numpy()
+    # The description (every writer's input) reads the kernel merged.
+    read = lm.describe().layers[0].attention.query.kernel.read()
+    tolerance.assert_close(read, want_kernel, terms=2)
+    active = keras.ops.convert_to_numpy(lm(ids))
+    lm.predict(ids, verbose=0)  # a traced predict, which must not outlive the merge
+    lm.merge_lora()
+    assert all(layer.lora_merged for layer in layers)
+    tolerance.assert_close(query._kernel.numpy().reshape(24, -1), want_kernel, terms=2)
+    tolerance.assert_close(lm.describe().layers[0].attention.query.kernel.read(), want_kernel, terms=2)
+    tolerance.assert_close(keras.ops.convert_to_numpy(lm(ids)), active, terms=2 * 64)
+    tolerance.assert_close(lm.predict(ids, verbose=0), active, terms=2 * 64)
+    lm.unmerge_lora()
+    tolerance.assert_close(query._kernel.numpy(), original, scale=np.abs(want_kernel).max(), terms=2)
+    tolerance.assert_close(keras.ops.convert_to_numpy(lm(ids)), active, terms=2 * 64)
+
+    # `.keras` holds the merged kernels: the reloaded model has no adapters
+    # and the same logits.
+    path = str(tmp_path / "lm.keras")
+    lm.save(path)
+    back = keras.saving.load_model(path)
+    assert not lora.adapted_layers(back)
+    tolerance.assert_close(keras.ops.convert_to_numpy(back(ids)), active, terms=2 * 64)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(target_names=("qkv",)), r"target_names.*\['query'.*'q_proj'"),
+    (dict(target_names=("gate_proj",)), "no projection of this model"),
+    (dict(style="torch"), "style"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(lora_alpha=0), "lora_alpha"),
+    (dict(style="keras", dropout=0.1), "dropout"),
+])
+def test_errors_name_the_argument(kwargs, match):
+    lm = tiny_lm(use_gated_feedforward=False)
+    with pytest.raises(ValueError, match=match):
+        lm.enable_lora(2, **kwargs)
+    assert not lora.adapted_layers(lm)
+
+
+# --- PEFT folders both ways -----------------------------------------------------
+
+VOCAB = 53
+
+
+# 6 query heads over 2 key/value heads; each family's own switches.
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),
+    "gemma": ("GemmaConfig", dict(head_dim=8)),
+}
+
+
+def _hf_base(name, folder):
+    """A random tiny `*ForCausalLM` saved to `folder` (converted from the
+    folder: PEFT wraps the torch model's layers in place)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config_name, extra = FAMILIES[name]
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, intermediate_size=28,
+        num_attention_heads=6, num_key_value_heads=2, **extra)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def _hf_model(folder):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+
+
+def _logits(torch_model, ids):
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        return torch_model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDS = np.random.default_rng(3).integers(1, VOCAB, (2, 9)).astype("int32")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_peft_adapter_loads_with_peft_s_logits(name, tmp_path):
+    """Random A and B set in PEFT, saved by PEFT, loaded onto the converted
+    model: the logits are PeftModel's, the adapters active and not merged."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from keras_attn.convert import from_huggingface
+
+    base = _hf_base(name, str(tmp_path / "base"))
+    targets = ALL if name == "llama" else ["q_proj", "v_proj", "down_proj"]
+    peft_model = peft.get_peft_model(_hf_model(base), peft.LoraConfig(
+        r=4, lora_alpha=12, lora_dropout=0.1, target_modules=targets, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param_name, param in peft_model.named_parameters():
+            if "lora_" in param_name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    want = _logits(peft_model.eval(), IDS)
+    plain = _logits(_hf_model(base), IDS)
+
+    lm = from_huggingface(base, adapter=str(tmp_path / "adapter"))
+    adapted = lora.adapted_layers(lm)
+    assert len(adapted) == len(targets) * 2 and not any(layer.lora_merged for layer in adapted)
+    assert {(layer.lora_rank, layer.lora_alpha, layer.lora_dropout) for layer in adapted} == {(4, 12, 0.1)}
+    # Trainable parameters: PEFT's count.
+    ours = sum(int(np.prod(v.shape)) for v in lm.trainable_weights)
+    assert ours == sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    got = keras.ops.convert_to_numpy(lm(IDS))
+    assert np.abs(want - plain).max() > 0.1 * np.abs(want).max(), "the adapter changes nothing: no test"
+    tolerance.assert_close(got, want, terms=2 * 64)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_our_trained_adapter_loads_into_peft(name, tmp_path):
+    """Ours enabled and trained a few steps, saved by `save_peft_adapter`,
+    loaded by `PeftModel.from_pretrained`: the logits are ours."""
+    peft = pytest.importorskip("peft")
+    from keras_attn.convert import from_huggingface
+    from keras_attn.convert import save_peft_adapter
+
+    base = _hf_base(name, str(tmp_path / "base"))
+    lm = from_huggingface(base)
+    targets = ("query", "v_proj", "o_proj", "up_proj") if name == "llama" else ("q_proj", "value")
+    adapted = lm.enable_lora(4, target_names=targets, lora_alpha=16)
+    lm.compile(keras.optimizers.Adam(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.fit(IDS[:, :-1], IDS[:, 1:], epochs=4, verbose=0)
+    assert all(np.abs(layer.lora_kernel_b.numpy()).max() > 0 for layer in adapted), "did not train"
+    got = keras.ops.convert_to_numpy(lm(IDS))
+
+    folder = save_peft_adapter(lm, str(tmp_path / "adapter"), base_model_name_or_path=base)
+    config = json.load(open(os.path.join(folder, "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16, base)
+    want_targets = ["o_proj", "q_proj", "up_proj", "v_proj"] if name == "llama" else ["q_proj", "v_proj"]
+    assert config["target_modules"] == want_targets
+    peft_model = peft.PeftModel.from_pretrained(_hf_model(base), folder).eval()
+    a = dict(peft_model.named_parameters())[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    assert tuple(a.shape) == (4, 24)  # PEFT's (r, in)
+    tolerance.assert_close(got, _logits(peft_model, IDS), terms=2 * 64)
+    # Merged on our side, the same adapter is written.
+    lm.merge_lora()
+    save_peft_adapter(lm, str(tmp_path / "merged"))
+    again = peft.PeftModel.from_pretrained(_hf_model(base), str(tmp_path / "merged")).eval()
+    tolerance.assert_close(got, _logits(again, IDS), terms=2 * 64)
+
+
+def test_adapters_that_are_not_plain_lora_are_refused(tmp_path):
+    peft = pytest.importorskip("peft")
+    from keras_attn.convert import from_huggingface
+    from keras_attn.convert import save_peft_adapter
+
+    base = _hf_base("qwen2", str(tmp_path / "base"))
+    peft.get_peft_model(_hf_model(base), peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        str(tmp_path / "adapter"))
+    path = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora"):
+        from_huggingface(base, adapter=str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        from_huggingface(base, adapter=str(tmp_path))
+    lm = from_huggingface(base)
+    with pytest.raises(ValueError, match="no PEFT-style"):
+        save_peft_adapter(lm, str(tmp_path / "none"))
+    lm.enable_lora(2, style="keras")
+    with pytest.raises(ValueError, match="style='keras'"):
+        save_peft_adapter(lm, str(tmp_path / "none"))
