@@ -9,6 +9,7 @@ random Llama/Mistral/Qwen2/Qwen3/Gemma models against
 `peft.PeftModel` with trained (non-zero B) adapters, each direction.
 """
 
+import contextlib
 import json
 import os
 
@@ -218,6 +219,16 @@ def _hf_model(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
 
 
+def _gradients():
+    """On torch, gradients back on for `fit` (tests/conftest.py runs this
+    backend-agnostic file's tests under `torch.no_grad`)."""
+    if keras.backend.backend() != "torch":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.enable_grad()
+
+
 def _logits(torch_model, ids):
     torch = pytest.importorskip("torch")
     with torch.no_grad():
@@ -274,7 +285,8 @@ def test_our_trained_adapter_loads_into_peft(name, tmp_path):
     targets = ("query", "v_proj", "o_proj", "up_proj") if name == "llama" else ("q_proj", "value")
     adapted = lm.enable_lora(4, target_names=targets, lora_alpha=16)
     lm.compile(keras.optimizers.Adam(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    lm.fit(IDS[:, :-1], IDS[:, 1:], epochs=4, verbose=0)
+    with _gradients():
+        lm.fit(IDS[:, :-1], IDS[:, 1:], epochs=4, verbose=0)
     assert all(np.abs(layer.lora_kernel_b.numpy()).max() > 0 for layer in adapted), "did not train"
     got = keras.ops.convert_to_numpy(lm(IDS))
 
