@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from keras_attn.generation import DecoderOnlyLM
+from keras_attn.generation import Seq2SeqLM
 from keras_attn.generation import lora
 from keras_attn.layers import MultiHeadAttention
 from tests import tolerance
@@ -90,6 +91,8 @@ def test_only_a_and_b_train_and_outputs_start_unchanged():
         assert np.abs(a).max() <= 1 / np.sqrt(in_size) and np.abs(a).max() > 0.5 / np.sqrt(in_size)
         assert not np.any(layer.lora_kernel_b.numpy())
         assert (layer.lora_rank, layer.lora_alpha) == (4, lora.PEFT_ALPHA)
+    queries = [block.self_attention.query_dense.lora_kernel_a.numpy() for block in lm.blocks]
+    assert not np.array_equal(*queries), "every layer started from the same A"
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(lm(ids)), before)
 
 
@@ -168,6 +171,37 @@ def test_merge_unmerge_and_the_merged_kernel_everyone_reads(tmp_path):
     back = keras.saving.load_model(path)
     assert not lora.adapted_layers(back)
     tolerance.assert_close(keras.ops.convert_to_numpy(back(ids)), active, terms=2 * 64)
+
+
+def test_seq2seq_adapts_encoder_self_and_cross_attention():
+    model = Seq2SeqLM(40, 12, 16, num_layers=2, num_heads=4, intermediate_dim=24, position="rotary")
+    ids = np.random.default_rng(0).integers(1, 40, (2, 6)).astype("int32")
+    before = keras.ops.convert_to_numpy(model((ids, ids)))
+    layers = model.enable_lora(2, target_names=("q_proj", "attention_output"))
+    # Per layer: the encoder's self-attention, the decoder's self- and cross-attention.
+    assert len(layers) == 2 * 3 * 2 and all(isinstance(layer, lora.LoRALayer) for layer in layers)
+    assert sorted({v.path.split("/")[-1] for v in model.trainable_weights}) == ["lora_kernel_a", "lora_kernel_b"]
+    _randomise_b(layers)
+    active = keras.ops.convert_to_numpy(model((ids, ids)))
+    assert np.abs(active - before).max() > 0.1 * np.abs(before).max()
+    model.merge_lora()
+    tolerance.assert_close(keras.ops.convert_to_numpy(model((ids, ids))), active, terms=4 * 64)
+
+
+def test_weights_loaded_into_an_adapted_model_are_its_frozen_kernels(tmp_path):
+    """Keras's rule (the file holds merged kernels) with A restarted, not
+    zeroed: the outputs are the saved model's and B still gets gradients."""
+    lm = tiny_lm()
+    ids = np.random.default_rng(0).integers(1, 40, (2, 7)).astype("int32")
+    _randomise_b(lm.enable_lora(2, target_names=("query", "up_proj")))
+    want = keras.ops.convert_to_numpy(lm(ids))
+    lm.save_weights(str(tmp_path / "lm.weights.h5"))
+    twin = tiny_lm()
+    layers = twin.enable_lora(2, target_names=("query", "up_proj"))
+    twin.load_weights(str(tmp_path / "lm.weights.h5"))
+    tolerance.assert_close(keras.ops.convert_to_numpy(twin(ids)), want, terms=2 * 64)
+    for layer in layers:
+        assert not np.any(layer.lora_kernel_b.numpy()) and np.abs(layer.lora_kernel_a.numpy()).max() > 0
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -22,9 +22,11 @@ Two styles:
 
 Either way the layer's `kernel` is served merged (`W + (alpha / r) * A @ B`,
 as Keras does for its own LoRA), so the model description, every export and
-`.keras` saving see the adapted kernel; `.keras` files hold the merged
-kernel, not the adapters (a model loaded from one has no adapters and the
-same logits; `save_peft_adapter` keeps them).
+`.keras` saving see the adapted kernel; `.keras` and `.weights.h5` files
+hold the merged kernel, not the adapters (a model loaded from one has no
+adapters and the same logits; weights loaded into an adapted model become
+its frozen kernels, with B back at zero and A at a fresh PEFT start, so it
+trains on; `keras_attn.convert.save_peft_adapter` keeps the adapters).
 
 A PEFT-style layer is its own `Dense`/`EinsumDense` object with its class
 switched to a subclass (`LoRADense`, `LoRAEinsumDense`) that adds the
@@ -172,7 +174,8 @@ def _reset_traces(model):
     # Keras's own traced `fit`/`evaluate`/`predict` steps hold the model as it
     # was traced, without the adapters (Keras resets them after `quantize`,
     # not after `enable_lora`).
-    model.train_function = model.test_function = model.predict_function = None
+    if isinstance(model, keras.Model):
+        model.train_function = model.test_function = model.predict_function = None
 
 
 def _einsum_parts(equation):
@@ -180,6 +183,13 @@ def _einsum_parts(equation):
     inputs, output = equation.split("->")
     x, kernel = inputs.split(",")
     return x, kernel, output
+
+
+def _a_initializer():
+    """PEFT's `kaiming_uniform_(a=sqrt(5))` on lora_A `(r, in)`, uniform in
+    +-1/sqrt(in), as an initializer of A `(in, r)`. A new one each time: an
+    unseeded Keras initializer gives the same values at every call."""
+    return keras.initializers.VarianceScaling(1.0 / 3.0, "fan_in", "uniform")
 
 
 class LoRALayer:
@@ -196,10 +206,8 @@ class LoRALayer:
         in_size = int(math.prod(shape[i] for i in self._lora_in_axes))
         out_size = int(math.prod(shape[i] for i in self._lora_out_axes))
         self._tracker.unlock()
-        # PEFT's `kaiming_uniform_(a=sqrt(5))` on lora_A (r, in): uniform in +-1/sqrt(in).
         self.lora_kernel_a = self.add_weight(
-            name="lora_kernel_a", shape=(in_size, rank), dtype="float32",
-            initializer=keras.initializers.VarianceScaling(1.0 / 3.0, "fan_in", "uniform"),
+            name="lora_kernel_a", shape=(in_size, rank), dtype="float32", initializer=_a_initializer(),
         )
         self.lora_kernel_b = self.add_weight(
             name="lora_kernel_b", shape=(rank, out_size), dtype="float32", initializer="zeros",
@@ -213,6 +221,15 @@ class LoRALayer:
         self.lora_rank = rank
         self.lora_alpha = alpha
         self.lora_dropout = dropout
+        self.lora_merged = False
+
+    def load_own_variables(self, store):
+        # Keras's rule for a LoRA layer: the stored (merged) kernel becomes the
+        # frozen one and the adapters restart at zero. Zero A and B would get
+        # zero gradients, so A restarts as PEFT's instead (B stays zero: the
+        # loaded model's outputs are the stored ones).
+        super().load_own_variables(store)
+        self.lora_kernel_a.assign(_a_initializer()(self.lora_kernel_a.shape, "float32"))
         self.lora_merged = False
 
     def _lora_split(self):
