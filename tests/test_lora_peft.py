@@ -362,3 +362,33 @@ def test_adapters_that_are_not_plain_lora_are_refused(tmp_path):
     lm.enable_lora(2, style="keras")
     with pytest.raises(ValueError, match="style='keras'"):
         save_peft_adapter(lm, str(tmp_path / "none"))
+
+
+# --- whole models back to transformers ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_save_huggingface_with_merged_lora_gives_our_logits(name, tmp_path):
+    from keras_attn.convert import from_huggingface
+    from keras_attn.convert import save_huggingface
+
+    base = _hf_base(name, str(tmp_path / "base"))
+    lm = from_huggingface(base)
+    _randomise_b(lm.enable_lora(4, target_names=ALL), scale=0.3)
+    got = keras.ops.convert_to_numpy(lm(IDS))
+    assert np.abs(got - _logits(_hf_model(base), IDS)).max() > 0.1 * np.abs(got).max(), "LoRA changes nothing"
+    folder = save_huggingface(lm, str(tmp_path / "written"))
+    written = _hf_model(folder)
+    assert type(written).__name__ == type(_hf_model(base)).__name__
+    tolerance.assert_close(got, _logits(written, IDS), terms=2 * 64)
+
+
+def test_save_huggingface_refuses_what_the_config_cannot_say(tmp_path):
+    from keras_attn.convert import save_huggingface
+
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        save_huggingface(tiny_lm(use_qk_norm=True), str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="attention_use_bias"):
+        save_huggingface(tiny_lm(feedforward_use_bias=False), str(tmp_path / "b"), model_type="qwen2")
+    with pytest.raises(ValueError, match="model_type"):
+        save_huggingface(tiny_lm(), str(tmp_path / "c"), model_type="gpt2")

@@ -10,10 +10,12 @@ source, the refusals, the weight copies) is `keras_attn.convert.common`.
 
 LoRA adapters convert both ways as Hugging Face PEFT folders
 (`save_peft_adapter`, `from_huggingface(..., adapter=folder)`; see
-`keras_attn.convert.adapters`).
+`keras_attn.convert.adapters`); `save_huggingface` writes a Llama, Mistral or
+Qwen2 decoder back as a `transformers` folder (`keras_attn.convert.to_huggingface`).
 """
 
 from keras_attn.convert.adapters import save_peft_adapter
 from keras_attn.convert.huggingface import from_huggingface
+from keras_attn.convert.to_huggingface import save_huggingface
 
-__all__ = ["from_huggingface", "save_peft_adapter"]
+__all__ = ["from_huggingface", "save_huggingface", "save_peft_adapter"]

@@ -32,6 +32,7 @@ subclasses it and overrides that piece only.
 """
 
 import keras
+import numpy as np
 
 from keras_attn.convert import common
 from keras_attn.generation.models import DecoderOnlyLM
@@ -239,6 +240,92 @@ class LlamaConverter:
         self.set_norm(lm.final_norm, "model.norm")
         weights.check_all_used(self.checkpoint.architecture)
         return lm
+
+
+# --- Back to transformers ------------------------------------------------------
+# `DecoderOnlyLM` options a Llama/Mistral/Qwen2 config has no field for, with
+# the value the model must have.
+_PLAIN_OPTIONS = dict(
+    position="rotary", normalization="rms_norm", use_gated_feedforward=True,
+    lm_head_use_bias=False, embedding_scale=None, use_qk_norm=False, use_sandwich_norm=False,
+    attention_logit_soft_cap=None, final_logit_soft_cap=None, local_rope_max_wavelength=None,
+    rotary_layers=None, partial_rotary_factor=1.0, key_value_sources=None,
+    per_layer_input_dim=None, use_value_norm=False, use_output_scale=False,
+)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def huggingface_config(lm, model_type):
+    """The `transformers` config fields of `lm` as a `model_type` model
+    ("llama", "mistral" or "qwen2"); a ValueError names the option that
+    model type cannot express."""
+    options = lm.get_config()
+
+    def refuse(option, why):
+        raise ValueError(f"Cannot write this model as {model_type!r}: `{option}`="
+                         f"{options.get(option)!r} {why}.")
+
+    for option, plain in _PLAIN_OPTIONS.items():
+        if options.get(option, plain) != plain:
+            refuse(option, f"is not expressed by its config (needs {plain!r})")
+    for option in ("intermediate_dim", "num_key_value_heads", "head_dim", "sliding_window"):
+        if isinstance(options[option], list):
+            refuse(option, "varies per layer")
+    attention_bias = options["attention_use_bias"]
+    output_bias = options["attention_output_use_bias"]
+    output_bias = attention_bias if output_bias is None else output_bias
+    if model_type == "qwen2":
+        if not attention_bias or output_bias or options["feedforward_use_bias"]:
+            refuse("attention_use_bias", "must be True (q/k/v only: no output or feed-forward bias)")
+    elif model_type == "mistral":
+        if attention_bias or output_bias or options["feedforward_use_bias"]:
+            refuse("attention_use_bias", "must be False with no other bias")
+    elif output_bias != attention_bias:
+        refuse("attention_output_use_bias", "must equal `attention_use_bias` (`attention_bias`)")
+    if model_type != "mistral" and options["sliding_window"] is not None:
+        refuse("sliding_window", "is Mistral's only")
+    config = dict(
+        model_type=model_type, architectures=[ARCHITECTURES[model_type]],
+        vocab_size=options["vocabulary_size"], hidden_size=options["hidden_dim"],
+        intermediate_size=options["intermediate_dim"], num_hidden_layers=options["num_layers"],
+        num_attention_heads=options["num_heads"],
+        num_key_value_heads=options["num_key_value_heads"] or options["num_heads"],
+        head_dim=options["head_dim"] or options["hidden_dim"] // options["num_heads"],
+        hidden_act=options["activation"], max_position_embeddings=options["sequence_length"],
+        rms_norm_eps=options["layer_norm_epsilon"], rope_theta=options["rope_max_wavelength"],
+        rope_scaling=options["rope_scaling"], tie_word_embeddings=options["tie_embeddings"],
+        pad_token_id=options["pad_token_id"],
+    )
+    if model_type == "llama":
+        config.update(attention_bias=attention_bias, mlp_bias=options["feedforward_use_bias"])
+    if model_type == "mistral":
+        config.update(sliding_window=options["sliding_window"])
+    return config
+
+
+def huggingface_tensors(lm):
+    """`(name, float32 array)` of every `transformers` tensor of `lm`, one at a
+    time: the projections through `projections` (the conversion's table, read
+    back), their kernels as the layers serve them (LoRA merged)."""
+    yield "model.embed_tokens.weight", _array(lm.embedding.embeddings)
+    for name, layer in projections(lm).items():
+        kernel = _array(layer.kernel)
+        # Ours are `(in, out)` with heads flattened in C order: `(D, H, d)` for
+        # q/k/v, `(H, d, D)` for the output projection.
+        kernel = kernel.reshape(-1, kernel.shape[-1]) if name.endswith("o_proj") else kernel.reshape(kernel.shape[0], -1)
+        yield name + ".weight", np.ascontiguousarray(kernel.T)  # safetensors writes the buffer as it lies
+        if layer.bias is not None:
+            yield name + ".bias", _array(layer.bias).reshape(-1)
+    for i, block in enumerate(lm.blocks):
+        yield f"model.layers.{i}.input_layernorm.weight", _array(block.self_attention_layer_norm.scale)
+        yield f"model.layers.{i}.post_attention_layernorm.weight", _array(block.feedforward_layer_norm.scale)
+    yield "model.norm.weight", _array(lm.final_norm.scale)
+    if not lm.tie_embeddings:
+        yield "lm_head.weight", np.ascontiguousarray(_array(lm.lm_head.kernel).T)
+
+
+def _array(x):
+    return np.asarray(keras.ops.convert_to_numpy(x), np.float32)
 
 
 def convert(checkpoint, *, dropout=None):
