@@ -188,6 +188,27 @@ def test_seq2seq_adapts_encoder_self_and_cross_attention():
     tolerance.assert_close(keras.ops.convert_to_numpy(model((ids, ids))), active, terms=4 * 64)
 
 
+def test_mixed_precision_keeps_float32_adapters():
+    """Under mixed_bfloat16 the adapters stay float32 variables (as Keras keeps
+    its own) and the layer's output is the float32 layer's to bfloat16."""
+    keras.utils.set_random_seed(0)
+    reference = tiny_lm()
+    _randomise_b(reference.enable_lora(2, target_names=("query", "down_proj")))
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    lm = tiny_lm()
+    layers = lm.enable_lora(2, target_names=("query", "down_proj"))
+    for target, source in zip(lm.weights, reference.weights):
+        target.assign(source)
+    assert {layer.lora_kernel_a.dtype for layer in layers} == {"float32"}
+    x = np.random.default_rng(0).standard_normal((2, 5, 24)).astype("float32")
+    query, want_query = lm.blocks[0].self_attention.query_dense, reference.blocks[0].self_attention.query_dense
+    got = query(x)
+    assert keras.backend.standardize_dtype(got.dtype) == "bfloat16"
+    want = keras.ops.convert_to_numpy(want_query(x))
+    tolerance.assert_close(keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")), want,
+                           ulps=4, terms=24, dtype="bfloat16")
+
+
 def test_weights_loaded_into_an_adapted_model_are_its_frozen_kernels(tmp_path):
     """Keras's rule (the file holds merged kernels) with A restarted, not
     zeroed: the outputs are the saved model's and B still gets gradients."""

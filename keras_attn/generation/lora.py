@@ -93,7 +93,6 @@ def enable_lora(model, rank, target_names=("query", "value"), lora_alpha=None, *
                              f"(style='keras') has none. Received: dropout={dropout}")
         _freeze_all_but(model, targets)
         for layer in targets:
-            layer.trainable = True
             layer.enable_lora(rank, lora_alpha=lora_alpha)
     else:
         adapt(model, targets, rank, PEFT_ALPHA if lora_alpha is None else lora_alpha, dropout)
