@@ -53,7 +53,7 @@ class Weight:
     stored `source_shape`) known without reading; `read()` the float32 array
     (a view where `array_of` gives one; a reshape of a view stays a view).
     `owner` is a layer whose `attribute` holds the value (read when asked:
-    Keras serves a LoRA-enabled kernel merged)."""
+    a LoRA-enabled layer serves its kernel merged)."""
 
     owner: Any
     attribute: str
@@ -293,7 +293,8 @@ _ATTENTION_OPTIONS = {
 
 
 def _weight(layer, attribute, shape=None):
-    # Keras keeps a LoRA-enabled kernel's variable as `_kernel` and serves the
+    # A LoRA-enabled layer (Keras's LoRA or keras_attn's PEFT-style subclass,
+    # `generation/lora.py`) keeps the kernel's variable as `_kernel` and serves the
     # merged value as `kernel`: the shape comes from the variable, the value
     # (merged) from the attribute when it is read.
     raw = getattr(layer, "_" + attribute, None)

@@ -155,7 +155,8 @@ def test_weights_are_views_of_the_variables_and_read_on_demand():
 
 
 def test_lora_kernels_are_read_merged():
-    """Keras serves a LoRA-enabled kernel merged: the description reads it so."""
+    """A LoRA-enabled kernel is served merged (PEFT-style, the default, as Keras
+    does for its own LoRA): the description reads it so."""
     lm = make_lm("llama")
     lm.enable_lora(2)
     dense = lm.blocks[0].self_attention.query_dense

@@ -1,5 +1,5 @@
-"""Fine-tuning converted decoders: LoRA on the projections (against the
-merged-kernel formula written here) and a `keras.distribution` layout map
+"""Fine-tuning converted decoders: LoRA on the projections (PEFT-style, the
+default; against the merged-kernel formula written here) and a `keras.distribution` layout map
 (sharded on 8 virtual JAX CPU devices, same loss and gradients as one)."""
 
 import os
