@@ -209,6 +209,23 @@ def test_mixed_precision_keeps_float32_adapters():
                            ulps=4, terms=24, dtype="bfloat16")
 
 
+@pytest.mark.tensorflow_only
+def test_a_search_traced_before_merge_lora_does_not_add_the_update_twice():
+    """A traced search holds the adapter path: after `merge_lora` (the update
+    now in the kernel) it must be traced anew (`keras_attn.structure`), else
+    the update counts twice."""
+    from keras_attn.generation import greedy_search
+
+    lm = tiny_lm()
+    _randomise_b(lm.enable_lora(2, target_names=("query", "value", "down_proj")), scale=2.0)
+    prompt = np.random.default_rng(0).integers(1, 40, (2, 4)).astype("int32")
+    before = np.asarray(greedy_search(lm, prompt, 12))
+    lm.merge_lora()
+    np.testing.assert_array_equal(np.asarray(greedy_search(lm, prompt, 12)), before)
+    lm.unmerge_lora()
+    np.testing.assert_array_equal(np.asarray(greedy_search(lm, prompt, 12)), before)
+
+
 def test_weights_loaded_into_an_adapted_model_are_its_frozen_kernels(tmp_path):
     """Keras's rule (the file holds merged kernels) with A restarted, not
     zeroed: the outputs are the saved model's and B still gets gradients."""
@@ -377,6 +394,10 @@ def test_adapters_that_are_not_plain_lora_are_refused(tmp_path):
         from_huggingface(base, adapter=str(tmp_path / "adapter"))
     with pytest.raises(ValueError, match="adapter_config.json"):
         from_huggingface(base, adapter=str(tmp_path))
+    gemma2 = tiny_lm(name="gemma2_keras_attn")  # its query kernel holds Gemma 2's logit scale
+    gemma2.enable_lora(2)
+    with pytest.raises(ValueError, match="Gemma 2/3"):
+        save_peft_adapter(gemma2, str(tmp_path / "none"))
     lm = from_huggingface(base)
     with pytest.raises(ValueError, match="no PEFT-style"):
         save_peft_adapter(lm, str(tmp_path / "none"))
