@@ -1,22 +1,29 @@
-"""What each direct decoder writer covers, in one table over the model's description.
+"""What each direct writer covers, in one table over the model's description.
 
-A writer reads a `keras_attn.description.Decoder` (`model.describe()`). Each
+A decoder writer reads a `keras_attn.description.Decoder` (`model.describe()`),
+an encoder writer an `Encoder` (`description.read_encoder(model)`). Each
 row of `FEATURES` is one thing a model can have: how to find it in a
-description (and name it, as the model's own option) and the writers that
-write it. `support(description, writer)` returns None (covered) or the first
+description (and name it, as the model's own option), the writers it
+applies to and those that write it. `support(description, writer)` returns None (covered) or the first
 reason the writer does not cover that model; `check` raises it as a
 `NotFusableError`, which the exports' `writer="auto"` turns into a fallback
 to the traced path with that reason in its warning (`keras_attn.export.writers`).
-`markdown_table()` is the table docs/guides/export_serving.md shows.
+`markdown_table(writers)` is the table the guides show (the decoder writers'
+in docs/guides/generation.md, the encoder writers' in export_serving.md).
 
-Adding a decoder feature: the layer, `describe()`, one row here (which
-writers cover it), and each covering writer's emitter.
+Adding a feature: the layer, the description, one row here (which writers
+cover it), and each covering writer's emitter.
 """
 
 import dataclasses
 from typing import Callable
 
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn import description as description_lib
+
+
+class NotFusableError(ValueError):
+    """The model has a layer or setting the direct writer does not cover."""
+
 
 # Writer key -> how messages name it.
 WRITERS = {
@@ -24,14 +31,20 @@ WRITERS = {
     "onnx_signatures": "direct ONNX signature writer",
     "litertlm": "direct TFLite writer",
     "tflite_signatures": "direct signatures writer",
+    "onnx_encoder": "direct ONNX encoder writer",
+    "tflite_encoder": "direct TFLite encoder writer",
 }
 ALL = frozenset(WRITERS)
+ENCODERS = frozenset({"onnx_encoder", "tflite_encoder"})
+DECODERS = ALL - ENCODERS
 # Activations each writer has an emitter for.
 ACTIVATIONS = {
     "onnx_genai": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
     "onnx_signatures": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
     "litertlm": ("silu", "gelu", "gelu_tanh", "relu"),
     "tflite_signatures": ("silu", "gelu", "gelu_tanh", "relu"),
+    "onnx_encoder": ("relu", "tanh", "gelu", "gelu_tanh", "linear"),
+    "tflite_encoder": ("relu", "tanh", "gelu", "gelu_tanh", "linear"),
 }
 # Writers that keep one cache stacked over the layers (a ring of the window
 # when every layer has the same one): the signature writers.
@@ -41,11 +54,13 @@ STACKED_CACHE = frozenset({"onnx_signatures", "tflite_signatures"})
 @dataclasses.dataclass(frozen=True)
 class Feature:
     """`found(description, context)` -> None (absent) or the text naming it
-    (the model's option and value); `covered`: the writers that write it."""
+    (the model's option and value); `covered`: the writers that write it,
+    among those it `applies` to (whose description can have it)."""
 
     name: str
     found: Callable
     covered: frozenset
+    applies: frozenset = ALL
 
 
 def _per_layer(values, name, why):
@@ -88,22 +103,65 @@ def _rotary_width(d):
 
 def _activation(d, context):
     allowed = ACTIVATIONS[context["writer"]]
-    return _first(d, lambda l: l.feedforward.activation not in allowed,
-                  lambda l: f"activation={l.feedforward.activation_repr!r}")
+    found = _first(d, lambda l: l.feedforward.activation not in allowed,
+                   lambda l: f"{l.name}: activation={l.feedforward.activation_repr!r}")
+    dense = [s for s in getattr(d, "steps", ()) if isinstance(s, description_lib.DenseStep)
+             and s.activation not in allowed]
+    return found or (dense and f"{dense[0].name}: activation={dense[0].activation_repr!r}")
+
+
+def _step(d, kind, test, text):
+    """`text(step)` of the first step of type `kind` that passes `test`, else None."""
+    for step in d.steps:
+        if isinstance(step, kind) and test(step):
+            return text(step)
+    return None
+
+
+def _tensor(tensors, test, text):
+    found = [t for t in tensors if test(t)]
+    return text(found[0]) if found else None
+
+
+def _unsupported(d, context):
+    shown = "; ".join(f"{key} ({what})" for key, what in d.unsupported[:3])
+    more = len(d.unsupported) - 3
+    return shown and (shown + (f"; and {more} more" if more > 0 else ""))
+
+
+def _layer_feature(test, text):
+    """A feature found on a layer (a decoder's or an encoder block's)."""
+    return lambda d, c: _first(d, test, lambda l: f"{l.name}: {text(l)}")
+
+
+_EMBEDDING = description_lib.EmbeddingStep
 
 
 FEATURES = (
     Feature("layers quantized by Keras", lambda d, c: d.quantized and (
         f"layers quantized by Keras (`model.quantize({d.quantized[0]!r})`) are not read"
         "; export the float model with the export's own `quantization=`"), frozenset()),
-    Feature("model options not described", lambda d, c: d.unsupported and "; ".join(
-        f"{key} ({what})" for key, what in d.unsupported), frozenset()),
+    Feature("inputs other than int32 and float32", lambda d, c: _tensor(
+        d.inputs, lambda t: t.dtype not in ("int32", "float32"),
+        lambda t: f"input {t.name} of dtype {t.dtype}"), frozenset(), ENCODERS),
+    Feature("inputs other than (batch, length) or float (batch, length, features)", lambda d, c: _tensor(
+        d.inputs, lambda t: len(t.shape) != 2 and (len(t.shape), t.dtype) != (3, "float32"),
+        lambda t: f"input {t.name} of shape {t.shape} and dtype {t.dtype}"),
+        frozenset({"onnx_encoder"}), ENCODERS),
+    Feature("embeddings with mask_zero", lambda d, c: _step(
+        d, _EMBEDDING, lambda s: s.mask_zero,
+        lambda s: f"{s.name}: mask_zero=True (id 0 as padding, a Keras mask)"), frozenset(), ENCODERS),
+    Feature("sinusoidal embedding positions", lambda d, c: _step(
+        d, _EMBEDDING, lambda s: s.positions.kind != "learned",
+        lambda s: f"{s.name}: position={s.positions.kind!r}"), frozenset(), ENCODERS),
+    Feature("model options or calls not described", _unsupported, frozenset()),
     Feature("shared keys and values (Gemma 4)", lambda d, c: any(
         l.attention.key_value_source is not None for l in d.layers) and (
         f"key_value_sources={[l.attention.key_value_source for l in d.layers]!r} (layers attending "
-        "over another layer's keys and values)"), frozenset()),
+        "over another layer's keys and values)"), frozenset(), DECODERS),
     Feature("per-layer inputs (Gemma 4)", lambda d, c: d.per_layer_input_dim and (
-        f"per_layer_input_dim={d.per_layer_input_dim!r} (per-layer input embeddings)"), frozenset()),
+        f"per_layer_input_dim={d.per_layer_input_dim!r} (per-layer input embeddings)"), frozenset(),
+        DECODERS),
     Feature("value norm", lambda d, c: any(l.attention.value_norm for l in d.layers) and (
         "use_value_norm=True (a norm of each value head)"), frozenset()),
     Feature("block output scale", lambda d, c: any(l.output_scale is not None for l in d.layers) and (
@@ -114,48 +172,79 @@ FEATURES = (
     Feature("gated attention", lambda d, c: _first(
         d, lambda l: l.attention.gate, lambda l: f"{l.name}: use_gate=True"), frozenset()),
     Feature("relative position bias", lambda d, c: d.positions.kind == "relative" and (
-        "position='relative'"), frozenset()),
+        "position='relative'"), frozenset(), DECODERS),
     Feature("learned or sinusoidal positions", lambda d, c: d.positions.kind in ("learned", "sinusoidal") and (
-        f"position={d.positions.kind!r}"), frozenset({"onnx_signatures"})),
+        f"position={d.positions.kind!r}"), frozenset({"onnx_signatures"}), DECODERS),
     Feature("LayerNorm", lambda d, c: d.normalization == "layer_norm" and (
-        "normalization='layer_norm'"), frozenset({"onnx_signatures"})),
+        "normalization='layer_norm'"), frozenset({"onnx_signatures"}), DECODERS),
+    Feature("RMSNorm", _layer_feature(lambda l: "rms" in (l.attention_norm.kind, l.feedforward_norm.kind),
+                                      lambda l: "normalization='rms_norm'"), DECODERS),
+    Feature("sandwich norms", _layer_feature(lambda l: l.attention_post_norm or l.feedforward_post_norm,
+                                             lambda l: "use_sandwich_norm=True"), DECODERS),
+    Feature("QK-norm", _layer_feature(lambda l: l.attention.query_norm,
+                                      lambda l: "use_qk_norm=True"), DECODERS),
+    Feature("rotary positions", _layer_feature(lambda l: l.attention.rotary,
+                                               lambda l: "a rotary_embedding"), DECODERS),
+    Feature("sliding windows", _layer_feature(lambda l: l.attention.window is not None,
+                                              lambda l: f"sliding_window={l.attention.window}"), DECODERS),
+    Feature("grouped-query heads", _layer_feature(
+        lambda l: l.attention.num_key_value_heads != l.attention.num_heads,
+        lambda l: f"num_key_value_heads={l.attention.num_key_value_heads} "
+                  f"(num_heads={l.attention.num_heads})"), DECODERS),
+    Feature("attention logit soft cap", _layer_feature(
+        lambda l: l.attention.logit_soft_cap is not None,
+        lambda l: f"logit_soft_cap={l.attention.logit_soft_cap}"), DECODERS),
+    Feature("gated feed-forward", _layer_feature(lambda l: l.feedforward.gate,
+                                                 lambda l: "use_gated_feedforward=True"), DECODERS),
     Feature("a norm over another axis than the last", lambda d, c: _first(
         d, lambda l: not (l.attention_norm.last_axis and l.feedforward_norm.last_axis),
         lambda l: f"{l.name}: a norm over another axis than the last"), frozenset()),
     Feature("dynamic NTK rotary scaling", lambda d, c: (d.positions.rope_scaling or {}).get(
         "rope_type") == "dynamic" and (
-        "rope_scaling of type 'dynamic' (its frequencies depend on the call's length)"), frozenset()),
-    Feature("LongRoPE past its original length", _longrope_past, frozenset()),
+        "rope_scaling of type 'dynamic' (its frequencies depend on the call's length)"), frozenset(), DECODERS),
+    Feature("LongRoPE past its original length", _longrope_past, frozenset(), DECODERS),
     Feature("head sizes per layer", lambda d, c: _per_layer(
         [l.attention.head_dim for l in d.layers], "head_dim", "caches of other shapes per layer"),
-        frozenset({"litertlm"})),
+        frozenset({"litertlm"}), DECODERS),
     Feature("key/value heads per layer", lambda d, c: _per_layer(
         [l.attention.num_key_value_heads for l in d.layers], "num_key_value_heads",
-        "caches of other shapes per layer"), frozenset({"litertlm"})),
+        "caches of other shapes per layer"), frozenset({"litertlm"}), DECODERS),
     Feature("feed-forward widths per layer", lambda d, c: _per_layer(
         [l.feedforward.up.kernel.shape[1] for l in d.layers], "intermediate_dim", "one value per layer"),
-        ALL - {"onnx_genai"}),
+        DECODERS - {"onnx_genai"}, DECODERS),
     Feature("head size not a multiple of 16", lambda d, c: _first(
         d, lambda l: l.attention.head_dim % 16,
         lambda l: f"head_dim={l.attention.head_dim} (GroupQueryAttention needs a multiple of 16)"),
-        ALL - {"onnx_genai"}),
-    Feature("rotary width not a multiple of 16", lambda d, c: _rotary_width(d), ALL - {"onnx_genai"}),
+        DECODERS - {"onnx_genai"}, DECODERS),
+    Feature("rotary width not a multiple of 16", lambda d, c: _rotary_width(d), DECODERS - {"onnx_genai"},
+            DECODERS),
     # Found only when outside the writer's own list (ACTIVATIONS).
     Feature("activation", _activation, frozenset()),
+    Feature("negative indices", lambda d, c: _step(
+        d, description_lib.GetItemStep, lambda s: any(k is not None and k < 0 for k in s.key),
+        lambda s: f"{s.name}: key {s.key} (negative indices)"), frozenset({"onnx_encoder"}), ENCODERS),
+    Feature("outputs other than float32", lambda d, c: _tensor(
+        d.outputs, lambda t: t.dtype != "float32", lambda t: f"output {t.name} of dtype {t.dtype}"),
+        frozenset(), ENCODERS),
     Feature("ring-buffer cache with position tables", lambda d, c: c["writer"] in STACKED_CACHE and _ring(
         d, c) and d.positions.kind != "rotary" and (
-        f"position={d.positions.kind!r} with a ring-buffer cache (positions past max_length)"), frozenset()),
+        f"position={d.positions.kind!r} with a ring-buffer cache (positions past max_length)"), frozenset(), DECODERS),
     Feature("ring-buffer cache with LongRoPE", lambda d, c: c["writer"] in STACKED_CACHE and _ring(
         d, c) and (d.positions.rope_scaling or {}).get("rope_type") == "longrope" and (
         "rope_scaling of type 'longrope' with a ring-buffer cache (its factors switch past the "
-        "original length)"), frozenset()),
+        "original length)"), frozenset(), DECODERS),
 )
 
 
 def describe(model, writer):
-    """`model.describe()`, or `NotFusableError` when `model` is not a model
-    the decoder writers read."""
+    """The description `writer` reads (`model.describe()` for a decoder writer,
+    `description.read_encoder(model)` for an encoder writer), or
+    `NotFusableError` when `model` is not a model that writer reads."""
     label = WRITERS[writer]
+    if writer in ENCODERS:
+        if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "output_names"):
+            raise NotFusableError(f"the {label} takes a functional Keras model, not {type(model).__name__}")
+        return description_lib.read_encoder(model)
     if not callable(getattr(model, "describe", None)) or hasattr(model, "encode"):
         raise NotFusableError(f"the {label} takes a DecoderOnlyLM, not {type(model).__name__}")
     return model.describe()
@@ -167,8 +256,13 @@ def support(description, writer, max_length=None):
     if writer not in WRITERS:
         raise ValueError(f"Received an invalid value for argument `writer`, expected one of "
                          f"{sorted(WRITERS)}. Received: writer={writer!r}")
+    if isinstance(description, description_lib.Encoder) != (writer in ENCODERS):
+        raise ValueError(f"The {WRITERS[writer]} does not read a {type(description).__name__} "
+                         f"description. Received: writer={writer!r}")
     context = {"writer": writer, "max_length": max_length}
     for feature in FEATURES:
+        if writer not in feature.applies:
+            continue
         found = feature.found(description, context)
         if found and writer not in feature.covered:
             return f"{found} is not covered by the {WRITERS[writer]}"
@@ -182,15 +276,18 @@ def check(description, writer, max_length=None):
         raise NotFusableError(reason)
 
 
-def markdown_table():
-    """The capability table as Markdown: one row per feature, one column per writer."""
-    names = list(WRITERS)
+def markdown_table(writers=DECODERS):
+    """The capability table of `writers` as Markdown: one column per writer,
+    one row per feature that one of them does not cover (or the activations)."""
+    names = [n for n in WRITERS if n in writers]
     lines = ["| feature | " + " | ".join(WRITERS[n] for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for feature in FEATURES:
         if feature.name == "activation":
             cells = [", ".join(ACTIVATIONS[n]) for n in names]
+        elif not any(n in feature.applies and n not in feature.covered for n in names):
+            continue
         else:
-            cells = ["yes" if n in feature.covered else "no" for n in names]
+            cells = ["yes" if n in feature.covered else "no" if n in feature.applies else "-" for n in names]
         lines.append(f"| {feature.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
