@@ -585,6 +585,8 @@ def _encoder_step(op, node, name):
         padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
         if padding is None and getattr(args[0], "_keras_mask", None) is not None:
             return "inherits a Keras mask"
+        if padding is not None and len(padding.shape) != 2:
+            return f"a padding mask of shape {tuple(padding.shape)} (not (batch, length))"
         return BlockStep(op.name, name(args[0]), None if padding is None else name(padding), out,
                          _layer(op, op.sliding_window, None), op.normalize_first, causal,
                          op.mask_padded_queries)

@@ -257,8 +257,9 @@ def support(description, writer, max_length=None):
         raise ValueError(f"Received an invalid value for argument `writer`, expected one of "
                          f"{sorted(WRITERS)}. Received: writer={writer!r}")
     if isinstance(description, description_lib.Encoder) != (writer in ENCODERS):
-        raise ValueError(f"The {WRITERS[writer]} does not read a {type(description).__name__} "
-                         f"description. Received: writer={writer!r}")
+        kinds = ("an Encoder", "a Decoder") if writer in ENCODERS else ("a Decoder", "an Encoder")
+        raise ValueError(f"The {WRITERS[writer]} reads {kinds[0]}, not {kinds[1]}. "
+                         f"Received: writer={writer!r}")
     context = {"writer": writer, "max_length": max_length}
     for feature in FEATURES:
         if writer not in feature.applies:

@@ -380,7 +380,8 @@ class _EncoderBuilder:
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = self.op("SLICE", [self.op("SHAPE", [index], (3,), np.int32, "ShapeOptions"),
+                rows = self.op("SLICE", [self.op("SHAPE", [index], (3,), np.int32, "ShapeOptions",
+                                                 outType=2),
                                          self.const([0], np.int32), self.const([2], np.int32)],
                                (2,), np.int32, "SliceOptions")
                 index = g.reshape(index, (-1, tensor.shape[2]))
@@ -402,7 +403,7 @@ class _EncoderBuilder:
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
                 batch = self.op("SLICE", [self.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                                  "ShapeOptions"),
+                                                  "ShapeOptions", outType=2),
                                           self.const([0], np.int32), self.const([1], np.int32)],
                                 (1,), np.int32, "SliceOptions")
                 valid = self.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
