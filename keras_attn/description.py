@@ -8,10 +8,8 @@ values) and its feed-forward; per model the token table, its scale, the head
 per-layer inputs. The ONNX and TFLite writers (`keras_attn.export`) read
 this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
-the description by `keras_attn.export.capabilities`. `read_encoder(model)`
-returns an `Encoder`: a functional Keras model's calls in order, as steps
-(embedding, encoder block, dense, identity, comparison, indexing) naming the
-values they read and make; the encoder writers read that.
+the description by `keras_attn.export.capabilities`. The encoder writers read
+`read_encoder(model)`: a functional Keras model's calls in order, as steps.
 
 Weights are `Weight`s: a variable read when a writer asks for it, as a
 read-only float32 view of the variable's own memory where the backend keeps
@@ -455,14 +453,22 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbeddingStep:
-    """`TokenAndPositionEmbedding`: `tokens[ids] + positions[:T] + types[type_ids]`
-    (row 0 of `types` without `type_ids`; no `types`: no term), then `norm`."""
+class Step:
+    """A call of layer `name` reading the value `input`, making `output`; as
+    it is: `Identity`, `Dropout` (inference), a key of full slices only."""
 
     name: str
-    ids: str
-    type_ids: Optional[str]
+    input: str
     output: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingStep(Step):
+    """`TokenAndPositionEmbedding` of the ids `input`: `tokens[ids] +
+    positions[:T] + types[type_ids]` (row 0 of `types` without `type_ids`; no
+    `types`: no term), then `norm`."""
+
+    type_ids: Optional[str]
     tokens: Weight
     positions: Positions
     types: Optional[Weight]
@@ -471,16 +477,13 @@ class EmbeddingStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockStep:
-    """`TransformerEncoderBlock` (its `layer` as a decoder's) over `input`:
-    `padding` the `(B, T)` mask of valid keys (None: none), `causal`, and
-    with `mask_padded_queries` the attention output of padded queries zeroed
+class BlockStep(Step):
+    """`TransformerEncoderBlock` (its `layer` as a decoder's): `padding` the
+    `(B, T)` mask of valid keys (None: none), `causal`, and with
+    `mask_padded_queries` the attention output of padded queries zeroed
     before the output projection."""
 
-    name: str
-    input: str
     padding: Optional[str]
-    output: str
     layer: Layer
     normalize_first: bool
     causal: bool
@@ -488,44 +491,26 @@ class BlockStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseStep:
+class DenseStep(Step):
     """`activation(input @ kernel + bias)`; `activation` as `FeedForward`'s."""
 
-    name: str
-    input: str
-    output: str
     dense: Dense
     activation: Optional[str]
     activation_repr: str
 
 
 @dataclasses.dataclass(frozen=True)
-class IdentityStep:
-    """`Identity`, `Dropout` (inference), a key of full slices only."""
-
-    name: str
-    input: str
-    output: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CompareStep:
+class CompareStep(Step):
     """`input == scalar` (`equal`) or `input != scalar`; `scalar` of the input's dtype."""
 
-    name: str
-    input: str
-    output: str
     equal: bool
     scalar: Any
 
 
 @dataclasses.dataclass(frozen=True)
-class GetItemStep:
+class GetItemStep(Step):
     """`input[key]`: per axis an int (that axis dropped) or None (a full slice)."""
 
-    name: str
-    input: str
-    output: str
     key: tuple
 
 
@@ -553,15 +538,10 @@ def _index_key(key):
     None. A list is such a tuple: a `.keras` file stores the key as a list, and
     Keras's `GetItem` reads it back as the tuple."""
     key = tuple(key) if isinstance(key, (list, tuple)) else (key,)
-    out = []
-    for item in key:
-        if isinstance(item, slice) and item == slice(None):
-            out.append(None)
-        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-            out.append(int(item))
-        else:
-            return None
-    return tuple(out)
+    if all(isinstance(k, slice) and k == slice(None)
+           or isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in key):
+        return tuple(None if isinstance(k, slice) else int(k) for k in key)
+    return None
 
 
 def _encoder_step(op, node, name):
@@ -587,7 +567,7 @@ def _encoder_step(op, node, name):
             return "inherits a Keras mask"
         if padding is not None and len(padding.shape) != 2:
             return f"a padding mask of shape {tuple(padding.shape)} (not (batch, length))"
-        return BlockStep(op.name, name(args[0]), None if padding is None else name(padding), out,
+        return BlockStep(op.name, name(args[0]), out, None if padding is None else name(padding),
                          _layer(op, op.sliding_window, None), op.normalize_first, causal,
                          op.mask_padded_queries)
     if isinstance(op, TokenAndPositionEmbedding):
@@ -597,7 +577,7 @@ def _encoder_step(op, node, name):
         types = kwargs.get("token_type_ids")
         table = op.token_type_embedding
         return EmbeddingStep(
-            op.name, name(args[0]), None if types is None else name(types), out,
+            op.name, name(args[0]), out, None if types is None else name(types),
             tokens=_weight(op.token_embedding, "embeddings"),
             positions=_table_positions(op.position, op, op.sequence_length),
             types=None if table is None else _weight(table, "embeddings"),
@@ -607,7 +587,7 @@ def _encoder_step(op, node, name):
             return "called with extra arguments"
         return DenseStep(op.name, name(args[0]), out, _dense(op), *_activation_of(op.activation))
     if isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
-        return IdentityStep(op.name, name(args[0]), out)
+        return Step(op.name, name(args[0]), out)
     if kind in ("NotEqual", "Equal") and len(args) == 2:
         x, other = args
         if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
@@ -618,7 +598,7 @@ def _encoder_step(op, node, name):
         if key is None or len(key) != len(args[0].shape):
             return "only keys of ints and full slices"
         if not any(k is not None for k in key):
-            return IdentityStep(op.name, name(args[0]), out)
+            return Step(op.name, name(args[0]), out)
         return GetItemStep(op.name, name(args[0]), out, key)
     return f"{kind} layer"
 
@@ -645,13 +625,9 @@ def read_encoder(model):
                 unsupported.append((op.name, step))
             else:
                 steps.append(step)
-    vocabulary = {}
-    for step in steps:
-        if isinstance(step, EmbeddingStep):
-            size = step.tokens.shape[0]
-            vocabulary[step.ids] = min(size, vocabulary.get(step.ids, size))
-    inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.name, vocabulary.get(t.name))
-                   for t in model.inputs)
+    sizes = [(s.input, s.tokens.shape[0]) for s in steps if isinstance(s, EmbeddingStep)]
+    inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.name,
+                          min((n for v, n in sizes if v == t.name), default=None)) for t in model.inputs)
     outputs = tuple(Tensor(n, t.dtype, tuple(t.shape), name(t))
                     for t, n in zip(model.outputs, model.output_names))
     return Encoder(model.name, inputs, tuple(steps), outputs, _quantized(model), tuple(unsupported))

@@ -74,7 +74,7 @@ def numpy_outputs(d, feed):
     values = {t.value: np.asarray(feed[t.name]) for t in d.inputs}
     for step in d.steps:
         if isinstance(step, description_lib.EmbeddingStep):
-            ids = values[step.ids]
+            ids = values[step.input]
             x = _read(step.tokens)[ids] + _read(step.positions.table)[:ids.shape[1]]
             if step.types is not None:
                 x = x + (_read(step.types)[0] if step.type_ids is None else _read(step.types)[values[step.type_ids]])
@@ -84,12 +84,12 @@ def numpy_outputs(d, feed):
             y = _block(step, values[step.input], padding)
         elif isinstance(step, description_lib.DenseStep):
             y = ACTIVATIONS[step.activation](_linear(values[step.input], step.dense))
-        elif isinstance(step, description_lib.IdentityStep):
-            y = values[step.input]
         elif isinstance(step, description_lib.CompareStep):
             y = (values[step.input] == step.scalar) == step.equal
-        else:
+        elif isinstance(step, description_lib.GetItemStep):
             y = values[step.input][tuple(slice(None) if k is None else k for k in step.key)]
+        else:
+            y = values[step.input]
         values[step.output] = y
     return [values[t.value] for t in d.outputs]
 
@@ -148,10 +148,10 @@ def test_a_numpy_pass_over_the_description_gives_keras_outputs(name):
 def test_steps_name_their_values_and_weights_are_views():
     d = description_lib.read_encoder(bert_like(normalize_first=False, activation="gelu", layers=1, seed=1))
     kinds = [type(s).__name__ for s in d.steps]
-    assert kinds == ["EmbeddingStep", "IdentityStep", "CompareStep", "BlockStep", "GetItemStep", "DenseStep",
-                     "IdentityStep", "IdentityStep"], kinds
+    assert kinds == ["EmbeddingStep", "Step", "CompareStep", "BlockStep", "GetItemStep", "DenseStep",
+                     "Step", "Step"], kinds
     embedding, _, padding, block, first = d.steps[:5]
-    assert (embedding.ids, embedding.type_ids) == ("input_ids", "token_type_ids")
+    assert (embedding.input, embedding.type_ids) == ("input_ids", "token_type_ids")
     assert block.padding == padding.output and not padding.equal and first.key == (None, 0, None)
     assert [t.name for t in d.outputs] == ["last_hidden_state", "pooler_output"]
     assert [(t.name, t.vocabulary) for t in d.inputs] == [

@@ -68,11 +68,10 @@ def _per_layer(values, name, why):
     return f"{name}={values!r} ({why})" if len(set(values)) > 1 else None
 
 
-def _first(d, test, text):
-    for layer in d.layers:
-        if test(layer):
-            return text(layer)
-    return None
+def _first(items, test, text):
+    """`text(item)` of the first of `items` that passes `test`, else None."""
+    found = [item for item in items if test(item)]
+    return text(found[0]) if found else None
 
 
 def _longrope_past(d, context):
@@ -92,69 +91,66 @@ def _ring(d, context):
 
 
 def _rotary_width(d):
-    for layer in d.layers:
-        rotary = layer.attention.rotary
-        if rotary is not None and rotary.rotary_dim % 16:
-            return (f"partial_rotary_factor={rotary.layer.partial_rotary_factor} rotates "
-                    f"{rotary.rotary_dim} of {rotary.head_dim} features (GroupQueryAttention "
-                    "needs a multiple of 16)")
-    return None
+    return _first([b.attention.rotary for b in d.layers], lambda r: r is not None and r.rotary_dim % 16,
+                  lambda r: f"partial_rotary_factor={r.layer.partial_rotary_factor} rotates "
+                            f"{r.rotary_dim} of {r.head_dim} features (GroupQueryAttention needs a multiple of 16)")
 
 
 def _activation(d, context):
+    """The feed-forwards' and (encoders) the dense steps' activations."""
     allowed = ACTIVATIONS[context["writer"]]
-    found = _first(d, lambda l: l.feedforward.activation not in allowed,
-                   lambda l: f"{l.name}: activation={l.feedforward.activation_repr!r}")
-    dense = [s for s in getattr(d, "steps", ()) if isinstance(s, description_lib.DenseStep)
-             and s.activation not in allowed]
-    return found or (dense and f"{dense[0].name}: activation={dense[0].activation_repr!r}")
-
-
-def _step(d, kind, test, text):
-    """`text(step)` of the first step of type `kind` that passes `test`, else None."""
-    for step in d.steps:
-        if isinstance(step, kind) and test(step):
-            return text(step)
-    return None
-
-
-def _tensor(tensors, test, text):
-    found = [t for t in tensors if test(t)]
-    return text(found[0]) if found else None
-
-
-def _unsupported(d, context):
-    shown = "; ".join(f"{key} ({what})" for key, what in d.unsupported[:3])
-    more = len(d.unsupported) - 3
-    return shown and (shown + (f"; and {more} more" if more > 0 else ""))
+    named = [(b.name, b.feedforward) for b in d.layers] + [
+        (s.name, s) for s in getattr(d, "steps", ()) if isinstance(s, description_lib.DenseStep)]
+    return _first(named, lambda n: n[1].activation not in allowed,
+                  lambda n: f"{n[0]}: activation={n[1].activation_repr!r}")
 
 
 def _layer_feature(test, text):
     """A feature found on a layer (a decoder's or an encoder block's)."""
-    return lambda d, c: _first(d, test, lambda l: f"{l.name}: {text(l)}")
+    return lambda d, c: _first(d.layers, test, lambda b: f"{b.name}: {text(b)}")
 
 
-_EMBEDDING = description_lib.EmbeddingStep
+# Layer settings every decoder writer writes and no encoder writer does:
+# (feature, found on a layer, the model's option that sets it).
+_DECODER_LAYER_SETTINGS = (
+    ("RMSNorm", lambda b: "rms" in (b.attention_norm.kind, b.feedforward_norm.kind),
+     lambda b: "normalization='rms_norm'"),
+    ("sandwich norms", lambda b: b.attention_post_norm or b.feedforward_post_norm,
+     lambda b: "use_sandwich_norm=True"),
+    ("QK-norm", lambda b: b.attention.query_norm, lambda b: "use_qk_norm=True"),
+    ("rotary positions", lambda b: b.attention.rotary, lambda b: "a rotary_embedding"),
+    ("sliding windows", lambda b: b.attention.window, lambda b: f"sliding_window={b.attention.window}"),
+    ("grouped-query heads", lambda b: b.attention.num_key_value_heads != b.attention.num_heads,
+     lambda b: f"num_key_value_heads={b.attention.num_key_value_heads} (num_heads={b.attention.num_heads})"),
+    ("attention logit soft cap", lambda b: b.attention.logit_soft_cap,
+     lambda b: f"logit_soft_cap={b.attention.logit_soft_cap}"),
+    ("gated feed-forward", lambda b: b.feedforward.gate, lambda b: "use_gated_feedforward=True"),
+)
+
+
+_EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemStep
 
 
 FEATURES = (
     Feature("layers quantized by Keras", lambda d, c: d.quantized and (
         f"layers quantized by Keras (`model.quantize({d.quantized[0]!r})`) are not read"
         "; export the float model with the export's own `quantization=`"), frozenset()),
-    Feature("inputs other than int32 and float32", lambda d, c: _tensor(
-        d.inputs, lambda t: t.dtype not in ("int32", "float32"),
-        lambda t: f"input {t.name} of dtype {t.dtype}"), frozenset(), ENCODERS),
-    Feature("inputs other than (batch, length) or float (batch, length, features)", lambda d, c: _tensor(
+    Feature("inputs other than int32 and float32, outputs other than float32", lambda d, c: _first(
+        [("input", t) for t in d.inputs if t.dtype not in ("int32", "float32")]
+        + [("output", t) for t in d.outputs if t.dtype != "float32"], bool,
+        lambda k: f"{k[0]} {k[1].name} of dtype {k[1].dtype}"), frozenset(), ENCODERS),
+    Feature("inputs other than (batch, length) or float (batch, length, features)", lambda d, c: _first(
         d.inputs, lambda t: len(t.shape) != 2 and (len(t.shape), t.dtype) != (3, "float32"),
         lambda t: f"input {t.name} of shape {t.shape} and dtype {t.dtype}"),
         frozenset({"onnx_encoder"}), ENCODERS),
-    Feature("embeddings with mask_zero", lambda d, c: _step(
-        d, _EMBEDDING, lambda s: s.mask_zero,
+    Feature("embeddings with mask_zero", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _EMBEDDING) and s.mask_zero,
         lambda s: f"{s.name}: mask_zero=True (id 0 as padding, a Keras mask)"), frozenset(), ENCODERS),
-    Feature("sinusoidal embedding positions", lambda d, c: _step(
-        d, _EMBEDDING, lambda s: s.positions.kind != "learned",
+    Feature("sinusoidal embedding positions", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _EMBEDDING) and s.positions.kind != "learned",
         lambda s: f"{s.name}: position={s.positions.kind!r}"), frozenset(), ENCODERS),
-    Feature("model options or calls not described", _unsupported, frozenset()),
+    Feature("model options or calls not described", lambda d, c: d.unsupported and "; ".join(
+        f"{key} ({what})" for key, what in d.unsupported), frozenset()),
     Feature("shared keys and values (Gemma 4)", lambda d, c: any(
         l.attention.key_value_source is not None for l in d.layers) and (
         f"key_value_sources={[l.attention.key_value_source for l in d.layers]!r} (layers attending "
@@ -167,37 +163,19 @@ FEATURES = (
     Feature("block output scale", lambda d, c: any(l.output_scale is not None for l in d.layers) and (
         "use_output_scale=True (a scale on each block's output)"), frozenset()),
     Feature("attention options not described", lambda d, c: _first(
-        d, lambda l: l.attention.unsupported,
+        d.layers, lambda l: l.attention.unsupported,
         lambda l: f"{l.name}: " + "; ".join(f"{k} ({w})" for k, w in l.attention.unsupported)), frozenset()),
     Feature("gated attention", lambda d, c: _first(
-        d, lambda l: l.attention.gate, lambda l: f"{l.name}: use_gate=True"), frozenset()),
+        d.layers, lambda l: l.attention.gate, lambda l: f"{l.name}: use_gate=True"), frozenset()),
     Feature("relative position bias", lambda d, c: d.positions.kind == "relative" and (
         "position='relative'"), frozenset(), DECODERS),
     Feature("learned or sinusoidal positions", lambda d, c: d.positions.kind in ("learned", "sinusoidal") and (
         f"position={d.positions.kind!r}"), frozenset({"onnx_signatures"}), DECODERS),
     Feature("LayerNorm", lambda d, c: d.normalization == "layer_norm" and (
         "normalization='layer_norm'"), frozenset({"onnx_signatures"}), DECODERS),
-    Feature("RMSNorm", _layer_feature(lambda l: "rms" in (l.attention_norm.kind, l.feedforward_norm.kind),
-                                      lambda l: "normalization='rms_norm'"), DECODERS),
-    Feature("sandwich norms", _layer_feature(lambda l: l.attention_post_norm or l.feedforward_post_norm,
-                                             lambda l: "use_sandwich_norm=True"), DECODERS),
-    Feature("QK-norm", _layer_feature(lambda l: l.attention.query_norm,
-                                      lambda l: "use_qk_norm=True"), DECODERS),
-    Feature("rotary positions", _layer_feature(lambda l: l.attention.rotary,
-                                               lambda l: "a rotary_embedding"), DECODERS),
-    Feature("sliding windows", _layer_feature(lambda l: l.attention.window is not None,
-                                              lambda l: f"sliding_window={l.attention.window}"), DECODERS),
-    Feature("grouped-query heads", _layer_feature(
-        lambda l: l.attention.num_key_value_heads != l.attention.num_heads,
-        lambda l: f"num_key_value_heads={l.attention.num_key_value_heads} "
-                  f"(num_heads={l.attention.num_heads})"), DECODERS),
-    Feature("attention logit soft cap", _layer_feature(
-        lambda l: l.attention.logit_soft_cap is not None,
-        lambda l: f"logit_soft_cap={l.attention.logit_soft_cap}"), DECODERS),
-    Feature("gated feed-forward", _layer_feature(lambda l: l.feedforward.gate,
-                                                 lambda l: "use_gated_feedforward=True"), DECODERS),
+    *(Feature(name, _layer_feature(test, text), DECODERS) for name, test, text in _DECODER_LAYER_SETTINGS),
     Feature("a norm over another axis than the last", lambda d, c: _first(
-        d, lambda l: not (l.attention_norm.last_axis and l.feedforward_norm.last_axis),
+        d.layers, lambda l: not (l.attention_norm.last_axis and l.feedforward_norm.last_axis),
         lambda l: f"{l.name}: a norm over another axis than the last"), frozenset()),
     Feature("dynamic NTK rotary scaling", lambda d, c: (d.positions.rope_scaling or {}).get(
         "rope_type") == "dynamic" and (
@@ -213,19 +191,16 @@ FEATURES = (
         [l.feedforward.up.kernel.shape[1] for l in d.layers], "intermediate_dim", "one value per layer"),
         DECODERS - {"onnx_genai"}, DECODERS),
     Feature("head size not a multiple of 16", lambda d, c: _first(
-        d, lambda l: l.attention.head_dim % 16,
+        d.layers, lambda l: l.attention.head_dim % 16,
         lambda l: f"head_dim={l.attention.head_dim} (GroupQueryAttention needs a multiple of 16)"),
         DECODERS - {"onnx_genai"}, DECODERS),
     Feature("rotary width not a multiple of 16", lambda d, c: _rotary_width(d), DECODERS - {"onnx_genai"},
             DECODERS),
     # Found only when outside the writer's own list (ACTIVATIONS).
     Feature("activation", _activation, frozenset()),
-    Feature("negative indices", lambda d, c: _step(
-        d, description_lib.GetItemStep, lambda s: any(k is not None and k < 0 for k in s.key),
+    Feature("negative indices", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _GET_ITEM) and any(k is not None and k < 0 for k in s.key),
         lambda s: f"{s.name}: key {s.key} (negative indices)"), frozenset({"onnx_encoder"}), ENCODERS),
-    Feature("outputs other than float32", lambda d, c: _tensor(
-        d.outputs, lambda t: t.dtype != "float32", lambda t: f"output {t.name} of dtype {t.dtype}"),
-        frozenset(), ENCODERS),
     Feature("ring-buffer cache with position tables", lambda d, c: c["writer"] in STACKED_CACHE and _ring(
         d, c) and d.positions.kind != "rotary" and (
         f"position={d.positions.kind!r} with a ring-buffer cache (positions past max_length)"), frozenset(), DECODERS),
@@ -289,6 +264,6 @@ def markdown_table(writers=DECODERS):
         elif not any(n in feature.applies and n not in feature.covered for n in names):
             continue
         else:
-            cells = ["yes" if n in feature.covered else "no" if n in feature.applies else "-" for n in names]
+            cells = ["yes" if n in feature.covered else "no" for n in names]
         lines.append(f"| {feature.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

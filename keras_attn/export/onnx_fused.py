@@ -7,9 +7,9 @@ sizes: encoder exports") and turns a Transformer block into dozens of small
 ops (LayerNorm as mean/variance arithmetic, attention as reshapes,
 transposes and matmuls) that onnxruntime's transformer optimizer does not
 recognise. `direct_model_proto` instead reads the model's description
-(`keras_attn.description.read_encoder`) and writes each step from its weights, each weight once, straight
-into the ModelProto. `export_onnx` uses it wherever it applies and tf2onnx
-for the rest (`writer="auto"`).
+(`keras_attn.description.read_encoder`) and writes each step from its
+weights, each weight once, straight into the ModelProto. `export_onnx` uses
+it wherever it applies and tf2onnx for the rest (`writer="auto"`).
 
 Two op sets, the same arithmetic:
 - standard ONNX (`fused=False`, any runtime): attention as MatMul / Softmax
@@ -22,22 +22,13 @@ Two op sets, the same arithmetic:
   bias and LayerNorm in one kernel), `BiasGelu` (erf GELU) or `FastGelu`
   (the tanh GELU, which is exactly what FastGelu computes).
 
-Layers covered:
-- `TransformerEncoderBlock` (post-norm or pre-norm LayerNorm, full
-  multi-head self-attention with a padding mask, `mask_padded_queries`
-  either way, optionally causal, GELU / tanh-GELU / ReLU feed-forward): the
-  attention, the output projection as a `MatMul`, the residual LayerNorms
-  (pre-norm: `LayerNormalization` and `Add`), the feed-forward as two
-  `MatMul`s around the activation.
-- `TokenAndPositionEmbedding` (learned positions from 0, optional token
-  types, optional LayerNorm): `Gather`s, `Add`s and `LayerNormalization`.
-- `Dense`, `Dropout` (identity), `Identity`, `not_equal` / `equal`,
-  first-token slicing `x[:, i, :]`.
-
-Any other layer or configuration raises `NotFusableError` with the reason
-the capability table gives (`keras_attn.export.capabilities`; then
-`export_onnx` uses tf2onnx). The written graph is verified against Keras
-like tf2onnx's.
+A block is its attention, the output projection as a `MatMul`, the residual
+LayerNorms (pre-norm: `LayerNormalization` and `Add`) and the feed-forward
+as two `MatMul`s around the activation; the embedding `Gather`s, `Add`s and
+a `LayerNormalization`. What the writer covers is the capability table's
+(`keras_attn.export.capabilities`, "onnx_encoder"); anything else raises
+`NotFusableError` with its reason (then `export_onnx` uses tf2onnx). The
+written graph is verified against Keras like tf2onnx's.
 """
 
 import numpy as np
@@ -252,12 +243,6 @@ def _onnx_tensor(array):
     return onnx.numpy_helper.from_array(array)
 
 
-def _layer_norm_of(norm):
-    """`(gamma, beta, epsilon)` of a LayerNorm `Norm` (an encoder's are; the
-    capability table refuses RMSNorm)."""
-    return norm.scale.read(), norm.bias.read(), norm.epsilon
-
-
 def _emit_block(w, step, x, padding, rows, hint):
     """One `BlockStep`: returns the output value name.
 
@@ -286,7 +271,7 @@ def _emit_block(w, step, x, padding, rows, hint):
     branches = ((attention, layer.attention_norm, a.output.read_bias(), "_attn_res", "_ln1"),
                 (ffn, layer.feedforward_norm, f.down.read_bias(), "_ffn_res", "_ln2"))
     for fn, norm, out_bias, pre, post in branches:
-        gamma, beta, eps = _layer_norm_of(norm)
+        gamma, beta, eps = norm.scale.read(), norm.bias.read(), norm.epsilon  # LayerNorm (the table)
         if step.normalize_first:  # x + f(LN(x)) + bias
             y = fn(w.layer_norm(x, gamma, beta, eps, hint + pre))
             if out_bias is not None:
@@ -323,7 +308,7 @@ def _emit_embedding(w, step, ids, type_ids, clamp):
         else:
             x = w.node("Add", [x, lookup(step.types.read(), type_ids, hint + "_types")], hint + "_sum")
     if step.norm is not None:
-        x = w.layer_norm(x, *_layer_norm_of(step.norm), hint + "_ln")
+        x = w.layer_norm(x, step.norm.scale.read(), step.norm.bias.read(), step.norm.epsilon, hint + "_ln")
     return x
 
 
@@ -374,22 +359,22 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
                     w.const(np.array([2], np.int64), "axis")], "rows"))
             v[step.output] = _emit_block(w, step, v[step.input], mask, rows, hint)
         elif isinstance(step, description_lib.EmbeddingStep):
-            v[step.output] = _emit_embedding(w, step, v[step.ids], v.get(step.type_ids),
+            v[step.output] = _emit_embedding(w, step, v[step.input], v.get(step.type_ids),
                                              clamp=check_ids == "clamp")
         elif isinstance(step, description_lib.DenseStep):
             v[step.output] = w.dense(v[step.input], step.dense.kernel.read(), step.dense.read_bias(),
                                      step.activation, hint)
-        elif isinstance(step, description_lib.IdentityStep):
-            v[step.output] = v[step.input]
         elif isinstance(step, description_lib.CompareStep):
             y = w.node("Equal", [v[step.input], w.const(step.scalar, hint + "_scalar")], hint)
             v[step.output] = y if step.equal else w.node("Not", [y], hint)
-        else:  # GetItemStep
+        elif isinstance(step, description_lib.GetItemStep):
             x = v[step.input]
             for axis in reversed(range(len(step.key))):
                 if step.key[axis] is not None:
                     x = w.node("Gather", [x, w.const(np.int64(step.key[axis]), hint + "_index")], hint, axis=axis)
             v[step.output] = x
+        else:  # a Step as it is
+            v[step.output] = v[step.input]
     for t in encoder.outputs:
         w.graph.node.append(onnx.helper.make_node("Identity", [v[t.value]], [t.name], name=w.fresh("out")))
     w.graph.name = encoder.name

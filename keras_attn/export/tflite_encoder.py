@@ -11,15 +11,10 @@ of its variable), streamed to the file as it is made
 limit). `tflite.export_tflite` uses it wherever it covers the model
 (`writer="auto"`) and the converter for the rest.
 
-It covers what the direct ONNX writer covers (`onnx_fused`; the capability
-table, `keras_attn.export.capabilities`, says where they differ):
-`TokenAndPositionEmbedding` (learned positions, optional
-token types and LayerNorm), `TransformerEncoderBlock` (post- or pre-norm
-LayerNorm, full multi-head self-attention with a padding mask, causal or
-not, `mask_padded_queries` either way, GELU / tanh-GELU / ReLU feed-forward),
-`Dense` (linear, ReLU, tanh, GELU), `Dropout` and `Identity`, comparisons of
-a tensor with a scalar, and `x[:, i, :]`-style indexing (such as a pooler's
-first token). Anything else raises `NotFusableError` with the table's reason.
+It covers what the direct ONNX writer covers but negative indices and inputs
+of other ranks than `(batch, length)` and float `(batch, length, features)`
+(the capability table, `keras_attn.export.capabilities`, "tflite_encoder");
+anything else raises `NotFusableError` with the table's reason.
 
 The graph is the converter's: the signature `serving_default` with the
 model's input names (`serving_default_<name>:0` tensors) and output names
@@ -81,8 +76,8 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
     """Writes `model` (a functional Keras encoder) as a `.tflite` file at `path`.
 
     Args:
-        model: a functional Keras model built from the layers listed in the
-            module docstring.
+        model: a functional Keras model the capability table says the
+            writer covers.
         path: the `.tflite` file to write (replaced).
         quantization: None (float32) or "dynamic" (int8 weights).
         check_ids: None, "clamp" or "flag" (see `tflite.export_tflite`).
@@ -200,8 +195,7 @@ class _EncoderBuilder:
 
     def dense(self, x, dense, activation, name):
         """`activation(x @ kernel + bias)` of a description's `Dense`."""
-        y = self.fully_connected(x, dense.kernel.read(), dense.read_bias(), name)
-        return self.activation(y, activation)
+        return self.activation(self.fully_connected(x, dense.kernel.read(), dense.read_bias(), name), activation)
 
     def layer_norm(self, x, norm):
         """`(x - mean) * rsqrt(var + eps) * gamma + beta` over the last axis (a LayerNorm `Norm`)."""
@@ -357,13 +351,6 @@ class _EncoderBuilder:
                 h = self.layer_norm(g.add(h, fn(h)), norm)
         return types.SimpleNamespace(index=h, rows=rows)
 
-    def get_item(self, step, x):
-        tensor = self.unflatten(x)
-        for axis in reversed(range(len(step.key))):
-            if step.key[axis] is not None:
-                tensor = self.g.gather(tensor, self.const(step.key[axis], np.int32), axis=axis)
-        return types.SimpleNamespace(index=tensor, rows=None)
-
     # -- the model ------------------------------------------------------------
     def inputs(self, encoder, check_ids):
         """The graph inputs (sorted by name, as the converter's signature
@@ -423,21 +410,25 @@ class _EncoderBuilder:
                 result = self.block(step, v[step.input], padding)
             elif isinstance(step, description_lib.EmbeddingStep):
                 types_ = None if step.type_ids is None else v[step.type_ids].index
-                result = self.embedding(step, v[step.ids].index, types_, step.ids in clamped)
+                result = self.embedding(step, v[step.input].index, types_, step.input in clamped)
             elif isinstance(step, description_lib.DenseStep):
                 x = v[step.input]
                 index = self.dense(x.index, step.dense, step.activation, step.name)
                 result = types.SimpleNamespace(index=index, rows=x.rows)
-            elif isinstance(step, description_lib.IdentityStep):
-                result = v[step.input]
             elif isinstance(step, description_lib.CompareStep):
                 x = v[step.input]
                 kind = "Equal" if step.equal else "NotEqual"
                 index = self.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
                                     self.const(step.scalar, g.dtype(x.index)), kind + "Options", np.bool_)
                 result = types.SimpleNamespace(index=index, rows=x.rows)
-            else:  # GetItemStep
-                result = self.get_item(step, v[step.input])
+            elif isinstance(step, description_lib.GetItemStep):
+                index = self.unflatten(v[step.input])
+                for axis in reversed(range(len(step.key))):
+                    if step.key[axis] is not None:
+                        index = g.gather(index, self.const(step.key[axis], np.int32), axis=axis)
+                result = types.SimpleNamespace(index=index, rows=None)
+            else:  # a Step as it is
+                result = v[step.input]
             v[step.output] = result
         outputs = []
         taken = set(graph_inputs.values())
