@@ -4,10 +4,11 @@ A decoder writer reads a `keras_attn.description.Decoder` (`model.describe()`),
 an encoder writer an `Encoder` (`description.read_encoder(model)`). Each
 row of `FEATURES` is one thing a model can have: how to find it in a
 description (and name it, as the model's own option), the writers it
-applies to and those that write it. `support(description, writer)` returns None (covered) or the first
-reason the writer does not cover that model; `check` raises it as a
-`NotFusableError`, which the exports' `writer="auto"` turns into a fallback
-to the traced path with that reason in its warning (`keras_attn.export.writers`).
+applies to and those that write it. `support(description, writer)` returns
+None (covered) or the first reason the writer does not cover that model;
+`check` raises it as a `NotFusableError`, which the exports' `writer="auto"`
+turns into a fallback to the traced path with that reason in its warning
+(`keras_attn.export.writers`).
 `markdown_table(writers)` is the table the guides show (the decoder writers'
 in docs/guides/generation.md, the encoder writers' in export_serving.md).
 

@@ -253,7 +253,7 @@ def _emit_block(w, step, x, padding, rows, hint):
     a, f = layer.attention, layer.feedforward
     kernel = a.packed_kernel()
     bias = a.packed_bias()
-    if bias is None:  # the fused Attention takes a bias: zeros
+    if bias is None:  # both attention forms (`_Writer.attention`) take a bias: zeros
         bias = np.zeros(kernel.shape[1], np.float32)
 
     def attention(h):

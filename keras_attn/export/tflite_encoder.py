@@ -306,7 +306,7 @@ class _EncoderBuilder:
         qkv_kernel = a.packed_kernel()
         qkv_kernel[:, :width] *= scale
         qkv_bias = a.packed_bias()
-        if qkv_bias is None:  # no biases: zero ones, one FULLY_CONNECTED form either way
+        if qkv_bias is None:  # no biases: a zero one, the graph this writer has always written
             qkv_bias = np.zeros(3 * width, np.float32)
         qkv_bias[:width] *= scale
         bias, keep = None, None
