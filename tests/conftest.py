@@ -26,6 +26,7 @@ BACKEND_AGNOSTIC_FILES = {
     "test_convert_streaming.py",
     "test_decoder_writers.py",
     "test_description.py",
+    "test_encoder_description.py",
     "test_errors.py",
     "test_family_options.py",
     "test_gemma4_options.py",

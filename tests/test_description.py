@@ -127,7 +127,7 @@ def test_every_model_option_is_described_or_named():
     new = WithNewOption(**{k: v for k, v in lm.get_config().items() if k not in ("name", "trainable", "dtype")})
     d = new.describe()
     assert d.unsupported == (("new_option", "a model option"),)
-    for writer in capabilities.WRITERS:
+    for writer in capabilities.DECODERS:
         assert "new_option" in capabilities.support(d, writer)
 
 
