@@ -41,20 +41,18 @@ like tf2onnx's.
 
 import numpy as np
 
+from keras_attn.export.onnx_graph import MS_DOMAIN
+from keras_attn.export.onnx_graph import Graph
+from keras_attn.export.onnx_graph import NotFusableError
 from keras_attn.layers.activations import canonical_name as activation_name  # noqa: F401
 
-MS_DOMAIN = "com.microsoft"
 _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 
 
-class NotFusableError(ValueError):
-    """The model has a layer or setting the fused writer does not cover."""
-
-
-class _Writer:
-    """Builds the ModelProto in place: each initializer goes straight into the
-    graph (no list of tensors copied into a graph, then into a model), or,
-    given `weights_file`, is serialized there at once and dropped.
+class _Writer(Graph):
+    """The encoder's `Graph`: every initializer streamed, given
+    `weights_file`, into the model file itself (`external=False`), values
+    named by `fresh`, and the encoder's ops.
 
     `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
     residual LayerNorms and GELU; otherwise the same arithmetic in standard
@@ -62,13 +60,9 @@ class _Writer:
     """
 
     def __init__(self, opset, fused, weights_file=None):
-        import onnx
-
-        self.proto = onnx.ModelProto()
-        self.graph = self.proto.graph
+        super().__init__(weights_file)
         self.opset = opset
         self.fused = fused
-        self.weights_file = weights_file
         self._count = 0
         self.values = {}  # id(KerasTensor) -> ONNX value name
         self._cache = {}  # (kind, value name) -> derived value (masks)
@@ -78,30 +72,11 @@ class _Writer:
         return f"{hint}_{self._count}"
 
     def const(self, array, hint):
-        import onnx
-
-        name = self.fresh(hint)
-        tensor = onnx.numpy_helper.from_array(np.asarray(array), name)
-        if self.weights_file is None:
-            self.graph.initializer.append(tensor)
-        else:
-            # A ModelProto holding only this initializer: concatenated
-            # serialized messages parse as one message with the repeated
-            # fields appended, so the pieces and the rest of the model make
-            # the whole file, and no tensor outlives its own write.
-            piece = onnx.ModelProto()
-            piece.graph.initializer.append(tensor)
-            self.weights_file.write(piece.SerializeToString())
-        return name
+        return super().const(array, self.fresh(hint))
 
     def node(self, op, inputs, hint, domain="", outputs=1, **attrs):
-        import onnx
-
         names = [self.fresh(hint) for _ in range(outputs)]
-        self.graph.node.append(
-            onnx.helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
-        )
-        return names[0] if outputs == 1 else names
+        return super().node(op, inputs, self.fresh(op), outputs=names, domain=domain, **attrs)
 
     def cached(self, kind, source, make):
         key = (kind, source)
@@ -111,21 +86,6 @@ class _Writer:
 
     # -- building blocks ------------------------------------------------------
 
-    def gelu(self, y, activation, hint):
-        """GELU (erf) or its tanh approximation in standard ops (opset 17 has no Gelu)."""
-        half = self.const(np.float32(0.5), hint + "_half")
-        one = self.const(np.float32(1.0), hint + "_one")
-        if activation == "gelu":
-            inner = self.node("Mul", [y, self.const(np.float32(1 / np.sqrt(2)), hint + "_rsqrt2")], hint)
-            curve = self.node("Erf", [inner], hint)
-        else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-            cube = self.node("Mul", [y, self.node("Mul", [y, y], hint)], hint)
-            inner = self.node("Add", [y, self.node(
-                "Mul", [cube, self.const(np.float32(0.044715), hint + "_c")], hint)], hint)
-            inner = self.node("Mul", [inner, self.const(np.float32(np.sqrt(2 / np.pi)), hint + "_k")], hint)
-            curve = self.node("Tanh", [inner], hint)
-        return self.node("Mul", [self.node("Mul", [y, half], hint), self.node("Add", [curve, one], hint)], hint)
-
     def dense(self, x, kernel, bias, activation, hint):
         y = self.node("MatMul", [x, self.const(kernel, hint + "_kernel")], hint)
         if self.fused and activation in _GELUS and bias is not None:
@@ -134,19 +94,7 @@ class _Writer:
             )
         if bias is not None:
             y = self.node("Add", [y, self.const(bias, hint + "_bias")], hint)
-        if activation == "linear":
-            return y
-        if activation == "relu":
-            return self.node("Relu", [y], hint)
-        if activation == "tanh":
-            return self.node("Tanh", [y], hint)
-        if activation in _GELUS and not self.fused:
-            return self.gelu(y, activation, hint)
-        if activation == "gelu":
-            return self.node("Gelu", [y], hint, domain=MS_DOMAIN)
-        if activation == "gelu_tanh":
-            return self.node("FastGelu", [y], hint, domain=MS_DOMAIN)
-        raise NotFusableError(f"activation {activation!r} of {hint}")
+        return self.activation(y, hint, activation, standard=not self.fused)
 
     def layer_norm(self, x, gamma, beta, epsilon, hint):
         return self.node(

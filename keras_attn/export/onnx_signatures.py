@@ -11,7 +11,7 @@ TensorFlow graph is involved: it runs on every Keras backend.
 - Weights: each written once, streamed to one external data file that both
   models name (`external_data`, each tensor at its own aligned offset), or
   inside each proto. A tied table is stored once and read by the head as a
-  `Gemm` with `transB=1` (`onnx_decoder.Graph.tied_table`).
+  `Gemm` with `transB=1` (`onnx_decoder.DecoderGraph.tied_table`).
 - Positions: rotary angles gathered from the model's own cos/sin tables
   (`keras_attn.description.rotary_tables`, so static `rope_scaling` is exact); for a
   ring-buffer cache, whose positions run past `max_length`, computed from
@@ -50,7 +50,7 @@ import numpy as np
 
 from keras_attn.description import array_of
 from keras_attn.export import capabilities
-from keras_attn.export.onnx_decoder import Graph
+from keras_attn.export.onnx_decoder import DecoderGraph
 from keras_attn.export.onnx_fused import NotFusableError
 
 WRITER = "direct ONNX signature writer"
@@ -107,7 +107,7 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
     names = ("prefill", "decode") + (() if d.stacked_cache(max_length)[1] else ("decode_step",))
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        weights = _Weights(Graph(None, 32, 0, data_file, shared))
+        weights = _Weights(DecoderGraph(None, 32, 0, data_file, shared))
         return {name: _Signature(d, name, max_length, checks, opset, read_bucket, weights).proto()
                 for name in names}
 
@@ -125,7 +125,7 @@ class _Weights:
         return self.names[key]
 
     def described(self, key, make):
-        """A `Graph.weight` / `Graph.tied_table` description, made once."""
+        """A `DecoderGraph.weight` / `DecoderGraph.tied_table` description, made once."""
         if key not in self.names:
             self.names[key] = make(self.graph)
         return self.names[key]
@@ -137,7 +137,7 @@ class _Signature:
     def __init__(self, description, kind, max_length, checks, opset, read_bucket, weights):
         self.d, self.kind, self.checks, self.opset = description, kind, checks, opset
         self.max_length, self.bucket, self.weights = max_length, read_bucket, weights
-        self.g = Graph(None, 32, 0)
+        self.g = DecoderGraph(None, 32, 0)
         self.count = 0
         self.cache_length, self.ring = description.stacked_cache(max_length)
         first = description.layers[0].attention
@@ -158,13 +158,8 @@ class _Signature:
         return self.g.node(op, inputs, name, outputs=outputs, **attrs)
 
     def c(self, value, dtype, hint="c"):
-        """A small constant inside the graph (a scalar stays a scalar: `Graph.const`
-        makes arrays at least 1-D)."""
-        from onnx import numpy_helper
-
-        name = self.name(hint)
-        self.g.initializers.append(numpy_helper.from_array(np.array(value, dtype), name))
-        return name
+        """A small constant inside the graph."""
+        return self.g.const(np.array(value, dtype), self.name(hint))
 
     def i64(self, value):
         return self.c(value, np.int64, "i64")
@@ -236,13 +231,13 @@ class _Signature:
                 valid = self.op("And", [valid, condition], "valid")
             outputs.append(("valid", valid, []))
             infos.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, []))
-        graph = helper.make_graph(self.g.nodes, f"keras_attn_{self.kind}", inputs, infos,
-                                  self.weights.graph.initializers + self.g.initializers)
+        # The shared weights first, in the order the weights file holds them.
+        for i, tensor in enumerate(self.weights.graph.graph.initializer):
+            self.g.graph.initializer.insert(i, tensor)
+        proto = self.g.finish(f"keras_attn_{self.kind}", inputs, infos, [("", self.opset)],
+                              helper.find_min_ir_version_for([helper.make_opsetid("", self.opset)]))
         for name, value, _ in outputs:
-            rename_value(graph, value, name)  # the node that makes it writes it: no Identity
-        opsets = [helper.make_opsetid("", self.opset)]
-        proto = helper.make_model(graph, producer_name="keras_attn", opset_imports=opsets)
-        proto.ir_version = helper.find_min_ir_version_for(opsets)
+            rename_value(proto.graph, value, name)  # the node that makes it writes it: no Identity
         return proto
 
     def flag(self, condition):
