@@ -102,7 +102,7 @@ def test_fallback_after_some_weights_were_streamed_leaves_none_of_them(tmp_path)
 
     inputs = keras.Input((None, DIM), name="x")
     first = keras.layers.Dense(8, name="first")
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="sigmoid")(first(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(first(inputs)))
     report = export_onnx(model, tmp_path / "m.onnx")
     assert report.details["writer"] == "tf2onnx"
     names = [i.name for i in onnx.load(str(tmp_path / "m.onnx")).graph.initializer]

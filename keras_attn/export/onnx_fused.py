@@ -47,6 +47,9 @@ from keras_attn.export.onnx_graph import NotFusableError
 from keras_attn.layers.activations import canonical_name as activation_name  # noqa: F401
 
 _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
+# What both encoder writers cover (`tflite_encoder` too): a model outside it
+# goes to the traced writer from either.
+_ACTIVATIONS = ("linear", "relu", "tanh", "gelu", "gelu_tanh")
 
 
 class _Writer(Graph):
@@ -87,6 +90,8 @@ class _Writer(Graph):
     # -- building blocks ------------------------------------------------------
 
     def dense(self, x, kernel, bias, activation, hint):
+        if activation not in _ACTIVATIONS:
+            raise NotFusableError(f"activation {activation!r} of {hint}")
         y = self.node("MatMul", [x, self.const(kernel, hint + "_kernel")], hint)
         if self.fused and activation in _GELUS and bias is not None:
             return self.node(
