@@ -68,7 +68,6 @@ class _Writer(Graph):
         self.fused = fused
         self._count = 0
         self.values = {}  # id(KerasTensor) -> ONNX value name
-        self._cache = {}  # (kind, value name) -> derived value (masks)
 
     def fresh(self, hint):
         self._count += 1
@@ -82,10 +81,7 @@ class _Writer(Graph):
         return super().node(op, inputs, self.fresh(op), outputs=names, domain=domain, **attrs)
 
     def cached(self, kind, source, make):
-        key = (kind, source)
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        return self.once((kind, source), make)  # masks derived from one input
 
     # -- building blocks ------------------------------------------------------
 

@@ -1,25 +1,21 @@
-"""The ONNX graph builder of the direct writers, and the check of their external weights.
+"""The ONNX graph builder of the direct writers (`onnx_fused`'s encoders,
+`onnx_decoder`'s GenAI graph, `onnx_signatures`' prefill/decode) and the
+check of their external weights.
 
-One `Graph` under the encoder writer (`keras_attn.export.onnx_fused`), the
-GenAI decoder writer (`keras_attn.export.onnx_decoder`) and the
-prefill/decode signature writer (`keras_attn.export.onnx_signatures`): it
-builds a ModelProto in place (each node and initializer goes straight into
-it, no lists copied into a graph, then into a model) and writes the weights
-one way. Given a `weights_file`, each initializer is written there as it is
-made, its bytes straight from the array's memory (no bytes copy), so an
-export holds one tensor at a time and no protobuf message holds them all
-(protobuf's 2 GB limit). The file is one of:
-
-- the model file itself (`external=False`, a self-contained `.onnx`): each
-  tensor as a ModelProto piece holding only it. Concatenated serialized
-  messages parse as one message with their repeated fields appended, so the
-  pieces followed by the finished proto's serialization are the model;
+`Graph` builds a ModelProto in place (no lists copied into a graph, then
+into a model). Given a `weights_file`, each initializer is written there as
+it is made, so an export holds one tensor at a time and no message holds
+them all (protobuf's 2 GB limit). That file is one of:
+- the model file itself (`external=False`: one self-contained `.onnx`),
+  each tensor as a ModelProto holding only it: concatenated serialized
+  messages parse as one, repeated fields appended, so the pieces followed by
+  the finished proto's serialization are the model;
 - ONNX external data beside the model (`external=True`): each tensor of at
-  least 1 KiB at a 4 KiB-aligned offset that onnxruntime memory-maps, the
-  proto saying where. The arrays written there that are the model's own
-  memory (`borrowed`) are collected in `shared`: `inference_session` runs on
-  them instead of a second copy, once `check_external_data` has found the
-  file's bytes equal to them.
+  least 1 KiB written from the array's memory at a 4 KiB-aligned offset
+  that onnxruntime memory-maps. The arrays that are the model's own memory
+  (`borrowed`) are collected in `shared`: `inference_session` runs on them
+  instead of a second copy, once `check_external_data` has found the file's
+  bytes equal to them.
 """
 
 import os
@@ -41,8 +37,7 @@ _COMPARE_BYTES = 1 << 26
 
 
 class Graph:
-    """An ONNX model being written: `proto` (its `graph`), `node`, `const`
-    (streamed to `weights_file` as described in the module docstring) and
+    """An ONNX model being written: `proto` (its `graph`), `node`, `const`,
     `activation`; `finish` adds the inputs, outputs and opsets."""
 
     def __init__(self, weights_file=None, *, external=False, shared=None):
@@ -55,34 +50,34 @@ class Graph:
         # {name: array} of the external weights that are the model's own
         # memory (`borrowed`), when a dict is given.
         self.shared = shared
+        self._made = {}
 
     def const(self, array, name):
         """The initializer `name` holding `array` (its shape as given: a scalar stays one)."""
-        from onnx import TensorProto
-        from onnx import helper
+        import onnx
 
         array = np.asarray(array)
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
-        header = dict(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        header = {"name": name, "dims": array.shape,
+                  "data_type": onnx.helper.np_dtype_to_tensor_dtype(array.dtype)}
         f = self.weights_file
-        if f is None or (self.external and array.nbytes < _EXTERNAL_MIN_BYTES):
-            self.graph.initializer.add(raw_data=array.tobytes(), **header)
-            return name
-        data = array.reshape(-1).view(np.uint8).data
-        if self.external:
+        if f is not None and self.external and array.nbytes >= _EXTERNAL_MIN_BYTES:
             offset = -(-f.tell() // _EXTERNAL_ALIGNMENT) * _EXTERNAL_ALIGNMENT
             f.seek(offset)
-            f.write(data)
-            tensor = self.graph.initializer.add(data_location=TensorProto.EXTERNAL, **header)
+            f.write(array.reshape(-1).view(np.uint8).data)  # no bytes copy
+            tensor = self.graph.initializer.add(data_location=onnx.TensorProto.EXTERNAL, **header)
             for key, value in (("location", os.path.basename(f.name)), ("offset", str(offset)),
                                ("length", str(array.nbytes))):
                 tensor.external_data.add(key=key, value=value)
             if self.shared is not None and borrowed(array):
                 self.shared[name] = array
+        elif f is not None and not self.external:
+            piece = onnx.ModelProto()  # no tensor outlives its own write
+            piece.graph.initializer.add(raw_data=array.tobytes(), **header)
+            f.write(piece.SerializeToString())
         else:
-            f.write(_piece_prefix(TensorProto(**header).SerializeToString(), array.nbytes))
-            f.write(data)
+            self.graph.initializer.add(raw_data=array.tobytes(), **header)
         return name
 
     def node(self, op, inputs, name, outputs=1, domain="", **attrs):
@@ -93,6 +88,12 @@ class Graph:
         names = [f"{name}/output_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
         self.graph.node.append(helper.make_node(op, inputs, names, name=name, domain=domain, **attrs))
         return names[0] if len(names) == 1 else names
+
+    def once(self, key, make):
+        """`make()`, called the first time `key` is asked for (a value the graph derives once)."""
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
 
     def activation(self, x, name, kind, standard=False):
         """`kind` (an `activation_name`) of `x`; GELU as onnxruntime's `Gelu` /
@@ -143,31 +144,6 @@ class Graph:
         self.proto.producer_name = "keras_attn"
         self.proto.ir_version = ir_version
         return self.proto
-
-
-def _piece_prefix(header, size):
-    """What precedes a tensor's `size` bytes in a serialized ModelProto
-    holding only that initializer: the graph and initializer fields' keys
-    and lengths, the tensor's other fields (`header`, serialized: all of
-    them number below `raw_data`'s, so they come first) and `raw_data`'s key
-    and length."""
-    import onnx
-
-    def field(message, name, length):  # a length-delimited field's key and length
-        return _varint(message.DESCRIPTOR.fields_by_name[name].number << 3 | 2) + _varint(length)
-
-    tensor = header + field(onnx.TensorProto, "raw_data", size)
-    initializer = field(onnx.GraphProto, "initializer", len(tensor) + size) + tensor
-    return field(onnx.ModelProto, "graph", len(initializer) + size) + initializer
-
-
-def _varint(value):
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def borrowed(array):
