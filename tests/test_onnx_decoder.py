@@ -399,7 +399,7 @@ def test_genai_weight_written_wrong_is_caught(tmp_path, monkeypatch):
 
 def test_external_data_check_refuses_another_shape_or_type(tmp_path):
     """`check_external_data` compares the stored type and shape too."""
-    from keras_attn.export.onnx_decoder import check_external_data
+    from keras_attn.export.onnx_graph import check_external_data
     from keras_attn.export.report import ParityError
 
     lm = make_lm(**FAMILIES["llama"])

@@ -200,24 +200,24 @@ def test_verification_runs_on_the_models_weights_and_catches_a_byte_written_wron
     weights file), after the file's bytes are compared with them: one byte
     changed in the file fails the export with a `ParityError` naming the
     weight, and nothing is left in the folder."""
-    from keras_attn.export import onnx_decoder
+    from keras_attn.export import onnx_graph
     from keras_attn.export.report import ParityError
 
     handed = {}
-    make_session = onnx_decoder.inference_session
+    make_session = onnx_graph.inference_session
 
     def spy(path, shared=None, prepack=True):
         handed.update(shared or {})
         return make_session(path, shared, prepack)
 
-    monkeypatch.setattr(onnx_decoder, "inference_session", spy)
+    monkeypatch.setattr(onnx_graph, "inference_session", spy)
     signatures.export_onnx(llama_like, str(tmp_path / "good"), max_length=MAX_LEN)
     gate = llama_like.blocks[0].feedforward_gate_dense.kernel
     views = [v for v in handed.values() if v.shape == tuple(gate.shape)]
     assert views and all(not v.flags.writeable for v in views)
     assert any(np.shares_memory(v, models.variable_memory(gate)) for v in views)
 
-    check = onnx_decoder.check_external_data
+    check = onnx_graph.check_external_data
 
     def corrupt_then_check(path, arrays, checked=None):
         name = next(iter(arrays))
@@ -230,7 +230,7 @@ def test_verification_runs_on_the_models_weights_and_catches_a_byte_written_wron
             f.write(bytes([byte[0] ^ 4]))
         return check(path, arrays, checked)
 
-    monkeypatch.setattr(onnx_decoder, "check_external_data", corrupt_then_check)
+    monkeypatch.setattr(onnx_graph, "check_external_data", corrupt_then_check)
     with pytest.raises(ParityError, match="differ from the model's weight"):
         signatures.export_onnx(llama_like, str(tmp_path / "bad"), max_length=MAX_LEN)
     assert not (tmp_path / "bad").exists()

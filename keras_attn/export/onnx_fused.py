@@ -36,15 +36,16 @@ import numpy as np
 from keras_attn import description as description_lib
 from keras_attn.export import capabilities
 from keras_attn.export.capabilities import NotFusableError
+from keras_attn.export.onnx_graph import MS_DOMAIN
+from keras_attn.export.onnx_graph import Graph
 
-MS_DOMAIN = "com.microsoft"
 _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 
 
-class _Writer:
-    """Builds the ModelProto in place: each initializer goes straight into the
-    graph (no list of tensors copied into a graph, then into a model), or,
-    given `weights_file`, is serialized there at once and dropped.
+class _Writer(Graph):
+    """The encoder's `Graph`: every initializer streamed, given
+    `weights_file`, into the model file itself (`external=False`), values
+    named by `fresh`, and the encoder's ops.
 
     `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
     residual LayerNorms and GELU; otherwise the same arithmetic in standard
@@ -52,69 +53,27 @@ class _Writer:
     """
 
     def __init__(self, opset, fused, weights_file=None):
-        import onnx
-
-        self.proto = onnx.ModelProto()
-        self.graph = self.proto.graph
+        super().__init__(weights_file)
         self.opset = opset
         self.fused = fused
-        self.weights_file = weights_file
         self._count = 0
-        self.values = {}  # id(KerasTensor) -> ONNX value name
-        self._cache = {}  # (kind, value name) -> derived value (masks)
+        self.values = {}  # the description's value names -> ONNX value names
 
     def fresh(self, hint):
         self._count += 1
         return f"{hint}_{self._count}"
 
     def const(self, array, hint):
-        import onnx
-
-        name = self.fresh(hint)
-        tensor = onnx.numpy_helper.from_array(np.asarray(array), name)
-        if self.weights_file is None:
-            self.graph.initializer.append(tensor)
-        else:
-            # A ModelProto holding only this initializer: concatenated
-            # serialized messages parse as one message with the repeated
-            # fields appended, so the pieces and the rest of the model make
-            # the whole file, and no tensor outlives its own write.
-            piece = onnx.ModelProto()
-            piece.graph.initializer.append(tensor)
-            self.weights_file.write(piece.SerializeToString())
-        return name
+        return super().const(array, self.fresh(hint))
 
     def node(self, op, inputs, hint, domain="", outputs=1, **attrs):
-        import onnx
-
         names = [self.fresh(hint) for _ in range(outputs)]
-        self.graph.node.append(
-            onnx.helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
-        )
-        return names[0] if outputs == 1 else names
+        return super().node(op, inputs, self.fresh(op), outputs=names, domain=domain, **attrs)
 
     def cached(self, kind, source, make):
-        key = (kind, source)
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        return self.once((kind, source), make)  # masks derived from one input
 
     # -- building blocks ------------------------------------------------------
-
-    def gelu(self, y, activation, hint):
-        """GELU (erf) or its tanh approximation in standard ops (opset 17 has no Gelu)."""
-        half = self.const(np.float32(0.5), hint + "_half")
-        one = self.const(np.float32(1.0), hint + "_one")
-        if activation == "gelu":
-            inner = self.node("Mul", [y, self.const(np.float32(1 / np.sqrt(2)), hint + "_rsqrt2")], hint)
-            curve = self.node("Erf", [inner], hint)
-        else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-            cube = self.node("Mul", [y, self.node("Mul", [y, y], hint)], hint)
-            inner = self.node("Add", [y, self.node(
-                "Mul", [cube, self.const(np.float32(0.044715), hint + "_c")], hint)], hint)
-            inner = self.node("Mul", [inner, self.const(np.float32(np.sqrt(2 / np.pi)), hint + "_k")], hint)
-            curve = self.node("Tanh", [inner], hint)
-        return self.node("Mul", [self.node("Mul", [y, half], hint), self.node("Add", [curve, one], hint)], hint)
 
     def dense(self, x, kernel, bias, activation, hint):
         y = self.node("MatMul", [x, self.const(kernel, hint + "_kernel")], hint)
@@ -124,19 +83,7 @@ class _Writer:
             )
         if bias is not None:
             y = self.node("Add", [y, self.const(bias, hint + "_bias")], hint)
-        if activation == "linear":
-            return y
-        if activation == "relu":
-            return self.node("Relu", [y], hint)
-        if activation == "tanh":
-            return self.node("Tanh", [y], hint)
-        if activation in _GELUS and not self.fused:
-            return self.gelu(y, activation, hint)
-        if activation == "gelu":
-            return self.node("Gelu", [y], hint, domain=MS_DOMAIN)
-        if activation == "gelu_tanh":
-            return self.node("FastGelu", [y], hint, domain=MS_DOMAIN)
-        raise NotFusableError(f"activation {activation!r} of {hint}")
+        return self.activation(y, hint, activation, standard=not self.fused)
 
     def layer_norm(self, x, gamma, beta, epsilon, hint):
         return self.node(
@@ -377,17 +324,10 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
             v[step.output] = v[step.input]
     for t in encoder.outputs:
         w.graph.node.append(onnx.helper.make_node("Identity", [v[t.value]], [t.name], name=w.fresh("out")))
-    w.graph.name = encoder.name
-    w.graph.input.extend(graph_inputs)
-    w.graph.output.extend(onnx.helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, _dims(t))
-                          for t in encoder.outputs)
-    proto = w.proto
-    proto.opset_import.append(onnx.helper.make_opsetid("", opset))
-    if fused:
-        proto.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-    proto.producer_name = "keras_attn"
-    proto.ir_version = 8
-    return proto
+    outputs = [onnx.helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, _dims(t))
+               for t in encoder.outputs]
+    opsets = [("", opset)] + ([(MS_DOMAIN, 1)] if fused else [])
+    return w.finish(encoder.name, graph_inputs, outputs, opsets, ir_version=8)
 
 
 def fused_model_proto(model, *, opset=17, check_ids="clamp"):
