@@ -57,13 +57,6 @@ from keras_attn.export.onnx_graph import Graph
 PROMPT_LOGITS = ("last", "all")
 
 
-def is_decoder_only_lm(model):
-    """True for a `keras_attn.generation.DecoderOnlyLM` (or a subclass), read
-    from the class names so that `export` never imports `generation`."""
-    return any(c.__name__ == "DecoderOnlyLM" and c.__module__ == "keras_attn.generation.models"
-               for c in type(model).__mro__)
-
-
 def check_fusable_decoder(model, max_length=None):
     """`model`'s description when the fused decoder writer covers it (for a
     cache of `max_length`, when given); else `NotFusableError` naming the
