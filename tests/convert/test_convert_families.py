@@ -235,7 +235,7 @@ def test_refuses_what_it_cannot_represent(build, match):
     # Gemma 3 as released (sandwich norms, two rotary bases, windows on 2 of
     # 3 layers), partial rotary with a window on every layer. Gemma 2,
     # SmolLM3 and the longrope Phi-3: their bundles' TFLite models run in a
-    # NumPy loop in tests/test_litertlm.py::test_families_generate_hf_tokens.
+    # NumPy loop in tests/runtimes/test_litertlm.py::test_families_generate_hf_tokens.
     ("qwen3", {}), ("gemma3", {}), ("phi4_mini_window", {}),
 ])
 def test_tflite_prefill_decode_reproduce_hf_tokens(name, changes):

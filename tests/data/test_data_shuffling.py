@@ -10,7 +10,7 @@ import pytest
 
 from tests.environments import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import json

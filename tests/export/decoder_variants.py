@@ -1,5 +1,5 @@
-"""One table of decoder variants for every graph writer (tests/test_decoder_writers.py,
-tests/test_description.py).
+"""One table of decoder variants for every graph writer (tests/export/test_decoder_writers.py,
+tests/export/test_description.py).
 
 Each variant is a small `DecoderOnlyLM` with one family's features and the
 set of direct writers that must cover it (`keras_attn.export.capabilities`:

@@ -1,4 +1,4 @@
-"""Every direct decoder writer on every variant of tests/decoder_variants.py.
+"""Every direct decoder writer on every variant of tests/export/decoder_variants.py.
 
 For each (variant, writer): the capability table (`keras_attn.export.
 capabilities.support`) must say "covered" exactly for the writers the
@@ -22,11 +22,11 @@ from keras_attn.export.onnx_decoder import decoder_model_proto
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.runtimes import litertlm
 from tests import tolerance
-from tests.decoder_variants import CACHE
-from tests.decoder_variants import VARIANTS
-from tests.decoder_variants import VOCAB
-from tests.decoder_variants import WRITERS
-from tests.decoder_variants import make_lm
+from tests.export.decoder_variants import CACHE
+from tests.export.decoder_variants import VARIANTS
+from tests.export.decoder_variants import VOCAB
+from tests.export.decoder_variants import WRITERS
+from tests.export.decoder_variants import make_lm
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -2,7 +2,7 @@
 
 The description must carry everything the model computes: a NumPy forward
 pass written here from the description alone (float64) gives Keras's logits
-on every variant of tests/decoder_variants.py that it can describe; the
+on every variant of tests/export/decoder_variants.py that it can describe; the
 options it cannot carry are named; weights are views of the variables.
 Backend-agnostic: nothing here uses TensorFlow's graph.
 """
@@ -18,9 +18,9 @@ from keras_attn.export import capabilities
 from keras_attn.generation import DecoderOnlyLM
 from tests import reference
 from tests import tolerance
-from tests.decoder_variants import VARIANTS
-from tests.decoder_variants import VOCAB
-from tests.decoder_variants import make_lm
+from tests.export.decoder_variants import VARIANTS
+from tests.export.decoder_variants import VOCAB
+from tests.export.decoder_variants import make_lm
 
 
 def _norm(x, norm):
@@ -179,6 +179,6 @@ def test_the_docs_show_the_capability_table():
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides" / "generation.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "generation.md").read_text()
     shown = re.search(r"<!-- capabilities:[^>]*-->\n(.*?)\n<!-- /capabilities -->", text, re.S).group(1)
     assert shown == capabilities.markdown_table()

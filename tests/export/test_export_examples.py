@@ -26,7 +26,7 @@ from keras_attn import export
 from keras_attn.export import samples as model_io
 from tests import tolerance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLOAT_ATOL = 1e-4
 DYNAMIC_ATOL = 0.25  # dynamic-range int8 weights, float activations
 

@@ -17,7 +17,7 @@ from keras_attn.export.onnx_decoder import decoder_model_proto
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
-from tests.decoder_variants import build_lm
+from tests.export.decoder_variants import build_lm
 from tests.llm_runtime_models import variable_memory
 
 ort = pytest.importorskip("onnxruntime")
@@ -88,7 +88,7 @@ def run_steps(session, ids, steps, kv_heads, head_dim, num_layers):
     return np.concatenate(logits, axis=1)
 
 
-# Every family with prompt_logits="all": tests/test_decoder_writers.py.
+# Every family with prompt_logits="all": tests/export/test_decoder_writers.py.
 @pytest.mark.parametrize("family", ["gemma2", "llama", "mistral", "phi3"])
 def test_prefill_and_decode_logits_are_keras(family):
     lm = make_lm(**FAMILIES[family])

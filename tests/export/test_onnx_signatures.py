@@ -362,7 +362,7 @@ FAMILIES = {
 }
 
 
-# Every family through prefill and decode: tests/test_decoder_writers.py;
+# Every family through prefill and decode: tests/export/test_decoder_writers.py;
 # here a band over a full cache, and a table of positions, through decode_step too.
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 def test_families_match_keras(family):

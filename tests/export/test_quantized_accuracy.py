@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from keras_attn.export import export_tflite
 from tests import model_zoo
-from tests.test_training_core import _majority_dataset
+from tests.training.test_training_core import _majority_dataset
 
 LENGTH = 28
 

@@ -395,7 +395,7 @@ def test_attention_mask_gives_hugging_face_layout_for_every_search(gqa_rotary_lm
 def test_searches_first_call_with_one_row(search):
     """First (non-relaxed) traces with a static batch of one: the loop keeps
     the cache's static shape through the beam reordering and the token
-    buffer (tests/test_onnx_genai.py hit the latter with an exported model)."""
+    buffer (tests/runtimes/test_onnx_genai.py hit the latter with an exported model)."""
     lm = DecoderOnlyLM(VOCAB, 32, 16, num_layers=1, num_heads=4, intermediate_dim=32,
                        num_key_value_heads=2, position="rotary")
     prompt = np.array([[5, 6, 7]], np.int32)

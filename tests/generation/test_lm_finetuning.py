@@ -13,7 +13,7 @@ import pytest
 
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
-from tests.environments import child_env
+from tests.environments import ROOT, child_env
 
 
 def llama_like(**overrides):
@@ -79,7 +79,7 @@ _SHARDED = textwrap.dedent('''
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, keras, numpy as np
     sys.path.insert(0, sys.argv[1])
-    from tests.test_lm_finetuning import llama_like
+    from tests.generation.test_lm_finetuning import llama_like
     assert len(jax.devices()) == 8, jax.devices()
     SIZES = dict(num_heads=8, num_key_value_heads=4)  # divisible by the 4 model shards
 
@@ -129,7 +129,7 @@ def test_layout_map_shards_heads_and_feedforward_with_the_same_gradients(tmp_pat
 
     script = tmp_path / "sharded.py"
     script.write_text(_SHARDED)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     env = child_env(drop=("KERAS_BACKEND", "XLA_FLAGS"))
     result = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True,
                             env=env, timeout=600)

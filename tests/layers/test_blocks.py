@@ -6,7 +6,7 @@ import pytest
 
 from keras_attn import layers as kal
 from tests import reference as ref
-from tests.test_attention_layers import _mha_weights
+from tests.layers.test_attention_layers import _mha_weights
 from tests import tolerance
 
 

@@ -1,7 +1,7 @@
 """Key padding masks in cached calls: over the cache axis, over the new tokens
 (e.g. Keras masks from `Embedding(mask_zero=True)`), `key_mask`, ring buffers.
 
-Expected values: NumPy attention from the layer's weights (`tests.test_cache`).
+Expected values: NumPy attention from the layer's weights (`tests.layers.test_cache`).
 """
 
 import keras
@@ -10,7 +10,7 @@ import pytest
 
 from keras_attn.layers import MultiHeadAttention, TransformerDecoderBlock
 from tests import reference as ref
-from tests.test_cache import _np_mha, _run_chunks
+from tests.layers.test_cache import _np_mha, _run_chunks
 from tests import tolerance
 
 

@@ -4,7 +4,7 @@ Out-of-range ids (eager, concrete values): a ValueError naming the layer, the
 id and the vocabulary size instead of the backend's gather error (TensorFlow
 on CPU) or a silently clamped row (GPU, JAX). Float ids: a TypeError. Traced
 calls are left as they were (an exported signature checks ids as its
-`check_ids` says: tests/test_serving_validation.py).
+`check_ids` says: tests/runtimes/test_serving_validation.py).
 """
 
 import keras

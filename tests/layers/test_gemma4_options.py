@@ -8,7 +8,7 @@ feed-forward widths per layer (cached decoding equal to the full
 computation, caches only for layers with their own keys, each of its
 layer's shape); their configs, `.keras` round trips and the errors naming a
 bad argument.
-(`tests/test_convert_gemma4.py` checks the whole model against
+(`tests/convert/test_convert_gemma4.py` checks the whole model against
 transformers.)"""
 
 import math

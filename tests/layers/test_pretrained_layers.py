@@ -123,9 +123,9 @@ def test_reversible_embedding_reverse_is_the_transposed_table(tmp_path):
 @pytest.mark.parametrize("normalize_first", [False, True])
 def test_key_only_padding_matches_numpy_at_every_position(normalize_first):
     """Padded rows computed (not zeroed), checked against the NumPy block of
-    tests/test_blocks.py, whose padding masks keys only."""
+    tests/layers/test_blocks.py, whose padding masks keys only."""
     from tests import reference as ref
-    from tests.test_blocks import encoder_reference
+    from tests.layers.test_blocks import encoder_reference
 
     rng = np.random.default_rng(5)
     block = TransformerEncoderBlock(
@@ -175,7 +175,7 @@ def test_key_only_padding_matches_keras_hub_encoder_everywhere(keras_hub):
 
 def test_key_only_padding_in_the_decoder_block():
     """Equivalent to an explicit `(B, 1, T)` key mask (the GPT-2 parity tests
-    of tests/test_convert.py check it against Hugging Face)."""
+    of tests/convert/test_convert.py check it against Hugging Face)."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 5, 8)).astype("float32")
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)

@@ -22,7 +22,7 @@ from tests import reference as ref
 from tests import tolerance
 from tests.environments import child_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -189,7 +189,7 @@ def test_property_attention_layers(case):
         full = full & ref.causal(tq, tk)[None, None]
     mha = kal.MultiHeadAttention(h, d, num_key_value_heads=hkv)
     out = mha(q, v, value_mask=value_mask, use_causal_mask=causal)
-    from tests.test_attention_layers import _mha_weights
+    from tests.layers.test_attention_layers import _mha_weights
 
     want, _ = ref.mha(q, v, v, _mha_weights(mha), h, hkv, mask=full)
     tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)

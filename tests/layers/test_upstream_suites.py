@@ -3,7 +3,7 @@
 "Drop-in" is checked by the peers' tests, not by ours: Keras's
 `multi_head_attention_test.py` (read from the installed wheel) and KerasHub's
 `TransformerDecoder` / `TransformerEncoder` tests (copied into
-tests/upstream/, see its README). Each file is copied with one import (or
+tests/layers/upstream/, see its README). Each file is copied with one import (or
 class reference) rewritten, and run by pytest in a subprocess on the current
 Keras backend. Only the tests listed in PRIVATE_ATTRIBUTE_TESTS are
 deselected: they read KerasHub's private sublayer names.

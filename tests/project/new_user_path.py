@@ -1,11 +1,11 @@
-"""What a new user does first, as one script (tests/test_new_user_path.py runs
+"""What a new user does first, as one script (tests/project/test_new_user_path.py runs
 it in a fresh interpreter): import keras_attn first, convert a Hugging Face
 Llama saved with `save_pretrained`, generate the same greedy tokens as
 `transformers`, export the TFLite generation signatures and generate with
 them, export a small classifier to every format, and write the attention
 explorer. Prints one JSON line of what it found; exits non-zero on failure.
 
-    python tests/new_user_path.py OUTPUT_DIR
+    python tests/project/new_user_path.py OUTPUT_DIR
 """
 
 import json

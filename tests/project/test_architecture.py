@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_attn"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "keras_attn"
 HIGHER = (
     "keras_attn.data",
     "keras_attn.training",
@@ -245,7 +245,7 @@ def test_argument_checks_are_written_once_at_the_bottom():
 
 
 # 0.2.0's path of the signatures, a deprecated alias for one release
-# (tests/test_runtimes_shims.py); nothing else below `runtimes` imports it.
+# (tests/runtimes/test_runtimes_shims.py); nothing else below `runtimes` imports it.
 DEPRECATED_ALIAS = "generation/export.py"
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tests import tolerance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "bench_serving.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from tests.environments import child_env
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 CASES = {
     "attention": ["bench_attention.py", "--lengths", "16", "--repeats", "1", "--no-torch"],

@@ -8,7 +8,7 @@ import sys
 
 import keras_attn_cli
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(code):

@@ -20,7 +20,7 @@ import pytest
 
 from tests import browser
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PUBLIC = ["keras_attn.layers", "keras_attn.ops", "keras_attn.data", "keras_attn.training",
           "keras_attn.export", "keras_attn.generation", "keras_attn.convert",

@@ -29,7 +29,7 @@ from tests.environments import child_env
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / "README.md", ROOT / "export" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 DEMO_SMOKE = ["--num-train", "256", "--num-test", "32", "--epochs", "1", "--batch-size", "32",
               "--embedding-dim", "16", "--intermediate-dim", "32", "--num-heads", "2",
@@ -59,7 +59,7 @@ def _console_scripts(folder):
 
     The environment's own script may come from an older install of the package;
     this one runs the entry point declared now (the wheel's script is tested in
-    tests/test_packaging.py).
+    tests/project/test_packaging.py).
     """
     import tomllib
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from tests.environments import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 600
 

@@ -14,7 +14,7 @@ import pytest
 from keras_attn.data import digits as digits_data
 from tests import tolerance
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
 
 def _load_example(name):

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TENSORFLOW_DISTRIBUTIONS = {
     "tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel",

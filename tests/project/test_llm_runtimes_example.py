@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("litert_lm")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "llm_runtimes.py"
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tests.environments import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "translate_dates_mobile.py"
 # The smallest scale measured to learn (see test_examples.DATES_LEARN): the
 # script's own model sizes, GQA on, fewer pairs and epochs than its defaults.

@@ -1,4 +1,4 @@
-"""The path a new user takes first, in a fresh interpreter (tests/new_user_path.py).
+"""The path a new user takes first, in a fresh interpreter (tests/project/new_user_path.py).
 
 keras_attn is imported before torch and transformers, the order that aborted
 in `triton/knobs.py` with torch's CUDA build (see keras_attn/native_libraries.py);
@@ -23,12 +23,12 @@ pytest.importorskip("torch")
 
 from keras_attn import native_libraries  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = pathlib.Path(__file__).with_name("new_user_path.py")
 
 
 def test_new_user_path(tmp_path):
     env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "new_user_path.py"), str(tmp_path)],
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     line = next(x for x in done.stdout.splitlines() if x.startswith("NEW_USER_PATH "))

@@ -13,7 +13,7 @@ from tests.environments import child_env
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "pretrained_to_mobile.py"
 TINY = ["--num-train", "256", "--num-test", "64", "--steps", "8", "--batch-size", "32",
         "--max-length", "14", "--num-prompts", "2"]

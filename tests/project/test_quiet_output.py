@@ -2,7 +2,7 @@
 for, and Keras progress bars only on a terminal.
 
 The demo's own run with its output in a pipe (no carriage returns or ANSI
-codes, one line per epoch) is checked in tests/test_examples.py.
+codes, one line per epoch) is checked in tests/project/test_examples.py.
 """
 
 import io
@@ -17,7 +17,7 @@ import pytest
 from keras_attn.training.quickstart import fit_verbosity
 from tests.environments import child_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_fit_verbosity_is_a_bar_on_a_terminal_only(tmp_path):

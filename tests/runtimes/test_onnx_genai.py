@@ -236,7 +236,7 @@ def test_nbits_weights_keep_keras_next_tokens(trained_dates_lm, tmp_path, quanti
     the GenAI model builder writes them) on the fused graph: the next token
     under the same prefix is Keras's float32 one at `floor` of the positions
     at least. The int8 arithmetic of accuracy level 4 adds in int32 (no
-    saturating pair sums, tests/test_quantized_portability.py)."""
+    saturating pair sums, tests/export/test_quantized_portability.py)."""
     lm, tok, width, held_out, answer, keras_next = trained_dates_lm
     export_onnx_genai(lm, tmp_path, max_length=width, tokenizer=tok, eos_token_id=EOS,
                       quantization=quantization, writer="direct", prompt_logits="all")
@@ -250,7 +250,7 @@ def test_nbits_weights_keep_keras_next_tokens(trained_dates_lm, tmp_path, quanti
 def test_int8_weights_keep_keras_next_tokens_on_any_cpu(trained_dates_lm, tmp_path):
     """int8 weights (MatMulInteger): the next token under the same prefix
     (teacher forcing) is Keras's at nearly every position. The integer
-    arithmetic is exact on every CPU (tests/test_quantized_portability.py),
+    arithmetic is exact on every CPU (tests/export/test_quantized_portability.py),
     so this agreement does not depend on the machine; full-range int8
     weights fall to ~0.88 on x86 CPUs without VNNI (benchmarks/RESULTS.md)."""
     lm, tok, width, held_out, answer, keras_next = trained_dates_lm

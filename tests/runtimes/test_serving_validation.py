@@ -20,7 +20,7 @@ from keras_attn.generation import DecoderOnlyLM, Seq2SeqLM
 from keras_attn.runtimes import signatures as gen_export
 from tests import tolerance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _spec = importlib.util.spec_from_file_location(
     "bench_serving_requests", ROOT / "benchmarks" / "bench_serving_requests.py")
@@ -265,7 +265,7 @@ def test_model_exports_clamp_and_flag_out_of_range_ids(fmt, dates_model, tmp_pat
     np.testing.assert_array_equal(got["valid"], want_valid)
     tolerance.assert_close(got["logits"], want_logits, terms=16, err_msg=f"{fmt} flag")
     # Not the raw ids' answer: the negative id would wrap around in a traced Keras
-    # call (an eager one refuses it, tests/test_embedding_id_checks.py).
+    # call (an eager one refuses it, tests/layers/test_embedding_id_checks.py).
     wrapped = np.asarray(tf.function(model)({k: v[1:2] for k, v in feed.items()}))[0]
     assert not np.allclose(wrapped, want_logits[1], atol=1e-3)
 

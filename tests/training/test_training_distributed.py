@@ -23,7 +23,7 @@ import pytest
 from tests import tolerance
 from tests.environments import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "distributed_training.py"
 TIMEOUT = 150  # seconds, per run
 
@@ -38,7 +38,7 @@ TINY = [
     "--steps", str(STEPS), "--optimizer", "sgd", "--learning-rate", "0.1", "--global-batch-size", "32", "--num-train", "2000", "--num-test", "200",
     "--embedding-dim", "16", "--intermediate-dim", "32", "--dropout", "0",
     "--log-every", "20", "--checkpoint-every", "20", "--seed", "3", "--deterministic",
-    "--no-export",  # export is covered by tests/test_export_examples.py
+    "--no-export",  # export is covered by tests/export/test_export_examples.py
 ]
 
 pytestmark = pytest.mark.slow

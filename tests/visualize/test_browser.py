@@ -2,7 +2,7 @@
 tokens and layer names are in the DOM, the drawing is each layer's weights,
 and a link to another layer (`#layer=1`) draws something else.
 
-The docs site's built pages get the same smoke test in tests/test_docs.py."""
+The docs site's built pages get the same smoke test in tests/project/test_docs.py."""
 
 import html
 import re

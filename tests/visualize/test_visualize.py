@@ -17,7 +17,7 @@ from keras_attn.visualize import (AttentionMapCallback, attention_maps, attentio
                                   html_view, plot_attention, plot_heads)
 from tests import reference as ref
 from tests import tolerance
-from tests.test_attention_layers import _mha_weights
+from tests.layers.test_attention_layers import _mha_weights
 from tests.environments import child_env
 
 IDS = np.array([[5, 6, 7, 0, 0], [3, 4, 5, 6, 7]], np.int32)
