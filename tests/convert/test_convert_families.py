@@ -22,11 +22,13 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
-from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_greedy, tflite_signatures  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_family, hf_greedy  # noqa: E402
+from tests.llm_runtime_models import tflite_signatures  # noqa: E402
 
 VOCAB = 71
+# The reference is transformers' `attn_implementation="eager"` (the docstring above).
 COMMON = dict(vocab_size=VOCAB, hidden_size=36, intermediate_size=52, bos_token_id=1,
-              eos_token_id=2, pad_token_id=0)
+              eos_token_id=2, pad_token_id=0, attn_implementation="eager")
 
 
 def _phi_factors(n, seed):
@@ -83,29 +85,9 @@ FAMILIES = {
 }
 
 
-def hf_family(name, seed=0, **changes):
-    model_cls, config_cls, extra = FAMILIES[name]
-    config = config_cls(**{**COMMON, **extra, **changes})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    gemma = name.startswith("gemma")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 2:  # sharp attention, spread logits
-                p.mul_(8.0)
-            elif pname.endswith("norm.weight") and gemma:  # Gemma's norms are 1 + weight
-                p.copy_(torch.randn_like(p) * 0.3)
-            elif pname.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.3)
-            elif pname.endswith("bias"):
-                p.copy_(torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
-    hf = hf_family(request.param)
+    hf = hf_family(request.param, FAMILIES, COMMON, sharpen=True, random_biases=True)
     return request.param, hf, from_huggingface(hf)
 
 
@@ -144,7 +126,7 @@ def _uncapped(hf, **changes):
 def test_soft_caps_are_active(cap):
     """The Gemma 2 test model's logits change when a cap is removed: each
     cap is active at the test's sizes, so the logits test checks it."""
-    hf = hf_family("gemma2")
+    hf = hf_family("gemma2", FAMILIES, COMMON, sharpen=True, random_biases=True)
     ids = np.random.default_rng(5).integers(3, VOCAB, size=(1, 13)).astype("int32")
     mask = np.ones_like(ids)
     capped, uncapped = hf_logits(hf, ids, mask), hf_logits(_uncapped(hf, **{cap: None}), ids, mask)
@@ -155,7 +137,7 @@ def test_soft_caps_are_active(cap):
 def test_longrope_short_and_long_factors(length):
     """Phi-3's longrope: the short factors up to `original_max_position_embeddings`
     positions, the long ones past it (the family fixture's model is always long)."""
-    hf = hf_family("phi3")
+    hf = hf_family("phi3", FAMILIES, COMMON, sharpen=True, random_biases=True)
     lm = from_huggingface(hf)
     ids = np.random.default_rng(length).integers(3, VOCAB, size=(1, length)).astype("int32")
     want = hf_logits(hf, ids, np.ones_like(ids))
@@ -244,7 +226,7 @@ def test_tflite_prefill_decode_reproduce_hf_tokens(name, changes):
     `max_length` positions and the window is a band over them
     (`DecoderTrace`: one cache length for the stacked caches); with one
     window on every layer the caches are rings of that window."""
-    hf = hf_family(name, **changes)
+    hf = hf_family(name, FAMILIES, COMMON, sharpen=True, random_biases=True, **changes)
     lm = from_huggingface(hf)
     prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
     want = hf_greedy(hf, prompts, 16)

@@ -21,7 +21,8 @@ from keras_attn.generation import greedy_search  # noqa: E402
 from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
-from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_greedy, tflite_signatures  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_family, hf_greedy  # noqa: E402
+from tests.llm_runtime_models import tflite_signatures  # noqa: E402
 from tests.model_zoo import ort_runner  # noqa: E402
 
 VOCAB = 71
@@ -52,25 +53,9 @@ FAMILIES = {
 }
 
 
-def hf_family(name, seed=0):
-    model_cls, config_cls, extra = FAMILIES[name]
-    config = config_cls(**COMMON, **extra)
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 2:  # sharp attention, spread logits
-                p.mul_(8.0)
-            elif pname.endswith("norm.weight") and name != "gemma":
-                p.add_(torch.randn_like(p) * 0.3)
-            elif pname.endswith("norm.weight"):  # Gemma's norms are 1 + weight
-                p.copy_(torch.randn_like(p) * 0.3)
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
-    hf = hf_family(request.param)
+    hf = hf_family(request.param, FAMILIES, COMMON, sharpen=True)
     return request.param, hf, from_huggingface(hf)
 
 
@@ -149,7 +134,7 @@ def test_rotary_equals_transformers_rotary(scaling):
 def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
     import onnxruntime as ort
 
-    hf = hf_family(name)
+    hf = hf_family(name, FAMILIES, COMMON, sharpen=True)
     lm = from_huggingface(hf)
     prompts = np.random.default_rng(4).integers(3, VOCAB, size=(2, 6)).astype("int32")
     max_length = 16
@@ -184,7 +169,7 @@ def test_exported_prefill_decode_reproduce_hf_tokens(tmp_path, name):
 
 
 def test_saves_and_loads(tmp_path):
-    hf = hf_family("gemma")
+    hf = hf_family("gemma", FAMILIES, COMMON, sharpen=True)
     lm = from_huggingface(hf)
     ids = np.array([[5, 6, 7, 8]], "int32")
     path = str(tmp_path / "gemma.keras")

@@ -8,24 +8,7 @@ import keras_attn
 from keras_attn import layers as kal
 from tests import reference as ref
 from tests import tolerance
-
-
-def _mha_weights(layer):
-    w = {
-        "wq": layer.query_dense.kernel.numpy(),
-        "wk": layer.key_dense.kernel.numpy(),
-        "wv": layer.value_dense.kernel.numpy(),
-        "wo": layer.output_dense.kernel.numpy(),
-    }
-    for key, dense in (("bq", layer.query_dense), ("bk", layer.key_dense),
-                       ("bv", layer.value_dense), ("bo", layer.output_dense)):
-        if dense.bias is not None:
-            w[key] = dense.bias.numpy()
-    return w
-
-
-def _randomize(layer, rng):
-    layer.set_weights([rng.standard_normal(w.shape).astype("float32") * 0.3 for w in layer.get_weights()])
+from tests.model_zoo import randomize
 
 
 def test_public_api_is_reexported():
@@ -60,7 +43,7 @@ def test_additive_attention_matches_bahdanau(rng):
     v = rng.standard_normal((2, 6, 4)).astype("float32")
     k = rng.standard_normal((2, 6, 9)).astype("float32")
     layer(q, v, k)
-    _randomize(layer, rng)
+    randomize(layer, rng)
     mask = np.array([[1, 1, 1, 0, 0, 0], [1] * 6], bool)
     out, scores = layer(q, v, k, value_mask=mask, return_attention_scores=True)
     wq, bq = layer.query_dense.kernel.numpy(), layer.query_dense.bias.numpy()
@@ -90,12 +73,12 @@ def test_mha_matches_reference_with_explicit_weights(rng, num_kv_heads, causal):
     x = rng.standard_normal((2, 6, 8)).astype("float32")
     mask = np.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)
     layer(x, x)
-    _randomize(layer, rng)
+    randomize(layer, rng)
     out, scores = layer(x, x, value_mask=mask, use_causal_mask=causal, return_attention_scores=True)
     full = mask[:, None, None, :]
     if causal:
         full = full & ref.causal(6)[None, None]
-    want, probs = ref.mha(x, x, x, _mha_weights(layer), 4, num_kv_heads or 4, mask=full)
+    want, probs = ref.mha(x, x, x, ref.mha_weights(layer), 4, num_kv_heads or 4, mask=full)
     tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
     tolerance.assert_close(scores, probs, terms=tolerance.LAYER_TERMS)
     hkv = num_kv_heads or 4
@@ -124,7 +107,7 @@ def test_from_keras_parity(rng, case, scores):
     if not c["cross"]:
         v = q
     theirs(q, v)
-    _randomize(theirs, rng)
+    randomize(theirs, rng)
     ours = kal.MultiHeadAttention.from_keras(theirs)
     kwargs = dict(use_causal_mask=c["causal"], return_attention_scores=scores)
     valid_q = np.ones((2, q.shape[1]), bool)
@@ -147,7 +130,7 @@ def test_from_keras_gqa_and_errors(rng, use_gate):
     )
     x = rng.standard_normal((2, 5, 8)).astype("float32")
     theirs(x, x)
-    _randomize(theirs, rng)
+    randomize(theirs, rng)
     ours = kal.MultiHeadAttention.from_keras(theirs)
     tolerance.assert_close(ours(x, x, use_causal_mask=True), theirs(x, x, use_causal_mask=True), terms=tolerance.LAYER_TERMS)
     with pytest.raises(ValueError, match="built"):
@@ -180,7 +163,7 @@ def test_fully_masked_query_rows_output_bias_only(rng):
     layer = kal.MultiHeadAttention(2, 4)
     x = rng.standard_normal((2, 4, 8)).astype("float32")
     layer(x, x)
-    _randomize(layer, rng)
+    randomize(layer, rng)
     mask = np.ones((2, 4, 4), bool)
     mask[0, 1] = False
     out, scores = layer(x, x, attention_mask=mask, return_attention_scores=True)
@@ -246,7 +229,7 @@ def test_rotary_inside_attention(rng):
     layer = kal.MultiHeadAttention(2, 4, rotary_embedding=rope, use_bias=False)
     x = rng.standard_normal((1, 5, 8)).astype("float32")
     out = layer(x, x)
-    w = _mha_weights(layer)
+    w = ref.mha_weights(layer)
     q = ref.rotary(np.einsum("btd,dhk->bthk", x, w["wq"]))
     k = ref.rotary(np.einsum("btd,dhk->bthk", x, w["wk"]))
     v = np.einsum("btd,dhk->bthk", x, w["wv"])
@@ -259,7 +242,7 @@ def test_attention_bias_from_alibi(rng):
     x = rng.standard_normal((1, 5, 8)).astype("float32")
     bias = kal.AlibiBias(4)(x)
     out = layer(x, x, attention_bias=bias, use_causal_mask=True)
-    want, _ = ref.mha(x, x, x, _mha_weights(layer), 4, 4, mask=ref.causal(5)[None, None], bias=np.asarray(bias))
+    want, _ = ref.mha(x, x, x, ref.mha_weights(layer), 4, 4, mask=ref.causal(5)[None, None], bias=np.asarray(bias))
     tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
 
 

@@ -6,12 +6,8 @@ import pytest
 
 from keras_attn import layers as kal
 from tests import reference as ref
-from tests.layers.test_attention_layers import _mha_weights
 from tests import tolerance
-
-
-def _randomize(layer, rng):
-    layer.set_weights([rng.standard_normal(w.shape).astype("float32") * 0.3 for w in layer.get_weights()])
+from tests.model_zoo import randomize
 
 
 def _ln(layer):
@@ -39,7 +35,7 @@ def encoder_reference(block, x, mask, act, causal=False):
     attn = block.self_attention
 
     def self_attend(h):
-        return ref.mha(h, h, h, _mha_weights(attn), heads, attn.num_key_value_heads, mask=full)[0]
+        return ref.mha(h, h, h, ref.mha_weights(attn), heads, attn.num_key_value_heads, mask=full)[0]
 
     x = _sublayer(block, x, block.self_attention_layer_norm, self_attend)
     return _sublayer(block, x, block.feedforward_layer_norm, lambda h: _ffn(block, h, act))
@@ -55,7 +51,7 @@ def test_encoder_block_matches_reference(rng, normalize_first, activation, act):
     x = rng.standard_normal((2, 5, 8)).astype("float32")
     mask = np.array([[1, 1, 1, 0, 0], [1] * 5], bool)
     block(x)
-    _randomize(block, rng)
+    randomize(block, rng)
     out = np.asarray(block(x, padding_mask=mask))
     want = encoder_reference(block, x, mask, act)
     valid = mask
@@ -69,15 +65,15 @@ def test_decoder_block_matches_reference(rng, normalize_first):
     enc = rng.standard_normal((2, 6, 8)).astype("float32")
     enc_mask = np.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)
     block(dec, enc)
-    _randomize(block, rng)
+    randomize(block, rng)
     out, scores = block(dec, enc, encoder_padding_mask=enc_mask, return_attention_scores=True)
     sa, ca = block.self_attention, block.cross_attention
 
     def self_attend(h):
-        return ref.mha(h, h, h, _mha_weights(sa), 2, 2, mask=ref.causal(4)[None, None])[0]
+        return ref.mha(h, h, h, ref.mha_weights(sa), 2, 2, mask=ref.causal(4)[None, None])[0]
 
     def cross_attend(h):
-        return ref.mha(h, enc, enc, _mha_weights(ca), 2, 2, mask=enc_mask[:, None, None, :])[0]
+        return ref.mha(h, enc, enc, ref.mha_weights(ca), 2, 2, mask=enc_mask[:, None, None, :])[0]
 
     x = _sublayer(block, dec, block.self_attention_layer_norm, self_attend)
     x = _sublayer(block, x, block.cross_attention_layer_norm, cross_attend)
@@ -156,12 +152,12 @@ def test_llama_style_block_matches_reference(rng, block_cls):
     )
     x = rng.standard_normal((2, 7, hidden)).astype("float32")
     block(x)
-    _randomize(block, rng)
+    randomize(block, rng)
     attn = block.self_attention
     assert attn.output_dense.bias is None and attn.query_dense.bias is not None
     assert block.feedforward_gate_dense.bias is None
     out = np.asarray(block(x))
-    w = _mha_weights(attn)
+    w = ref.mha_weights(attn)
 
     def self_attend(h):
         q = np.einsum("btd,dhk->bthk", h, w["wq"]) + w["bq"]

@@ -35,17 +35,9 @@ def test_write_cache_matches_numpy(rng, length, t, index, ring):
     np.testing.assert_array_equal(np.asarray(got), _np_write(cache, new, index, ring))
 
 
-def _mha_weights(layer):
-    w = {}
-    for name, dense in (("q", layer.query_dense), ("k", layer.key_dense),
-                        ("v", layer.value_dense), ("o", layer.output_dense)):
-        w["w" + name], w["b" + name] = (np.asarray(x, np.float64) for x in dense.get_weights())
-    return w
-
-
 def _np_mha(layer, x, enc=None, mask=None, rotary=False):
     """Full (non-incremental) attention from the layer's weights, in float64."""
-    w = _mha_weights(layer)
+    w = ref.mha_weights(layer, np.float64)
     kv_in = x if enc is None else enc
     q = np.einsum("btd,dhk->bthk", x, w["wq"]) + w["bq"]
     k = np.einsum("btd,dhk->bthk", kv_in, w["wk"]) + w["bk"]

@@ -11,18 +11,13 @@ from keras import ops
 
 from keras_attn import layers as kal
 from tests import tolerance
+from tests.model_zoo import randomize
 
 keras_hub = pytest.importorskip("keras_hub")
 torch = pytest.importorskip("torch")
 
 C = ops.convert_to_numpy
 HIDDEN, HEADS, FFN = 8, 2, 12
-
-
-def _randomize(layer, rng):
-    layer.set_weights(
-        [rng.standard_normal(w.shape).astype("float32") * 0.4 for w in layer.get_weights()]
-    )
 
 
 # --- constructor order --------------------------------------------------------
@@ -50,7 +45,7 @@ def test_encoder_from_keras_hub_matches(rng, normalize_first):
         FFN, HEADS, activation="gelu", normalize_first=normalize_first
     )
     hub.build((None, 5, HIDDEN))
-    _randomize(hub, rng)
+    randomize(hub, rng, scale=0.4)
     ours = kal.TransformerEncoderBlock.from_keras_hub(hub)
     x = rng.standard_normal((2, 5, HIDDEN)).astype("float32")
     tolerance.assert_close(C(ours(x)), C(hub(x)), terms=tolerance.LAYER_TERMS)
@@ -62,7 +57,7 @@ def test_encoder_from_keras_hub_matches(rng, normalize_first):
 def test_encoder_padding_mask_differs_only_at_padded_queries(rng, normalize_first):
     hub = keras_hub.layers.TransformerEncoder(FFN, HEADS, normalize_first=normalize_first)
     hub.build((None, 5, HIDDEN))
-    _randomize(hub, rng)
+    randomize(hub, rng, scale=0.4)
     ours = kal.TransformerEncoderBlock.from_keras_hub(hub)
     x = rng.standard_normal((2, 5, HIDDEN)).astype("float32")
     padding = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
@@ -90,7 +85,7 @@ def test_encoder_padding_mask_differs_only_at_padded_queries(rng, normalize_firs
 def test_decoder_from_keras_hub_matches(rng, normalize_first, cross):
     hub = keras_hub.layers.TransformerDecoder(FFN, HEADS, normalize_first=normalize_first)
     hub.build((None, 4, HIDDEN), (None, 6, 6) if cross else None)
-    _randomize(hub, rng)
+    randomize(hub, rng, scale=0.4)
     ours = kal.TransformerDecoderBlock.from_keras_hub(hub)
     dec = rng.standard_normal((2, 4, HIDDEN)).astype("float32")
     enc = rng.standard_normal((2, 6, 6)).astype("float32") if cross else None
@@ -112,7 +107,7 @@ def test_keras_hub_cache_keywords_match_keras_hub(rng, cross):
     KerasHub's own layer with the same weights, step by step."""
     hub = keras_hub.layers.TransformerDecoder(FFN, HEADS)
     hub.build((None, 5, HIDDEN), (None, 6, HIDDEN) if cross else None)
-    _randomize(hub, rng)
+    randomize(hub, rng, scale=0.4)
     ours = kal.TransformerDecoderBlock.from_keras_hub(hub)
     dec = rng.standard_normal((2, 5, HIDDEN)).astype("float32")
     enc = rng.standard_normal((2, 6, HIDDEN)).astype("float32") if cross else None

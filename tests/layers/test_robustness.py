@@ -189,9 +189,7 @@ def test_property_attention_layers(case):
         full = full & ref.causal(tq, tk)[None, None]
     mha = kal.MultiHeadAttention(h, d, num_key_value_heads=hkv)
     out = mha(q, v, value_mask=value_mask, use_causal_mask=causal)
-    from tests.layers.test_attention_layers import _mha_weights
-
-    want, _ = ref.mha(q, v, v, _mha_weights(mha), h, hkv, mask=full)
+    want, _ = ref.mha(q, v, v, ref.mha_weights(mha), h, hkv, mask=full)
     tolerance.assert_close(out, want, terms=tolerance.LAYER_TERMS)
     dpa = kal.DotProductAttention()(q, v, value_mask=value_mask, use_causal_mask=causal)
     want_dpa, _ = ref.attention(q[:, :, None], v[:, :, None], v[:, :, None], mask=full)

@@ -17,7 +17,6 @@ from keras_attn.visualize import (AttentionMapCallback, attention_maps, attentio
                                   html_view, plot_attention, plot_heads)
 from tests import reference as ref
 from tests import tolerance
-from tests.layers.test_attention_layers import _mha_weights
 from tests.environments import child_env
 
 IDS = np.array([[5, 6, 7, 0, 0], [3, 4, 5, 6, 7]], np.int32)
@@ -50,7 +49,7 @@ def test_encoder_maps_equal_return_attention_scores_and_numpy(encoder):
     # Independent: softmax(QK^T / sqrt(d)) in NumPy on the first layer's input.
     x0 = np.asarray(embedding(IDS))
     attn = encoder.get_layer("enc0").self_attention
-    _, probs = ref.mha(x0, x0, x0, _mha_weights(attn), 2, 2, mask=mask[:, None, None, :])
+    _, probs = ref.mha(x0, x0, x0, ref.mha_weights(attn), 2, 2, mask=mask[:, None, None, :])
     valid = mask[:, None, :, None] & np.ones_like(probs, bool)
     tolerance.assert_close(maps[0].scores[valid], probs[valid], terms=tolerance.LAYER_TERMS)
     # Masked positions exactly zero, and marked.
