@@ -32,7 +32,8 @@ from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
-from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_greedy, tflite_signatures  # noqa: E402
+from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_family, hf_greedy  # noqa: E402
+from tests.llm_runtime_models import tflite_signatures  # noqa: E402
 
 VOCAB = 71
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -54,17 +55,12 @@ CONFIG = dict(
 )
 
 
+FAMILIES = {"gemma4": (transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig, CONFIG)}
+
+
 def hf_gemma4(seed=0, **changes):
-    config = transformers.Gemma4TextConfig(**{**CONFIG, **changes})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Gemma4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:  # sharp attention, spread logits
-                p.mul_(8.0)
-            elif name.endswith("norm.weight"):  # Gemma 4's norms multiply by the weight
-                p.add_(torch.randn_like(p) * 0.3)
+    model = hf_family("gemma4", FAMILIES, {}, seed, sharpen=True, attn_implementation="eager", **changes)
+    with torch.no_grad():  # each layer's output scale, 1 at initialization
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(torch.rand_like(b) + 0.5)
