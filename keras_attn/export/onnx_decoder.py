@@ -271,7 +271,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
             domain=MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
             scale=1.0 / math.sqrt(head_dim), do_rotary=int(rotary is not None), rotary_interleaved=0,
             # Both count the keys a query sees, its own included (checked
-            # against Keras in tests/test_onnx_decoder.py).
+            # against Keras in tests/export/test_onnx_decoder.py).
             local_window_size=-1 if attention.window is None else int(attention.window),
             softcap=float(attention.logit_soft_cap or 0.0),
         )
