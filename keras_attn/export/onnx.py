@@ -222,11 +222,6 @@ def session(model, *, prepack=True):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def run_onnx(model, sample, output_names):
-    """Runs `model` (a path or the serialized bytes) on one `{name: array}` sample."""
-    return [np.asarray(x) for x in session(model).run(output_names, sample)]
-
-
 def export_onnx(
     model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp",
     fused=False, writer="auto",
