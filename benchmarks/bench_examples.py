@@ -1,7 +1,7 @@
 """Every example at its default (documented) scale, run to the end, exports included.
 
-The tests run the examples at small scales (tests/test_examples.py,
-tests/test_image_examples.py, tests/test_mobile_example.py); the figures the
+The tests run the examples at small scales (tests/project/test_examples.py,
+tests/project/test_image_examples.py, tests/project/test_mobile_example.py); the figures the
 README quotes come from the default settings, which take minutes each on 2
 CPU cores. This script runs each example once with its defaults in a
 subprocess (one after the other), and prints its exit status, wall time, the

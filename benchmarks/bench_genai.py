@@ -18,6 +18,13 @@ tokens agree.
     python benchmarks/bench_genai.py                  # 8 layers, hidden 512, vocab 32000
     python benchmarks/bench_genai.py --quick          # 2 layers, hidden 128, vocab 4000
 
+`--folders NAME=PATH ...` times existing folders instead (e.g. bench_real_size.py's);
+`--profile DIR` then also runs one generation per folder with onnxruntime's
+profiler on (GenAI's own session, through its `enable_profiling` session
+option) and prints, per op type, the nodes and median milliseconds of a
+decode call: wall-clock ratios on a loaded machine move by several percent,
+the per-op split of one graph against another does not.
+
 Needs `onnxruntime-genai` (test extra) and, for the builder, `onnx-ir`
 (`pip install onnx-ir`, or `WITH_GENAI_BUILDER=1 bash benchmarks/install_peers.sh`).
 """
@@ -157,6 +164,81 @@ def time_folders(folders, args):
     med = _medians(times)
     with results_file.recording(args):
         _report_folders(folders, times, med, args)
+    if args.profile:
+        profile_folders(folders, prompt, args.prompt + args.new, args.profile)
+
+
+def decode_profile(path, skip=4):
+    """`{op type: (nodes per call, median ms per call)}` over the decode calls
+    of an onnxruntime profile of one generation (the prompt's call and the
+    next `skip` left out), with "(kernels)" (all nodes) and "(call)" (the
+    whole `model_run`, executor included)."""
+    import bisect
+
+    with open(path) as f:
+        events = json.load(f)
+    calls = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[1 + skip:]
+    starts = [c["ts"] for c in calls]
+    per_call = [{} for _ in calls]
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i < 0 or e["ts"] > calls[i]["ts"] + calls[i]["dur"]:
+            continue
+        nodes, us = per_call[i].get(e["args"]["op_name"], (0, 0))
+        per_call[i][e["args"]["op_name"]] = (nodes + 1, us + e["dur"])
+    table = {op: (per_call[0][op][0], statistics.median(c.get(op, (0, 0))[1] for c in per_call) / 1000)
+             for op in per_call[0]}
+    table["(kernels)"] = (sum(n for n, _ in per_call[0].values()),
+                          statistics.median(sum(us for _, us in c.values()) for c in per_call) / 1000)
+    table["(call)"] = (1, statistics.median(c["dur"] for c in calls) / 1000)
+    return table
+
+
+def profile_folders(folders, prompt, max_length, out):
+    """One generation per folder with onnxruntime's profiler on (the folder's
+    genai_config.json gains `enable_profiling` for that run only); prints the
+    per-op decode tables side by side."""
+    import gc
+    import glob
+
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    tables = {}
+    for name, folder in folders.items():
+        path = os.path.join(folder, "genai_config.json")
+        with open(path) as f:
+            config = json.load(f)
+        options = config["model"]["decoder"]["session_options"]
+        prefix = os.path.join(out, name.replace(" ", "_"))
+        earlier = set(glob.glob(prefix + "_*.json"))
+        try:
+            options["enable_profiling"] = prefix
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2)
+            run_genai(folder, prompt, max_length)
+            gc.collect()  # the session writes its profile when it goes
+        finally:
+            del options["enable_profiling"]
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2)
+        written = sorted(set(glob.glob(prefix + "_*.json")) - earlier, key=os.path.getmtime)
+        tables[name] = decode_profile(written[-1])
+        print(f"profile of {name}: {written[-1]}")
+    kernels = {name: t["(kernels)"][1] for name, t in tables.items()}
+    ops = sorted({op for t in tables.values() for op in t}, key=lambda op: -max(
+        t.get(op, (0, 0))[1] for t in tables.values()))
+    print("\none decode call, median over the generation's calls: nodes, ms, share of the kernels' time\n")
+    print("| op | " + " | ".join(tables) + " |")
+    print("|---|" + "---|" * len(tables))
+    for op in ops:
+        cells = []
+        for name, t in tables.items():
+            nodes, ms = t.get(op, (0, 0.0))
+            share = "" if op.startswith("(") else f", {ms / kernels[name]:.1%}"
+            cells.append(f"{nodes}, {ms:.3f}{share}" if nodes else "-")
+        print(f"| {op} | " + " | ".join(cells) + " |")
 
 
 def _report_folders(folders, times, med, args):
@@ -188,6 +270,9 @@ def main():
     parser.add_argument("--folders", nargs="+", metavar="NAME=PATH",
                         help="time these GenAI folders instead of exporting (e.g. the real-size "
                              "benchmark's, benchmarks/bench_real_size.py); prompt ids from --vocab")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="with --folders: also profile one generation per folder (onnxruntime's "
+                             "per-node profile, files in DIR) and print each op type's share of a decode call")
     results_file.add_argument(parser, "genai")
     args = parser.parse_args()
     _common.apply_quick(args)

@@ -4,7 +4,7 @@
 #
 # keras-hub installs normally: its dependency tensorflow-text resolves to the
 # same `tensorflow` distribution keras_attn depends on (one TensorFlow; see
-# tests/test_install.py). The same peers are the `peers` extra of pyproject.toml.
+# tests/project/test_install.py). The same peers are the `peers` extra of pyproject.toml.
 #
 # torch==2.13.0 (CPU) is optional: a second peer for bench_attention.py.
 set -euo pipefail

@@ -134,19 +134,6 @@ def check_batch_size(batch_size):
         )
 
 
-def check_activation(name, value):
-    """The name of a Keras activation or a callable, returned."""
-    try:
-        keras.activations.get(value)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected the "
-            "name of a Keras activation (e.g. 'relu', 'gelu') or a callable. "
-            f"Received: {name}={value!r}"
-        ) from error
-    return value
-
-
 # --- Attention arguments -------------------------------------------------------
 
 

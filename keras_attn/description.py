@@ -8,7 +8,8 @@ values) and its feed-forward; per model the token table, its scale, the head
 per-layer inputs. The ONNX and TFLite writers (`keras_attn.export`) read
 this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
-the description by `keras_attn.export.capabilities`.
+the description by `keras_attn.export.capabilities`. The encoder writers read
+`read_encoder(model)`: a functional Keras model's calls in order, as steps.
 
 Weights are `Weight`s: a variable read when a writer asks for it, as a
 read-only float32 view of the variable's own memory where the backend keeps
@@ -174,7 +175,7 @@ class Attention:
 @dataclasses.dataclass(frozen=True)
 class FeedForward:
     """`down(activation(gate(x)) * up(x))`, or `down(activation(up(x)))` without
-    a gate. `activation` is the canonical name (`activation_name`), or None
+    a gate. `activation` is the canonical name (`activations.canonical_name`), or None
     with `activation_repr` saying what the model has."""
 
     gate: Optional[Dense]
@@ -353,19 +354,46 @@ def _attention(attention, window, source):
     )
 
 
-def _feedforward(block):
+def _activation_of(function):
+    """`(canonical name or None, the name shown)` of an activation function."""
     from keras_attn.layers.activations import canonical_name
 
+    return canonical_name(function), getattr(function, "__name__", repr(function))
+
+
+def _feedforward(block):
     gate = block.feedforward_gate_dense
     up = block.feedforward_intermediate_dense
-    function = (gate if gate is not None else up).activation
-    return FeedForward(
-        gate=None if gate is None else _dense(gate),
-        up=_dense(up),
-        down=_dense(block.feedforward_output_dense),
-        activation=canonical_name(function),
-        activation_repr=getattr(function, "__name__", repr(function)),
+    activation, shown = _activation_of((gate if gate is not None else up).activation)
+    return FeedForward(gate=None if gate is None else _dense(gate), up=_dense(up),
+                       down=_dense(block.feedforward_output_dense), activation=activation,
+                       activation_repr=shown)
+
+
+def _layer(block, window, source):
+    return Layer(
+        name=block.name,
+        attention_norm=_norm(block.self_attention_layer_norm),
+        attention=_attention(block.self_attention, window, source),
+        attention_post_norm=_norm(getattr(block, "self_attention_post_norm", None)),
+        feedforward_norm=_norm(block.feedforward_layer_norm),
+        feedforward=_feedforward(block),
+        feedforward_post_norm=_norm(getattr(block, "feedforward_post_norm", None)),
+        output_scale=None if getattr(block, "output_scale", None) is None
+        else _weight(block, "output_scale"),
     )
+
+
+def _table_positions(kind, embedding, rows):
+    """`Positions` of a `TokenAndPositionEmbedding`'s learned or sinusoidal positions."""
+    layer = embedding.position_embedding
+    return Positions(kind, table=_weight(layer, "position_embeddings") if kind == "learned" else None,
+                     layer=layer, rows=rows)
+
+
+def _quantized(model):
+    return tuple(sorted({layer.quantization_mode for layer in model._flatten_layers()
+                         if getattr(layer, "quantization_mode", None)}))
 
 
 def read_decoder(model, options_described):
@@ -375,34 +403,18 @@ def read_decoder(model, options_described):
     never written as if absent)."""
     config = model.get_config()
     unsupported = [(key, "a model option") for key in sorted(set(config) - set(options_described))]
-    quantized = sorted({layer.quantization_mode for layer in model._flatten_layers()
-                        if getattr(layer, "quantization_mode", None)})
     sources = getattr(model, "key_value_sources", None) or [None] * len(model.blocks)
     layers = []
     for block, window, source in zip(model.blocks, model.layer_sliding_windows(), sources):
         if getattr(block, "cross_attention", None) is not None:
             unsupported.append((block.name, "cross-attention"))
-        layers.append(Layer(
-            name=block.name,
-            attention_norm=_norm(block.self_attention_layer_norm),
-            attention=_attention(block.self_attention, window, source),
-            attention_post_norm=_norm(getattr(block, "self_attention_post_norm", None)),
-            feedforward_norm=_norm(block.feedforward_layer_norm),
-            feedforward=_feedforward(block),
-            feedforward_post_norm=_norm(getattr(block, "feedforward_post_norm", None)),
-            output_scale=None if getattr(block, "output_scale", None) is None
-            else _weight(block, "output_scale"),
-        ))
+        layers.append(_layer(block, window, source))
     position = model.position
     if position in ("rotary", "relative"):
         table, positions = _weight(model.embedding, "embeddings"), Positions(position, rope_scaling=model.rope_scaling)
     else:
         table = _weight(model.embedding.token_embedding, "embeddings")
-        layer = model.embedding.position_embedding
-        positions = Positions(
-            position,
-            table=_weight(layer, "position_embeddings") if position == "learned" else None,
-            layer=layer, rows=model.max_positions)
+        positions = _table_positions(position, model.embedding, model.max_positions)
     return Decoder(
         name=model.name,
         vocabulary_size=model.vocabulary_size,
@@ -418,6 +430,205 @@ def read_decoder(model, options_described):
             None if getattr(model.lm_head, "bias", None) is None else _weight(model.lm_head, "bias")),
         final_logit_soft_cap=model.final_logit_soft_cap,
         per_layer_input_dim=getattr(model, "per_layer_input_dim", None),
-        quantized=tuple(quantized),
+        quantized=_quantized(model),
         unsupported=tuple(unsupported),
     )
+
+
+# --- An encoder: a functional Keras model's calls as steps -------------------
+# Each step names the values it reads and the one it makes (a graph input's
+# value is its name); `Encoder.steps` is in the order the values are made.
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A graph input or output: `name`, Keras `dtype`, `shape` `(None, ...)`,
+    the `value` it is; for an input of token ids, `vocabulary`: the smallest
+    of the embeddings reading it (for `check_ids`)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    value: str
+    vocabulary: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A call of layer `name` reading the value `input`, making `output`; as
+    it is: `Identity`, `Dropout` (inference), a key of full slices only."""
+
+    name: str
+    input: str
+    output: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingStep(Step):
+    """`TokenAndPositionEmbedding` of the ids `input`: `tokens[ids] +
+    positions[:T] + types[type_ids]` (row 0 of `types` without `type_ids`; no
+    `types`: no term), then `norm`."""
+
+    type_ids: Optional[str]
+    tokens: Weight
+    positions: Positions
+    types: Optional[Weight]
+    norm: Optional[Norm]
+    mask_zero: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStep(Step):
+    """`TransformerEncoderBlock` (its `layer` as a decoder's): `padding` the
+    `(B, T)` mask of valid keys (None: none), `causal`, and with
+    `mask_padded_queries` the attention output of padded queries zeroed
+    before the output projection."""
+
+    padding: Optional[str]
+    layer: Layer
+    normalize_first: bool
+    causal: bool
+    mask_padded_queries: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseStep(Step):
+    """`activation(input @ kernel + bias)`; `activation` as `FeedForward`'s."""
+
+    dense: Dense
+    activation: Optional[str]
+    activation_repr: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareStep(Step):
+    """`input == scalar` (`equal`) or `input != scalar`; `scalar` of the input's dtype."""
+
+    equal: bool
+    scalar: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class GetItemStep(Step):
+    """`input[key]`: per axis an int (that axis dropped) or None (a full slice)."""
+
+    key: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoder:
+    """A functional Keras model as steps (see above). `unsupported`:
+    `(layer name, what)` for each call the description does not carry (its
+    outputs are named all the same)."""
+
+    name: str
+    inputs: tuple
+    steps: tuple
+    outputs: tuple
+    quantized: tuple = ()
+    unsupported: tuple = ()
+
+    @property
+    def layers(self):
+        """The blocks' `Layer`s, as a decoder's (the capability table reads both)."""
+        return tuple(s.layer for s in self.steps if isinstance(s, BlockStep))
+
+
+def _index_key(key):
+    """`x[:, i, :]`-style keys as a tuple of ints and Nones (full slices), else
+    None. A list is such a tuple: a `.keras` file stores the key as a list, and
+    Keras's `GetItem` reads it back as the tuple."""
+    key = tuple(key) if isinstance(key, (list, tuple)) else (key,)
+    if all(isinstance(k, slice) and k == slice(None)
+           or isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in key):
+        return tuple(None if isinstance(k, slice) else int(k) for k in key)
+    return None
+
+
+def _encoder_step(op, node, name):
+    """The step of one call, or the text of why it is not one."""
+    import keras
+
+    from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
+    from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
+
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    out = name(node.outputs[0])
+    kind = type(op).__name__
+    if kwargs.get("training"):
+        return "called with training=True"
+    if isinstance(op, TransformerEncoderBlock):
+        extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+        extra.pop("padding_mask", None)
+        causal = extra.pop("use_causal_mask", False)
+        if extra or len(args) > 2 or not isinstance(causal, bool):
+            return f"called with {sorted(extra) or 'extra arguments'}"
+        padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+        if padding is None and getattr(args[0], "_keras_mask", None) is not None:
+            return "inherits a Keras mask"
+        if padding is not None and len(padding.shape) != 2:
+            return f"a padding mask of shape {tuple(padding.shape)} (not (batch, length))"
+        return BlockStep(op.name, name(args[0]), out, None if padding is None else name(padding),
+                         _layer(op, op.sliding_window, None), op.normalize_first, causal,
+                         op.mask_padded_queries)
+    if isinstance(op, TokenAndPositionEmbedding):
+        extra = {k: v for k, v in kwargs.items() if k != "token_type_ids" and v not in (None, False, 0)}
+        if extra or len(args) > 1:
+            return f"called with {sorted(extra) or 'extra arguments'}"
+        types = kwargs.get("token_type_ids")
+        table = op.token_type_embedding
+        return EmbeddingStep(
+            op.name, name(args[0]), out, None if types is None else name(types),
+            tokens=_weight(op.token_embedding, "embeddings"),
+            positions=_table_positions(op.position, op, op.sequence_length),
+            types=None if table is None else _weight(table, "embeddings"),
+            norm=_norm(op.layer_norm), mask_zero=op.mask_zero)
+    if isinstance(op, keras.layers.Dense):
+        if len(args) != 1:
+            return "called with extra arguments"
+        return DenseStep(op.name, name(args[0]), out, _dense(op), *_activation_of(op.activation))
+    if isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
+        return Step(op.name, name(args[0]), out)
+    if kind in ("NotEqual", "Equal") and len(args) == 2:
+        x, other = args
+        if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
+            return "only a comparison with a scalar"
+        return CompareStep(op.name, name(x), out, kind == "Equal", np.asarray(other, dtype=x.dtype))
+    if kind == "GetItem" and len(args) == 2:
+        key = _index_key(args[1])
+        if key is None or len(key) != len(args[0].shape):
+            return "only keys of ints and full slices"
+        if not any(k is not None for k in key):
+            return Step(op.name, name(args[0]), out)
+        return GetItemStep(op.name, name(args[0]), out, key)
+    return f"{kind} layer"
+
+
+def read_encoder(model):
+    """The `Encoder` of a built functional Keras model: its calls in order
+    (each call's step, or its layer's name and why in `unsupported`), its
+    inputs and its outputs (named as `model.output_names`)."""
+    import keras
+
+    names = {id(t): t.name for t in model.inputs}
+
+    def name(tensor):
+        return names.setdefault(id(tensor), f"{getattr(tensor, 'name', 'value')}:{len(names)}")
+
+    steps, unsupported = [], []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            op = node.operation
+            if node.is_input or isinstance(op, keras.layers.InputLayer):
+                continue
+            step = _encoder_step(op, node, name)
+            if isinstance(step, str):
+                unsupported.append((op.name, step))
+            else:
+                steps.append(step)
+    sizes = [(s.input, s.tokens.shape[0]) for s in steps if isinstance(s, EmbeddingStep)]
+    inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.name,
+                          min((n for v, n in sizes if v == t.name), default=None)) for t in model.inputs)
+    outputs = tuple(Tensor(n, t.dtype, tuple(t.shape), name(t))
+                    for t, n in zip(model.outputs, model.output_names))
+    return Encoder(model.name, inputs, tuple(steps), outputs, _quantized(model), tuple(unsupported))

@@ -8,6 +8,7 @@ torch. On a backend other than TensorFlow the other files are not collected
 """
 
 import os
+import pathlib
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -16,32 +17,47 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# Layers, blocks and ops: keras.ops only, so they must pass on every backend.
-# Training, export, generation and data are TensorFlow by design
-# (docs/architecture.md).
+# Layers, blocks and ops: keras.ops only, so they must pass on every backend;
+# so must the graph writers that read a model's description and the
+# converters' streaming. Training, export, generation and data are TensorFlow
+# by design (docs/architecture.md). Paths are relative to tests/.
 BACKEND_AGNOSTIC_FILES = {
-    "test_attention_layers.py",
-    "test_blocks.py",
-    "test_cache_masks.py",
-    "test_convert_streaming.py",
-    "test_decoder_writers.py",
-    "test_description.py",
-    "test_errors.py",
-    "test_family_options.py",
-    "test_gemma4_options.py",
-    "test_lora_peft.py",
-    "test_mha_keras_compat.py",
-    "test_onnx_decoder.py",
-    "test_onnx_signatures.py",
-    "test_ops.py",
-    "test_peers.py",
-    "test_position_layers.py",
-    "test_serialization.py",
-    "test_upstream_suites.py",
+    "convert/test_convert_streaming.py",
+    "export/test_decoder_writers.py",
+    "export/test_description.py",
+    "export/test_encoder_description.py",
+    "export/test_onnx_decoder.py",
+    "export/test_onnx_signatures.py",
+    "generation/test_lora_peft.py",
+    "layers/test_attention_layers.py",
+    "layers/test_blocks.py",
+    "layers/test_cache_masks.py",
+    "layers/test_errors.py",
+    "layers/test_family_options.py",
+    "layers/test_gemma4_options.py",
+    "layers/test_mha_keras_compat.py",
+    "layers/test_peers.py",
+    "layers/test_position_layers.py",
+    "layers/test_serialization.py",
+    "layers/test_upstream_suites.py",
+    "ops/test_ops.py",
 }
+
+TESTS = pathlib.Path(__file__).parent
+
+
+def _relative(path):
+    """A test file's path relative to tests/, as the lists here write it."""
+    path = pathlib.Path(path)
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else str(path)
 
 
 def pytest_configure(config):
+    # A file moved or renamed would silently leave the other backends' runs
+    # (or the early slow files) otherwise.
+    missing = sorted(p for p in (*BACKEND_AGNOSTIC_FILES, *RUN_FIRST) if not (TESTS / p).is_file())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py names test files that do not exist: {missing}")
     config.addinivalue_line(
         "markers", "tensorflow_only: uses TensorFlow APIs directly; runs on the TensorFlow backend only"
     )
@@ -55,9 +71,9 @@ def pytest_ignore_collect(collection_path, config):
     # import TensorFlow, datasets, exporters); the summary lists them.
     if keras.backend.backend() == "tensorflow" or collection_path.is_dir():
         return None
-    name = collection_path.name
-    if name.startswith("test_") and name.endswith(".py") and name not in BACKEND_AGNOSTIC_FILES:
-        _NOT_COLLECTED.append(name)
+    name, relative = collection_path.name, _relative(collection_path)
+    if name.startswith("test_") and name.endswith(".py") and relative not in BACKEND_AGNOSTIC_FILES:
+        _NOT_COLLECTED.append(relative)
         return True
     return None
 
@@ -100,15 +116,16 @@ def pytest_terminal_summary(terminalreporter):
 # `--dist loadfile --no-loadscope-reorder` in pyproject.toml) neither worker
 # is left running one of them while the other has nothing to do.
 RUN_FIRST = (
-    "test_examples.py", "test_image_examples.py", "test_install.py",
-    "test_training_distributed.py", "test_upstream_suites.py", "test_benchmarks_smoke.py",
-    "test_export.py", "test_tflite_encoder.py", "test_export_examples.py",
-    "test_export_model_kinds.py", "test_mobile_example.py", "test_pretrained_example.py",
+    "project/test_examples.py", "project/test_image_examples.py", "project/test_install.py",
+    "training/test_training_distributed.py", "layers/test_upstream_suites.py",
+    "project/test_benchmarks_smoke.py", "export/test_export.py", "export/test_tflite_encoder.py",
+    "export/test_export_examples.py", "export/test_export_model_kinds.py",
+    "project/test_mobile_example.py", "project/test_pretrained_example.py",
     # Minutes too (exports of quantized models and of while loops, the docs'
     # commands): early, so that the files a worker gets last are short ones
     # (test_traced_structure.py, alphabetically near the end, came last).
-    "test_traced_structure.py", "test_documented_commands.py", "test_docs.py",
-    "test_chunked.py", "test_activations.py",
+    "generation/test_traced_structure.py", "project/test_documented_commands.py",
+    "project/test_docs.py", "ops/test_chunked.py", "layers/test_activations.py",
 )
 
 # Each worker holds TensorFlow and the models and exports of the file it
@@ -144,7 +161,7 @@ def pytest_collection_finish(session):
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+    items.sort(key=lambda item: rank.get(_relative(item.path), len(rank)))  # stable: file order kept
     backend = keras.backend.backend()
     if backend == "tensorflow":
         return
@@ -167,7 +184,7 @@ def _seed_and_policy():
     if keras.backend.backend() == "torch":
         # Tests read outputs with `np.asarray`, which torch refuses for
         # tensors that track gradients. An agnostic test that trains turns
-        # them back on itself (tests/test_lora_peft.py).
+        # them back on itself (tests/generation/test_lora_peft.py).
         import torch
 
         with torch.no_grad():

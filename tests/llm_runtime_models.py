@@ -117,18 +117,43 @@ HF_FAMILIES = {
 }
 
 
-def hf_family(name):
-    """A seeded random Hugging Face causal LM of `HF_FAMILIES[name]` on this
-    vocabulary (EOS = stop token), in eval mode."""
+# What HF_FAMILIES share: this vocabulary (EOS = stop token), logits spread
+# by the initializer.
+HF_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                 initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0)
+
+
+def hf_family(name, families=HF_FAMILIES, common=HF_COMMON, seed=0, sharpen=False, random_biases=False,
+              **changes):
+    """A seeded random Hugging Face causal LM, in eval mode.
+
+    `families[name]` is (model class, config class, config arguments), each
+    class itself or its name in `transformers`; the config takes `common`,
+    then the family's arguments, then `changes`. With `sharpen` (the
+    converters' tables, at sizes where the initializer's attention is flat):
+    matrices times 8 (sharp attention, spread logits) and random norm scales
+    (added to the initial ones; Gemma's, `1 + weight`, start at 0), so that a
+    scale the conversion drops or misplaces shows; `random_biases` too
+    replaces the biases (zeros) with N(0, 1) draws.
+    """
     import torch
     import transformers
 
-    model_cls, config_cls, extra = HF_FAMILIES[name]
-    config = getattr(transformers, config_cls)(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-        initializer_range=0.2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, **extra)
-    torch.manual_seed(0)
-    return getattr(transformers, model_cls)(config).eval()
+    model_cls, config_cls, arguments = (
+        getattr(transformers, x) if isinstance(x, str) else x for x in families[name])
+    config = config_cls(**{**common, **arguments, **changes})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if sharpen:
+        with torch.no_grad():
+            for parameter_name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.mul_(8.0)
+                elif parameter_name.endswith("norm.weight"):
+                    p.add_(torch.randn_like(p) * 0.3)
+                elif random_biases and parameter_name.endswith("bias"):
+                    p.copy_(torch.randn_like(p))
+    return model
 
 
 def hf_tokens(hf, prompt, max_length=MAX_LEN, eos=EOS):

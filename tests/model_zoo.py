@@ -175,12 +175,14 @@ def left_padded_prompts(vocabulary_size, seed=6, lengths=(3, 6, 5), width=6):
 BERT_VOCAB, BERT_LENGTH, BERT_DIM, BERT_HEADS, BERT_FFN = 50, 16, 32, 4, 64
 
 
-def randomize(model, seed):
-    # Non-zero biases and non-unit LayerNorm weights, so that a bias or a
-    # gamma the fused graph dropped or misplaced shows in the outputs.
+def randomize(model, seed, scale=0.3):
+    """Every weight of `model` (a model or a layer) drawn from N(0, scale^2);
+    `seed` is an int or a NumPy Generator (which then moves on). Non-zero
+    biases and non-unit LayerNorm weights, so that a bias or a gamma that an
+    export, a conversion or a reference dropped or misplaced shows."""
     rng = np.random.default_rng(seed)
     for w in model.weights:
-        w.assign(rng.normal(0.0, 0.3, tuple(w.shape)).astype("float32"))
+        w.assign(rng.normal(0.0, scale, tuple(w.shape)).astype("float32"))
 
 
 def bert_like(normalize_first, activation, layers, seed, mask_padded_queries=False, causal=False):

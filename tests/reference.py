@@ -74,6 +74,18 @@ def mha(query, value, key, weights, num_heads, num_kv_heads, mask=None, bias=Non
     return out, probs
 
 
+def mha_weights(layer, dtype=None):
+    """The `weights` of `mha` read from a MultiHeadAttention layer (its
+    `*_dense` sublayers; biases when it has them), cast to `dtype` if given."""
+    weights = {}
+    for name, dense in (("q", layer.query_dense), ("k", layer.key_dense),
+                        ("v", layer.value_dense), ("o", layer.output_dense)):
+        weights["w" + name] = np.asarray(dense.kernel.numpy(), dtype)
+        if dense.bias is not None:
+            weights["b" + name] = np.asarray(dense.bias.numpy(), dtype)
+    return weights
+
+
 def sinusoidal(length, dim, max_wavelength=10000.0, start=0):
     pos = np.arange(start, start + length, dtype=np.float64)[:, None]
     enc = np.zeros((length, dim))

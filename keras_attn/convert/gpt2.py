@@ -29,7 +29,6 @@ are `(in, out)` and are not transposed):
 import math
 
 import keras
-import numpy as np
 
 from keras_attn.convert import common
 from keras_attn.generation.models import DecoderOnlyLM

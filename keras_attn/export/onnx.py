@@ -189,15 +189,9 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
     arguments.check_choice("opset", opset, OPSETS)
     writer = _check_writer(fused, writer)
 
-    def direct():
-        try:
-            return onnx_fused.direct_model_proto(
-                model, opset=opset, check_ids=check_ids, fused=fused, weights_file=weights_file)
-        except onnx_fused.NotFusableError:
-            if weights_file is not None:
-                weights_file.seek(0)
-                weights_file.truncate()
-            raise
+    def direct():  # refuses (NotFusableError) before it writes anything to `weights_file`
+        return onnx_fused.direct_model_proto(
+            model, opset=opset, check_ids=check_ids, fused=fused, weights_file=weights_file)
 
     # Only fused=True asked for the direct writer's kind of graph: a plain
     # model that tf2onnx writes is no news.
@@ -226,11 +220,6 @@ def session(model, *, prepack=True):
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
-def run_onnx(model, sample, output_names):
-    """Runs `model` (a path or the serialized bytes) on one `{name: array}` sample."""
-    return [np.asarray(x) for x in session(model).run(output_names, sample)]
 
 
 def export_onnx(

@@ -45,24 +45,16 @@ to the tf2onnx graph with a warning.
 
 import contextlib
 import math
-import os
 
 import numpy as np
 
 from keras_attn import checks
 from keras_attn.export import capabilities
 from keras_attn.export import onnx_quantize
-from keras_attn.export.onnx_fused import MS_DOMAIN
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.onnx_graph import MS_DOMAIN
+from keras_attn.export.onnx_graph import Graph
 
 PROMPT_LOGITS = ("last", "all")
-
-
-def is_decoder_only_lm(model):
-    """True for a `keras_attn.generation.DecoderOnlyLM` (or a subclass), read
-    from the class names so that `export` never imports `generation`."""
-    return any(c.__name__ == "DecoderOnlyLM" and c.__module__ == "keras_attn.generation.models"
-               for c in type(model).__mro__)
 
 
 def check_fusable_decoder(model, max_length=None):
@@ -74,137 +66,17 @@ def check_fusable_decoder(model, max_length=None):
     return description
 
 
-def borrowed(array):
-    """Whether `array` views memory that no NumPy array made here owns (a
-    variable's buffer, from `keras_attn.description.array_of`): keeping it costs nothing."""
-    while isinstance(array, np.ndarray) and array.base is not None:
-        array = array.base
-    return not isinstance(array, np.ndarray)
-
-
-# Tensors at least this large go to the external data file (when there is
-# one), each at an offset onnxruntime can memory-map.
-_EXTERNAL_MIN_BYTES = 1024
-_EXTERNAL_ALIGNMENT = 4096
-
-
-def check_external_data(path, arrays, checked=None):
-    """Raises `ParityError` unless each initializer of the ONNX file `path`
-    named in `arrays` (`{name: array}`) is in its external data with that
-    array's type, shape and bytes (read a piece at a time: nothing of the
-    file stays resident). `checked`: a dict of the `(file, offset, length)`
-    already compared, per name, which this call adds to; a tensor stored
-    where one of them is (models sharing one weights file) is not read
-    again."""
-    import onnx
-    from onnx import helper
-
-    from keras_attn.export.report import ParityError
-
-    folder = os.path.dirname(os.path.abspath(path))
-    tensors = {t.name: t for t in onnx.load(path, load_external_data=False).graph.initializer}
-    checked = {} if checked is None else checked
-    piece = np.empty(_COMPARE_BYTES, np.uint8)
-    for name, array in arrays.items():
-        tensor = tensors.get(name)
-        where = {e.key: e.value for e in tensor.external_data} if tensor is not None else {}
-        if (tensor is None or tensor.data_location != onnx.TensorProto.EXTERNAL
-                or tuple(tensor.dims) != array.shape
-                or tensor.data_type != helper.np_dtype_to_tensor_dtype(array.dtype)
-                or int(where.get("length", -1)) != array.nbytes):
-            raise ParityError(f"{path}: initializer {name!r} is not stored as the model's "
-                              f"{array.dtype} {array.shape} weight")
-        span = (os.path.join(folder, where["location"]), int(where.get("offset", 0)), array.nbytes)
-        if checked.get(name) == span:
-            continue
-        expected = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        with open(span[0], "rb") as f:
-            f.seek(span[1])
-            for start in range(0, expected.size, piece.size):
-                count = f.readinto(piece[:min(piece.size, expected.size - start)])
-                if count == 0 or not _same_bytes(piece[:count], expected[start:start + count]):
-                    raise ParityError(f"{path}: the bytes of initializer {name!r} in "
-                                      f"{where['location']} differ from the model's weight")
-        checked[name] = span
-
-
-def inference_session(path, shared=None, prepack=True):
-    """An onnxruntime CPU session of the ONNX file `path` that runs on the
-    arrays `shared` (`{initializer name: array}`, e.g. views of a model's
-    variables) in place of those initializers' stored bytes, which the
-    caller checks against them (`check_external_data`). `prepack=False`:
-    no packed copies of the weights (each call packs them again)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if not prepack:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in (shared or {}).items()}
-    for name, value in values.items():
-        options.add_initializer(name, value)
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    session.borrowed_values = values  # onnxruntime borrows them: they must outlive the session
-    return session
-
-
-_COMPARE_BYTES = 1 << 26
-
-
-def _same_bytes(a, b):
-    """`a == b` for two 1-D uint8 arrays of one size, eight bytes a compare."""
-    whole = a.size // 8 * 8
-    return (np.array_equal(a[:whole].view(np.uint64), b[:whole].view(np.uint64))
-            and np.array_equal(a[whole:], b[whole:]))
-
-
-class Graph:
-    """An ONNX graph being written: `nodes`, `initializers` (`const`: each
-    large one streamed to `data_file` as it is made, when given) and the
-    weight helpers (`weight`, `tied_table`, `apply`, `gather_rows`,
-    `activation`) the direct decoder writers share."""
+class DecoderGraph(Graph):
+    """The decoder writers' `Graph` (weights large enough streamed to an
+    external data file, when given) with the weight helpers (`weight`,
+    `tied_table`, `apply`, `gather_rows`) they share: float32, or
+    `MatMulNBits` with `bits`."""
 
     def __init__(self, bits, block_size, accuracy_level, data_file=None, shared=None):
-        self.nodes = []
-        self.initializers = []
+        super().__init__(data_file, external=True, shared=shared)
         self.bits = bits
         self.block_size = block_size
         self.accuracy_level = accuracy_level
-        self.data_file = data_file  # open binary file, or None: weights inside the proto
-        # {name: array} of the external weights that are the model's own
-        # memory (`borrowed`), when a dict is given.
-        self.shared = shared
-
-    def const(self, array, name):
-        from onnx import TensorProto
-        from onnx import helper
-        from onnx import numpy_helper
-
-        array = np.ascontiguousarray(array)
-        if self.data_file is None or array.nbytes < _EXTERNAL_MIN_BYTES:
-            self.initializers.append(numpy_helper.from_array(array, name))
-            return name
-        # Written as it is made: the proto holds only where it is, so memory
-        # holds one tensor at a time, and the graph has no 2 GB limit.
-        offset = -(-self.data_file.tell() // _EXTERNAL_ALIGNMENT) * _EXTERNAL_ALIGNMENT
-        self.data_file.seek(offset)
-        self.data_file.write(array.reshape(-1).view(np.uint8).data)  # no bytes copy
-        tensor = TensorProto(name=name, dims=array.shape,
-                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", os.path.basename(self.data_file.name)),
-                           ("offset", str(offset)), ("length", str(array.nbytes))):
-            tensor.external_data.add(key=key, value=value)
-        self.initializers.append(tensor)
-        if self.shared is not None and borrowed(array):
-            self.shared[name] = array
-        return name
-
-    def node(self, op, inputs, name, outputs=1, domain="", **attrs):
-        from onnx import helper
-
-        names = [f"{name}/output_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
-        self.nodes.append(helper.make_node(op, inputs, names, name=name, domain=domain, **attrs))
-        return names[0] if len(names) == 1 else names
 
     def weight(self, kernel, name):
         """`kernel` (K, N) written once as a `MatMul` weight: float32, or
@@ -283,43 +155,6 @@ class Graph:
         axes = self.const(np.array([-1], np.int64), name + "/slice_axes")
         return self.node("Slice", [rows, starts, ends, axes], name + "/Slice")
 
-    def activation(self, x, name, kind, standard=False):
-        """`kind` (an `activation_name`) of `x`; GELU as onnxruntime's `Gelu` /
-        `FastGelu`, or, `standard`, in standard ops (opset 17 has no GELU)."""
-        if kind == "linear":
-            return x
-        if kind == "silu":
-            return self.node("Mul", [x, self.node("Sigmoid", [x], name + "/Sigmoid")], name + "/Mul")
-        if kind == "relu":
-            return self.node("Relu", [x], name + "/Relu")
-        if kind == "tanh":
-            return self.node("Tanh", [x], name + "/Tanh")
-        if kind in ("gelu", "gelu_tanh") and standard:
-            return self._standard_gelu(x, name, kind)
-        if kind == "gelu":
-            return self.node("Gelu", [x], name + "/Gelu", domain=MS_DOMAIN)
-        if kind == "gelu_tanh":
-            return self.node("FastGelu", [x], name + "/FastGelu", domain=MS_DOMAIN)
-        raise NotFusableError(f"activation {kind!r}")
-
-    def _standard_gelu(self, x, name, kind):
-        """`0.5 x (1 + erf(x / sqrt 2))`, or with `tanh(sqrt(2 / pi) (x + 0.044715 x^3))`
-        (`keras_attn.activations.gelu_tanh`), in standard ops."""
-        if kind == "gelu":
-            inner = self.node("Mul", [x, self.const(np.array(1 / np.sqrt(2), np.float32), name + "/rsqrt2")],
-                              name + "/Mul_rsqrt2")
-            curve = self.node("Erf", [inner], name + "/Erf")
-        else:
-            cube = self.node("Mul", [self.node("Mul", [x, x], name + "/Mul_square"), x], name + "/Mul_cube")
-            cube = self.node("Mul", [cube, self.const(np.array(0.044715, np.float32), name + "/c")], name + "/Mul_c")
-            inner = self.node("Mul", [self.node("Add", [x, cube], name + "/Add_cube"),
-                                      self.const(np.array(np.sqrt(2 / np.pi), np.float32), name + "/k")],
-                              name + "/Mul_k")
-            curve = self.node("Tanh", [inner], name + "/Tanh")
-        curve = self.node("Add", [curve, self.const(np.array(1.0, np.float32), name + "/one")], name + "/Add_one")
-        half = self.node("Mul", [x, self.const(np.array(0.5, np.float32), name + "/half")], name + "/Mul_half")
-        return self.node("Mul", [half, curve], name + "/Mul")
-
 
 def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
                         external_data=None, prompt_logits="last", shared=None):
@@ -358,12 +193,13 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        return _decoder_graph(description, Graph(bits, block_size, accuracy_level, data_file, shared),
+        return _decoder_graph(description, DecoderGraph(bits, block_size, accuracy_level, data_file, shared),
                               max_length, opset, prompt_logits == "last")
 
 
 def _decoder_graph(d, graph, max_length, opset, last_only):
     """The graph of the description `d` (a `keras_attn.description.Decoder`)."""
+    import onnx
     from onnx import TensorProto
     from onnx import helper
 
@@ -435,7 +271,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
             domain=MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
             scale=1.0 / math.sqrt(head_dim), do_rotary=int(rotary is not None), rotary_interleaved=0,
             # Both count the keys a query sees, its own included (checked
-            # against Keras in tests/test_onnx_decoder.py).
+            # against Keras in tests/export/test_onnx_decoder.py).
             local_window_size=-1 if attention.window is None else int(attention.window),
             softcap=float(attention.logit_soft_cap or 0.0),
         )
@@ -465,7 +301,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         logits = graph.node("Mul", [logits, cap_name], "/lm_head/softcap/Mul")
     # The last node writes `logits` itself: an Identity would copy them on
     # every call (16 MB for a 128-token prompt over 32000 tokens).
-    last = graph.nodes[-1]
+    last = graph.graph.node[-1]
     assert list(last.output) == [logits], (last.output, logits)
     last.output[0] = "logits"
 
@@ -482,11 +318,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
                 f"past_key_values.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
             outputs.append(helper.make_tensor_value_info(
                 f"present.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
-    onnx_graph = helper.make_graph(graph.nodes, "keras_attn_decoder", inputs, outputs, graph.initializers)
-    return helper.make_model(
-        onnx_graph, producer_name="keras_attn",
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
-    )
+    return graph.finish("keras_attn_decoder", inputs, outputs, [("", opset), (MS_DOMAIN, 1)], onnx.IR_VERSION)
 
 
 def _dense(graph, x, dense, name):
@@ -523,7 +355,10 @@ def _norm(graph, residual, pending, layer, name):
         out = graph.node("SimplifiedLayerNormalization", [residual, gamma], name + "/SimplifiedLayerNorm",
                          axis=-1, epsilon=eps, stash_type=1)
         return residual, out
-    outputs = [f"{name}/output_{k}" for k in range(4)]
+    # Outputs: the normalized sum, mean and inverse std (unused: unnamed, so
+    # not written; named, they took a third of the kernel's time, ~1% of a
+    # Qwen2.5-0.5B int4 decode step), the sum.
+    outputs = [f"{name}/output_0", "", "", f"{name}/output_3"]
     graph.node("SkipSimplifiedLayerNormalization", [pending, residual, gamma],
                name + "/SkipSimplifiedLayerNorm", outputs=outputs, domain=MS_DOMAIN, epsilon=eps)
     return outputs[3], outputs[0]

@@ -6,10 +6,10 @@ times over (a converted BERT-base passed 9 GB; benchmarks/RESULTS.md, "Real
 sizes: encoder exports") and turns a Transformer block into dozens of small
 ops (LayerNorm as mean/variance arithmetic, attention as reshapes,
 transposes and matmuls) that onnxruntime's transformer optimizer does not
-recognise. `direct_model_proto` instead walks the functional Keras model and
-writes each supported layer from its weights, each weight once, straight
-into the ModelProto. `export_onnx` uses it wherever it applies and tf2onnx
-for the rest (`writer="auto"`).
+recognise. `direct_model_proto` instead reads the model's description
+(`keras_attn.description.read_encoder`) and writes each step from its
+weights, each weight once, straight into the ModelProto. `export_onnx` uses
+it wherever it applies and tf2onnx for the rest (`writer="auto"`).
 
 Two op sets, the same arithmetic:
 - standard ONNX (`fused=False`, any runtime): attention as MatMul / Softmax
@@ -22,39 +22,30 @@ Two op sets, the same arithmetic:
   bias and LayerNorm in one kernel), `BiasGelu` (erf GELU) or `FastGelu`
   (the tanh GELU, which is exactly what FastGelu computes).
 
-Layers covered:
-- `TransformerEncoderBlock` (post-norm or pre-norm LayerNorm, full
-  multi-head self-attention with a padding mask, `mask_padded_queries`
-  either way, optionally causal, GELU / tanh-GELU / ReLU feed-forward): the
-  attention, the output projection as a `MatMul`, the residual LayerNorms
-  (pre-norm: `LayerNormalization` and `Add`), the feed-forward as two
-  `MatMul`s around the activation.
-- `TokenAndPositionEmbedding` (learned positions from 0, optional token
-  types, optional LayerNorm): `Gather`s, `Add`s and `LayerNormalization`.
-- `Dense`, `Dropout` (identity), `Identity`, `not_equal` / `equal`,
-  first-token slicing `x[:, i, :]`.
-
-Any other layer or configuration raises `NotFusableError` naming it (then
-`export_onnx` uses tf2onnx). The written graph is verified against Keras
-like tf2onnx's.
+A block is its attention, the output projection as a `MatMul`, the residual
+LayerNorms (pre-norm: `LayerNormalization` and `Add`) and the feed-forward
+as two `MatMul`s around the activation; the embedding `Gather`s, `Add`s and
+a `LayerNormalization`. What the writer covers is the capability table's
+(`keras_attn.export.capabilities`, "onnx_encoder"); anything else raises
+`NotFusableError` with its reason (then `export_onnx` uses tf2onnx). The
+written graph is verified against Keras like tf2onnx's.
 """
 
 import numpy as np
 
-from keras_attn.layers.activations import canonical_name as activation_name  # noqa: F401
+from keras_attn import description as description_lib
+from keras_attn.export import capabilities
+from keras_attn.export.capabilities import NotFusableError
+from keras_attn.export.onnx_graph import MS_DOMAIN
+from keras_attn.export.onnx_graph import Graph
 
-MS_DOMAIN = "com.microsoft"
 _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 
 
-class NotFusableError(ValueError):
-    """The model has a layer or setting the fused writer does not cover."""
-
-
-class _Writer:
-    """Builds the ModelProto in place: each initializer goes straight into the
-    graph (no list of tensors copied into a graph, then into a model), or,
-    given `weights_file`, is serialized there at once and dropped.
+class _Writer(Graph):
+    """The encoder's `Graph`: every initializer streamed, given
+    `weights_file`, into the model file itself (`external=False`), values
+    named by `fresh`, and the encoder's ops.
 
     `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
     residual LayerNorms and GELU; otherwise the same arithmetic in standard
@@ -62,69 +53,27 @@ class _Writer:
     """
 
     def __init__(self, opset, fused, weights_file=None):
-        import onnx
-
-        self.proto = onnx.ModelProto()
-        self.graph = self.proto.graph
+        super().__init__(weights_file)
         self.opset = opset
         self.fused = fused
-        self.weights_file = weights_file
         self._count = 0
-        self.values = {}  # id(KerasTensor) -> ONNX value name
-        self._cache = {}  # (kind, value name) -> derived value (masks)
+        self.values = {}  # the description's value names -> ONNX value names
 
     def fresh(self, hint):
         self._count += 1
         return f"{hint}_{self._count}"
 
     def const(self, array, hint):
-        import onnx
-
-        name = self.fresh(hint)
-        tensor = onnx.numpy_helper.from_array(np.asarray(array), name)
-        if self.weights_file is None:
-            self.graph.initializer.append(tensor)
-        else:
-            # A ModelProto holding only this initializer: concatenated
-            # serialized messages parse as one message with the repeated
-            # fields appended, so the pieces and the rest of the model make
-            # the whole file, and no tensor outlives its own write.
-            piece = onnx.ModelProto()
-            piece.graph.initializer.append(tensor)
-            self.weights_file.write(piece.SerializeToString())
-        return name
+        return super().const(array, self.fresh(hint))
 
     def node(self, op, inputs, hint, domain="", outputs=1, **attrs):
-        import onnx
-
         names = [self.fresh(hint) for _ in range(outputs)]
-        self.graph.node.append(
-            onnx.helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
-        )
-        return names[0] if outputs == 1 else names
+        return super().node(op, inputs, self.fresh(op), outputs=names, domain=domain, **attrs)
 
     def cached(self, kind, source, make):
-        key = (kind, source)
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        return self.once((kind, source), make)  # masks derived from one input
 
     # -- building blocks ------------------------------------------------------
-
-    def gelu(self, y, activation, hint):
-        """GELU (erf) or its tanh approximation in standard ops (opset 17 has no Gelu)."""
-        half = self.const(np.float32(0.5), hint + "_half")
-        one = self.const(np.float32(1.0), hint + "_one")
-        if activation == "gelu":
-            inner = self.node("Mul", [y, self.const(np.float32(1 / np.sqrt(2)), hint + "_rsqrt2")], hint)
-            curve = self.node("Erf", [inner], hint)
-        else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-            cube = self.node("Mul", [y, self.node("Mul", [y, y], hint)], hint)
-            inner = self.node("Add", [y, self.node(
-                "Mul", [cube, self.const(np.float32(0.044715), hint + "_c")], hint)], hint)
-            inner = self.node("Mul", [inner, self.const(np.float32(np.sqrt(2 / np.pi)), hint + "_k")], hint)
-            curve = self.node("Tanh", [inner], hint)
-        return self.node("Mul", [self.node("Mul", [y, half], hint), self.node("Add", [curve, one], hint)], hint)
 
     def dense(self, x, kernel, bias, activation, hint):
         y = self.node("MatMul", [x, self.const(kernel, hint + "_kernel")], hint)
@@ -134,19 +83,7 @@ class _Writer:
             )
         if bias is not None:
             y = self.node("Add", [y, self.const(bias, hint + "_bias")], hint)
-        if activation == "linear":
-            return y
-        if activation == "relu":
-            return self.node("Relu", [y], hint)
-        if activation == "tanh":
-            return self.node("Tanh", [y], hint)
-        if activation in _GELUS and not self.fused:
-            return self.gelu(y, activation, hint)
-        if activation == "gelu":
-            return self.node("Gelu", [y], hint, domain=MS_DOMAIN)
-        if activation == "gelu_tanh":
-            return self.node("FastGelu", [y], hint, domain=MS_DOMAIN)
-        raise NotFusableError(f"activation {activation!r} of {hint}")
+        return self.activation(y, hint, activation, standard=not self.fused)
 
     def layer_norm(self, x, gamma, beta, epsilon, hint):
         return self.node(
@@ -253,174 +190,49 @@ def _onnx_tensor(array):
     return onnx.numpy_helper.from_array(array)
 
 
-def norm_weights(norm, name):
-    """(gamma, beta, epsilon) of a plain last-axis LayerNorm, else NotFusableError."""
-    import keras
-
-    if not isinstance(norm, keras.layers.LayerNormalization):
-        raise NotFusableError(f"{name}: {type(norm).__name__} is not a LayerNormalization")
-    axes = norm.axis if isinstance(norm.axis, (list, tuple)) else [norm.axis]
-    if list(axes) != [-1] or norm.rms_scaling or not (norm.center and norm.scale):
-        raise NotFusableError(f"{name}: only a centred, scaled last-axis LayerNorm is fused")
-    return np.asarray(norm.gamma), np.asarray(norm.beta), norm.epsilon
-
-
-def dense_weights(dense, name):
-    kernel = np.asarray(dense.kernel)
-    bias = np.asarray(dense.bias) if dense.use_bias else None
-    activation = activation_name(dense.activation)
-    if activation is None:
-        raise NotFusableError(f"{name}: activation {dense.activation!r}")
-    return kernel, bias, activation
-
-
-def block_weights(block):
-    """A `TransformerEncoderBlock`'s weights as NumPy, in the layout both
-    direct writers take: `kernels`/`biases` of the query, key and value as
-    `(D, H d)`/`(H d,)`, `out_kernel` `(H d, D)` and `out_bias` (or None),
-    `attention_norm`/`feedforward_norm` `(gamma, beta, epsilon)`, the
-    feed-forward `(kernel, bias, activation)` pairs `ffn1`/`ffn2`, and
-    `heads`, `head` (the head size). Settings they do not cover raise
-    `NotFusableError` naming them."""
-    import types
-
-    mha = block.self_attention
-    checks = {
-        "normalization": block.normalization == "layer_norm",
-        "use_gated_feedforward": not block.use_gated_feedforward,
-        "rotary_embedding": block.rotary_embedding is None,
-        "sliding_window": block.sliding_window is None,
-        "use_qk_norm": not block.use_qk_norm,
-        "use_sandwich_norm": not block.use_sandwich_norm,
-        "logit_soft_cap": block.logit_soft_cap is None,
-        "num_key_value_heads": mha.num_key_value_heads == mha.num_heads,
-        "use_gate": not mha.use_gate,
-        "key_dim == value_dim": mha.key_dim == mha.value_dim,
-        "attention_axes": getattr(mha, "_attention_axes", None) in (None, (1,), [1]),
-    }
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        raise NotFusableError(f"{block.name}: unsupported settings {bad}")
-    heads, head = mha.num_heads, mha.key_dim
-    q, k, v = mha.query_dense, mha.key_dense, mha.value_dense
-    features = q.kernel.shape[0]
-    kernels = [np.reshape(np.asarray(d.kernel), (features, heads * head)) for d in (q, k, v)]
-    if mha.use_bias:
-        biases = [np.reshape(np.asarray(d.bias), (heads * head,)) for d in (q, k, v)]
-    else:
-        biases = [np.zeros(heads * head, "float32")] * 3
-    out = mha.output_dense
-    out_kernel = np.reshape(np.asarray(out.kernel), (heads * head, -1))
-    out_bias = np.asarray(out.bias) if mha.output_use_bias else None
-    if out_kernel.shape[1] != features:
-        raise NotFusableError(f"{block.name}: attention output size differs from the input's")
-    ffn2 = dense_weights(block.feedforward_output_dense, block.name)
-    if ffn2[2] != "linear":
-        raise NotFusableError(f"{block.name}: activation on the feed-forward output")
-    return types.SimpleNamespace(
-        heads=heads, head=head, kernels=kernels, biases=biases, out_kernel=out_kernel,
-        out_bias=out_bias, attention_norm=norm_weights(block.self_attention_layer_norm, block.name),
-        feedforward_norm=norm_weights(block.feedforward_layer_norm, block.name),
-        ffn1=dense_weights(block.feedforward_intermediate_dense, block.name), ffn2=ffn2)
-
-
-def layer_calls(model):
-    """`(layer, node)` of each call in the functional `model`, inputs first
-    (what the direct writers walk); a call with `training=True` raises
-    `NotFusableError`."""
-    import keras
-
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            op = node.operation
-            if node.is_input or isinstance(op, keras.layers.InputLayer):
-                continue
-            if node.arguments.kwargs.get("training"):
-                raise NotFusableError(f"{op.name} is called with training=True")
-            yield op, node
-
-
-def block_call(op, node):
-    """`(inputs, padding_mask or None, use_causal_mask)` of a
-    `TransformerEncoderBlock`'s call in a functional graph (Keras tensors),
-    else `NotFusableError`."""
-    args, kwargs = node.arguments.args, node.arguments.kwargs
-    extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
-    extra.pop("padding_mask", None)
-    causal = extra.pop("use_causal_mask", False)
-    if extra or len(args) > 2 or not isinstance(causal, bool):
-        raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
-    padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
-    if padding is None and getattr(args[0], "_keras_mask", None) is not None:
-        raise NotFusableError(f"{op.name}: inherits a Keras mask")
-    return args[0], padding, causal
-
-
-def embedding_call(op, node):
-    """`(ids, token_type_ids or None)` of a `TokenAndPositionEmbedding`'s
-    call (Keras tensors), else `NotFusableError` (also for the layer
-    settings the direct writers do not cover)."""
-    args, kwargs = node.arguments.args, node.arguments.kwargs
-    extra = {k: v for k, v in kwargs.items() if k != "token_type_ids" and v not in (None, False, 0)}
-    if extra or len(args) > 1:
-        raise NotFusableError(f"{op.name}: called with {sorted(extra) or 'extra arguments'}")
-    checks = {
-        "position": op.position == "learned",
-        "mask_zero": not op.mask_zero,
-    }
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        raise NotFusableError(f"{op.name}: unsupported settings {bad}")
-    return args[0], kwargs.get("token_type_ids")
-
-
-def _emit_block(w, block, x, padding, rows, causal, hint):
-    """One TransformerEncoderBlock: returns the output value name.
+def _emit_block(w, step, x, padding, rows, hint):
+    """One `BlockStep`: returns the output value name.
 
     `padding`: the `(B, T)` key mask (bool or int) or None; `rows`: the float
-    `(B, T, 1)` query mask, applied with `mask_padded_queries`; `causal`:
-    `use_causal_mask`.
+    `(B, T, 1)` query mask, applied with `mask_padded_queries`.
     """
-    weights = block_weights(block)
-    heads, kernels, biases = weights.heads, weights.kernels, weights.biases
-    out_kernel, out_bias = weights.out_kernel, weights.out_bias
+    layer = step.layer
+    a, f = layer.attention, layer.feedforward
+    kernel = a.packed_kernel()
+    bias = a.packed_bias()
+    if bias is None:  # both attention forms (`_Writer.attention`) take a bias: zeros
+        bias = np.zeros(kernel.shape[1], np.float32)
 
     def attention(h):
-        a = w.attention(h, np.concatenate(kernels, axis=1), np.concatenate(biases), padding, heads,
-                        causal, hint + "_attention")
-        if padding is not None and block.mask_padded_queries:
+        out = w.attention(h, kernel, bias, padding, a.num_heads, step.causal, hint + "_attention")
+        if padding is not None and step.mask_padded_queries:
             # As MultiHeadAttention: padded query rows are zeroed before the
             # output projection (they then hold its bias).
-            a = w.node("Mul", [a, rows], hint + "_rows")
-        return w.node("MatMul", [a, w.const(out_kernel, hint + "_out_kernel")], hint + "_out")
-
-    att_gamma, att_beta, att_eps = weights.attention_norm
-    ff_gamma, ff_beta, ff_eps = weights.feedforward_norm
-    k1, b1, act = weights.ffn1
-    k2, b2, _ = weights.ffn2
+            out = w.node("Mul", [out, rows], hint + "_rows")
+        return w.node("MatMul", [out, w.const(a.output.kernel.read(), hint + "_out_kernel")], hint + "_out")
 
     def ffn(h):
-        h = w.dense(h, k1, b1, act, hint + "_ffn1")
-        return w.node("MatMul", [h, w.const(k2, hint + "_ffn2_kernel")], hint + "_ffn2")
+        h = w.dense(h, f.up.kernel.read(), f.up.read_bias(), f.activation, hint + "_ffn1")
+        return w.node("MatMul", [h, w.const(f.down.kernel.read(), hint + "_ffn2_kernel")], hint + "_ffn2")
 
-    if block.normalize_first:
-        # x + f(LN(x)) + bias
-        def residual(x, norm, fn, bias, name):
-            gamma, beta, eps = norm
-            y = fn(w.layer_norm(x, gamma, beta, eps, name))
-            if bias is not None:
-                y = w.node("Add", [y, w.const(bias, name + "_bias")], name)
-            return w.node("Add", [x, y], name)
+    branches = ((attention, layer.attention_norm, a.output.read_bias(), "_attn_res", "_ln1"),
+                (ffn, layer.feedforward_norm, f.down.read_bias(), "_ffn_res", "_ln2"))
+    for fn, norm, out_bias, pre, post in branches:
+        gamma, beta, eps = norm.scale.read(), norm.bias.read(), norm.epsilon  # LayerNorm (the table)
+        if step.normalize_first:  # x + f(LN(x)) + bias
+            y = fn(w.layer_norm(x, gamma, beta, eps, hint + pre))
+            if out_bias is not None:
+                y = w.node("Add", [y, w.const(out_bias, hint + pre + "_bias")], hint + pre)
+            x = w.node("Add", [x, y], hint + pre)
+        else:  # LN(f(x) + bias + x)
+            x = w.skip_layer_norm(fn(x), x, gamma, beta, out_bias, eps, hint + post)
+    return x
 
-        x = residual(x, (att_gamma, att_beta, att_eps), attention, out_bias, hint + "_attn_res")
-        return residual(x, (ff_gamma, ff_beta, ff_eps), ffn, b2, hint + "_ffn_res")
-    x = w.skip_layer_norm(attention(x), x, att_gamma, att_beta, out_bias, att_eps, hint + "_ln1")
-    return w.skip_layer_norm(ffn(x), x, ff_gamma, ff_beta, b2, ff_eps, hint + "_ln2")
 
+def _emit_embedding(w, step, ids, type_ids, clamp):
+    hint = step.name
 
-def _emit_embedding(w, layer, ids, type_ids, hint, clamp):
     def lookup(table, index, name):
-        table = np.asarray(table)
         if clamp:
             index = w.node(
                 "Clip", [index, w.const(np.int32(0), name + "_lo"),
@@ -428,49 +240,33 @@ def _emit_embedding(w, layer, ids, type_ids, hint, clamp):
             )
         return w.node("Gather", [w.const(table, name + "_table"), index], name, axis=0)
 
-    x = lookup(layer.token_embedding.embeddings, ids, hint + "_tokens")
-    positions = np.asarray(layer.position_embedding.position_embeddings)
+    x = lookup(step.tokens.read(), ids, hint + "_tokens")
     length = w.node("Shape", [ids], hint + "_shape", start=1, end=2)
     pos = w.node(
-        "Slice", [w.const(positions, hint + "_positions"), w.const(np.array([0], np.int64), hint + "_zero"),
+        "Slice", [w.const(step.positions.table.read(), hint + "_positions"),
+                  w.const(np.array([0], np.int64), hint + "_zero"),
                   length, w.const(np.array([0], np.int64), hint + "_axis")],
         hint + "_pos",
     )
     x = w.node("Add", [x, pos], hint + "_sum")
-    if layer.token_type_embedding is not None:
+    if step.types is not None:
         if type_ids is None:
-            row = np.asarray(layer.token_type_embedding.embeddings)[0]
-            x = w.node("Add", [x, w.const(row, hint + "_type0")], hint + "_sum")
+            x = w.node("Add", [x, w.const(step.types.read()[0], hint + "_type0")], hint + "_sum")
         else:
-            t = lookup(layer.token_type_embedding.embeddings, type_ids, hint + "_types")
-            x = w.node("Add", [x, t], hint + "_sum")
-    if layer.layer_norm is not None:
-        gamma, beta, eps = norm_weights(layer.layer_norm, layer.name)
-        x = w.layer_norm(x, gamma, beta, eps, hint + "_ln")
+            x = w.node("Add", [x, lookup(step.types.read(), type_ids, hint + "_types")], hint + "_sum")
+    if step.norm is not None:
+        x = w.layer_norm(x, step.norm.scale.read(), step.norm.bias.read(), step.norm.epsilon, hint + "_ln")
     return x
 
 
-def int_key(key):
-    """`x[:, i, :]`-style keys: a tuple of full slices and ints, else None.
-    A list is such a tuple: a `.keras` file stores the key as a list, and
-    Keras's `GetItem` reads it back as the tuple."""
-    if isinstance(key, list):
-        key = tuple(key)
-    if not isinstance(key, tuple):
-        key = (key,)
-    out = []
-    for item in key:
-        if isinstance(item, slice) and item == slice(None):
-            out.append(None)
-        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-            out.append(int(item))
-        else:
-            return None
-    return out
+def _dims(tensor):
+    """ONNX dims of an input or output: `batch`, then its sizes or `<name>_dim<i>`."""
+    return ["batch"] + [d if d is not None else f"{tensor.name}_dim{i + 1}"
+                        for i, d in enumerate(tensor.shape[1:])]
 
 
 def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weights_file=None):
-    """The model as ONNX, written from its layers and weights (see the module docstring).
+    """The model as ONNX, written from its description (see the module docstring).
 
     `fused`: onnxruntime's contrib ops (the file then runs only in
     onnxruntime); otherwise standard ONNX ops of `opset`. Inputs and outputs
@@ -483,102 +279,55 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
     as one ModelProto (protobuf merges concatenated messages). The weights are
     then never all in memory at once, nor serialized a second time.
 
-    Raises `NotFusableError` (a ValueError) naming the first layer or setting
-    it does not cover (some initializers may have been written already).
+    Raises `NotFusableError` (a ValueError) with the capability table's
+    reason (`keras_attn.export.capabilities`, writer "onnx_encoder") before
+    anything is written.
     """
-    import keras
     import onnx
-
-    from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
-    from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
     if check_ids not in (None, "clamp"):
         raise NotFusableError(f"check_ids={check_ids!r} (only None and 'clamp' are fused)")
-    if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "output_names"):
-        raise NotFusableError(f"{type(model).__name__} is not a functional Keras model")
+    encoder = capabilities.describe(model, "onnx_encoder")
+    capabilities.check(encoder, "onnx_encoder")
     w = _Writer(opset, fused, weights_file)
-    graph_inputs = []
-    for tensor in model.inputs:
-        name = tensor.name
-        if tensor.dtype not in ("int32", "float32"):
-            raise NotFusableError(f"input {name} of dtype {tensor.dtype}")
-        dims = ["batch"] + [
-            (d if d is not None else f"{name}_dim{i + 1}") for i, d in enumerate(tensor.shape[1:])
-        ]
-        elem = onnx.TensorProto.INT32 if tensor.dtype == "int32" else onnx.TensorProto.FLOAT
-        graph_inputs.append(onnx.helper.make_tensor_value_info(name, elem, dims))
-        w.values[id(tensor)] = name
-
-    def value(t):
-        if id(t) not in w.values:
-            raise NotFusableError(f"tensor {getattr(t, 'name', t)!r} comes from an unsupported op")
-        return w.values[id(t)]
-
-    for op, node in layer_calls(model):
-        args = node.arguments.args
-        outs = node.outputs
-        kind = type(op).__name__
-        hint = op.name
-        if isinstance(op, TransformerEncoderBlock):
-            x, padding, causal = block_call(op, node)
-            mask_value = rows = None
-            if padding is not None:
-                mask_value = value(padding)
-                rows = w.cached("rows", mask_value, lambda: w.node("Unsqueeze", [
-                    w.node("Cast", [mask_value], "mask_float", to=onnx.TensorProto.FLOAT),
+    elements = {"int32": onnx.TensorProto.INT32, "float32": onnx.TensorProto.FLOAT}
+    graph_inputs = [onnx.helper.make_tensor_value_info(t.name, elements[t.dtype], _dims(t))
+                    for t in encoder.inputs]
+    w.values.update((t.value, t.name) for t in encoder.inputs)
+    v = w.values
+    for step in encoder.steps:
+        hint = step.name
+        if isinstance(step, description_lib.BlockStep):
+            mask = rows = None
+            if step.padding is not None:
+                mask = v[step.padding]
+                rows = w.cached("rows", mask, lambda: w.node("Unsqueeze", [
+                    w.node("Cast", [mask], "mask_float", to=onnx.TensorProto.FLOAT),
                     w.const(np.array([2], np.int64), "axis")], "rows"))
-            w.values[id(outs[0])] = _emit_block(w, op, value(x), mask_value, rows, causal, hint)
-        elif isinstance(op, TokenAndPositionEmbedding):
-            ids, types = embedding_call(op, node)
-            w.values[id(outs[0])] = _emit_embedding(
-                w, op, value(ids), None if types is None else value(types), hint,
-                clamp=check_ids == "clamp",
-            )
-        elif isinstance(op, keras.layers.Dense):
-            if len(args) != 1:
-                raise NotFusableError(f"{op.name}: called with extra arguments")
-            kernel, bias, activation = dense_weights(op, op.name)
-            w.values[id(outs[0])] = w.dense(value(args[0]), kernel, bias, activation, hint)
-        elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
-            w.values[id(outs[0])] = value(args[0])
-        elif kind in ("NotEqual", "Equal") and len(args) == 2:
-            x, other = args
-            if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
-                raise NotFusableError(f"{op.name}: only a comparison with a scalar is fused")
-            x = value(x)
-            scalar = w.const(np.asarray(other, dtype=args[0].dtype), hint + "_scalar")
-            y = w.node("Equal", [x, scalar], hint)
-            w.values[id(outs[0])] = w.node("Not", [y], hint) if kind == "NotEqual" else y
-        elif kind == "GetItem" and len(args) == 2:
-            key = int_key(args[1])
-            if key is None or len(key) != len(args[0].shape):
-                raise NotFusableError(f"{op.name}: only keys of ints and full slices are fused")
-            x = value(args[0])
-            for axis in reversed(range(len(key))):
-                if key[axis] is not None:
-                    x = w.node("Gather", [x, w.const(np.int64(key[axis]), hint + "_index")], hint, axis=axis)
-            w.values[id(outs[0])] = x
-        else:
-            raise NotFusableError(f"layer {op.name!r} ({kind}) has no fused form")
-    outputs = []
-    for tensor, name in zip(model.outputs, model.output_names):
-        if tensor.dtype != "float32":
-            raise NotFusableError(f"output {name} of dtype {tensor.dtype}")
-        w.graph.node.append(onnx.helper.make_node("Identity", [value(tensor)], [name], name=w.fresh("out")))
-        dims = ["batch"] + [
-            (d if d is not None else f"{name}_dim{i + 1}") for i, d in enumerate(tensor.shape[1:])
-        ]
-        outputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, dims))
-    w.graph.name = model.name
-    w.graph.input.extend(graph_inputs)
-    w.graph.output.extend(outputs)
-    proto = w.proto
-    proto.opset_import.append(onnx.helper.make_opsetid("", opset))
-    if fused:
-        proto.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-    proto.producer_name = "keras_attn"
-    proto.ir_version = 8
-    return proto
+            v[step.output] = _emit_block(w, step, v[step.input], mask, rows, hint)
+        elif isinstance(step, description_lib.EmbeddingStep):
+            v[step.output] = _emit_embedding(w, step, v[step.input], v.get(step.type_ids),
+                                             clamp=check_ids == "clamp")
+        elif isinstance(step, description_lib.DenseStep):
+            v[step.output] = w.dense(v[step.input], step.dense.kernel.read(), step.dense.read_bias(),
+                                     step.activation, hint)
+        elif isinstance(step, description_lib.CompareStep):
+            y = w.node("Equal", [v[step.input], w.const(step.scalar, hint + "_scalar")], hint)
+            v[step.output] = y if step.equal else w.node("Not", [y], hint)
+        elif isinstance(step, description_lib.GetItemStep):
+            x = v[step.input]
+            for axis in reversed(range(len(step.key))):
+                if step.key[axis] is not None:
+                    x = w.node("Gather", [x, w.const(np.int64(step.key[axis]), hint + "_index")], hint, axis=axis)
+            v[step.output] = x
+        else:  # a Step as it is
+            v[step.output] = v[step.input]
+    for t in encoder.outputs:
+        w.graph.node.append(onnx.helper.make_node("Identity", [v[t.value]], [t.name], name=w.fresh("out")))
+    outputs = [onnx.helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, _dims(t))
+               for t in encoder.outputs]
+    opsets = [("", opset)] + ([(MS_DOMAIN, 1)] if fused else [])
+    return w.finish(encoder.name, graph_inputs, outputs, opsets, ir_version=8)
 
 
 def fused_model_proto(model, *, opset=17, check_ids="clamp"):

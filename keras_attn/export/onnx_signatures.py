@@ -11,7 +11,7 @@ TensorFlow graph is involved: it runs on every Keras backend.
 - Weights: each written once, streamed to one external data file that both
   models name (`external_data`, each tensor at its own aligned offset), or
   inside each proto. A tied table is stored once and read by the head as a
-  `Gemm` with `transB=1` (`onnx_decoder.Graph.tied_table`).
+  `Gemm` with `transB=1` (`onnx_decoder.DecoderGraph.tied_table`).
 - Positions: rotary angles gathered from the model's own cos/sin tables
   (`keras_attn.description.rotary_tables`, so static `rope_scaling` is exact); for a
   ring-buffer cache, whose positions run past `max_length`, computed from
@@ -50,7 +50,7 @@ import numpy as np
 
 from keras_attn.description import array_of
 from keras_attn.export import capabilities
-from keras_attn.export.onnx_decoder import Graph
+from keras_attn.export.onnx_decoder import DecoderGraph
 from keras_attn.export.onnx_fused import NotFusableError
 
 WRITER = "direct ONNX signature writer"
@@ -107,28 +107,10 @@ def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=
     names = ("prefill", "decode") + (() if d.stacked_cache(max_length)[1] else ("decode_step",))
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        weights = _Weights(Graph(None, 32, 0, data_file, shared))
+        # The weights the models share, each written once (`_Signature.weight`).
+        weights = DecoderGraph(None, 32, 0, data_file, shared)
         return {name: _Signature(d, name, max_length, checks, opset, read_bucket, weights).proto()
                 for name in names}
-
-
-class _Weights:
-    """The weights both models share: each made and written once (`get`)."""
-
-    def __init__(self, graph):
-        self.graph = graph
-        self.names = {}
-
-    def get(self, key, make):
-        if key not in self.names:
-            self.names[key] = self.graph.const(make(), key)
-        return self.names[key]
-
-    def described(self, key, make):
-        """A `Graph.weight` / `Graph.tied_table` description, made once."""
-        if key not in self.names:
-            self.names[key] = make(self.graph)
-        return self.names[key]
 
 
 class _Signature:
@@ -137,13 +119,12 @@ class _Signature:
     def __init__(self, description, kind, max_length, checks, opset, read_bucket, weights):
         self.d, self.kind, self.checks, self.opset = description, kind, checks, opset
         self.max_length, self.bucket, self.weights = max_length, read_bucket, weights
-        self.g = Graph(None, 32, 0)
+        self.g = DecoderGraph(None, 32, 0)
         self.count = 0
         self.cache_length, self.ring = description.stacked_cache(max_length)
         first = description.layers[0].attention
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_key_value_heads, first.head_dim
         self.conditions = []
-        self.derived = {}  # per-call values shared by the layers (rotary, masks, slices)
         # `decode_step` takes the first L slots of the caller's cache (L dynamic).
         self.step = kind == "decode_step"
 
@@ -158,13 +139,12 @@ class _Signature:
         return self.g.node(op, inputs, name, outputs=outputs, **attrs)
 
     def c(self, value, dtype, hint="c"):
-        """A small constant inside the graph (a scalar stays a scalar: `Graph.const`
-        makes arrays at least 1-D)."""
-        from onnx import numpy_helper
+        """A small constant inside the graph."""
+        return self.g.const(np.array(value, dtype), self.name(hint))
 
-        name = self.name(hint)
-        self.g.initializers.append(numpy_helper.from_array(np.array(value, dtype), name))
-        return name
+    def weight(self, key, make):
+        """The shared initializer `key` of `make()`, made and written once for every model."""
+        return self.weights.once(key, lambda: self.weights.const(make(), key))
 
     def i64(self, value):
         return self.c(value, np.int64, "i64")
@@ -178,11 +158,6 @@ class _Signature:
         if self.opset >= 18:
             return self.op(op, [x, self.i64(axes)], op, keepdims=keepdims)
         return self.op(op, [x], op, axes=axes, keepdims=keepdims)
-
-    def once(self, key, make):
-        if key not in self.derived:
-            self.derived[key] = make()
-        return self.derived[key]
 
     # -- the graph ---------------------------------------------------------------
 
@@ -236,13 +211,13 @@ class _Signature:
                 valid = self.op("And", [valid, condition], "valid")
             outputs.append(("valid", valid, []))
             infos.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, []))
-        graph = helper.make_graph(self.g.nodes, f"keras_attn_{self.kind}", inputs, infos,
-                                  self.weights.graph.initializers + self.g.initializers)
+        # The shared weights first, in the order the weights file holds them.
+        for i, tensor in enumerate(self.weights.graph.initializer):
+            self.g.graph.initializer.insert(i, tensor)
+        proto = self.g.finish(f"keras_attn_{self.kind}", inputs, infos, [("", self.opset)],
+                              helper.find_min_ir_version_for([helper.make_opsetid("", self.opset)]))
         for name, value, _ in outputs:
-            rename_value(graph, value, name)  # the node that makes it writes it: no Identity
-        opsets = [helper.make_opsetid("", self.opset)]
-        proto = helper.make_model(graph, producer_name="keras_attn", opset_imports=opsets)
-        proto.ir_version = helper.find_min_ir_version_for(opsets)
+            rename_value(proto.graph, value, name)  # the node that makes it writes it: no Identity
         return proto
 
     def flag(self, condition):
@@ -279,22 +254,22 @@ class _Signature:
         (`decode_step`) the length of the part passed."""
         if not self.step:
             return self.i64(self.cache_length)
-        return self.once("held", lambda: self.op("Squeeze", [
+        return self.g.once("held", lambda: self.op("Squeeze", [
             self.op("Shape", ["cache"], "held", start=3, end=4)], "held"))
 
     def last_slot(self):
         """`held() - 1`, the last slot of the `cache` input (a constant for `decode`)."""
         if not self.step:
             return self.i64(self.cache_length - 1)
-        return self.once("last_slot", lambda: self.op("Sub", [self.held(), self.i64(1)], "last"))
+        return self.g.once("last_slot", lambda: self.op("Sub", [self.held(), self.i64(1)], "last"))
 
     def embed(self, ids, positions):
         d = self.d
         if d.tied:
-            self.tied = self.weights.described("tied", lambda g: g.tied_table(d.embedding.read(), "/lm_head"))
+            self.tied = self.weights.once("tied", lambda: self.weights.tied_table(d.embedding.read(), "/lm_head"))
             x = self.g.gather_rows(self.tied, ids, self.name("embed_tokens"))
         else:
-            table = self.weights.get("model.embed_tokens.weight", d.embedding.read)
+            table = self.weight("model.embed_tokens.weight", d.embedding.read)
             x = self.op("Gather", [table, ids], "embed_tokens")
         if d.positions.kind != "rotary":
             x = self.op("Add", [x, self.position_rows(positions)], "embed_positions")
@@ -306,11 +281,11 @@ class _Signature:
         """The learned or sinusoidal position embeddings `(T, hidden)` at `positions`."""
         described = self.d.positions
         if described.kind == "learned":
-            table = self.weights.get("model.embed_positions.weight", described.table.read)
+            table = self.weight("model.embed_positions.weight", described.table.read)
             rows = described.rows
         else:
             rows, hidden = self.max_length, self.d.hidden_dim
-            table = self.weights.get("model.embed_positions.sinusoids", lambda: array_of(
+            table = self.weight("model.embed_positions.sinusoids", lambda: array_of(
                 described.layer(np.zeros((1, rows, hidden), "float32")))[0])
         return self.op("Gather", [table, self.clipped(positions, rows)], "positions")
 
@@ -338,11 +313,11 @@ class _Signature:
     def norm(self, x, norm, key):
         """A described `Norm` (RMSNorm, or LayerNorm) over the last axis."""
         if norm.kind == "layer":
-            gamma = self.weights.get(key + ".weight", norm.scale.read)
-            beta = self.weights.get(key + ".bias", norm.bias.read)
+            gamma = self.weight(key + ".weight", norm.scale.read)
+            beta = self.weight(key + ".bias", norm.bias.read)
             return self.op("LayerNormalization", [x, gamma, beta], "LayerNorm", axis=-1,
                            epsilon=float(norm.epsilon))
-        scale = self.weights.get(key + ".weight", norm.scale.read)
+        scale = self.weight(key + ".weight", norm.scale.read)
         return self.rms_norm(x, scale, norm.epsilon)
 
     def rms_norm(self, x, scale, epsilon):
@@ -353,10 +328,10 @@ class _Signature:
         return self.op("Mul", [x, scale], "scaled")
 
     def dense(self, x, kernel_key, make_kernel, bias, hint):
-        weight = self.weights.described(kernel_key, lambda g: g.weight(make_kernel(), kernel_key))
+        weight = self.weights.once(kernel_key, lambda: self.weights.weight(make_kernel(), kernel_key))
         y = self.g.apply(x, weight, None, self.name(hint))
         if bias is not None and np.any(bias):
-            y = self.op("Add", [y, self.weights.get(kernel_key + ".bias", lambda: bias)], hint + "_bias")
+            y = self.op("Add", [y, self.weight(kernel_key + ".bias", lambda: bias)], hint + "_bias")
         return y
 
     def linear(self, x, key, dense, hint):
@@ -383,9 +358,9 @@ class _Signature:
         q, k, v = (self.op("Reshape", [t, self.i64([0, 0, n, d])], "heads")
                    for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
         if attention.query_norm is not None:
-            q = self.rms_norm(q, self.weights.get(base + ".q_norm", attention.query_norm.scale.read),
+            q = self.rms_norm(q, self.weight(base + ".q_norm", attention.query_norm.scale.read),
                               attention.query_norm.epsilon)
-            k = self.rms_norm(k, self.weights.get(base + ".k_norm", attention.key_norm.scale.read),
+            k = self.rms_norm(k, self.weight(base + ".k_norm", attention.key_norm.scale.read),
                               attention.key_norm.epsilon)
         rotary = attention.rotary
         if rotary is not None:
@@ -394,7 +369,7 @@ class _Signature:
         window = attention.window
         if self.kind == "prefill":
             keys, values = k, v
-            mask = self.once(("prefill_mask", window), lambda: self.prefill_mask(window))
+            mask = self.g.once(("prefill_mask", window), lambda: self.prefill_mask(window))
         elif self.ring:
             keys, values, mask = self.ring_read(i, k, v, window)
         else:
@@ -413,7 +388,7 @@ class _Signature:
         def make():
             key = f"rotary.{id(rotary)}"
             if self.ring:
-                freq = self.weights.get(key + ".inv_freq", lambda: array_of(
+                freq = self.weight(key + ".inv_freq", lambda: array_of(
                     rotary.inverse_frequencies(self.head_dim)).reshape(1, -1))
                 pos = self.op("Cast", [self.positions], "positions_float", to=1)
                 if rotary.scaling_factor != 1.0:
@@ -433,12 +408,12 @@ class _Signature:
                     return tables.pop(part)
 
                 rows = self.clipped(self.positions, self.max_length)
-                cos = self.op("Gather", [self.weights.get(key + ".cos", lambda: table("cos")), rows], "cos")
-                sin = self.op("Gather", [self.weights.get(key + ".sin", lambda: table("sin")), rows], "sin")
+                cos = self.op("Gather", [self.weight(key + ".cos", lambda: table("cos")), rows], "cos")
+                sin = self.op("Gather", [self.weight(key + ".sin", lambda: table("sin")), rows], "sin")
             axes = self.i64([0, 2])
             return self.op("Unsqueeze", [cos, axes], "cos"), self.op("Unsqueeze", [sin, axes], "sin")
 
-        return self.once(("rotary", id(rotary)), make)
+        return self.g.once(("rotary", id(rotary)), make)
 
     def rotate(self, x, cos, sin, rotary):
         """keras_attn's RotaryEmbedding ("rotate half") over the first `rotary_dim` features."""
@@ -481,14 +456,14 @@ class _Signature:
                 return self.op("Mod", [self.index, self.i64(self.cache_length)], "slot")
             return self.op("Min", [self.op("Max", [self.index, self.i64(0)], "clip"), self.last_slot()],
                            "clip")
-        return self.once("slot", make)
+        return self.g.once("slot", make)
 
     def kept(self, i, new, part):
         """With `checks="none"` an `index` outside a plain cache writes nothing (as
         `keras_attn.ops.cache.write_slot`): the slot's old value is written back."""
         if self.checks == "flag":
             return new
-        inside = self.once("inside", lambda: self.op("And", [
+        inside = self.g.once("inside", lambda: self.op("And", [
             self.op("GreaterOrEqual", [self.index, self.i64(0)], "ge"),
             self.op("Less", [self.index, self.held()], "lt")], "inside"))
         slot = self.op("Reshape", [self.slot(), self.i64([1])], "slot")
@@ -515,7 +490,7 @@ class _Signature:
                 start = self.op("Mul", [self.op("Div", [start, self.i64(bucket)], "bucket"), self.i64(bucket)],
                                 "start")
             return self.slice_rows(start, end, window)
-        return self.once(("bounds", window), make)
+        return self.g.once(("bounds", window), make)
 
     def slice_rows(self, start, end, window):
         """`(start, end)` as `(1,)`, the mask `(1, end - start)` of slots
@@ -533,13 +508,13 @@ class _Signature:
             batch = self.op("Squeeze", [self.batch_size()], "B")
             rows = self.op("Range", [self.i64(0), batch, self.i64(1)], "batch_range")
             return self.op("Unsqueeze", [rows, self.i64([1])], "batch_rows")
-        return self.once("batch_rows", make)
+        return self.g.once("batch_rows", make)
 
     def batch_size(self):
-        return self.once("batch", lambda: self.op("Shape", ["token_ids"], "batch", start=0, end=1))
+        return self.g.once("batch", lambda: self.op("Shape", ["token_ids"], "batch", start=0, end=1))
 
     def batch_column(self):
-        return self.once("batch_column", lambda: self.op(
+        return self.g.once("batch_column", lambda: self.op(
             "Concat", [self.batch_size(), self.i64([1])], "batch_column", axis=0))
 
     def bounded_read(self, i, k, v, window):
@@ -569,7 +544,7 @@ class _Signature:
         start, end = self.i64([0]), self.i64([self.cache_length])
         keys = self.op("Concat", [self.cache_slice(i, 0, start, end), k], "ring_keys", axis=1)
         values = self.op("Concat", [self.cache_slice(i, 1, start, end), v], "ring_values", axis=1)
-        return keys, values, self.once("ring_mask", mask)
+        return keys, values, self.g.once("ring_mask", mask)
 
     def attend(self, q, keys, values, mask, soft_cap):
         """softmax(q k^T / sqrt(D), masked) v for grouped heads: `q` `(B, T, H, D)`,

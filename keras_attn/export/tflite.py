@@ -344,13 +344,6 @@ def write_tflite(model, path, *, quantization=None, representative_dataset=None,
     return details
 
 
-def run_signature(model_content, sample, input_names, output_names):
-    """Runs the `serving_default` signature on one `{name: array}` sample."""
-    interpreter = _interpreter(model_content=model_content)
-    return _run(interpreter.get_signature_runner(saved_model_lib.SIGNATURE_KEY), sample,
-                input_names, output_names)
-
-
 def _run(runner, sample, input_names, output_names):
     outputs = runner(**{name: sample[name] for name in input_names})
     return [np.asarray(outputs[name]) for name in output_names]

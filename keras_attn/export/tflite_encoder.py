@@ -3,21 +3,18 @@
 TensorFlow's converter (`tflite.convert`: a SavedModel, then MLIR) holds the
 weights many times over while it works: about 8-10x them at its peak on a
 converted BERT (benchmarks/RESULTS.md, "Real sizes (issue 36): encoder
-exports"). `write_encoder_tflite` instead walks the functional Keras model
-and writes each layer op by op with the builtin ops the converter emits for
-it, each weight once, streamed to the file as it is made
+exports"). `write_encoder_tflite` instead reads the model's description
+(`keras_attn.description.read_encoder`) and writes each step op by op with
+the builtin ops the converter emits for it, each weight once (read as a view
+of its variable), streamed to the file as it is made
 (`keras_attn.export.tflite_writer`: constants after the flatbuffer, no 2 GB
 limit). `tflite.export_tflite` uses it wherever it covers the model
 (`writer="auto"`) and the converter for the rest.
 
-It covers what the direct ONNX writer covers (`onnx_fused`, whose helpers
-read the layers): `TokenAndPositionEmbedding` (learned positions, optional
-token types and LayerNorm), `TransformerEncoderBlock` (post- or pre-norm
-LayerNorm, full multi-head self-attention with a padding mask, causal or
-not, `mask_padded_queries` either way, GELU / tanh-GELU / ReLU feed-forward),
-`Dense` (linear, ReLU, tanh, GELU), `Dropout` and `Identity`, comparisons of
-a tensor with a scalar, and `x[:, i, :]`-style indexing (such as a pooler's
-first token). Anything else raises `NotFusableError` naming it.
+It covers what the direct ONNX writer covers but negative indices and inputs
+of other ranks than `(batch, length)` and float `(batch, length, features)`
+(the capability table, `keras_attn.export.capabilities`, "tflite_encoder");
+anything else raises `NotFusableError` with the table's reason.
 
 The graph is the converter's: the signature `serving_default` with the
 model's input names (`serving_default_<name>:0` tensors) and output names
@@ -43,10 +40,11 @@ import types
 
 import numpy as np
 
-from keras_attn.export import onnx_fused
+from keras_attn import description as description_lib
+from keras_attn.export import capabilities
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite_writer
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 from keras_attn.export.tflite_decoder import quantize_rows
 from keras_attn.ops.masking import MASKED_LOGIT
 
@@ -78,8 +76,8 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
     """Writes `model` (a functional Keras encoder) as a `.tflite` file at `path`.
 
     Args:
-        model: a functional Keras model built from the layers listed in the
-            module docstring.
+        model: a functional Keras model the capability table says the
+            writer covers.
         path: the `.tflite` file to write (replaced).
         quantization: None (float32) or "dynamic" (int8 weights).
         check_ids: None, "clamp" or "flag" (see `tflite.export_tflite`).
@@ -89,32 +87,28 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
         "flatbuffer_bytes": n}`.
 
     Raises:
-        NotFusableError: a layer, setting or option the writer does not cover.
+        NotFusableError: a layer, setting or option the writer does not cover
+            (the capability table's reason, `keras_attn.export.capabilities`,
+            writer "tflite_encoder").
     """
     if quantization not in QUANTIZATIONS:
         raise NotFusableError(f"quantization={quantization!r} (the direct TFLite writer writes "
                               f"{list(QUANTIZATIONS)})")
     if check_ids not in ID_CHECKS:
         raise NotFusableError(f"check_ids={check_ids!r}")
-    if not hasattr(model, "_nodes_by_depth") or not hasattr(model, "output_names"):
-        raise NotFusableError(f"{type(model).__name__} is not a functional Keras model")
-    names = list(model.output_names)
-    if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in names:
+    encoder = capabilities.describe(model, "tflite_encoder")
+    if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in [t.name for t in encoder.outputs]:
         raise NotFusableError(f"check_ids='flag' and an output named {saved_model_lib.VALID_OUTPUT!r}")
+    capabilities.check(encoder, "tflite_encoder")
+
     def build(writer):
-        return [_EncoderBuilder(writer, quantization == "dynamic").build(model, names, check_ids)]
+        return [_EncoderBuilder(writer, quantization == "dynamic").build(encoder, check_ids)]
 
     return tflite_writer.write_model(path, build, "keras_attn direct TFLite encoder")
 
 
-def _array(variable):
-    import keras
-
-    return np.asarray(keras.ops.convert_to_numpy(variable), np.float32)
-
-
 class _EncoderBuilder:
-    """The subgraph under construction. A Keras tensor's value is a
+    """The subgraph under construction. A description value's tensor is a
     `SimpleNamespace(index, rows)`: its tensor, and for a `(B, T, ...)`
     tensor kept as `(B * T, ...)` rows, the `(2,)` int32 shape `(B, T)`
     (else None)."""
@@ -191,23 +185,21 @@ class _EncoderBuilder:
         return g.op("FULLY_CONNECTED", inputs, (g.shape(x)[0], kernel.shape[1]), np.float32,
                     options, version=version, out_name=name)
 
-    def activation(self, x, kind, name):
+    def activation(self, x, kind):
         if kind == "linear":
             return x
-        if kind not in _ACTIVATIONS:
-            raise NotFusableError(f"{name}: activation {kind!r}")
         if kind.startswith("gelu"):
             return self.op("GELU", [x], self.g.shape(x), np.float32, "GeluOptions",
                            approximate=kind == "gelu_tanh")
         return self.op(_ACTIVATIONS[kind], [x], self.g.shape(x))
 
-    def dense(self, x, weights, name):
-        kernel, bias, kind = weights
-        return self.activation(self.fully_connected(x, kernel, bias, name), kind, name)
+    def dense(self, x, dense, activation, name):
+        """`activation(x @ kernel + bias)` of a description's `Dense`."""
+        return self.activation(self.fully_connected(x, dense.kernel.read(), dense.read_bias(), name), activation)
 
     def layer_norm(self, x, norm):
-        """`(x - mean) * rsqrt(var + eps) * gamma + beta` over the last axis."""
-        gamma, beta, epsilon = norm
+        """`(x - mean) * rsqrt(var + eps) * gamma + beta` over the last axis (a LayerNorm `Norm`)."""
+        gamma, beta, epsilon = norm.scale.read(), norm.bias.read(), norm.epsilon
         g = self.g
         axis = self.const([-1], np.int32)
         reduced = g.shape(x)[:-1] + (1,)
@@ -237,28 +229,27 @@ class _EncoderBuilder:
                        inDataType=_TFLITE_INT8, outDataType=_TFLITE_FLOAT32)
         return g.mul(rows, g.gather(g.const(scales.reshape(-1, 1), name + "/scales"), ids))
 
-    def embedding(self, layer, ids, types_, clamped):
+    def embedding(self, step, ids, types_, clamped):
         g = self.g
         rows = self.cached(("rows", ids), lambda: self.op("SHAPE", [ids], (2,), np.int32,
                                                           "ShapeOptions", outType=2))
-        x = self.lookup(_array(layer.token_embedding.embeddings), ids, layer.name + "/tokens",
-                        wrap=not clamped, int8=self.int8)
-        positions = _array(layer.position_embedding.position_embeddings)
+        x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped, int8=self.int8)
+        positions = step.positions.table.read()
         _, t = self.dims(rows)
         size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
-        pos = self.op("SLICE", [g.const(positions, layer.name + "/positions"),
+        pos = self.op("SLICE", [g.const(positions, step.name + "/positions"),
                                 self.const([0, 0], np.int32), size],
                       (None, positions.shape[1]), np.float32, "SliceOptions")
         x = g.add(x, pos)
-        if layer.token_type_embedding is not None:
-            table = _array(layer.token_type_embedding.embeddings)
+        if step.types is not None:
+            table = step.types.read()
             if types_ is None:
-                x = g.add(x, g.const(table[0], layer.name + "/type0"))
+                x = g.add(x, g.const(table[0], step.name + "/type0"))
             else:
-                x = g.add(x, self.lookup(table, types_, layer.name + "/types", wrap=True))
+                x = g.add(x, self.lookup(table, types_, step.name + "/types", wrap=True))
         x = g.reshape(x, (-1, positions.shape[1]))
-        if layer.layer_norm is not None:
-            x = self.layer_norm(x, onnx_fused.norm_weights(layer.layer_norm, layer.name))
+        if step.norm is not None:
+            x = self.layer_norm(x, step.norm)
         return types.SimpleNamespace(index=x, rows=rows)
 
     def attention_masks(self, padding, rows, causal, queries):
@@ -303,26 +294,30 @@ class _EncoderBuilder:
         self._cache[key] = (bias, keep)
         return bias, keep
 
-    def block(self, layer, x, padding, causal):
+    def block(self, step, x, padding):
+        """A `BlockStep` over `x` (a sequence: the capability table lets no
+        other tensor of rank 3 in)."""
         g = self.g
-        w = onnx_fused.block_weights(layer)
-        heads, head = w.heads, w.head
+        a, f, name = step.layer.attention, step.layer.feedforward, step.name
+        heads, head = a.num_heads, a.head_dim
         width = heads * head
         rows = x.rows
-        if rows is None:
-            raise NotFusableError(f"{layer.name}: input is not a (batch, length, features) sequence")
         scale = np.float32(1.0 / np.sqrt(head))
-        qkv_kernel = np.concatenate([w.kernels[0] * scale] + w.kernels[1:], axis=1)
-        qkv_bias = np.concatenate([w.biases[0] * scale] + w.biases[1:])
+        qkv_kernel = a.packed_kernel()
+        qkv_kernel[:, :width] *= scale
+        qkv_bias = a.packed_bias()
+        if qkv_bias is None:  # no biases: a zero one, the graph this writer has always written
+            qkv_bias = np.zeros(3 * width, np.float32)
+        qkv_bias[:width] *= scale
         bias, keep = None, None
-        if padding is not None or causal:
-            bias, keep = self.attention_masks(padding, rows, causal,
-                                              padding is not None and layer.mask_padded_queries)
+        if padding is not None or step.causal:
+            bias, keep = self.attention_masks(padding, rows, step.causal,
+                                              padding is not None and step.mask_padded_queries)
         heads_shape = self.shape_of(rows, "B", "T", heads, head)
 
         def attention(h):
             n = g.shape(h)[0]
-            qkv = self.fully_connected(h, qkv_kernel, qkv_bias, f"{layer.name}/qkv")
+            qkv = self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv")
             q, k, v = g.op("SPLIT_V", [qkv, self.const([width] * 3, np.int32),
                                        self.const(-1, np.int32)], [(n, width)] * 3, np.float32,
                            g.options("SplitVOptions", numSplits=3), outputs=3)
@@ -341,56 +336,44 @@ class _EncoderBuilder:
             if keep is not None:
                 out = g.mul(out, keep)
             out = g.reshape(g.transpose(out, (0, 2, 1, 3)), (-1, width))
-            return self.fully_connected(out, w.out_kernel, w.out_bias, f"{layer.name}/attention_output")
+            return self.fully_connected(out, a.output.kernel.read(), a.output.read_bias(),
+                                        f"{name}/attention_output")
 
         def feedforward(h):
-            h = self.dense(h, w.ffn1, f"{layer.name}/ffn1")
-            return self.dense(h, w.ffn2, f"{layer.name}/ffn2")
+            h = self.dense(h, f.up, f.activation, f"{name}/ffn1")
+            return self.dense(h, f.down, "linear", f"{name}/ffn2")
 
         h = x.index
-        for fn, norm in ((attention, w.attention_norm), (feedforward, w.feedforward_norm)):
-            if layer.normalize_first:
+        for fn, norm in ((attention, step.layer.attention_norm), (feedforward, step.layer.feedforward_norm)):
+            if step.normalize_first:
                 h = g.add(h, fn(self.layer_norm(h, norm)))
             else:
                 h = self.layer_norm(g.add(h, fn(h)), norm)
         return types.SimpleNamespace(index=h, rows=rows)
 
-    def get_item(self, op, x, key):
-        key = onnx_fused.int_key(key)
-        g = self.g
-        tensor = self.unflatten(x)
-        if key is None or len(key) != len(g.shape(tensor)) or any(k is not None and k < 0 for k in key):
-            raise NotFusableError(f"{op.name}: only keys of non-negative ints and full slices")
-        for axis in reversed(range(len(key))):
-            if key[axis] is not None:
-                tensor = g.gather(tensor, self.const(key[axis], np.int32), axis=axis)
-        return types.SimpleNamespace(index=tensor, rows=None)
-
     # -- the model ------------------------------------------------------------
-    def inputs(self, model, check_ids):
+    def inputs(self, encoder, check_ids):
         """The graph inputs (sorted by name, as the converter's signature
         lists them), and the values the model reads: the embedded ids
         clamped for "clamp"/"flag", and the `valid` output for "flag"."""
         g = self.g
-        embedded = saved_model_lib.embedded_inputs(model) if check_ids else {}
         graph_inputs = {}
         valid = None
-        for tensor in model.inputs:
+        for tensor in encoder.inputs:
             name = tensor.name
-            if tensor.dtype not in ("int32", "float32"):
-                raise NotFusableError(f"input {name} of dtype {tensor.dtype}")
             index = g.tensor(f"{SIGNATURE_KEY}_{name}:0", (None,) + tuple(tensor.shape[1:]),
                              np.dtype(tensor.dtype))
             graph_inputs[name] = index
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = self.op("SLICE", [self.op("SHAPE", [index], (3,), np.int32, "ShapeOptions"),
+                rows = self.op("SLICE", [self.op("SHAPE", [index], (3,), np.int32, "ShapeOptions",
+                                                 outType=2),
                                          self.const([0], np.int32), self.const([2], np.int32)],
                                (2,), np.int32, "SliceOptions")
                 index = g.reshape(index, (-1, tensor.shape[2]))
-            elif name in embedded:
-                vocab = embedded[name]
+            elif check_ids and tensor.vocabulary is not None:
+                vocab = tensor.vocabulary
                 clamped = self.binary("MAXIMUM", self.binary(
                     "MINIMUM", index, self.const(vocab - 1, np.int32), "MaximumMinimumOptions"),
                     self.const(0, np.int32), "MaximumMinimumOptions")
@@ -402,12 +385,12 @@ class _EncoderBuilder:
                     valid = row if valid is None else self.binary("MINIMUM", valid, row,
                                                                   "MaximumMinimumOptions")
                 index = clamped
-            self.values[id(tensor)] = types.SimpleNamespace(index=index, rows=rows)
+            self.values[tensor.value] = types.SimpleNamespace(index=index, rows=rows)
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
-                first = graph_inputs[model.inputs[0].name]
+                first = graph_inputs[encoder.inputs[0].name]
                 batch = self.op("SLICE", [self.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                                  "ShapeOptions"),
+                                                  "ShapeOptions", outType=2),
                                           self.const([0], np.int32), self.const([1], np.int32)],
                                 (1,), np.int32, "SliceOptions")
                 valid = self.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
@@ -416,75 +399,47 @@ class _EncoderBuilder:
                                     np.bool_)
         return dict(sorted(graph_inputs.items())), valid
 
-    def value(self, tensor):
-        if id(tensor) not in self.values:
-            raise NotFusableError(f"tensor {getattr(tensor, 'name', tensor)!r} comes from an unsupported op")
-        return self.values[id(tensor)]
-
-    def build(self, model, names, check_ids):
-        import keras
-
-        from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
-        from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
-
+    def build(self, encoder, check_ids):
         g = self.g
-        graph_inputs, valid = self.inputs(model, check_ids)
-        embedded = saved_model_lib.embedded_inputs(model) if check_ids else {}
-        for op, node in onnx_fused.layer_calls(model):
-            args = node.arguments.args
-            out = node.outputs[0]
-            kind = type(op).__name__
-            if isinstance(op, TransformerEncoderBlock):
-                x, padding, causal = onnx_fused.block_call(op, node)
-                if padding is not None:
-                    padding = self.value(padding).index
-                    if len(g.shape(padding)) != 2:
-                        raise NotFusableError(f"{op.name}: a padding mask of rank "
-                                              f"{len(g.shape(padding))} (not (batch, length))")
-                result = self.block(op, self.value(x), padding, causal)
-            elif isinstance(op, TokenAndPositionEmbedding):
-                ids, types_ = onnx_fused.embedding_call(op, node)
-                ids_value = self.value(ids)
-                clamped = any(id(t) == id(ids) for t in model.inputs if t.name in embedded)
-                result = self.embedding(op, ids_value.index,
-                                        None if types_ is None else self.value(types_).index,
-                                        clamped)
-            elif isinstance(op, keras.layers.Dense):
-                if len(args) != 1:
-                    raise NotFusableError(f"{op.name}: called with extra arguments")
-                x = self.value(args[0])
-                if len(g.shape(x.index)) != 2:
-                    raise NotFusableError(f"{op.name}: input of rank {len(args[0].shape)}")
-                index = self.dense(x.index, onnx_fused.dense_weights(op, op.name), op.name)
+        graph_inputs, valid = self.inputs(encoder, check_ids)
+        clamped = {t.value for t in encoder.inputs if check_ids and t.vocabulary is not None}
+        v = self.values
+        for step in encoder.steps:
+            if isinstance(step, description_lib.BlockStep):
+                padding = None if step.padding is None else v[step.padding].index
+                result = self.block(step, v[step.input], padding)
+            elif isinstance(step, description_lib.EmbeddingStep):
+                types_ = None if step.type_ids is None else v[step.type_ids].index
+                result = self.embedding(step, v[step.input].index, types_, step.input in clamped)
+            elif isinstance(step, description_lib.DenseStep):
+                x = v[step.input]
+                index = self.dense(x.index, step.dense, step.activation, step.name)
                 result = types.SimpleNamespace(index=index, rows=x.rows)
-            elif isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
-                result = self.value(args[0])
-            elif kind in ("NotEqual", "Equal") and len(args) == 2:
-                x, other = args
-                if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
-                    raise NotFusableError(f"{op.name}: only a comparison with a scalar")
-                x = self.value(x)
-                scalar = self.const(other, g.dtype(x.index))
-                name = "NOT_EQUAL" if kind == "NotEqual" else "EQUAL"
-                index = self.binary(name, x.index, scalar, kind + "Options", np.bool_)
+            elif isinstance(step, description_lib.CompareStep):
+                x = v[step.input]
+                kind = "Equal" if step.equal else "NotEqual"
+                index = self.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
+                                    self.const(step.scalar, g.dtype(x.index)), kind + "Options", np.bool_)
                 result = types.SimpleNamespace(index=index, rows=x.rows)
-            elif kind == "GetItem" and len(args) == 2:
-                result = self.get_item(op, self.value(args[0]), args[1])
-            else:
-                raise NotFusableError(f"layer {op.name!r} ({kind}) has no direct TFLite form")
-            self.values[id(out)] = result
+            elif isinstance(step, description_lib.GetItemStep):
+                index = self.unflatten(v[step.input])
+                for axis in reversed(range(len(step.key))):
+                    if step.key[axis] is not None:
+                        index = g.gather(index, self.const(step.key[axis], np.int32), axis=axis)
+                result = types.SimpleNamespace(index=index, rows=None)
+            else:  # a Step as it is
+                result = v[step.input]
+            v[step.output] = result
         outputs = []
         taken = set(graph_inputs.values())
-        for k, tensor in enumerate(model.outputs):
-            if tensor.dtype != "float32":
-                raise NotFusableError(f"output {names[k]} of dtype {tensor.dtype}")
-            index = self.unflatten(self.value(tensor))
+        for tensor in encoder.outputs:
+            index = self.unflatten(v[tensor.value])
             if index in taken:  # an input or another output: a copy of its own
                 index = self.reshape(index, self.op("SHAPE", [index], (len(g.shape(index)),),
                                                     np.int32, "ShapeOptions", outType=2),
                                      g.shape(index))
             taken.add(index)
-            outputs.append((names[k], index))
+            outputs.append((tensor.name, index))
         if valid is not None:
             outputs.append((saved_model_lib.VALID_OUTPUT, valid))
         for k, (_, index) in enumerate(outputs):

@@ -768,7 +768,7 @@ class DecoderOnlyLM(_LMBase):
     # get_config keys `describe()` carries into the description, or that do
     # not change what inference computes. An option added to the model and
     # not here is recorded as unsupported by name, so no writer drops it
-    # silently (tests/test_description.py checks this set against get_config).
+    # silently (tests/export/test_description.py checks this set against get_config).
     DESCRIBED_OPTIONS = frozenset({
         "name", "trainable", "dtype", "vocabulary_size", "sequence_length", "hidden_dim",
         "num_layers", "num_heads", "intermediate_dim", "num_key_value_heads", "position",

@@ -1,7 +1,7 @@
 """Kernels that pay off on the TensorFlow backend, mostly on a CPU.
 
 Everything here is an optimisation of `keras_attn.ops.reference` (same
-numbers, tested against it in tests/test_kernels.py); the measurements behind
+numbers, tested against it in tests/ops/test_kernels.py); the measurements behind
 each one are in benchmarks/README.md. `keras_attn.ops.dispatch.select_kernel`
 decides when they run:
 
@@ -26,7 +26,7 @@ Converter constraints (TFLite builtin ops only, tf2onnx), in one place:
   `c * a + (1 - c) * b`, and `0 * inf` is NaN;
 - `head_groups` is 1 for graphs traced with unknown lengths (serving
   signatures): LiteRT's reference int8 kernels abort on the grouped graph of
-  a fully quantized model (tests/test_quantized_accuracy.py).
+  a fully quantized model (tests/export/test_quantized_accuracy.py).
 """
 
 import keras

@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from keras_attn import checks
 from keras_attn.export import onnx_decoder
+from keras_attn.export import onnx_graph
 from keras_attn.export.onnx import rename_value
 from keras_attn.export.onnx_quantize import matmul_nbits
 from keras_attn.export.onnx_quantize import quantize_matmul_weights
@@ -320,12 +321,12 @@ def verify_genai_model(model, path, *, max_length, quantization=None, shared=Non
     be resident twice), and the file's bytes are checked equal to them
     (`ParityError` otherwise), so what was run is what was written."""
     if shared:
-        onnx_decoder.check_external_data(path, shared)
+        onnx_graph.check_external_data(path, shared)
     # No packed copies of float32 weights for a few calls: beside the Keras
     # model they would be a second copy of it. Quantized weights are packed
     # (a fraction of the model): unpacked, MatMulNBits unpacks every weight
     # on every call (4 s a call at 1.5B, int4).
-    session = onnx_decoder.inference_session(path, shared, prepack=quantization is not None)
+    session = onnx_graph.inference_session(path, shared, prepack=quantization is not None)
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     last_only = session.get_outputs()[0].shape[1] == 1  # logits (B, 1, V): the last token's
 

@@ -77,7 +77,7 @@ import tempfile
 import tensorflow as tf
 
 from keras_attn.checks import check_choice
-from keras_attn.export import onnx_decoder
+from keras_attn.export import onnx_graph
 from keras_attn.export import onnx_signatures
 from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx import rename_value
@@ -555,7 +555,7 @@ def _ort_file_runner(path, keep, shared=None):
 
     def run(**kwargs):
         if not held:
-            held.append(_ort_runner(onnx_decoder.inference_session(path, shared, prepack=not shared)))
+            held.append(_ort_runner(onnx_graph.inference_session(path, shared, prepack=not shared)))
         out = held[0](**kwargs)
         if not keep:
             held.clear()
@@ -633,7 +633,7 @@ def _export_onnx_direct(model, directory, details):
             with open(staged_paths[name], "wb") as f:
                 f.write(proto.SerializeToString())
             own = {t.name: shared[t.name] for t in proto.graph.initializer if t.name in shared}
-            onnx_decoder.check_external_data(staged_paths[name], own, checked)  # each weight's bytes once
+            onnx_graph.check_external_data(staged_paths[name], own, checked)  # each weight's bytes once
             runners[name] = _ort_file_runner(staged_paths[name], keep=name != "prefill", shared=own)
         del protos
         release_memory()

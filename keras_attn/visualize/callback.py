@@ -3,7 +3,6 @@
 import io
 
 import keras
-import numpy as np
 
 from keras_attn.visualize.maps import attention_maps
 from keras_attn.visualize.plots import plot_heads
