@@ -30,6 +30,9 @@ import numpy as np
 ALIGNMENT = 64
 # Constants up to this many bytes stay inside the flatbuffer.
 INLINE_MAX_BYTES = 64
+# A large weight is streamed and quantized this many numbers at a time: the
+# temporaries stay small beside the weight.
+SLAB_NUMBERS = 1 << 21
 
 
 class Writer:
@@ -61,7 +64,7 @@ class Writer:
         self.data_file.seek(offset)
         # A slab of rows at a time: a view (a transposed kernel) is never
         # copied whole.
-        step = max(1, (1 << 24) // max(1, array[0].nbytes))
+        step = max(1, 4 * SLAB_NUMBERS // max(1, array[0].nbytes))
         for start in range(0, len(array), step):
             self.data_file.write(memoryview(np.ascontiguousarray(array[start:start + step])).cast("B"))
         self.buffers.append(self.s.BufferT())
@@ -160,8 +163,9 @@ def quantize_rows(weight):
     per row (output channel): `codes * scales[:, None]` approximates it."""
     codes = np.empty(weight.shape, np.int8)
     scales = np.empty(weight.shape[0], np.float32)
-    # A few thousand rows at a time: float temporaries of a slab, not of the table.
-    step = max(1, (1 << 24) // max(1, weight.shape[1]))
+    # A few thousand rows at a time: float temporaries of a slab (8 MiB each),
+    # not of the table.
+    step = max(1, SLAB_NUMBERS // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], step):
         rows = weight[start:start + step]
         scale = np.abs(rows).max(axis=1) / np.float32(127.0)
@@ -182,7 +186,7 @@ def quantize_blocks(weight, block_size=BLOCK_SIZE):
     blocks = k // block_size
     packed = np.empty((n, k // 2), np.uint8)
     scales = np.empty((n, blocks), np.float16)
-    step = max(1, (1 << 24) // max(1, k))
+    step = max(1, SLAB_NUMBERS // max(1, k))
     for start in range(0, n, step):
         rows = weight[start:start + step].reshape(-1, blocks, block_size)
         scale = np.minimum(np.abs(rows).max(axis=2) / np.float32(7.0), np.float32(_SCALE_MAX))
