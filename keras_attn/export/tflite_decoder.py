@@ -154,10 +154,10 @@ class DecoderBuilder:
         self.rotary_tables = {}  # (id(rotary layer), head_dim) -> (cos, sin) arrays, computed once
 
     # -- weights -------------------------------------------------------
-    def fully_connected(self, g, x, key, make_kernel, bias, name):
+    def fully_connected(self, g, x, key, make_kernel, bias, name, scale=None):
         """`x (T, K) @ kernel + bias` -> `(T, N)`, the weight of `key` from
-        `make_kernel()` (`Graph.fc_weight`)."""
-        weight = g.fc_weight(key, make_kernel, name + "/weight", self.quantization)
+        `make_kernel()` and `scale` (a norm's, folded in: `Graph.fc_weight`)."""
+        weight = g.fc_weight(key, make_kernel, name + "/weight", self.quantization, scale)
         return g.fully_connected(x, weight, bias, name, f"{g.name}/{name}")
 
     def _table_key(self, g):
@@ -218,13 +218,9 @@ class DecoderBuilder:
             blocks = g.add(blocks, g.const(np.array(1, np.int32)))
             read = g.binary("MINIMUM", g.mul(blocks, g.const(np.array(bucket, np.int32))),
                             g.const(np.array(S, np.int32)))
-            read_len = None
-            key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
-                                       g.const(np.array([0], np.int32)), read],
-                             (None,), np.int32, g.options("SliceOptions"))
         else:
-            read, read_len = None, S
-            key_slots = g.const(np.arange(S, dtype=np.int32))
+            read = None
+        key_slots, read_len = self._key_slots(g, S, read)
         masks = {}
 
         def mask(window):
@@ -313,6 +309,15 @@ class DecoderBuilder:
             outputs["logits"] = g.reshape(logits, (1, 1, d.vocabulary_size))
         return g.finish(inputs, list(outputs.items()))
 
+    def _key_slots(self, g, slots, read):
+        """The cache slots attention reads, `(L,)` int32, and `L`: the first
+        `read` (a `(1,)` tensor; `L` None), or every one of `slots`."""
+        every = g.const(np.arange(slots, dtype=np.int32))
+        if read is None:
+            return every, slots
+        return g.op("SLICE", [every, g.const(np.array([0], np.int32)), read], (None,), np.int32,
+                    g.options("SliceOptions")), None
+
     def _qkv(self, g, h, layer, i):
         """The packed query/key/value projection of layer `i` (norm scale and,
         without QK-norm, the query scale folded in), split: `(rows, H D)` each."""
@@ -385,7 +390,7 @@ class DecoderBuilder:
             logits = tied_head(g, g.mul(h, g.const(gamma, "final_norm/scale")))
         else:
             logits = self.fully_connected(
-                g, h, "lm_head", lambda: d.head.kernel.read() * gamma[:, None], d.head.read_bias(), "lm_head")
+                g, h, "lm_head", d.head.kernel.read, d.head.read_bias(), "lm_head", gamma)
         if d.final_logit_soft_cap is not None:
             logits = self._soft_cap(g, logits, d.final_logit_soft_cap)
         return logits
@@ -431,18 +436,14 @@ class DecoderBuilder:
         gamma = norm.scale.read()
         h = self.rms(g, x, norm.epsilon)
 
-        def folded(dense):
-            return lambda: dense.kernel.read() * gamma[:, None]
+        def folded(dense, part):
+            return self.fully_connected(g, h, f"{base}/{part}", dense.kernel.read, dense.read_bias(),
+                                        f"{base}/mlp/{part}", gamma)
 
         if feedforward.gate is not None:
-            gate = self.fully_connected(g, h, f"{base}/gate", folded(feedforward.gate), feedforward.gate.read_bias(),
-                                        f"{base}/mlp/gate")
-            up = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), feedforward.up.read_bias(),
-                                      f"{base}/mlp/up")
+            gate, up = folded(feedforward.gate, "gate"), folded(feedforward.up, "up")
             h = g.mul(g.activation(gate, feedforward.activation), up)
         else:
-            h = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), feedforward.up.read_bias(),
-                                     f"{base}/mlp/up")
-            h = g.activation(h, feedforward.activation)
+            h = g.activation(folded(feedforward.up, "up"), feedforward.activation)
         down = feedforward.down
         return self.fully_connected(g, h, f"{base}/down", down.kernel.read, down.read_bias(), f"{base}/mlp/down")

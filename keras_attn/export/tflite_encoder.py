@@ -124,7 +124,7 @@ class _EncoderBuilder:
         """`(B, T)` as `(1,)` int32 tensors, from a `(2,)` shape."""
         def make():
             return [self.g.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
-                            (1,), np.int32, "SliceOptions") for i in (0, 1)]
+                              (1,), np.int32, "SliceOptions") for i in (0, 1)]
         return self.g.cached(("dims", rows), make)
 
     def shape_of(self, rows, *parts):
@@ -164,12 +164,12 @@ class _EncoderBuilder:
         g = self.g
         axis = self.const([-1], np.int32)
         reduced = g.shape(x)[:-1] + (1,)
-        mean = self.g.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
-        square = self.g.binary("SQUARED_DIFFERENCE", x, mean)
-        var = self.g.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
+        mean = g.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
+        square = g.binary("SQUARED_DIFFERENCE", x, mean)
+        var = g.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
         var = g.add(var, self.const(epsilon, np.float32))
-        scale = self.g.op("RSQRT", [var], reduced)
-        centered = self.g.binary("SUB", x, mean)
+        scale = g.op("RSQRT", [var], reduced)
+        centered = g.binary("SUB", x, mean)
         y = g.mul(g.mul(centered, scale), self.const(gamma, np.float32))
         return g.add(y, self.const(beta, np.float32))
 
@@ -178,10 +178,10 @@ class _EncoderBuilder:
         the end (as Keras's Embedding reads them)."""
         g = self.g
         if wrap:
-            negative = self.g.binary("LESS", ids, self.const(0, np.int32))
+            negative = g.binary("LESS", ids, self.const(0, np.int32))
             shifted = g.add(ids, self.const(table.shape[0], np.int32))
-            ids = self.g.op("SELECT_V2", [negative, shifted, ids], g.shape(ids), np.int32,
-                          "SelectV2Options")
+            ids = g.op("SELECT_V2", [negative, shifted, ids], g.shape(ids), np.int32,
+                       "SelectV2Options")
         if not int8:
             return g.gather(g.const(table, name), ids)
         codes, scales = quantize_rows(table)
@@ -189,16 +189,16 @@ class _EncoderBuilder:
 
     def embedding(self, step, ids, types_, clamped):
         g = self.g
-        rows = self.g.cached(("rows", ids), lambda: self.g.op("SHAPE", [ids], (2,), np.int32,
-                                                          "ShapeOptions", outType=2))
+        rows = g.cached(("rows", ids), lambda: g.op("SHAPE", [ids], (2,), np.int32,
+                                                    "ShapeOptions", outType=2))
         x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped,
                         int8=self.quantization is not None)
         positions = step.positions.table.read()
         _, t = self.dims(rows)
         size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
-        pos = self.g.op("SLICE", [g.const(positions, step.name + "/positions"),
-                                self.const([0, 0], np.int32), size],
-                      (None, positions.shape[1]), np.float32, "SliceOptions")
+        pos = g.op("SLICE", [g.const(positions, step.name + "/positions"),
+                             self.const([0, 0], np.int32), size],
+                   (None, positions.shape[1]), np.float32, "SliceOptions")
         x = g.add(x, pos)
         if step.types is not None:
             table = step.types.read()
@@ -225,29 +225,29 @@ class _EncoderBuilder:
         if padding is not None:
             if g.dtype(padding) != np.bool_:
                 zero = self.const(0, g.dtype(padding))
-                padding = self.g.binary("NOT_EQUAL", padding, zero)
+                padding = g.binary("NOT_EQUAL", padding, zero)
             mask = self.reshape(padding, self.shape_of(rows, "B", 1, 1, "T"), (None, 1, 1, None))
         if causal:
             _, t = self.dims(rows)
             length = g.reshape(t, ())
-            steps = self.g.op("RANGE", [self.const(0, np.int32), length, self.const(1, np.int32)],
-                            (None,), np.int32)
-            band = self.g.binary("LESS_EQUAL", g.reshape(steps, (1, 1, 1, -1)),
-                               g.reshape(steps, (1, 1, -1, 1)))
-            mask = band if mask is None else self.g.binary("LOGICAL_AND", mask, band)
-        bias = self.g.op("SELECT_V2", [mask, self.const(0.0, np.float32),
-                                     self.const(MASKED_LOGIT, np.float32)],
-                       g.shape(mask), np.float32, "SelectV2Options")
+            steps = g.op("RANGE", [self.const(0, np.int32), length, self.const(1, np.int32)],
+                         (None,), np.int32)
+            band = g.binary("LESS_EQUAL", g.reshape(steps, (1, 1, 1, -1)),
+                            g.reshape(steps, (1, 1, -1, 1)))
+            mask = band if mask is None else g.binary("LOGICAL_AND", mask, band)
+        bias = g.op("SELECT_V2", [mask, self.const(0.0, np.float32),
+                                  self.const(MASKED_LOGIT, np.float32)],
+                    g.shape(mask), np.float32, "SelectV2Options")
         keep = None
         if padding is not None:
             axis = self.const([-1], np.int32)
-            seen = self.g.op("REDUCE_ANY", [mask, axis], g.shape(mask)[:-1] + (1,), np.bool_,
-                           "ReducerOptions", keepDims=True)
-            bias = self.g.op("SELECT_V2", [seen, bias, self.const(0.0, np.float32)], g.shape(bias),
-                           np.float32, "SelectV2Options")
-            keep = self.g.op("CAST", [seen], g.shape(seen), np.float32, "CastOptions")
+            seen = g.op("REDUCE_ANY", [mask, axis], g.shape(mask)[:-1] + (1,), np.bool_,
+                        "ReducerOptions", keepDims=True)
+            bias = g.op("SELECT_V2", [seen, bias, self.const(0.0, np.float32)], g.shape(bias),
+                        np.float32, "SelectV2Options")
+            keep = g.op("CAST", [seen], g.shape(seen), np.float32, "CastOptions")
             if queries:
-                query_rows = self.g.op("CAST", [padding], g.shape(padding), np.float32, "CastOptions")
+                query_rows = g.op("CAST", [padding], g.shape(padding), np.float32, "CastOptions")
                 query_rows = self.reshape(query_rows, self.shape_of(rows, "B", 1, "T", 1), (None, 1, None, 1))
                 keep = g.mul(keep, query_rows)
         return bias, keep
@@ -287,14 +287,14 @@ class _EncoderBuilder:
             q = g.transpose(q, (0, 2, 1, 3))  # (B, H, T, d)
             k = g.transpose(k, (0, 2, 3, 1))  # (B, H, d, T)
             v = g.transpose(v, (0, 2, 1, 3))  # (B, H, T, d)
-            scores = self.g.op("BATCH_MATMUL", [q, k], (None, heads, None, None), np.float32,
-                             "BatchMatMulOptions")
+            scores = g.op("BATCH_MATMUL", [q, k], (None, heads, None, None), np.float32,
+                          "BatchMatMulOptions")
             if bias is not None:
                 scores = g.add(scores, bias)
-            probs = self.g.op("SOFTMAX", [scores], g.shape(scores), np.float32, "SoftmaxOptions",
-                            beta=1.0)
-            out = self.g.op("BATCH_MATMUL", [probs, v], (None, heads, None, head), np.float32,
-                          "BatchMatMulOptions")
+            probs = g.op("SOFTMAX", [scores], g.shape(scores), np.float32, "SoftmaxOptions",
+                         beta=1.0)
+            out = g.op("BATCH_MATMUL", [probs, v], (None, heads, None, head), np.float32,
+                       "BatchMatMulOptions")
             if keep is not None:
                 out = g.mul(out, keep)
             out = g.reshape(g.transpose(out, (0, 2, 1, 3)), (-1, width))
@@ -329,33 +329,32 @@ class _EncoderBuilder:
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = self.g.op("SLICE", [self.g.op("SHAPE", [index], (3,), np.int32, "ShapeOptions",
-                                                 outType=2),
-                                         self.const([0], np.int32), self.const([2], np.int32)],
-                               (2,), np.int32, "SliceOptions")
+                rows = g.op("SLICE", [g.op("SHAPE", [index], (3,), np.int32, "ShapeOptions", outType=2),
+                                      self.const([0], np.int32), self.const([2], np.int32)],
+                            (2,), np.int32, "SliceOptions")
                 index = g.reshape(index, (-1, tensor.shape[2]))
             elif check_ids and tensor.vocabulary is not None:
                 vocab = tensor.vocabulary
-                clamped = self.g.binary("MAXIMUM", self.g.binary("MINIMUM", index, self.const(vocab - 1, np.int32)),
-                                        self.const(0, np.int32))
+                clamped = g.binary("MAXIMUM", g.binary("MINIMUM", index, self.const(vocab - 1, np.int32)),
+                                   self.const(0, np.int32))
                 if check_ids == "flag":
-                    same = self.g.binary("EQUAL", clamped, index)
-                    same = self.g.op("CAST", [same], g.shape(same), np.int32, "CastOptions")
-                    row = self.g.op("REDUCE_MIN", [same, self.const([1], np.int32)],
-                                  (g.shape(same)[0],), np.int32, "ReducerOptions", keepDims=False)
-                    valid = row if valid is None else self.g.binary("MINIMUM", valid, row)
+                    same = g.binary("EQUAL", clamped, index)
+                    same = g.op("CAST", [same], g.shape(same), np.int32, "CastOptions")
+                    row = g.op("REDUCE_MIN", [same, self.const([1], np.int32)],
+                               (g.shape(same)[0],), np.int32, "ReducerOptions", keepDims=False)
+                    valid = row if valid is None else g.binary("MINIMUM", valid, row)
                 index = clamped
             self.values[tensor.value] = types.SimpleNamespace(index=index, rows=rows)
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
-                batch = self.g.op("SLICE", [self.g.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                                  "ShapeOptions", outType=2),
-                                          self.const([0], np.int32), self.const([1], np.int32)],
-                                (1,), np.int32, "SliceOptions")
-                valid = self.g.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
+                batch = g.op("SLICE", [g.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
+                                            "ShapeOptions", outType=2),
+                                       self.const([0], np.int32), self.const([1], np.int32)],
+                             (1,), np.int32, "SliceOptions")
+                valid = g.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
             else:
-                valid = self.g.binary("GREATER", valid, self.const(0, np.int32))
+                valid = g.binary("GREATER", valid, self.const(0, np.int32))
         return dict(sorted(graph_inputs.items())), valid
 
     def build(self, encoder, check_ids):
@@ -376,8 +375,8 @@ class _EncoderBuilder:
                 result = types.SimpleNamespace(index=index, rows=x.rows)
             elif isinstance(step, description_lib.CompareStep):
                 x = v[step.input]
-                index = self.g.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
-                                    self.const(step.scalar, g.dtype(x.index)))
+                index = g.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
+                                 self.const(step.scalar, g.dtype(x.index)))
                 result = types.SimpleNamespace(index=index, rows=x.rows)
             elif isinstance(step, description_lib.GetItemStep):
                 index = self.unflatten(v[step.input])
@@ -393,8 +392,8 @@ class _EncoderBuilder:
         for tensor in encoder.outputs:
             index = self.unflatten(v[tensor.value])
             if index in taken:  # an input or another output: a copy of its own
-                index = self.reshape(index, self.g.op("SHAPE", [index], (len(g.shape(index)),),
-                                                    np.int32, "ShapeOptions", outType=2),
+                index = self.reshape(index, g.op("SHAPE", [index], (len(g.shape(index)),),
+                                                 np.int32, "ShapeOptions", outType=2),
                                      g.shape(index))
             taken.add(index)
             outputs.append((tensor.name, index))

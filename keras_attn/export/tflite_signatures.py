@@ -206,14 +206,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             read = g.binary("MINIMUM", g.mul(blocks, g.const(bucket)), held)
         else:
             read = held
-        if step or bounded:
-            read_len = None
-            key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
-                                       g.const(np.array([0], np.int32)), read],
-                             (None,), np.int32, g.options("SliceOptions"))
-        else:
-            read_len = S
-            key_slots = g.const(np.arange(S, dtype=np.int32))
+        key_slots, read_len = self._key_slots(g, S, read if step or bounded else None)
         masks = {}
 
         def mask(window):  # (1, 1, L): slot j seen when j <= index (and index - j < window)

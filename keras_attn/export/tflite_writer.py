@@ -50,9 +50,9 @@ class Writer:
         self.location_buffer = self.buffer(np.frombuffer(b"outside flatbuffers", np.uint8))
 
     def buffer(self, array):
-        array = np.asarray(array)
+        """The buffer of `array`: NumPy, or `ScaledColumns`."""
         if array.nbytes <= INLINE_MAX_BYTES:
-            raw = array.tobytes()
+            raw = np.asarray(array[...]).tobytes()
             digest = hashlib.sha1(raw).hexdigest()
             if digest not in self.small:
                 buffer = self.s.BufferT()
@@ -212,6 +212,22 @@ def quantize(weight, quantization):
     if quantization is not None:
         return quantize_rows(weight)
     return weight, None
+
+
+class ScaledColumns:
+    """`weight * scale` of a weight view `(N, K)` and a scale `(K,)` (a norm's
+    scale folded into the layer after it), computed a slab of rows at a time
+    as `Writer.buffer` and `quantize` read it: never a whole folded copy."""
+
+    def __init__(self, weight, scale):
+        self.weight, self.scale = weight, scale
+        self.shape, self.dtype, self.nbytes = weight.shape, np.dtype(np.float32), weight.nbytes
+
+    def __len__(self):
+        return len(self.weight)
+
+    def __getitem__(self, rows):
+        return self.weight[rows] * self.scale
 
 
 class Blocks:
@@ -379,11 +395,16 @@ class Graph:
                        self.options("GatherOptions", axis=axis, batchDims=0))
 
     # Layers every writer writes.
-    def fc_weight(self, key, make_kernel, name, quantization):
+    def fc_weight(self, key, make_kernel, name, quantization, scale=None):
         """A FULLY_CONNECTED weight `(N, K)` stored once per `key` (`weight`):
-        `make_kernel()` `(K, N)` (Keras's layout) transposed as a view and
-        quantized (`quantize`) or streamed as it is, never copied whole."""
-        return self.weight(key, lambda: quantize(make_kernel().T, quantization), name)
+        `make_kernel()` `(K, N)` (Keras's layout) transposed as a view, its
+        rows times `scale` `(K,)` where given (`ScaledColumns`), quantized
+        (`quantize`) or streamed as it is: never copied whole."""
+        def make():
+            weight = make_kernel().T
+            return quantize(weight if scale is None else ScaledColumns(weight, scale), quantization)
+
+        return self.weight(key, make, name)
 
     def fully_connected(self, x, weight, bias, name, out_name=None):
         """`x (T, K) @ weight.T + bias` -> `(T, N)`, `weight` a `fc_weight`
