@@ -397,9 +397,10 @@ class Graph:
     # Layers every writer writes.
     def fc_weight(self, key, make_kernel, name, quantization, scale=None):
         """A FULLY_CONNECTED weight `(N, K)` stored once per `key` (`weight`):
-        `make_kernel()` `(K, N)` (Keras's layout) transposed as a view, its
-        rows times `scale` `(K,)` where given (`ScaledColumns`), quantized
-        (`quantize`) or streamed as it is: never copied whole."""
+        `make_kernel()` `(K, N)` (Keras's layout) transposed as a view, each
+        input feature's weights times `scale` `(K,)` where given
+        (`ScaledColumns`), quantized (`quantize`) or streamed as it is:
+        never copied whole."""
         def make():
             weight = make_kernel().T
             return quantize(weight if scale is None else ScaledColumns(weight, scale), quantization)
