@@ -64,21 +64,15 @@ to the converter with a warning.
 import os
 import tempfile
 
-import ml_dtypes
 import numpy as np
 
 from keras_attn.export import capabilities
 from keras_attn.export.onnx_fused import NotFusableError
-from keras_attn.export.tflite_writer import HYBRID_FULLY_CONNECTED_VERSION as _HYBRID_FULLY_CONNECTED_VERSION
 from keras_attn.export.tflite_writer import INT4
-from keras_attn.export.tflite_writer import Blocks
 from keras_attn.export.tflite_writer import Graph
 from keras_attn.export.tflite_writer import write_model
 
 QUANTIZATIONS = (None, "dynamic", "int4")
-# int4 weights: one scale per this many input features (ai-edge-quantizer's
-# `dynamic_wi4b32_afp32`, LiteRT-LM's own int4 models).
-BLOCK_SIZE = 32
 
 
 def check_direct_decoder(model, quantization=None, max_length=None):
@@ -93,53 +87,6 @@ def check_direct_decoder(model, quantization=None, max_length=None):
     description = capabilities.describe(model, "litertlm")
     capabilities.check(description, "litertlm", max_length)
     return description
-
-
-def quantize_rows(weight):
-    """int8 codes and float32 scales of `weight` `(N, K)`, one symmetric scale
-    per row (output channel): `codes * scales[:, None]` approximates it."""
-    codes = np.empty(weight.shape, np.int8)
-    scales = np.empty(weight.shape[0], np.float32)
-    # A few thousand rows at a time: float temporaries of a slab, not of the table.
-    step = max(1, (1 << 24) // max(1, weight.shape[1]))
-    for start in range(0, weight.shape[0], step):
-        rows = weight[start:start + step]
-        scale = np.abs(rows).max(axis=1) / np.float32(127.0)
-        scale = np.where(scale > 0, scale, np.float32(1.0))
-        scales[start:start + step] = scale
-        codes[start:start + step] = np.clip(np.rint(rows / scale[:, None]), -127, 127)
-    return codes, scales
-
-
-# bfloat16's largest finite value that float16 holds (the blockwise scales
-# are float16 tensors read as bfloat16).
-_SCALE_MAX = 65280.0
-
-
-def quantize_blocks(weight, block_size=BLOCK_SIZE):
-    """int4 codes of `weight` `(N, K)` in blocks of `block_size` along K:
-    `(packed, scales)`, `packed` uint8 `(N, K / 2)` (element `2j` of a row
-    in the low nibble of byte `j`, `2j + 1` in the high one) and `scales`
-    float16 `(N, K / block_size)`, one symmetric scale per block,
-    `max|block| / 7` rounded to bfloat16's 8 significant bits;
-    `codes * scales` (repeated over each block) approximates `weight`."""
-    n, k = weight.shape
-    blocks = k // block_size
-    packed = np.empty((n, k // 2), np.uint8)
-    scales = np.empty((n, blocks), np.float16)
-    step = max(1, (1 << 24) // max(1, k))
-    for start in range(0, n, step):
-        rows = weight[start:start + step].reshape(-1, blocks, block_size)
-        scale = np.minimum(np.abs(rows).max(axis=2) / np.float32(7.0), np.float32(_SCALE_MAX))
-        scale = scale.astype(ml_dtypes.bfloat16).astype(np.float16)
-        scales[start:start + step] = scale
-        # A block whose scale rounds to 0 (|w| < 7 * 2**-25) is all zeros.
-        inverse = np.divide(np.float32(1.0), scale, out=np.zeros(scale.shape, np.float32),
-                            where=scale > 0)
-        codes = np.clip(np.rint(rows * inverse[..., None]), -8, 7).astype(np.int8)
-        codes = codes.reshape(len(rows), k)
-        packed[start:start + step] = ((codes[:, 0::2] & 0x0F) | (codes[:, 1::2] << 4)).view(np.uint8)
-    return packed, scales
 
 
 def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
@@ -197,8 +144,7 @@ class DecoderBuilder:
         self.d = description
         self.w = writer
         self.max_length = int(max_length)
-        self.int8 = quantization == "dynamic"
-        self.int4 = quantization == "int4"
+        self.quantization = quantization
         self.read_bucket = read_bucket
         # Each layer's query heads, key/value heads and head size, from its
         # attention (a model may give them per layer).
@@ -208,51 +154,17 @@ class DecoderBuilder:
         self.rotary_tables = {}  # (id(rotary layer), head_dim) -> (cos, sin) arrays, computed once
 
     # -- weights -------------------------------------------------------
-    def _quantize(self, weight):
-        """`(array, quantization)` of a weight `(N, K)` as `g.weight` stores it."""
-        if self.int4 and weight.shape[1] % BLOCK_SIZE == 0:
-            packed, scales = quantize_blocks(weight)
-            return packed, Blocks(scales)
-        if self.int8 or self.int4:
-            return quantize_rows(weight)
-        return weight, None
-
-    def _fc_weight(self, g, key, make_kernel, name):
-        """A FULLY_CONNECTED weight `(N, K)` from `make_kernel()` (`(K, N)`,
-        Keras's layout): float32, int8 per output channel or int4 in blocks."""
-        return g.weight(key, lambda: self._quantize(np.ascontiguousarray(make_kernel().T)), name)
-
-    def _fc_options(self, g, weight):
-        """FULLY_CONNECTED's options and version for `weight`: int8 runs the
-        hybrid kernels on asymmetrically quantized inputs; int4 as
-        ai-edge-quantizer writes it (the blockwise kernels quantize inputs
-        asymmetrically whatever the flag)."""
-        int8 = g.dtype(weight) == np.int8
-        options = g.options("FullyConnectedOptions", keepNumDims=False,
-                            asymmetricQuantizeInputs=int8)
-        quantized = self.int8 or self.int4
-        return options, _HYBRID_FULLY_CONNECTED_VERSION if quantized else None
-
-    def fully_connected(self, g, x, key, make_kernel, bias, name):
-        """`x (T, K) @ kernel + bias` -> `(T, N)`."""
-        weight = self._fc_weight(g, key, make_kernel, name + "/weight")
-        n = g.shape(weight)[0]
-        inputs = [x, weight]
-        if bias is not None:
-            inputs.append(g.const(bias, name + "/bias"))
-        else:
-            inputs.append(-1)
-        options, version = self._fc_options(g, weight)
-        return g.op("FULLY_CONNECTED", inputs, (g.shape(x)[0], n), np.float32, options,
-                    version=version, out_name=f"{g.name}/{name}")
+    def fully_connected(self, g, x, key, make_kernel, bias, name, scale=None):
+        """`x (T, K) @ kernel + bias` -> `(T, N)`, the weight of `key` from
+        `make_kernel()` and `scale` (a norm's, folded in: `Graph.fc_weight`)."""
+        weight = g.fc_weight(key, make_kernel, name + "/weight", self.quantization, scale)
+        return g.fully_connected(x, weight, bias, name, f"{g.name}/{name}")
 
     def _table_key(self, g):
         """The key of the token table's weight: the tied head's (stored once,
         `(V, hidden)`, quantized as the head) or the embedding's."""
-        table = self.d.embedding
-        if self.d.tied:
-            return self._fc_weight(g, "lm_head", lambda: table.read().T, "lm_head/weight"), "lm_head"
-        return g.weight("embedding", lambda: self._quantize(table.read()), "embedding/table"), "embedding"
+        key, name = ("lm_head", "lm_head/weight") if self.d.tied else ("embedding", "embedding/table")
+        return g.fc_weight(key, lambda: self.d.embedding.read().T, name, self.quantization), key
 
     def embed(self, g, ids):
         table, key = self._table_key(g)
@@ -263,11 +175,7 @@ class DecoderBuilder:
             # int8 rows, then times their scales (a GATHER does not
             # dequantize per row): the head's weight serves as the table.
             buffer, _, shape, scales = self.w.keyed[key]
-            codes = g.tensor(f"{key}/codes", shape, np.int8, buffer)
-            rows = g.gather(codes, ids)
-            rows = g.op("CAST", [rows], g.shape(rows), np.float32,
-                        g.options("CastOptions", inDataType=9, outDataType=0))
-            x = g.mul(rows, g.gather(g.const(scales.reshape(-1, 1), f"{key}/scales"), ids))
+            x = g.gather_int8(g.tensor(f"{key}/codes", shape, np.int8, buffer), scales, ids, key)
         else:
             x = g.gather(table, ids)
         if self.d.embedding_scale is not None:
@@ -284,7 +192,6 @@ class DecoderBuilder:
 
     # -- one signature ----------------------------------------------------
     def signature(self, name, length, with_logits):
-        s = self.w.s
         g = Graph(self.w, name)
         d, t_len, S = self.d, length, self.max_length
         tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
@@ -293,7 +200,8 @@ class DecoderBuilder:
         for i, (_, kv, hd) in enumerate(self.sizes):
             caches.append([g.tensor(f"{name}_kv_cache_{kind}_{i}", (1, S, kv, hd), np.float32)
                            for kind in "kv"])
-        inputs = [tokens, input_pos] + [c for pair in caches for c in pair]
+        inputs = [("tokens", tokens), ("input_pos", input_pos)] + [
+            (f"kv_cache_{kind}_{i}", caches[i][j]) for i in range(len(caches)) for j, kind in enumerate("kv")]
 
         # Positions p0 + [0, T); rotary rows clamped into the table (a
         # padded chunk's positions past the end land in dropped slots).
@@ -301,24 +209,18 @@ class DecoderBuilder:
                             g.const(np.array([1], np.int32))], (1,), np.int32,
                   g.options("SliceOptions"))
         positions = g.add(p0, g.const(np.arange(t_len, dtype=np.int32)))
-        rotary_rows = g.binary("MINIMUM", positions, g.const(np.array(S - 1, np.int32)),
-                               options=g.options("MaximumMinimumOptions"))
+        rotary_rows = g.binary("MINIMUM", positions, g.const(np.array(S - 1, np.int32)))
         # Slots read: the filled ones rounded up to the bucket, at most S.
         if self.read_bucket is not None and self.read_bucket < S:
             bucket = int(self.read_bucket)
             last = g.add(p0, g.const(np.array([t_len - 1], np.int32)))
-            blocks = g.binary("FLOOR_DIV", last, g.const(np.array(bucket, np.int32)),
-                              options=g.options("FloorDivOptions"))
+            blocks = g.binary("FLOOR_DIV", last, g.const(np.array(bucket, np.int32)))
             blocks = g.add(blocks, g.const(np.array(1, np.int32)))
             read = g.binary("MINIMUM", g.mul(blocks, g.const(np.array(bucket, np.int32))),
-                            g.const(np.array(S, np.int32)), options=g.options("MaximumMinimumOptions"))
-            read_len = None
-            key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
-                                       g.const(np.array([0], np.int32)), read],
-                             (None,), np.int32, g.options("SliceOptions"))
+                            g.const(np.array(S, np.int32)))
         else:
-            read, read_len = None, S
-            key_slots = g.const(np.arange(S, dtype=np.int32))
+            read = None
+        key_slots, read_len = self._key_slots(g, S, read)
         masks = {}
 
         def mask(window):
@@ -326,13 +228,10 @@ class DecoderBuilder:
             if window not in masks:
                 keys = g.reshape(key_slots, (1, 1, -1))
                 query = g.reshape(positions, (t_len, 1, 1))
-                m = g.binary("LESS_EQUAL", keys, query, np.bool_, g.options("LessEqualOptions"))
+                m = g.binary("LESS_EQUAL", keys, query)
                 if window is not None:
-                    low = g.binary("SUB", query, g.const(np.array(window, np.int32)),
-                                   options=g.options("SubOptions"))
-                    m = g.binary("LOGICAL_AND", m, g.binary(
-                        "GREATER", keys, low, np.bool_, g.options("GreaterOptions")),
-                        np.bool_, g.options("LogicalAndOptions"))
+                    low = g.binary("SUB", query, g.const(np.array(window, np.int32)))
+                    m = g.binary("LOGICAL_AND", m, g.binary("GREATER", keys, low))
                 masks[window] = m
             return masks[window]
 
@@ -341,19 +240,13 @@ class DecoderBuilder:
             start = g.concat([g.const(np.array([0], np.int32)), p0,
                               g.const(np.array([0, 0], np.int32))], 0)
         else:
-            relative = g.binary("SUB", g.const(np.arange(S, dtype=np.int32)), p0,
-                                options=g.options("SubOptions"))
+            relative = g.binary("SUB", g.const(np.arange(S, dtype=np.int32)), p0)
             inside = g.binary("LOGICAL_AND",
-                              g.binary("GREATER_EQUAL", relative, g.const(np.array(0, np.int32)),
-                                       np.bool_, g.options("GreaterEqualOptions")),
-                              g.binary("LESS", relative, g.const(np.array(t_len, np.int32)),
-                                       np.bool_, g.options("LessOptions")),
-                              np.bool_, g.options("LogicalAndOptions"))
+                              g.binary("GREATER_EQUAL", relative, g.const(np.array(0, np.int32))),
+                              g.binary("LESS", relative, g.const(np.array(t_len, np.int32))))
             inside = g.reshape(inside, (1, S, 1, 1))
-            rows = g.binary("MAXIMUM", g.binary("MINIMUM", relative,
-                                                g.const(np.array(t_len - 1, np.int32)),
-                                                options=g.options("MaximumMinimumOptions")),
-                            g.const(np.array(0, np.int32)), options=g.options("MaximumMinimumOptions"))
+            rows = g.binary("MAXIMUM", g.binary("MINIMUM", relative, g.const(np.array(t_len - 1, np.int32))),
+                            g.const(np.array(0, np.int32)))
 
         def write(cache, new):
             _, _, kv, hd = g.shape(cache)
@@ -385,38 +278,10 @@ class DecoderBuilder:
             attention = layer.attention
             heads, kv, hd = self.sizes[i]
             groups = heads // kv
-            base = f"layers.{i}"
-            norm = layer.attention_norm
-            h = self.rms(g, x, norm.epsilon)
-            # The 1/sqrt(head_dim) query scale goes into the query weights,
-            # or after QK-norm into its scale (the norm would undo it).
-            q_scale = 1.0 / np.sqrt(hd)
-            qk_norm = attention.query_norm is not None
-            weight_scale = 1.0 if qk_norm else q_scale
-
-            def qkv_kernel(attention=attention, norm=norm, weight_scale=weight_scale, rows=heads * hd):
-                kernel = attention.packed_kernel()
-                kernel[:, :rows] *= np.float32(weight_scale)
-                kernel *= norm.scale.read()[:, None]
-                return kernel
-
-            packed = attention.packed_bias()
-            if packed is not None:
-                packed[:heads * hd] *= np.float32(weight_scale)
-            qkv = self.fully_connected(g, h, f"{base}/qkv", qkv_kernel, packed, f"{base}/attn/qkv")
-            q, k, v = g.op("SPLIT_V", [qkv, g.const(np.array([heads * hd, kv * hd, kv * hd], np.int32)),
-                                       g.const(np.array(-1, np.int32))],
-                           [(t_len, heads * hd), (t_len, kv * hd), (t_len, kv * hd)], np.float32,
-                           g.options("SplitVOptions", numSplits=3), outputs=3)
+            h = self.rms(g, x, layer.attention_norm.epsilon)
+            q, k, v = self._qkv(g, h, layer, i)
             q, k = g.reshape(q, (t_len, heads, hd)), g.reshape(k, (t_len, kv, hd))
-            if qk_norm:
-                q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
-                          g.const(attention.query_norm.scale.read() * np.float32(q_scale)))
-                k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
-                          g.const(np.array(attention.key_norm.scale.read())))
-            if attention.rotary is not None:
-                cos, sin = self._rotary(g, attention.rotary, rotary_rows)
-                q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
+            q, k = self._positions(g, q, k, attention, rotary_rows)
             k_cache = write(caches[i][0], k)
             v_cache = write(caches[i][1], v)
             outputs[f"kv_cache_k_{i}"], outputs[f"kv_cache_v_{i}"] = k_cache, v_cache
@@ -432,47 +297,81 @@ class DecoderBuilder:
             scores = g.op("BATCH_MATMUL", [query, keys], (1, kv, t_len * groups, read_len),
                           options=g.options("BatchMatMulOptions"))
             scores = g.reshape(scores, (kv, t_len, groups, -1))  # rows (t, g): the mask broadcasts
-            if attention.logit_soft_cap is not None:
-                scores = self._soft_cap(g, scores, attention.logit_soft_cap)
-            scores = g.op("SELECT_V2", [mask(self.windows[i]), scores, neg], g.shape(scores),
-                          options=g.options("SelectV2Options"))
-            probs = g.op("SOFTMAX", [scores], g.shape(scores), options=g.options("SoftmaxOptions", beta=1.0))
+            probs = self._softmax(g, scores, attention, mask(self.windows[i]), neg)
             probs = g.reshape(probs, (1, kv, t_len * groups, -1))
             attended = g.op("BATCH_MATMUL", [probs, values], (1, kv, t_len * groups, hd),
                             options=g.options("BatchMatMulOptions"))
             if t_len > 1:
                 attended = g.transpose(g.reshape(attended, (kv, t_len, groups, hd)), (1, 0, 2, 3))
-            attended = g.reshape(attended, (t_len, heads * hd))
-            out = attention.output
-            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, out.read_bias(), f"{base}/attn/o")
-            x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
-            branch = self._feedforward(g, x, layer, base)
-            x = g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
+            x = self._residuals(g, x, g.reshape(attended, (t_len, heads * hd)), layer, i)
         if with_logits:
-            def tied(g, h):
-                head, _ = self._table_key(g)
-                options, version = self._fc_options(g, head)
-                return g.op("FULLY_CONNECTED", [h, head, -1], (t_len, d.vocabulary_size),
-                            options=options, version=version)
-
-            logits = self.final_logits(g, x, tied)
+            logits = self.final_logits(g, x, lambda g, h: g.fully_connected(h, self._table_key(g)[0], None, None))
             outputs["logits"] = g.reshape(logits, (1, 1, d.vocabulary_size))
-        for key, index in outputs.items():
-            g.tensors[index].name = f"{name}_{key}"
-        subgraph = s.SubGraphT()
-        subgraph.name = name
-        subgraph.tensors = g.tensors
-        subgraph.operators = g.operators
-        subgraph.inputs = np.array(inputs, np.int32)
-        subgraph.outputs = np.array(list(outputs.values()), np.int32)
-        signature = s.SignatureDefT()
-        signature.signatureKey = name
-        signature.inputs = [self._map(key, index) for key, index in
-                            [("tokens", tokens), ("input_pos", input_pos)]
-                            + [(f"kv_cache_{kind}_{i}", caches[i][j])
-                               for i in range(len(caches)) for j, kind in enumerate("kv")]]
-        signature.outputs = [self._map(key, index) for key, index in outputs.items()]
-        return subgraph, signature
+        return g.finish(inputs, list(outputs.items()))
+
+    def _key_slots(self, g, slots, read):
+        """The cache slots attention reads, `(L,)` int32, and `L`: the first
+        `read` (a `(1,)` tensor; `L` None), or every one of `slots`."""
+        every = g.const(np.arange(slots, dtype=np.int32))
+        if read is None:
+            return every, slots
+        return g.op("SLICE", [every, g.const(np.array([0], np.int32)), read], (None,), np.int32,
+                    g.options("SliceOptions")), None
+
+    def _qkv(self, g, h, layer, i):
+        """The packed query/key/value projection of layer `i` (norm scale and,
+        without QK-norm, the query scale folded in), split: `(rows, H D)` each."""
+        attention = layer.attention
+        heads, kv, hd = self.sizes[i]
+        # The 1/sqrt(head_dim) query scale goes into the query weights, or
+        # after QK-norm into its scale (`_positions`: the norm would undo it).
+        scale = np.float32(1.0 if attention.query_norm is not None else 1.0 / np.sqrt(hd))
+        sizes = (heads * hd, kv * hd, kv * hd)
+
+        def kernel():
+            packed = attention.packed_kernel()
+            packed[:, :sizes[0]] *= scale
+            packed *= layer.attention_norm.scale.read()[:, None]
+            return packed
+
+        packed = attention.packed_bias()
+        if packed is not None:
+            packed[:sizes[0]] *= scale
+        qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
+        rows = g.shape(h)[0]
+        return g.op("SPLIT_V", [qkv, g.const(np.array(sizes, np.int32)), g.const(np.array(-1, np.int32))],
+                    [(rows, n) for n in sizes], np.float32, g.options("SplitVOptions", numSplits=3),
+                    outputs=3)
+
+    def _positions(self, g, q, k, attention, rows):
+        """QK-norm (with the query scale) and the rotation at `rows` over `q`
+        and `k` `(..., H, D)`, where the layer has them."""
+        if attention.query_norm is not None:
+            q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
+                      g.const(attention.query_norm.scale.read() * np.float32(1.0 / np.sqrt(attention.head_dim))))
+            k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
+                      g.const(np.array(attention.key_norm.scale.read())))
+        if attention.rotary is not None:
+            cos, sin = self._rotary(g, attention.rotary, rows)
+            q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
+        return q, k
+
+    def _softmax(self, g, scores, attention, seen, neg):
+        """Attention probabilities of `scores`: soft-capped where the layer
+        is, `neg` where `seen` is False."""
+        if attention.logit_soft_cap is not None:
+            scores = self._soft_cap(g, scores, attention.logit_soft_cap)
+        scores = g.op("SELECT_V2", [seen, scores, neg], g.shape(scores), options=g.options("SelectV2Options"))
+        return g.op("SOFTMAX", [scores], g.shape(scores), options=g.options("SoftmaxOptions", beta=1.0))
+
+    def _residuals(self, g, x, attended, layer, i):
+        """`x` plus the attention's output projection of `attended`, then plus
+        the feed-forward, each branch sandwich-normed where the layer is."""
+        out, base = layer.attention.output, f"layers.{i}"
+        branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, out.read_bias(), f"{base}/attn/o")
+        x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
+        branch = self._feedforward(g, x, layer, base)
+        return g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
 
     def _post_norm(self, g, x, layer):
         """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
@@ -491,7 +390,7 @@ class DecoderBuilder:
             logits = tied_head(g, g.mul(h, g.const(gamma, "final_norm/scale")))
         else:
             logits = self.fully_connected(
-                g, h, "lm_head", lambda: d.head.kernel.read() * gamma[:, None], d.head.read_bias(), "lm_head")
+                g, h, "lm_head", d.head.kernel.read, d.head.read_bias(), "lm_head", gamma)
         if d.final_logit_soft_cap is not None:
             logits = self._soft_cap(g, logits, d.final_logit_soft_cap)
         return logits
@@ -500,12 +399,6 @@ class DecoderBuilder:
         """`cap * tanh(x / cap)`."""
         x = g.mul(x, g.const(np.array(1.0 / cap, np.float32)))
         return g.mul(g.op("TANH", [x], g.shape(x)), g.const(np.array(cap, np.float32)))
-
-    def _map(self, name, index):
-        m = self.w.s.TensorMapT()
-        m.name = name
-        m.tensorIndex = index
-        return m
 
     def _rotary(self, g, rotary, rows):
         """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
@@ -518,15 +411,11 @@ class DecoderBuilder:
             self.rotary_tables[key] = (np.concatenate([cos, cos], axis=1),
                                        np.concatenate([-sin, sin], axis=1))
         cos_table, sin_table = self.rotary_tables[key]
-        cache = g.rotary
-        if key not in cache:
-            t_len = g.shape(rows)[0]
-            cache[key] = tuple(
-                g.reshape(g.gather(g.weight(f"rotary/{key[0]}/{head_dim}/{part}", lambda table=table: (table, None),
-                                            f"rotary_{len(self.rotary_tables)}/{part}"), rows),
-                          (t_len, 1, -1))
-                for part, table in (("cos", cos_table), ("sin", sin_table)))
-        return cache[key]
+        return g.cached(("rotary",) + key, lambda: tuple(
+            g.reshape(g.gather(g.weight(f"rotary/{key[0]}/{head_dim}/{part}", lambda table=table: (table, None),
+                                        f"rotary_{len(self.rotary_tables)}/{part}"), rows),
+                      (g.shape(rows)[0], 1, -1))
+            for part, table in (("cos", cos_table), ("sin", sin_table))))
 
     def _rotate(self, g, x, cos, sin):
         shape = g.shape(x)
@@ -547,26 +436,14 @@ class DecoderBuilder:
         gamma = norm.scale.read()
         h = self.rms(g, x, norm.epsilon)
 
-        def folded(dense):
-            return lambda: dense.kernel.read() * gamma[:, None]
+        def folded(dense, part):
+            return self.fully_connected(g, h, f"{base}/{part}", dense.kernel.read, dense.read_bias(),
+                                        f"{base}/mlp/{part}", gamma)
 
         if feedforward.gate is not None:
-            gate = self.fully_connected(g, h, f"{base}/gate", folded(feedforward.gate), feedforward.gate.read_bias(),
-                                        f"{base}/mlp/gate")
-            up = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), feedforward.up.read_bias(),
-                                      f"{base}/mlp/up")
-            h = g.mul(self._activation(g, gate, feedforward.activation), up)
+            gate, up = folded(feedforward.gate, "gate"), folded(feedforward.up, "up")
+            h = g.mul(g.activation(gate, feedforward.activation), up)
         else:
-            h = self.fully_connected(g, h, f"{base}/up", folded(feedforward.up), feedforward.up.read_bias(),
-                                     f"{base}/mlp/up")
-            h = self._activation(g, h, feedforward.activation)
+            h = g.activation(folded(feedforward.up, "up"), feedforward.activation)
         down = feedforward.down
         return self.fully_connected(g, h, f"{base}/down", down.kernel.read, down.read_bias(), f"{base}/mlp/down")
-
-    def _activation(self, g, x, kind):
-        if kind == "silu":
-            return g.mul(x, g.op("LOGISTIC", [x], g.shape(x)))
-        if kind == "relu":
-            return g.op("RELU", [x], g.shape(x))
-        return g.op("GELU", [x], g.shape(x),
-                    options=g.options("GeluOptions", approximate=kind == "gelu_tanh"))

@@ -45,7 +45,7 @@ from keras_attn.export import capabilities
 from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite_writer
 from keras_attn.export.capabilities import NotFusableError
-from keras_attn.export.tflite_decoder import quantize_rows
+from keras_attn.export.tflite_writer import quantize_rows
 from keras_attn.ops.masking import MASKED_LOGIT
 
 QUANTIZATIONS = (None, "dynamic")
@@ -53,8 +53,6 @@ ID_CHECKS = (None, "clamp", "flag")
 SIGNATURE_KEY = "serving_default"
 # See `meant_for`: 16.8M parameters, 64 MiB of float32 (BERT-base: 110M).
 MEANT_FOR_PARAMETERS = 1 << 24
-_ACTIVATIONS = {"relu": "RELU", "tanh": "TANH", "gelu": "GELU", "gelu_tanh": "GELU"}
-_TFLITE_INT8, _TFLITE_FLOAT32 = 9, 0
 
 
 def meant_for(model):
@@ -115,34 +113,19 @@ class _EncoderBuilder:
 
     def __init__(self, writer, int8):
         self.g = tflite_writer.Graph(writer, SIGNATURE_KEY)
-        self.int8 = int8
+        self.quantization = "dynamic" if int8 else None
         self.values = {}
-        self._cache = {}
 
     # -- small helpers ------------------------------------------------------
     def const(self, value, dtype):
         return self.g.const(np.asarray(value, dtype))
 
-    def op(self, name, inputs, shape, dtype=np.float32, options=None, **fields):
-        g = self.g
-        if options is not None:
-            options = g.options(options, **fields)
-        return g.op(name, inputs, shape, dtype, options)
-
-    def binary(self, name, a, b, options, dtype=None, **fields):
-        return self.g.binary(name, a, b, dtype, self.g.options(options, **fields))
-
-    def cached(self, key, make):
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
-
     def dims(self, rows):
         """`(B, T)` as `(1,)` int32 tensors, from a `(2,)` shape."""
         def make():
-            return [self.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
-                            (1,), np.int32, "SliceOptions") for i in (0, 1)]
-        return self.cached(("dims", rows), make)
+            return [self.g.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
+                              (1,), np.int32, "SliceOptions") for i in (0, 1)]
+        return self.g.cached(("dims", rows), make)
 
     def shape_of(self, rows, *parts):
         """An int32 shape vector of `parts`: "B", "T" (from `rows`) or ints."""
@@ -151,10 +134,10 @@ class _EncoderBuilder:
             pieces = [{"B": b, "T": t}[d] if isinstance(d, str) else self.const([d], np.int32)
                       for d in parts]
             return self.g.concat(pieces, 0, np.int32)
-        return self.cached(("shape", rows) + parts, make)
+        return self.g.cached(("shape", rows) + parts, make)
 
     def reshape(self, x, shape_tensor, static):
-        return self.op("RESHAPE", [x, shape_tensor], static, self.g.dtype(x))
+        return self.g.op("RESHAPE", [x, shape_tensor], static, self.g.dtype(x))
 
     def unflatten(self, value):
         """A value's tensor with its `(B, T)` axes back."""
@@ -165,37 +148,15 @@ class _EncoderBuilder:
                             (None, None) + self.g.shape(x)[1:])
 
     # -- layers ---------------------------------------------------------------
-    def fully_connected(self, x, kernel, bias, name):
-        """`x (N, K) @ kernel (K, M) + bias`; `kernel` float32 NumPy."""
+    def fully_connected(self, x, make_kernel, bias, name):
+        """`x (N, K) @ kernel (K, M) + bias`, `make_kernel()` float32 NumPy."""
         g = self.g
-        weight = np.ascontiguousarray(kernel.T)
-        quantization = None
-        if self.int8:
-            weight, scales = quantize_rows(weight)
-            quantization = g.s.QuantizationParametersT()
-            quantization.scale = scales
-            quantization.zeroPoint = np.zeros(len(scales), np.int64)
-            quantization.quantizedDimension = 0
-        buffer = g.w.buffer(weight)
-        weight = g.tensor(name + "/weight", weight.shape, weight.dtype, buffer, quantization)
-        inputs = [x, weight, -1 if bias is None else g.const(np.asarray(bias, np.float32), name + "/bias")]
-        options = g.options("FullyConnectedOptions", keepNumDims=False,
-                            asymmetricQuantizeInputs=self.int8)
-        version = tflite_writer.HYBRID_FULLY_CONNECTED_VERSION if self.int8 else None
-        return g.op("FULLY_CONNECTED", inputs, (g.shape(x)[0], kernel.shape[1]), np.float32,
-                    options, version=version, out_name=name)
-
-    def activation(self, x, kind):
-        if kind == "linear":
-            return x
-        if kind.startswith("gelu"):
-            return self.op("GELU", [x], self.g.shape(x), np.float32, "GeluOptions",
-                           approximate=kind == "gelu_tanh")
-        return self.op(_ACTIVATIONS[kind], [x], self.g.shape(x))
+        return g.fully_connected(x, g.fc_weight(name, make_kernel, name + "/weight", self.quantization),
+                                 None if bias is None else np.asarray(bias, np.float32), name, name)
 
     def dense(self, x, dense, activation, name):
         """`activation(x @ kernel + bias)` of a description's `Dense`."""
-        return self.activation(self.fully_connected(x, dense.kernel.read(), dense.read_bias(), name), activation)
+        return self.g.activation(self.fully_connected(x, dense.kernel.read, dense.read_bias(), name), activation)
 
     def layer_norm(self, x, norm):
         """`(x - mean) * rsqrt(var + eps) * gamma + beta` over the last axis (a LayerNorm `Norm`)."""
@@ -203,12 +164,12 @@ class _EncoderBuilder:
         g = self.g
         axis = self.const([-1], np.int32)
         reduced = g.shape(x)[:-1] + (1,)
-        mean = self.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
-        square = self.binary("SQUARED_DIFFERENCE", x, mean, "SquaredDifferenceOptions")
-        var = self.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
+        mean = g.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
+        square = g.binary("SQUARED_DIFFERENCE", x, mean)
+        var = g.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
         var = g.add(var, self.const(epsilon, np.float32))
-        scale = self.op("RSQRT", [var], reduced)
-        centered = self.binary("SUB", x, mean, "SubOptions")
+        scale = g.op("RSQRT", [var], reduced)
+        centered = g.binary("SUB", x, mean)
         y = g.mul(g.mul(centered, scale), self.const(gamma, np.float32))
         return g.add(y, self.const(beta, np.float32))
 
@@ -217,29 +178,27 @@ class _EncoderBuilder:
         the end (as Keras's Embedding reads them)."""
         g = self.g
         if wrap:
-            negative = self.binary("LESS", ids, self.const(0, np.int32), "LessOptions", np.bool_)
+            negative = g.binary("LESS", ids, self.const(0, np.int32))
             shifted = g.add(ids, self.const(table.shape[0], np.int32))
-            ids = self.op("SELECT_V2", [negative, shifted, ids], g.shape(ids), np.int32,
-                          "SelectV2Options")
+            ids = g.op("SELECT_V2", [negative, shifted, ids], g.shape(ids), np.int32,
+                       "SelectV2Options")
         if not int8:
             return g.gather(g.const(table, name), ids)
         codes, scales = quantize_rows(table)
-        rows = g.gather(g.const(codes, name + "/codes"), ids)
-        rows = self.op("CAST", [rows], g.shape(rows), np.float32, "CastOptions",
-                       inDataType=_TFLITE_INT8, outDataType=_TFLITE_FLOAT32)
-        return g.mul(rows, g.gather(g.const(scales.reshape(-1, 1), name + "/scales"), ids))
+        return g.gather_int8(g.const(codes, name + "/codes"), scales, ids, name)
 
     def embedding(self, step, ids, types_, clamped):
         g = self.g
-        rows = self.cached(("rows", ids), lambda: self.op("SHAPE", [ids], (2,), np.int32,
-                                                          "ShapeOptions", outType=2))
-        x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped, int8=self.int8)
+        rows = g.cached(("rows", ids), lambda: g.op("SHAPE", [ids], (2,), np.int32,
+                                                    "ShapeOptions", outType=2))
+        x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped,
+                        int8=self.quantization is not None)
         positions = step.positions.table.read()
         _, t = self.dims(rows)
         size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
-        pos = self.op("SLICE", [g.const(positions, step.name + "/positions"),
-                                self.const([0, 0], np.int32), size],
-                      (None, positions.shape[1]), np.float32, "SliceOptions")
+        pos = g.op("SLICE", [g.const(positions, step.name + "/positions"),
+                             self.const([0, 0], np.int32), size],
+                   (None, positions.shape[1]), np.float32, "SliceOptions")
         x = g.add(x, pos)
         if step.types is not None:
             table = step.types.read()
@@ -257,41 +216,40 @@ class _EncoderBuilder:
         a key is seen, MASKED_LOGIT elsewhere, 0 on rows that see no key) and
         the float `(B, 1, T|1, 1)` factor zeroing those rows and, with
         `queries`, the padded query rows (None when nothing is zeroed)."""
+        return self.g.cached(("masks", padding, rows, causal, queries),
+                             lambda: self._attention_masks(padding, rows, causal, queries))
+
+    def _attention_masks(self, padding, rows, causal, queries):
         g = self.g
-        key = ("masks", padding, rows, causal, queries)
-        if key in self._cache:
-            return self._cache[key]
         mask = None
         if padding is not None:
             if g.dtype(padding) != np.bool_:
                 zero = self.const(0, g.dtype(padding))
-                padding = self.binary("NOT_EQUAL", padding, zero, "NotEqualOptions", np.bool_)
+                padding = g.binary("NOT_EQUAL", padding, zero)
             mask = self.reshape(padding, self.shape_of(rows, "B", 1, 1, "T"), (None, 1, 1, None))
         if causal:
             _, t = self.dims(rows)
             length = g.reshape(t, ())
-            steps = self.op("RANGE", [self.const(0, np.int32), length, self.const(1, np.int32)],
-                            (None,), np.int32)
-            band = self.binary("LESS_EQUAL", g.reshape(steps, (1, 1, 1, -1)),
-                               g.reshape(steps, (1, 1, -1, 1)), "LessEqualOptions", np.bool_)
-            mask = band if mask is None else self.binary("LOGICAL_AND", mask, band,
-                                                         "LogicalAndOptions", np.bool_)
-        bias = self.op("SELECT_V2", [mask, self.const(0.0, np.float32),
-                                     self.const(MASKED_LOGIT, np.float32)],
-                       g.shape(mask), np.float32, "SelectV2Options")
+            steps = g.op("RANGE", [self.const(0, np.int32), length, self.const(1, np.int32)],
+                         (None,), np.int32)
+            band = g.binary("LESS_EQUAL", g.reshape(steps, (1, 1, 1, -1)),
+                            g.reshape(steps, (1, 1, -1, 1)))
+            mask = band if mask is None else g.binary("LOGICAL_AND", mask, band)
+        bias = g.op("SELECT_V2", [mask, self.const(0.0, np.float32),
+                                  self.const(MASKED_LOGIT, np.float32)],
+                    g.shape(mask), np.float32, "SelectV2Options")
         keep = None
         if padding is not None:
             axis = self.const([-1], np.int32)
-            seen = self.op("REDUCE_ANY", [mask, axis], g.shape(mask)[:-1] + (1,), np.bool_,
-                           "ReducerOptions", keepDims=True)
-            bias = self.op("SELECT_V2", [seen, bias, self.const(0.0, np.float32)], g.shape(bias),
-                           np.float32, "SelectV2Options")
-            keep = self.op("CAST", [seen], g.shape(seen), np.float32, "CastOptions")
+            seen = g.op("REDUCE_ANY", [mask, axis], g.shape(mask)[:-1] + (1,), np.bool_,
+                        "ReducerOptions", keepDims=True)
+            bias = g.op("SELECT_V2", [seen, bias, self.const(0.0, np.float32)], g.shape(bias),
+                        np.float32, "SelectV2Options")
+            keep = g.op("CAST", [seen], g.shape(seen), np.float32, "CastOptions")
             if queries:
-                query_rows = self.op("CAST", [padding], g.shape(padding), np.float32, "CastOptions")
+                query_rows = g.op("CAST", [padding], g.shape(padding), np.float32, "CastOptions")
                 query_rows = self.reshape(query_rows, self.shape_of(rows, "B", 1, "T", 1), (None, 1, None, 1))
                 keep = g.mul(keep, query_rows)
-        self._cache[key] = (bias, keep)
         return bias, keep
 
     def block(self, step, x, padding):
@@ -303,8 +261,12 @@ class _EncoderBuilder:
         width = heads * head
         rows = x.rows
         scale = np.float32(1.0 / np.sqrt(head))
-        qkv_kernel = a.packed_kernel()
-        qkv_kernel[:, :width] *= scale
+
+        def qkv_kernel():
+            kernel = a.packed_kernel()
+            kernel[:, :width] *= scale
+            return kernel
+
         qkv_bias = a.packed_bias()
         if qkv_bias is None:  # no biases: a zero one, the graph this writer has always written
             qkv_bias = np.zeros(3 * width, np.float32)
@@ -325,18 +287,18 @@ class _EncoderBuilder:
             q = g.transpose(q, (0, 2, 1, 3))  # (B, H, T, d)
             k = g.transpose(k, (0, 2, 3, 1))  # (B, H, d, T)
             v = g.transpose(v, (0, 2, 1, 3))  # (B, H, T, d)
-            scores = self.op("BATCH_MATMUL", [q, k], (None, heads, None, None), np.float32,
-                             "BatchMatMulOptions")
+            scores = g.op("BATCH_MATMUL", [q, k], (None, heads, None, None), np.float32,
+                          "BatchMatMulOptions")
             if bias is not None:
                 scores = g.add(scores, bias)
-            probs = self.op("SOFTMAX", [scores], g.shape(scores), np.float32, "SoftmaxOptions",
-                            beta=1.0)
-            out = self.op("BATCH_MATMUL", [probs, v], (None, heads, None, head), np.float32,
-                          "BatchMatMulOptions")
+            probs = g.op("SOFTMAX", [scores], g.shape(scores), np.float32, "SoftmaxOptions",
+                         beta=1.0)
+            out = g.op("BATCH_MATMUL", [probs, v], (None, heads, None, head), np.float32,
+                       "BatchMatMulOptions")
             if keep is not None:
                 out = g.mul(out, keep)
             out = g.reshape(g.transpose(out, (0, 2, 1, 3)), (-1, width))
-            return self.fully_connected(out, a.output.kernel.read(), a.output.read_bias(),
+            return self.fully_connected(out, a.output.kernel.read, a.output.read_bias(),
                                         f"{name}/attention_output")
 
         def feedforward(h):
@@ -367,36 +329,32 @@ class _EncoderBuilder:
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = self.op("SLICE", [self.op("SHAPE", [index], (3,), np.int32, "ShapeOptions",
-                                                 outType=2),
-                                         self.const([0], np.int32), self.const([2], np.int32)],
-                               (2,), np.int32, "SliceOptions")
+                rows = g.op("SLICE", [g.op("SHAPE", [index], (3,), np.int32, "ShapeOptions", outType=2),
+                                      self.const([0], np.int32), self.const([2], np.int32)],
+                            (2,), np.int32, "SliceOptions")
                 index = g.reshape(index, (-1, tensor.shape[2]))
             elif check_ids and tensor.vocabulary is not None:
                 vocab = tensor.vocabulary
-                clamped = self.binary("MAXIMUM", self.binary(
-                    "MINIMUM", index, self.const(vocab - 1, np.int32), "MaximumMinimumOptions"),
-                    self.const(0, np.int32), "MaximumMinimumOptions")
+                clamped = g.binary("MAXIMUM", g.binary("MINIMUM", index, self.const(vocab - 1, np.int32)),
+                                   self.const(0, np.int32))
                 if check_ids == "flag":
-                    same = self.binary("EQUAL", clamped, index, "EqualOptions", np.bool_)
-                    same = self.op("CAST", [same], g.shape(same), np.int32, "CastOptions")
-                    row = self.op("REDUCE_MIN", [same, self.const([1], np.int32)],
-                                  (g.shape(same)[0],), np.int32, "ReducerOptions", keepDims=False)
-                    valid = row if valid is None else self.binary("MINIMUM", valid, row,
-                                                                  "MaximumMinimumOptions")
+                    same = g.binary("EQUAL", clamped, index)
+                    same = g.op("CAST", [same], g.shape(same), np.int32, "CastOptions")
+                    row = g.op("REDUCE_MIN", [same, self.const([1], np.int32)],
+                               (g.shape(same)[0],), np.int32, "ReducerOptions", keepDims=False)
+                    valid = row if valid is None else g.binary("MINIMUM", valid, row)
                 index = clamped
             self.values[tensor.value] = types.SimpleNamespace(index=index, rows=rows)
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
-                batch = self.op("SLICE", [self.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                                  "ShapeOptions", outType=2),
-                                          self.const([0], np.int32), self.const([1], np.int32)],
-                                (1,), np.int32, "SliceOptions")
-                valid = self.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
+                batch = g.op("SLICE", [g.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
+                                            "ShapeOptions", outType=2),
+                                       self.const([0], np.int32), self.const([1], np.int32)],
+                             (1,), np.int32, "SliceOptions")
+                valid = g.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
             else:
-                valid = self.binary("GREATER", valid, self.const(0, np.int32), "GreaterOptions",
-                                    np.bool_)
+                valid = g.binary("GREATER", valid, self.const(0, np.int32))
         return dict(sorted(graph_inputs.items())), valid
 
     def build(self, encoder, check_ids):
@@ -417,9 +375,8 @@ class _EncoderBuilder:
                 result = types.SimpleNamespace(index=index, rows=x.rows)
             elif isinstance(step, description_lib.CompareStep):
                 x = v[step.input]
-                kind = "Equal" if step.equal else "NotEqual"
-                index = self.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
-                                    self.const(step.scalar, g.dtype(x.index)), kind + "Options", np.bool_)
+                index = g.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
+                                 self.const(step.scalar, g.dtype(x.index)))
                 result = types.SimpleNamespace(index=index, rows=x.rows)
             elif isinstance(step, description_lib.GetItemStep):
                 index = self.unflatten(v[step.input])
@@ -435,31 +392,11 @@ class _EncoderBuilder:
         for tensor in encoder.outputs:
             index = self.unflatten(v[tensor.value])
             if index in taken:  # an input or another output: a copy of its own
-                index = self.reshape(index, self.op("SHAPE", [index], (len(g.shape(index)),),
-                                                    np.int32, "ShapeOptions", outType=2),
+                index = self.reshape(index, g.op("SHAPE", [index], (len(g.shape(index)),),
+                                                 np.int32, "ShapeOptions", outType=2),
                                      g.shape(index))
             taken.add(index)
             outputs.append((tensor.name, index))
         if valid is not None:
             outputs.append((saved_model_lib.VALID_OUTPUT, valid))
-        for k, (_, index) in enumerate(outputs):
-            g.tensors[index].name = f"StatefulPartitionedCall:{k}"
-        s = g.s
-        subgraph = s.SubGraphT()
-        subgraph.name = "main"
-        subgraph.tensors = g.tensors
-        subgraph.operators = g.operators
-        subgraph.inputs = np.array(list(graph_inputs.values()), np.int32)
-        subgraph.outputs = np.array([index for _, index in outputs], np.int32)
-        signature = s.SignatureDefT()
-        signature.signatureKey = SIGNATURE_KEY
-        signature.inputs = [_tensor_map(s, name, index) for name, index in graph_inputs.items()]
-        signature.outputs = [_tensor_map(s, name, index) for name, index in outputs]
-        return subgraph, signature
-
-
-def _tensor_map(schema, name, index):
-    m = schema.TensorMapT()
-    m.name = name
-    m.tensorIndex = index
-    return m
+        return g.finish(list(graph_inputs.items()), outputs, "StatefulPartitionedCall:{k}", "main")

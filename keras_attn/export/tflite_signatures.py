@@ -11,11 +11,12 @@ SavedModel or converter (which hold several copies of the weights):
 with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
 clamped into range and a bool output `valid` (False when anything was
 clamped). The inputs, outputs and subgraphs are named and ordered as the
-converter's model has them. The ops, the weights (float32 or int8 per
-output channel, "dynamic"), the rotary tables and the streaming of the
-constants after the flatbuffer are `keras_attn.export.tflite_decoder`'s,
-through its `DecoderBuilder` (the file `tflite_writer`'s); what differs
-from LiteRT-LM's model:
+converter's model has them. The decoder's layers and the rotary tables
+are `keras_attn.export.tflite_decoder.DecoderBuilder`'s; the weights
+(float32, int8 per output channel or int4 blocks, quantized as they are
+written), the layers every TFLite writer shares and the streaming of the
+constants after the flatbuffer are `keras_attn.export.tflite_writer`'s;
+what differs from LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
@@ -183,20 +184,16 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         if self.flag:
             zero = g.const(np.array([0], np.int32))
             if self.ring_window:
-                conditions.append(self._all(g, g.binary("GREATER_EQUAL", index, zero, np.bool_,
-                                                       g.options("GreaterEqualOptions"))))
+                conditions.append(self._all(g, g.binary("GREATER_EQUAL", index, zero)))
                 index = self._minmax(g, "MAXIMUM", index, 0)
             else:
-                last = g.binary("SUB", held, g.const(np.array([1], np.int32)), options=g.options("SubOptions"))
-                clamped = g.binary("MINIMUM", self._minmax(g, "MAXIMUM", index, 0), last,
-                                   options=g.options("MaximumMinimumOptions"))
-                conditions.append(self._all(g, g.binary("EQUAL", clamped, index, np.bool_,
-                                                       g.options("EqualOptions"))))
+                last = g.binary("SUB", held, g.const(np.array([1], np.int32)))
+                clamped = g.binary("MINIMUM", self._minmax(g, "MAXIMUM", index, 0), last)
+                conditions.append(self._all(g, g.binary("EQUAL", clamped, index)))
                 index = clamped
         slot = index
         if self.ring_window:
-            slot = g.binary("FLOOR_MOD", index, g.const(np.array(S, np.int32)),
-                            options=g.options("FloorModOptions"))
+            slot = g.binary("FLOOR_MOD", index, g.const(np.array(S, np.int32)))
             rows = index  # angles from the position itself (`_rotary`)
         else:
             rows = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", index, 0), S - 1)
@@ -205,31 +202,20 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         bounded = self.read_bucket is not None and (step or self.read_bucket < S)
         if bounded:
             bucket = np.array(self.read_bucket, np.int32)
-            blocks = g.binary("FLOOR_DIV", index, g.const(bucket), options=g.options("FloorDivOptions"))
+            blocks = g.binary("FLOOR_DIV", index, g.const(bucket))
             blocks = self._minmax(g, "MAXIMUM", g.add(blocks, g.const(np.array(1, np.int32))), 1)
-            read = g.binary("MINIMUM", g.mul(blocks, g.const(bucket)), held,
-                            options=g.options("MaximumMinimumOptions"))
+            read = g.binary("MINIMUM", g.mul(blocks, g.const(bucket)), held)
         else:
             read = held
-        if step or bounded:
-            read_len = None
-            key_slots = g.op("SLICE", [g.const(np.arange(S, dtype=np.int32)),
-                                       g.const(np.array([0], np.int32)), read],
-                             (None,), np.int32, g.options("SliceOptions"))
-        else:
-            read_len = S
-            key_slots = g.const(np.arange(S, dtype=np.int32))
+        key_slots, read_len = self._key_slots(g, S, read if step or bounded else None)
         masks = {}
 
         def mask(window):  # (1, 1, L): slot j seen when j <= index (and index - j < window)
             if window not in masks:
-                m = g.binary("LESS_EQUAL", key_slots, index, np.bool_, g.options("LessEqualOptions"))
+                m = g.binary("LESS_EQUAL", key_slots, index)
                 if window is not None and not self.ring_window:
-                    low = g.binary("SUB", index, g.const(np.array(window, np.int32)),
-                                   options=g.options("SubOptions"))
-                    m = g.binary("LOGICAL_AND", m, g.binary("GREATER", key_slots, low, np.bool_,
-                                                            g.options("GreaterOptions")),
-                                 np.bool_, g.options("LogicalAndOptions"))
+                    low = g.binary("SUB", index, g.const(np.array(window, np.int32)))
+                    m = g.binary("LOGICAL_AND", m, g.binary("GREATER", key_slots, low))
                 masks[window] = g.reshape(m, (1, 1, -1))
             return masks[window]
 
@@ -277,20 +263,12 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             attention = layer.attention
             heads, kv, hd = self.sizes[i]
             groups = heads // kv
-            base = f"layers.{i}"
             h = self.rms(g, x, layer.attention_norm.epsilon)
             q, k, v = self._qkv(g, h, layer, i)
             q = g.reshape(q, (B, t_len, heads, hd))
             k = g.reshape(k, (B, t_len, kv, hd))
             v = g.reshape(v, (B, t_len, kv, hd))
-            if attention.query_norm is not None:
-                q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
-                          g.const(attention.query_norm.scale.read() * np.float32(1.0 / np.sqrt(hd))))
-                k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
-                          g.const(np.array(attention.key_norm.scale.read())))
-            if attention.rotary is not None:
-                cos, sin = self._rotary(g, attention.rotary, rows)
-                q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
+            q, k = self._positions(g, q, k, attention, rows)
             entry, keys, values, seen = attend(i, k, v)
             caches.append(entry)
             # query: (B, T, H_kv, G D) -> (B, H_kv, T G, D), rows (t, g).
@@ -302,47 +280,14 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             scores = g.op("BATCH_MATMUL", [query, keys], (B, kv, t_len * groups, length),
                           options=g.options("BatchMatMulOptions"))
             scores = g.reshape(scores, (B * kv, t_len, groups, -1))  # the mask broadcasts
-            if attention.logit_soft_cap is not None:
-                scores = self._soft_cap(g, scores, attention.logit_soft_cap)
-            scores = g.op("SELECT_V2", [seen, scores, neg], g.shape(scores),
-                          options=g.options("SelectV2Options"))
-            probs = g.op("SOFTMAX", [scores], g.shape(scores), options=g.options("SoftmaxOptions", beta=1.0))
+            probs = self._softmax(g, scores, attention, seen, neg)
             probs = g.reshape(probs, (B, kv, t_len * groups, -1))
             attended = g.op("BATCH_MATMUL", [probs, values], (B, kv, t_len * groups, hd),
                             options=g.options("BatchMatMulOptions"))
             if t_len > 1:
                 attended = g.transpose(g.reshape(attended, (B, kv, t_len, groups * hd)), (0, 2, 1, 3))
-            attended = g.reshape(attended, (B * t_len, heads * hd))
-            out = attention.output
-            branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, out.read_bias(), f"{base}/attn/o")
-            x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
-            branch = self._feedforward(g, x, layer, base)
-            x = g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
+            x = self._residuals(g, x, g.reshape(attended, (B * t_len, heads * hd)), layer, i)
         return x, caches
-
-    def _qkv(self, g, h, layer, i):
-        """The packed query/key/value projection of layer `i` (norm scale and,
-        without QK-norm, the query scale folded in), split: `(B T, H D)` each."""
-        attention = layer.attention
-        heads, kv, hd = self.sizes[i]
-        # With QK-norm the query scale goes into the norm's scale (`_layers`).
-        scale = np.float32(1.0 if attention.query_norm is not None else 1.0 / np.sqrt(hd))
-        sizes = (heads * hd, kv * hd, kv * hd)
-
-        def kernel():
-            packed = attention.packed_kernel()
-            packed[:, :sizes[0]] *= scale
-            packed *= layer.attention_norm.scale.read()[:, None]
-            return packed
-
-        packed = attention.packed_bias()
-        if packed is not None:
-            packed[:sizes[0]] *= scale
-        qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
-        rows = g.shape(h)[0]
-        return g.op("SPLIT_V", [qkv, g.const(np.array(sizes, np.int32)), g.const(np.array(-1, np.int32))],
-                    [(rows, n) for n in sizes], np.float32, g.options("SplitVOptions", numSplits=3),
-                    outputs=3)
 
     def _logits(self, g, x, leading):
         """The final norm and head over `x` `(B T, hidden)`: logits `(B, T, V)`."""
@@ -357,15 +302,14 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         # A ring's positions pass max_length: the angles from the position, as
         # `RotaryEmbedding.call` computes them (float32, then cos and sin).
         rotary, head_dim = described.layer, described.head_dim
-        key = (id(rotary), head_dim)
-        if key not in g.rotary:
+
+        def make():
             half = described.rotary_dim // 2
             inverse = array_of(rotary.inverse_frequencies(head_dim))
             t_len = g.shape(rows)[0]
             position = g.op("CAST", [rows], (t_len,), np.float32,
                             g.options("CastOptions", inDataType=2, outDataType=0))
-            position = g.binary("DIV", position, g.const(np.array(rotary.scaling_factor, np.float32)),
-                                options=g.options("DivOptions"))
+            position = g.binary("DIV", position, g.const(np.array(rotary.scaling_factor, np.float32)))
             angles = g.mul(g.reshape(position, (t_len, 1)), g.const(inverse.reshape(1, half)))
             cos, sin = g.op("COS", [angles], (t_len, half)), g.op("SIN", [angles], (t_len, half))
             factor = np.float32((rotary.rope_scaling or {}).get("attention_factor", 1.0))
@@ -373,8 +317,9 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             cos, sin = g.concat([cos, cos], -1), g.concat([minus, sin], -1)
             if factor != 1.0:
                 cos, sin = (g.mul(t, g.const(factor)) for t in (cos, sin))
-            g.rotary[key] = (g.reshape(cos, (t_len, 1, 2 * half)), g.reshape(sin, (t_len, 1, 2 * half)))
-        return g.rotary[key]
+            return g.reshape(cos, (t_len, 1, 2 * half)), g.reshape(sin, (t_len, 1, 2 * half))
+
+        return g.cached(("rotary", id(rotary), head_dim), make)
 
     def _pack(self, g, caches):
         """`[{keys, values}, ...]` `(B, L, H_kv, D)` each -> `(2 N, B, L, H_kv, D)`."""
@@ -383,8 +328,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
                     options=g.options("PackOptions", valuesCount=len(parts), axis=0))
 
     def _minmax(self, g, name, x, bound):
-        return g.binary(name, x, g.const(np.array(bound, np.int32)),
-                        options=g.options("MaximumMinimumOptions"))
+        return g.binary(name, x, g.const(np.array(bound, np.int32)))
 
     def _all(self, g, condition):
         """A bool scalar: every element of `condition`."""
@@ -399,30 +343,17 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             return ids, []
         clamped = self._minmax(g, "MINIMUM", self._minmax(g, "MAXIMUM", ids, 0),
                                self.d.vocabulary_size - 1)
-        ok = g.binary("EQUAL", clamped, ids, np.bool_, g.options("EqualOptions"))
+        ok = g.binary("EQUAL", clamped, ids)
         return clamped, [self._all(g, ok)]
 
     def _finish(self, g, inputs, input_names, logits, cache, conditions, cache_name="cache"):
         """The subgraph and its signature, named and ordered as the converter's."""
-        s = self.w.s
         outputs = {cache_name: cache, "logits": logits}
         if self.flag:
             valid = conditions[0]
             for condition in conditions[1:]:
-                valid = g.binary("LOGICAL_AND", valid, condition, np.bool_,
-                                 g.options("LogicalAndOptions"))
+                valid = g.binary("LOGICAL_AND", valid, condition)
             outputs["valid"] = valid
-        for key, index in outputs.items():
-            g.tensors[index].name = f"{g.name}_{key}"
-        subgraph = s.SubGraphT()
-        subgraph.name = g.name
-        subgraph.tensors = g.tensors
-        subgraph.operators = g.operators
-        subgraph.inputs = np.array(inputs, np.int32)
         # The converter lists a dict's outputs in reverse key order.
-        subgraph.outputs = np.array([outputs[k] for k in sorted(outputs, reverse=True)], np.int32)
-        signature = s.SignatureDefT()
-        signature.signatureKey = g.name
-        signature.inputs = [self._map(n, i) for n, i in sorted(zip(input_names, inputs))]
-        signature.outputs = [self._map(k, outputs[k]) for k in sorted(outputs)]
-        return subgraph, signature
+        return g.finish(list(zip(input_names, inputs)), [(k, outputs[k]) for k in sorted(outputs, reverse=True)],
+                        sort=True)

@@ -1,11 +1,15 @@
 """A TFLite flatbuffer written op by op, its constants streamed after it.
 
 What the direct TFLite writers (`tflite_decoder` for LiteRT-LM decoders,
-`tflite_encoder` for Transformer encoders) share: `Writer` holds the model's
+`tflite_signatures` for the prefill/decode signatures, `tflite_encoder` for
+Transformer encoders) share: `Writer` holds the model's
 buffers and operator codes and streams every constant larger than
 `INLINE_MAX_BYTES` to a data file as it is made; `Graph` builds one
 subgraph (tensors with their static shapes, None for a dynamic axis, and
-builtin operators); `Writer.write` packs the flatbuffer with each constant
+builtin operators, with the layers every writer writes: fully connected
+layers with their weights quantized as they are written (`quantize`),
+activations, int8 table lookups, and the subgraph with its signature);
+`Writer.write` packs the flatbuffer with each constant
 addressed by offset after it (`Buffer.offset/size`, the converter's
 `_experimental_use_buffer_offset` layout: no 2 GB limit, one weight in memory
 at a time) and appends the data file; `write_model(path, build)` runs the
@@ -26,6 +30,9 @@ import numpy as np
 ALIGNMENT = 64
 # Constants up to this many bytes stay inside the flatbuffer.
 INLINE_MAX_BYTES = 64
+# A large weight is streamed and quantized this many numbers at a time: the
+# temporaries stay small beside the weight.
+SLAB_NUMBERS = 1 << 21
 
 
 class Writer:
@@ -43,9 +50,9 @@ class Writer:
         self.location_buffer = self.buffer(np.frombuffer(b"outside flatbuffers", np.uint8))
 
     def buffer(self, array):
-        array = np.ascontiguousarray(array)
+        """The buffer of `array`: NumPy, or `ScaledColumns`."""
         if array.nbytes <= INLINE_MAX_BYTES:
-            raw = array.tobytes()
+            raw = np.asarray(array[...]).tobytes()
             digest = hashlib.sha1(raw).hexdigest()
             if digest not in self.small:
                 buffer = self.s.BufferT()
@@ -55,7 +62,11 @@ class Writer:
             return self.small[digest]
         offset = -(-self.data_file.tell() // ALIGNMENT) * ALIGNMENT
         self.data_file.seek(offset)
-        self.data_file.write(memoryview(array).cast("B"))
+        # A slab of rows at a time: a view (a transposed kernel) is never
+        # copied whole.
+        step = max(1, 4 * SLAB_NUMBERS // max(1, array[0].nbytes))
+        for start in range(0, len(array), step):
+            self.data_file.write(memoryview(np.ascontiguousarray(array[start:start + step])).cast("B"))
         self.buffers.append(self.s.BufferT())
         self.locations[len(self.buffers) - 1] = (offset, array.nbytes)
         return len(self.buffers) - 1
@@ -122,6 +133,15 @@ class Writer:
         return size, data_size
 
 
+# Each binary op's options kind (`Graph.binary`).
+BINARY_OPTIONS = {
+    "ADD": "AddOptions", "SUB": "SubOptions", "MUL": "MulOptions", "DIV": "DivOptions",
+    "FLOOR_DIV": "FloorDivOptions", "FLOOR_MOD": "FloorModOptions", "MINIMUM": "MaximumMinimumOptions",
+    "MAXIMUM": "MaximumMinimumOptions", "SQUARED_DIFFERENCE": "SquaredDifferenceOptions",
+    "EQUAL": "EqualOptions", "NOT_EQUAL": "NotEqualOptions", "LESS": "LessOptions",
+    "LESS_EQUAL": "LessEqualOptions", "GREATER": "GreaterOptions", "GREATER_EQUAL": "GreaterEqualOptions",
+    "LOGICAL_AND": "LogicalAndOptions"}
+_BOOLEAN_RESULTS = {"EQUAL", "NOT_EQUAL", "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL", "LOGICAL_AND"}
 INT4 = np.dtype(ml_dtypes.int4)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 2,
           np.dtype(np.bool_): 6, np.dtype(np.int8): 9, INT4: 17}
@@ -129,6 +149,85 @@ DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 
 VERSIONS = {"FULLY_CONNECTED": 5, "GATHER": 2, "TRANSPOSE": 4,
             "EMBEDDING_LOOKUP": 4}  # 4: an int4 table
 HYBRID_FULLY_CONNECTED_VERSION = 12
+# int4 weights: one scale per this many input features (ai-edge-quantizer's
+# `dynamic_wi4b32_afp32`, LiteRT-LM's own int4 models).
+BLOCK_SIZE = 32
+# bfloat16's largest finite value that float16 holds (the blockwise scales
+# are float16 tensors read as bfloat16).
+_SCALE_MAX = 65280.0
+_TFLITE_INT8, _TFLITE_FLOAT32 = 9, 0
+
+
+def quantize_rows(weight):
+    """int8 codes and float32 scales of `weight` `(N, K)`, one symmetric scale
+    per row (output channel): `codes * scales[:, None]` approximates it."""
+    codes = np.empty(weight.shape, np.int8)
+    scales = np.empty(weight.shape[0], np.float32)
+    # A few thousand rows at a time: float temporaries of a slab (8 MiB each),
+    # not of the table.
+    step = max(1, SLAB_NUMBERS // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start:start + step]
+        scale = np.abs(rows).max(axis=1) / np.float32(127.0)
+        scale = np.where(scale > 0, scale, np.float32(1.0))
+        scales[start:start + step] = scale
+        codes[start:start + step] = np.clip(np.rint(rows / scale[:, None]), -127, 127)
+    return codes, scales
+
+
+def quantize_blocks(weight, block_size=BLOCK_SIZE):
+    """int4 codes of `weight` `(N, K)` in blocks of `block_size` along K:
+    `(packed, scales)`, `packed` uint8 `(N, K / 2)` (element `2j` of a row
+    in the low nibble of byte `j`, `2j + 1` in the high one) and `scales`
+    float16 `(N, K / block_size)`, one symmetric scale per block,
+    `max|block| / 7` rounded to bfloat16's 8 significant bits;
+    `codes * scales` (repeated over each block) approximates `weight`."""
+    n, k = weight.shape
+    blocks = k // block_size
+    packed = np.empty((n, k // 2), np.uint8)
+    scales = np.empty((n, blocks), np.float16)
+    step = max(1, SLAB_NUMBERS // max(1, k))
+    for start in range(0, n, step):
+        rows = weight[start:start + step].reshape(-1, blocks, block_size)
+        scale = np.minimum(np.abs(rows).max(axis=2) / np.float32(7.0), np.float32(_SCALE_MAX))
+        scale = scale.astype(ml_dtypes.bfloat16).astype(np.float16)
+        scales[start:start + step] = scale
+        # A block whose scale rounds to 0 (|w| < 7 * 2**-25) is all zeros.
+        inverse = np.divide(np.float32(1.0), scale, out=np.zeros(scale.shape, np.float32),
+                            where=scale > 0)
+        codes = np.clip(np.rint(rows * inverse[..., None]), -8, 7).astype(np.int8)
+        codes = codes.reshape(len(rows), k)
+        packed[start:start + step] = ((codes[:, 0::2] & 0x0F) | (codes[:, 1::2] << 4)).view(np.uint8)
+    return packed, scales
+
+
+def quantize(weight, quantization):
+    """`(array, quantization)` of a weight `(N, K)` as `Graph.weight` stores
+    it: `quantization` None keeps it float32; "dynamic" is int8 per output
+    channel; "int4" is int4 in blocks of `BLOCK_SIZE` along K, or int8 per
+    output channel where K is not a multiple of it."""
+    if quantization == "int4" and weight.shape[1] % BLOCK_SIZE == 0:
+        packed, scales = quantize_blocks(weight)
+        return packed, Blocks(scales)
+    if quantization is not None:
+        return quantize_rows(weight)
+    return weight, None
+
+
+class ScaledColumns:
+    """`weight * scale` of a weight view `(N, K)` and a scale `(K,)` (a norm's
+    scale folded into the layer after it), computed a slab of rows at a time
+    as `Writer.buffer` and `quantize` read it: never a whole folded copy."""
+
+    def __init__(self, weight, scale):
+        self.weight, self.scale = weight, scale
+        self.shape, self.dtype, self.nbytes = weight.shape, np.dtype(np.float32), weight.nbytes
+
+    def __len__(self):
+        return len(self.weight)
+
+    def __getitem__(self, rows):
+        return self.weight[rows] * self.scale
 
 
 class Blocks:
@@ -151,7 +250,7 @@ class Graph:
         self.operators = []
         self.consts = {}  # (buffer, shape, dtype) or (buffer, weight key) -> tensor
         self.shapes = {}  # tensor index -> (static shape, NumPy dtype)
-        self.rotary = {}  # (id(RotaryEmbedding), head_dim) -> (cos, sin) at this chunk's positions
+        self.derived = {}  # key -> a tensor (or tensors) `cached` made once in this subgraph
 
     def tensor(self, name, shape, dtype, buffer=0, quantization=None):
         s = self.s
@@ -219,10 +318,20 @@ class Graph:
             self.consts[(buffer, key)] = self.tensor(name, shape, dtype, buffer, q)
         return self.consts[(buffer, key)]
 
+    def cached(self, key, make):
+        """`make()`'s tensors, made the first time `key` is asked for in this subgraph."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
+
     def op(self, name, inputs, shape, dtype=np.float32, options=None, outputs=1, version=None,
-           out_name=None):
+           out_name=None, **fields):
         """Appends operator `name`; returns its output tensor (a list for
-        `outputs > 1`, each of `shape`, or of the shapes in a list `shape`)."""
+        `outputs > 1`, each of `shape`, or of the shapes in a list `shape`).
+        `options` is an options object, or its kind ("SliceOptions") with
+        `fields`."""
+        if isinstance(options, str):
+            options = self.options(options, **fields)
         shapes = shape if outputs > 1 and isinstance(shape, list) else [shape] * outputs
         label = out_name or f"{self.name}/{name.lower()}_{len(self.operators)}"
         outs = [self.tensor(label if outputs == 1 else f"{label}:{k}", shp, dtype)
@@ -245,14 +354,17 @@ class Graph:
 
     # Elementwise helpers (shapes broadcast as NumPy's).
     def binary(self, name, a, b, dtype=None, options=None):
+        """`a name b`: a comparison's or LOGICAL_AND's result is bool; the
+        options are the op's own (`BINARY_OPTIONS`) unless given."""
         shape = broadcast(self.shape(a), self.shape(b))
-        return self.op(name, [a, b], shape, dtype or self.dtype(a), options)
+        dtype = dtype or (np.bool_ if name in _BOOLEAN_RESULTS else self.dtype(a))
+        return self.op(name, [a, b], shape, dtype, options or BINARY_OPTIONS[name])
 
     def add(self, a, b):
-        return self.binary("ADD", a, b, options=self.options("AddOptions"))
+        return self.binary("ADD", a, b)
 
     def mul(self, a, b):
-        return self.binary("MUL", a, b, options=self.options("MulOptions"))
+        return self.binary("MUL", a, b)
 
     def reshape(self, x, shape):
         shape = tuple(shape)
@@ -281,6 +393,80 @@ class Graph:
         shape = t[:axis] + i + t[axis + 1:]
         return self.op("GATHER", [table, ids], shape, dtype or self.dtype(table),
                        self.options("GatherOptions", axis=axis, batchDims=0))
+
+    # Layers every writer writes.
+    def fc_weight(self, key, make_kernel, name, quantization, scale=None):
+        """A FULLY_CONNECTED weight `(N, K)` stored once per `key` (`weight`):
+        `make_kernel()` `(K, N)` (Keras's layout) transposed as a view, each
+        input feature's weights times `scale` `(K,)` where given
+        (`ScaledColumns`), quantized (`quantize`) or streamed as it is:
+        never copied whole."""
+        def make():
+            weight = make_kernel().T
+            return quantize(weight if scale is None else ScaledColumns(weight, scale), quantization)
+
+        return self.weight(key, make, name)
+
+    def fully_connected(self, x, weight, bias, name, out_name=None):
+        """`x (T, K) @ weight.T + bias` -> `(T, N)`, `weight` a `fc_weight`
+        tensor, `bias` NumPy (a constant `name/bias`) or None. An int8
+        weight runs LiteRT's hybrid kernels on asymmetrically quantized
+        inputs; an int4 one as ai-edge-quantizer writes it (the blockwise
+        kernels quantize inputs asymmetrically whatever the flag)."""
+        inputs = [x, weight, -1 if bias is None else self.const(bias, name + "/bias")]
+        options = self.options("FullyConnectedOptions", keepNumDims=False,
+                               asymmetricQuantizeInputs=self.dtype(weight) == np.int8)
+        version = None if self.dtype(weight) == np.float32 else HYBRID_FULLY_CONNECTED_VERSION
+        return self.op("FULLY_CONNECTED", inputs, (self.shape(x)[0], self.shape(weight)[0]), np.float32,
+                       options, version=version, out_name=out_name)
+
+    def gather_int8(self, codes, scales, ids, name):
+        """Rows at `ids` of an int8 table `codes` with per-row `scales`: the
+        int8 rows, cast, times their gathered scales (`name/scales`; a
+        GATHER does not dequantize per row)."""
+        rows = self.gather(codes, ids)
+        rows = self.op("CAST", [rows], self.shape(rows), np.float32, "CastOptions",
+                       inDataType=_TFLITE_INT8, outDataType=_TFLITE_FLOAT32)
+        return self.mul(rows, self.gather(self.const(scales.reshape(-1, 1), name + "/scales"), ids))
+
+    def activation(self, x, kind):
+        """`kind` (a canonical activation name) over `x`, as the converter writes it."""
+        if kind == "linear":
+            return x
+        if kind == "silu":
+            return self.mul(x, self.op("LOGISTIC", [x], self.shape(x)))
+        if kind.startswith("gelu"):
+            return self.op("GELU", [x], self.shape(x), np.float32, "GeluOptions",
+                           approximate=kind == "gelu_tanh")
+        return self.op(kind.upper(), [x], self.shape(x))  # RELU, TANH
+
+    def finish(self, inputs, outputs, tensor_name="{graph}_{key}", subgraph_name=None, sort=False):
+        """The subgraph and its signature (named as this graph): `inputs` and
+        `outputs` are `[(signature name, tensor)]` in the subgraph's order,
+        listed by the signature in that order or, with `sort`, by name; the
+        output tensors are named `tensor_name` (`graph`, `key`, `k`: the
+        graph's name, the output's, its place)."""
+        s = self.s
+        for k, (key, index) in enumerate(outputs):
+            self.tensors[index].name = tensor_name.format(graph=self.name, key=key, k=k)
+        subgraph = s.SubGraphT()
+        subgraph.name = subgraph_name or self.name
+        subgraph.tensors = self.tensors
+        subgraph.operators = self.operators
+        subgraph.inputs = np.array([index for _, index in inputs], np.int32)
+        subgraph.outputs = np.array([index for _, index in outputs], np.int32)
+        signature = s.SignatureDefT()
+        signature.signatureKey = self.name
+        order = sorted if sort else list
+        signature.inputs = [self._tensor_map(key, index) for key, index in order(inputs)]
+        signature.outputs = [self._tensor_map(key, index) for key, index in order(outputs)]
+        return subgraph, signature
+
+    def _tensor_map(self, name, index):
+        m = self.s.TensorMapT()
+        m.name = name
+        m.tensorIndex = index
+        return m
 
 
 def broadcast(a, b):
