@@ -295,10 +295,8 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         logits = graph.apply(h, head, None, "/lm_head")
     cap = d.final_logit_soft_cap
     if cap is not None:
-        cap_name = graph.const(np.array(cap, np.float32), "/model/constants/final_logit_soft_cap")
-        logits = graph.node("Div", [logits, cap_name], "/lm_head/softcap/Div")
-        logits = graph.node("Tanh", [logits], "/lm_head/softcap/Tanh")
-        logits = graph.node("Mul", [logits, cap_name], "/lm_head/softcap/Mul")
+        cap = graph.const(np.array(cap, np.float32), "/model/constants/final_logit_soft_cap")
+        logits = graph.soft_cap(logits, cap, [f"/lm_head/softcap/{op}" for op in ("Div", "Tanh", "Mul")])
     # The last node writes `logits` itself: an Identity would copy them on
     # every call (16 MB for a 128-token prompt over 32000 tokens).
     last = graph.graph.node[-1]
@@ -349,18 +347,15 @@ def _last_rows(graph, seqlens, opset):
 def _norm(graph, residual, pending, layer, name):
     """RMSNorm of `residual + pending` (`pending` None: of `residual`); returns
     `(new residual, normalized)`."""
-    gamma = graph.const(layer.scale.read(), name + ".weight")
-    eps = float(layer.epsilon)
     if pending is None:
-        out = graph.node("SimplifiedLayerNormalization", [residual, gamma], name + "/SimplifiedLayerNorm",
-                         axis=-1, epsilon=eps, stash_type=1)
-        return residual, out
+        return residual, _rms_norm(graph, residual, layer, name)
+    gamma = graph.const(layer.scale.read(), name + ".weight")
     # Outputs: the normalized sum, mean and inverse std (unused: unnamed, so
     # not written; named, they took a third of the kernel's time, ~1% of a
     # Qwen2.5-0.5B int4 decode step), the sum.
     outputs = [f"{name}/output_0", "", "", f"{name}/output_3"]
     graph.node("SkipSimplifiedLayerNormalization", [pending, residual, gamma],
-               name + "/SkipSimplifiedLayerNorm", outputs=outputs, domain=MS_DOMAIN, epsilon=eps)
+               name + "/SkipSimplifiedLayerNorm", outputs=outputs, domain=MS_DOMAIN, epsilon=float(layer.epsilon))
     return outputs[3], outputs[0]
 
 
@@ -368,27 +363,24 @@ def _head_norm(graph, x, layer, head_dim, name):
     """RMSNorm `layer` over each `head_dim` slice of `x` `(B, T, heads * head_dim)`."""
     heads_last = graph.const(np.array([0, 0, -1, head_dim], np.int64), name + "/heads_shape")
     flat = graph.const(np.array([0, 0, -1], np.int64), name + "/flat_shape")
-    x = graph.node("Reshape", [x, heads_last], name + "/Reshape")
-    x = graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
-                   name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
+    x = _rms_norm(graph, graph.node("Reshape", [x, heads_last], name + "/Reshape"), layer, name)
     return graph.node("Reshape", [x, flat], name + "/Reshape_back")
 
 
 def _post_norm(graph, x, layer, name):
     """`layer` (a sandwich norm after a residual branch) applied to `x`, or `x`."""
-    if layer is None:
-        return x
+    return x if layer is None else _rms_norm(graph, x, layer, name)
+
+
+def _rms_norm(graph, x, layer, name):
+    """The RMSNorm `layer` of `x` over its last axis."""
     return graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
                       name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
 
 
 def _feedforward(graph, h, feedforward, name):
-    """A described `FeedForward`: gated (`gate_proj`, `up_proj`) or not (`fc1`), then `down_proj`."""
-    if feedforward.gate is not None:
-        gate = _dense(graph, h, feedforward.gate, name + "/gate_proj")
-        up = _dense(graph, h, feedforward.up, name + "/up_proj")
-        h = graph.node("Mul", [graph.activation(gate, name + "/act", feedforward.activation), up], name + "/Mul")
-    else:
-        h = _dense(graph, h, feedforward.up, name + "/fc1")
-        h = graph.activation(h, name + "/act", feedforward.activation)
-    return _dense(graph, h, feedforward.down, name + "/down_proj")
+    """A described `FeedForward`, its projections named as the GenAI model
+    builder names them (`gate_proj`, `up_proj`, `fc1`, `down_proj`)."""
+    def dense(x, part, described):
+        return _dense(graph, x, described, f"{name}/{part}" + ("" if part == "fc1" else "_proj"))
+    return graph.feedforward(h, feedforward, dense, lambda hint: f"{name}/{hint}")

@@ -36,7 +36,8 @@ _COMPARE_BYTES = 1 << 26
 
 class Graph:
     """An ONNX model being written: `proto` (its `graph`), `node`, `const`,
-    `activation`; `finish` adds the inputs, outputs and opsets."""
+    and the pieces both decoder writers build alike (`activation`,
+    `soft_cap`, `feedforward`); `finish` adds the inputs, outputs and opsets."""
 
     def __init__(self, weights_file=None, *, external=False, shared=None):
         import onnx
@@ -111,6 +112,26 @@ class Graph:
         if kind == "gelu_tanh":
             return self.node("FastGelu", [x], name + "/FastGelu", domain=MS_DOMAIN)
         raise NotFusableError(f"activation {kind!r} of {name}")
+
+    def soft_cap(self, x, cap, names):
+        """`cap * tanh(x / cap)`, `cap` a constant's name; `names`: the Div, Tanh and Mul nodes'."""
+        x = self.node("Tanh", [self.node("Div", [x, cap], names[0])], names[1])
+        return self.node("Mul", [x, cap], names[2])
+
+    def feedforward(self, h, feedforward, dense, name, standard=False):
+        """A described `FeedForward`: `down(act(gate(h)) * up(h))`, or
+        `down(act(fc1(h)))`. `dense(h, part, described)` writes the
+        projection `part` ("gate", "up", "fc1", "down"); `name(hint)`: the
+        name of the activation ("act") or of the gating product ("Mul");
+        `standard`: as `activation`'s."""
+        if feedforward.gate is not None:
+            gate = dense(h, "gate", feedforward.gate)
+            up = dense(h, "up", feedforward.up)
+            h = self.node("Mul", [self.activation(gate, name("act"), feedforward.activation, standard), up],
+                          name("Mul"))
+        else:
+            h = self.activation(dense(h, "fc1", feedforward.up), name("act"), feedforward.activation, standard)
+        return dense(h, "down", feedforward.down)
 
     def _standard_gelu(self, x, name, kind):
         """`0.5 x (1 + erf(x / sqrt 2))`, or with `tanh(sqrt(2 / pi) (x + 0.044715 x^3))`

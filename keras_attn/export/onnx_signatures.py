@@ -339,15 +339,9 @@ class _Signature:
         return self.dense(x, key, dense.kernel.read, dense.read_bias(), hint)
 
     def feedforward(self, feedforward, h, base):
-        if feedforward.gate is not None:
-            gate = self.linear(h, base + ".mlp.gate", feedforward.gate, "gate")
-            up = self.linear(h, base + ".mlp.up", feedforward.up, "up")
-            act = self.g.activation(gate, self.name("act"), feedforward.activation, standard=True)
-            h = self.op("Mul", [act, up], "gated")
-        else:
-            h = self.linear(h, base + ".mlp.fc1", feedforward.up, "fc1")
-            h = self.g.activation(h, self.name("act"), feedforward.activation, standard=True)
-        return self.linear(h, base + ".mlp.down", feedforward.down, "down")
+        return self.g.feedforward(
+            h, feedforward, lambda x, part, dense: self.linear(x, f"{base}.mlp.{part}", dense, part),
+            lambda hint: self.name("gated" if hint == "Mul" else hint), standard=True)
 
     def attention(self, i, attention, h, new_keys_values):
         base = f"layers.{i}.attn"
@@ -558,8 +552,7 @@ class _Signature:
         q = self.op("Reshape", [q, self.i64([0, kv_heads, -1, d])], "q_rows")
         scores = self.op("MatMul", [q, self.op("Transpose", [keys], "k_t", perm=[0, 2, 3, 1])], "scores")
         if soft_cap is not None:
-            cap = self.f32(soft_cap)
-            scores = self.op("Mul", [self.op("Tanh", [self.op("Div", [scores, cap], "cap")], "tanh"), cap], "capped")
+            scores = self.soft_cap(scores, soft_cap, "capped")
         if group > 1:
             mask = self.op("Tile", [mask, self.i64([group, 1])], "group_mask")
         scores = self.op("Where", [mask, scores, self.f32(_MASKED_LOGIT)], "masked")
@@ -577,11 +570,12 @@ class _Signature:
         else:
             logits = self.linear(h, "lm_head", self.d.head, "lm_head")
         cap = self.d.final_logit_soft_cap
-        if cap is not None:
-            cap = self.f32(cap)
-            logits = self.op("Mul", [self.op("Tanh", [self.op("Div", [logits, cap], "cap")], "tanh"), cap],
-                             "final_soft_cap")
-        return logits
+        return logits if cap is None else self.soft_cap(logits, cap, "final_soft_cap")
+
+    def soft_cap(self, x, cap, hint):
+        """`cap * tanh(x / cap)`, its last node named after `hint`."""
+        cap = self.f32(cap)
+        return self.g.soft_cap(x, cap, [self.name(h) for h in ("cap", "tanh", hint)])
 
     def cache_out(self, new_keys_values):
         """prefill: the cache of this block; decode: the input cache with this
