@@ -286,7 +286,9 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         pending = _post_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
         residual, h = _norm(graph, residual, pending, layer.feedforward_norm,
                             f"{base}/pre_feedforward_layernorm")
-        pending = _feedforward(graph, h, layer.feedforward, f"{base}/mlp")
+        # The projections named as the GenAI model builder names them.
+        pending = graph.feedforward(h, layer.feedforward, lambda x, part, dense: _dense(
+            graph, x, dense, f"{base}/mlp/{part}" + ("" if part == "fc1" else "_proj")), lambda op: f"{base}/mlp/{op}")
         pending = _post_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
     _, h = _norm(graph, residual, pending, d.final_norm, "/model/norm")
     if head is None:
@@ -376,11 +378,3 @@ def _rms_norm(graph, x, layer, name):
     """The RMSNorm `layer` of `x` over its last axis."""
     return graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
                       name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
-
-
-def _feedforward(graph, h, feedforward, name):
-    """A described `FeedForward`, its projections named as the GenAI model
-    builder names them (`gate_proj`, `up_proj`, `fc1`, `down_proj`)."""
-    def dense(x, part, described):
-        return _dense(graph, x, described, f"{name}/{part}" + ("" if part == "fc1" else "_proj"))
-    return graph.feedforward(h, feedforward, dense, lambda hint: f"{name}/{hint}")

@@ -119,11 +119,8 @@ class Graph:
         return self.node("Mul", [x, cap], names[2])
 
     def feedforward(self, h, feedforward, dense, name, standard=False):
-        """A described `FeedForward`: `down(act(gate(h)) * up(h))`, or
-        `down(act(fc1(h)))`. `dense(h, part, described)` writes the
-        projection `part` ("gate", "up", "fc1", "down"); `name(hint)`: the
-        name of the activation ("act") or of the gating product ("Mul");
-        `standard`: as `activation`'s."""
+        """A described `FeedForward`: `down(act(gate(h)) * up(h))` or `down(act(fc1(h)))`, each
+        projection written by `dense(h, part, described)`; `name("act")`, `name("Mul")`: node names."""
         if feedforward.gate is not None:
             gate = dense(h, "gate", feedforward.gate)
             up = dense(h, "up", feedforward.up)

@@ -303,7 +303,8 @@ class _Signature:
         a = self.post_norm(a, layer.attention_post_norm, base + ".post_attention_norm")
         x = self.op("Add", [x, a], "residual")
         h = self.norm(x, layer.feedforward_norm, base + ".ffn_norm")
-        f = self.feedforward(layer.feedforward, h, base)
+        f = self.g.feedforward(h, layer.feedforward, lambda x, part, dense: self.linear(
+            x, f"{base}.mlp.{part}", dense, part), lambda op: self.name("gated" if op == "Mul" else op), standard=True)
         f = self.post_norm(f, layer.feedforward_post_norm, base + ".post_ffn_norm")
         return self.op("Add", [x, f], "residual")
 
@@ -337,11 +338,6 @@ class _Signature:
     def linear(self, x, key, dense, hint):
         """A described `Dense` through `dense` (its kernel read once for every signature)."""
         return self.dense(x, key, dense.kernel.read, dense.read_bias(), hint)
-
-    def feedforward(self, feedforward, h, base):
-        return self.g.feedforward(
-            h, feedforward, lambda x, part, dense: self.linear(x, f"{base}.mlp.{part}", dense, part),
-            lambda hint: self.name("gated" if hint == "Mul" else hint), standard=True)
 
     def attention(self, i, attention, h, new_keys_values):
         base = f"layers.{i}.attn"
