@@ -376,7 +376,11 @@ class _Signature:
         rotary = described.layer
 
         def make():
-            key = f"rotary.{id(rotary)}"
+            # Named by the first layer using it (a run-independent name: the
+            # same model exports to the same bytes).
+            first = next(i for i, layer in enumerate(self.d.layers)
+                         if layer.attention.rotary is not None and layer.attention.rotary.layer is rotary)
+            key = f"rotary.{first}"
             if self.ring:
                 freq = self.weight(key + ".inv_freq", lambda: array_of(
                     rotary.inverse_frequencies(self.head_dim)).reshape(1, -1))

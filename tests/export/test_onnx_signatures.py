@@ -236,6 +236,17 @@ def test_verification_runs_on_the_models_weights_and_catches_a_byte_written_wron
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_same_model_exports_to_the_same_bytes(llama_like):
+    """Nothing run-dependent (such as an object's id) names a tensor: a
+    second, equal model gives byte-identical models."""
+    twin = make_lm(position="rotary", normalization="rms_norm", use_gated_feedforward=True,
+                   activation="silu", num_key_value_heads=2)
+    first = onnx_signatures.signature_models(llama_like, max_length=MAX_LEN)
+    second = onnx_signatures.signature_models(twin, max_length=MAX_LEN)
+    for name in first:
+        assert first[name].SerializeToString() == second[name].SerializeToString(), name
+
+
 def test_every_op_is_standard_onnx(exported):
     report, _ = exported
     for name in ("prefill", "decode", "decode_step"):
