@@ -1,8 +1,10 @@
-"""Data for keras_attn: the `human_dates` tfds builder and `tf.data` pipelines.
+"""Data for keras_attn: the `human_dates` tfds builder and `tf.data` pipelines
+(dates, text classification, causal-LM fine-tuning).
 
 Importing this package registers the `human_dates` builder with tfds.
 """
 
+from keras_attn.data.causal_lm import causal_lm_arrays, causal_lm_dataset
 from keras_attn.data.dates import generate_examples, generate_splits
 from keras_attn.data.dates_tfds import HumanDates, HumanDatesConfig, load_dates
 from keras_attn.data.pipelines import (
@@ -26,6 +28,8 @@ __all__ = [
     "HumanDates",
     "HumanDatesConfig",
     "batch_and_pad",
+    "causal_lm_arrays",
+    "causal_lm_dataset",
     "dates_arrays",
     "dates_pipeline",
     "dates_tokenizers",

@@ -87,7 +87,8 @@ class Trainer:
         global_batch_size: examples per step summed over all replicas.
         strategy: a `tf.distribute.Strategy`; the default (no-op) strategy
             when None.
-        metrics: Keras metrics updated with `(y, logits)` each step.
+        metrics: Keras metrics updated with `(y, logits)` (and the batch's
+            sample weights when it has them) each step.
         checkpoint_dir: where `tf.train.CheckpointManager` keeps
             checkpoints; training resumes from the latest one. A checkpoint
             holds the model's variables (including the layers'
@@ -239,8 +240,11 @@ class Trainer:
         return path
 
     # -- the step ----------------------------------------------------------
-    def _average_loss(self, y, logits):
-        per_example = self.loss(y, logits)
+    def _average_loss(self, y, logits, sample_weight=None):
+        # Weighted per-position losses (a causal LM's prompt and padding at
+        # weight 0), averaged as `model.fit`'s default "sum_over_batch_size"
+        # does: over every position, so the two loops report the same loss.
+        per_example = self.loss(y, logits, sample_weight=sample_weight)
         # The mean over every axis but the batch, per example:
         per_example = tf.reshape(tf.cast(per_example, tf.float32), [tf.shape(y)[0], -1])
         per_example = tf.reduce_mean(per_example, axis=1)
@@ -261,13 +265,13 @@ class Trainer:
         """
         model = self.model
 
-        def gradients(trainable, non_trainable, x, y, loss_scale):
+        def gradients(trainable, non_trainable, x, y, sample_weight, loss_scale):
             with tf.GradientTape() as tape:
                 tape.watch(trainable)
                 logits, non_trainable, losses = model.stateless_call(
                     trainable, non_trainable, x, training=True, return_losses=True
                 )
-                loss = self._average_loss(y, logits)
+                loss = self._average_loss(y, logits, sample_weight)
                 if losses:
                     loss += tf.nn.scale_regularization_loss(
                         tf.add_n([tf.cast(v, tf.float32) for v in losses])
@@ -278,7 +282,7 @@ class Trainer:
 
         return tf.function(gradients, jit_compile=True)
 
-    def _replica_step(self, x, y):
+    def _replica_step(self, x, y, sample_weight=None):
         variables = self.model.trainable_variables
         scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         if self.jit_compile:
@@ -292,14 +296,14 @@ class Trainer:
             loss, grads, non_trainable, logits = self._jit_gradients(
                 [tf.convert_to_tensor(v.value) for v in variables],
                 [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables],
-                x, y, scale,
+                x, y, sample_weight, scale,
             )
             for variable, value in zip(self.model.non_trainable_variables, non_trainable):
                 variable.assign(value)
         else:
             with tf.GradientTape() as tape:
                 logits = self.model(x, training=True)
-                loss = self._average_loss(y, logits)
+                loss = self._average_loss(y, logits, sample_weight)
                 if self.model.losses:
                     loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
                 scaled = self.optimizer.scale_loss(loss) if scaling else loss
@@ -319,14 +323,15 @@ class Trainer:
             grads = [g / replicas for g in grads]
         self.optimizer.apply_gradients(zip(grads, variables))
         for metric in self.metrics:
-            metric.update_state(y, logits)
+            metric.update_state(y, logits, sample_weight=sample_weight)
         return loss
 
     def _make_train_step(self):
         @tf.function
         def train_step(iterator):
-            x, y = next(iterator)
-            per_replica_loss = self.strategy.run(self._replica_step, args=(x, y))
+            # `(x, y)` or `(x, y, sample_weight)`, as `model.fit` takes them.
+            batch = tuple(next(iterator))
+            per_replica_loss = self.strategy.run(self._replica_step, args=batch)
             loss = self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
             self.loss_sum.update_state(loss)
             self.step.assign_add(1)
@@ -340,7 +345,8 @@ class Trainer:
 
         Args:
             input_fn: `input_context -> tf.data.Dataset` of per-replica
-                batches `(x, y)`, infinite (e.g. from
+                batches `(x, y)` or `(x, y, sample_weight)` (e.g.
+                `keras_attn.data.causal_lm_dataset(..., repeat=True)`), infinite (e.g. from
                 `keras_attn.data.distributed_input_fn`). On resume from step
                 `k`, the first `k` batches of each input pipeline are
                 skipped, so a resumed run sees the same data as an
