@@ -282,4 +282,8 @@ def causal_lm_dataset(
     ds = epochs.flat_map(lambda e: tf.data.Dataset.from_tensor_slices(epoch_order(e)))
     ds = ds.map(lambda i: tuple(tf.gather(a, i) for a in rows), num_parallel_calls=AUTOTUNE,
                 deterministic=True)
+    # `flat_map` hides the length; `fit` needs it to end an epoch without
+    # running the iterator dry (and warning that the input ran out).
+    ds = ds.apply(tf.data.experimental.assert_cardinality(
+        tf.data.INFINITE_CARDINALITY if repeat else num_rows))
     return ds.batch(batch_size, drop_remainder=drop_remainder).prefetch(AUTOTUNE)
