@@ -32,7 +32,7 @@ from keras_attn.data.pipelines import AUTOTUNE
 
 def _check_examples(examples):
     """`(kind, examples)`: `"texts"` for strings, `"pairs"` for (prompt, response)."""
-    if isinstance(examples, (str, bytes)) or not isinstance(examples, (list, tuple)) or not examples:
+    if not isinstance(examples, (list, tuple)) or not examples:
         raise ValueError(
             "Received an invalid value for argument `examples`, expected a non-empty list of "
             "strings or of (prompt, response) string pairs. Received: "

@@ -244,7 +244,9 @@ class Trainer:
         # Weighted per-position losses (a causal LM's prompt and padding at
         # weight 0), averaged as `model.fit`'s default "sum_over_batch_size"
         # does: over every position, so the two loops report the same loss.
-        per_example = self.loss(y, logits, sample_weight=sample_weight)
+        per_example = self.loss(y, logits)
+        if sample_weight is not None:
+            per_example = per_example * tf.cast(sample_weight, per_example.dtype)
         # The mean over every axis but the batch, per example:
         per_example = tf.reshape(tf.cast(per_example, tf.float32), [tf.shape(y)[0], -1])
         per_example = tf.reduce_mean(per_example, axis=1)
