@@ -739,12 +739,16 @@ class DecoderOnlyLM(_LMBase):
             x = out[0]
         return (x, new_cache) if cache is not None else x
 
-    def call(self, token_ids, padding_mask=None):
+    def call(self, token_ids, padding_mask=None, training=None):
+        # `training` passed on by hand: `stateless_call` (the Trainer's XLA
+        # path) calls `call` directly, without the call context through which
+        # `__call__` tells the blocks (and their LoRA dropout) that they train.
         x = self._embed(self.embedding, token_ids)
         per_layer_inputs = self._per_layer_inputs(token_ids, x)
         bias = self._self_bias(self.position_bias, x)
         x = self._run_blocks(
-            x, per_layer_inputs, decoder_padding_mask=padding_mask, decoder_attention_bias=bias
+            x, per_layer_inputs, decoder_padding_mask=padding_mask, decoder_attention_bias=bias,
+            training=training,
         )
         return self._logits(self.embedding, self.final_norm(x))
 

@@ -184,39 +184,48 @@ def test_fit_learns_a_copy_task(rng):
     assert history[-1] < 0.6 * history[0], history
 
 
-def test_trainer_resumes_from_the_checkpoint_with_the_uninterrupted_weights(tmp_path, rng):
+def pairs_and_stream(rng):
     tok = character_tokenizer("abc=", special_tokens=SPECIALS)
     examples = [(random_text(rng, 2, 5) + "=", random_text(rng, 1, 5)) for _ in range(12)]
-    vocabulary = tok.get_vocab_size()
 
     def make_dataset(_context=None):
         return causal_lm_dataset(examples, tok, 8, batch_size=4, eos_token_id=EOS,
                                  shuffle=True, seed=3, repeat=True)
 
-    def run(steps, directory, seed=0):
-        lm = tiny_lm(vocabulary, 8, seed=seed)
-        trainer = Trainer(lm, keras.optimizers.Adam(1e-2),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          global_batch_size=4, checkpoint_dir=str(directory),
-                          checkpoint_every=100, log_every=1)
-        losses = []
-        trainer.fit(make_dataset, steps, on_step_end=lambda s, v: losses.append(v),
-                    verbose=False)
-        return lm, trainer, losses
+    return tok.get_vocab_size(), make_dataset
 
-    # The first step's loss: the weighted mean over every position (model.fit's default).
+
+def train(vocabulary, make_dataset, steps, directory=None, seed=0, jit_compile=False):
+    lm = tiny_lm(vocabulary, 8, seed=seed)
+    trainer = Trainer(lm, keras.optimizers.Adam(1e-2),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      global_batch_size=4, checkpoint_dir=directory and str(directory),
+                      checkpoint_every=100, log_every=1, jit_compile=jit_compile)
+    losses = []
+    trainer.fit(make_dataset, steps, on_step_end=lambda s, v: losses.append(v), verbose=False)
+    return lm, trainer, losses
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_trainer_loss_is_the_weighted_mean_over_positions(rng, jit_compile):
+    vocabulary, make_dataset = pairs_and_stream(rng)
     x, y, w = next(make_dataset().as_numpy_iterator())
     logits = np.asarray(tiny_lm(vocabulary, 8)(x), np.float64)
     shifted = logits - logits.max(axis=-1, keepdims=True)
     log_softmax = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     cross_entropy = -np.take_along_axis(log_softmax, y[..., None], axis=-1)[..., 0]
-    want_first = float((w * cross_entropy).sum() / w.size)
+    # model.fit's default reduction: the weighted sum over every position.
+    want = float((w * cross_entropy).sum() / w.size)
+    _, _, losses = train(vocabulary, make_dataset, 1, jit_compile=jit_compile)
+    tolerance.assert_close(losses[0], want, terms=64)
 
-    full, _, full_losses = run(6, tmp_path / "full")
-    tolerance.assert_close(full_losses[0], want_first, terms=64)
-    halfway, _, _ = run(3, tmp_path / "resumed")
+
+def test_trainer_resumes_from_the_checkpoint_with_the_uninterrupted_weights(tmp_path, rng):
+    vocabulary, make_dataset = pairs_and_stream(rng)
+    full, _, _ = train(vocabulary, make_dataset, 6, tmp_path / "full")
+    halfway, _, _ = train(vocabulary, make_dataset, 3, tmp_path / "resumed")
     # Another initialisation: the checkpoint must overwrite it.
-    resumed, trainer, _ = run(6, tmp_path / "resumed", seed=1)
+    resumed, trainer, _ = train(vocabulary, make_dataset, 6, tmp_path / "resumed", seed=1)
     assert [step for step, _ in trainer.history] == [4, 5, 6]
     # Steps 4-6 moved the weights: resuming is not a no-op that happens to match.
     assert any(not np.array_equal(h.numpy(), f.numpy())
