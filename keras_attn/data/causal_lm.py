@@ -23,6 +23,8 @@ out. Use `packing=False` where that attention leakage matters (short
 prompt/response pairs, where packing saves little anyway).
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -49,6 +51,27 @@ def _check_examples(examples):
                 f"string). Received: examples[{i}]={example!r:.200}"
             )
     return "pairs", [tuple(e) for e in examples]
+
+
+def _load_tokenizer(tokenizer):
+    """A tokenizer object; a folder (a converted model's, `save_pretrained`'s)
+    is read with `transformers` (its chat template and EOS come with it), or
+    as a bare `tokenizer.json` with `tokenizers` when `transformers` is absent."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    folder = os.fspath(tokenizer)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise ValueError(
+            "Received an invalid value for argument `tokenizer`: a path must be a folder "
+            f"holding tokenizer.json. Received: tokenizer={folder!r}"
+        )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        import tokenizers
+
+        return tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _encode(tokenizer, text, add_special_tokens):
@@ -147,8 +170,10 @@ def causal_lm_arrays(
             `(prompt, response)` string pairs (only the response is).
         tokenizer: the model's tokenizer: a `tokenizers.Tokenizer`
             (e.g. `keras_attn.runtimes.tokenizers.character_tokenizer`), a
-            `transformers` tokenizer, or an object whose `encode(text)` gives
-            ids. A text or prompt gets the tokenizer's own special tokens
+            `transformers` tokenizer, an object whose `encode(text)` gives
+            ids, or the path of a folder holding `tokenizer.json` (the
+            Hugging Face folder a model was converted from), read with
+            `transformers.AutoTokenizer` (so with its chat template). A text or prompt gets the tokenizer's own special tokens
             (Llama's BOS); a response gets none (it continues the prompt).
             Prompt and response are tokenised separately, so no token spans
             their boundary.
@@ -181,6 +206,7 @@ def causal_lm_arrays(
             "(a row's input tokens, each with the next token as its target). "
             f"Received: sequence_length={sequence_length!r}"
         )
+    tokenizer = _load_tokenizer(tokenizer)
     if not hasattr(tokenizer, "encode"):
         raise TypeError(
             "Received an invalid value for argument `tokenizer`, expected a "

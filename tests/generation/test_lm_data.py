@@ -119,7 +119,8 @@ def test_shuffle_permutes_rows_per_epoch_whatever_the_global_seed(rng):
     assert not np.array_equal(first, second) and not np.array_equal(first, rows)
 
 
-def test_chat_template_learns_the_answer_and_its_end_of_turn():
+@pytest.mark.parametrize("from_folder", [False, True])
+def test_chat_template_learns_the_answer_and_its_end_of_turn(tmp_path, from_folder):
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(
@@ -130,6 +131,9 @@ def test_chat_template_learns_the_answer_and_its_end_of_turn():
         "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}a:{% endif %}"
     )
+    if from_folder:  # as a converted model's folder holds it
+        tok.save_pretrained(tmp_path)
+        tok = tmp_path
     x, y, w = causal_lm_arrays([("ab", "ba")], tok, 12, use_chat_template=True, packing=False)
     # "u:ab\na:" is the prompt, "ba\n" the answer and its end of turn; no EOS is added.
     stream = char_ids("u:ab\na:") + char_ids("ba\n")
@@ -258,3 +262,5 @@ def test_bad_input_names_the_argument(call, argument):
 def test_a_tokenizer_without_encode_is_a_type_error():
     with pytest.raises(TypeError, match="tokenizer"):
         causal_lm_arrays(["abc"], {"a": 1}, 8, eos_token_id=EOS)
+    with pytest.raises(ValueError, match="tokenizer"):
+        causal_lm_arrays(["abc"], "no/such/folder", 8, eos_token_id=EOS)
