@@ -347,9 +347,10 @@ class Trainer:
 
         Args:
             input_fn: `input_context -> tf.data.Dataset` of per-replica
-                batches `(x, y)` or `(x, y, sample_weight)` (e.g.
-                `keras_attn.data.causal_lm_dataset(..., repeat=True)`), infinite (e.g. from
-                `keras_attn.data.distributed_input_fn`). On resume from step
+                batches `(x, y)` or `(x, y, sample_weight)` (as `fit` takes
+                them; `keras_attn.data.causal_lm_dataset` gives the latter),
+                infinite (e.g. from `keras_attn.data.distributed_input_fn`,
+                or `repeat=True`). On resume from step
                 `k`, the first `k` batches of each input pipeline are
                 skipped, so a resumed run sees the same data as an
                 uninterrupted one.
