@@ -112,7 +112,7 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapt
         use_modules: for a sentence-transformers folder (one with
             `modules.json`): True converts all its modules (Transformer,
             Pooling, Dense, Normalize) into one model whose output
-            `"embedding"` is `SentenceTransformer.encode`'s
+            `"sentence_embedding"` is `SentenceTransformer.encode`'s
             (`keras_attn.convert.sentence_transformers`); False converts its
             Transformer module alone (the encoder's hidden states).
         output_dim: None, or (sentence-transformers folders) the number of
@@ -121,7 +121,7 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapt
 
     Returns:
         For a sentence-transformers folder (`use_modules=True`), a
-        functional `keras.Model` with the output `{"embedding": (B, D)}`.
+        functional `keras.Model` with the output `{"sentence_embedding": (B, D)}`.
         Otherwise a functional `keras.Model` for encoders (BERT family,
         `T5EncoderModel`), a `DecoderOnlyLM` for decoders, a `Seq2SeqLM` for
         `T5ForConditionalGeneration` (see the module docstring).

@@ -7,8 +7,9 @@ A sentence-transformers folder lists its modules in `modules.json`: a
 encoder's inputs (`input_ids`, `attention_mask`, maybe `token_type_ids`)
 and, when the folder's pooling excludes prompt tokens
 (`include_prompt=False`), an int32 `prompt_length` `(B,)`; one output,
-`{"embedding": (B, D)}`, equal to `SentenceTransformer(folder).encode` on the
-same tokens. Every step is a Keras layer or `keras.ops` in the graph, so the
+`{"sentence_embedding": (B, D)}` (the library's name for it; `embedding` is
+the encoder's embedding layer), equal to `SentenceTransformer(folder).encode`
+on the same tokens. Every step is a Keras layer or `keras.ops` in the graph, so the
 embedding exports like any other output.
 
 | sentence-transformers module              | in the Keras graph                                                 |
@@ -178,7 +179,7 @@ def convert(folder, convert_transformer, *, output_dim=None):
                 f"embedding size {x.shape[-1]}. Received: output_dim={output_dim}"
             )
         x = x[:, :output_dim]
-    model = keras.Model(inputs, {"embedding": keras.layers.Identity(name="sentence_embedding")(x)},
+    model = keras.Model(inputs, {"sentence_embedding": keras.layers.Identity(name="sentence_embedding")(x)},
                         name=f"{encoder.name}_sentence_embedding")
     for layer, path in dense_layers:
         _load_dense(layer, path)
@@ -320,4 +321,4 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None):
             ids = tokenizer([prompt], padding=True, truncation="longest_first")["input_ids"][0]
             count = len(ids) - (ids[-1] in tokenizer.all_special_ids)
         feed["prompt_length"] = np.full((len(texts),), count, "int32")
-    return np.asarray(model.predict(feed, verbose=0)["embedding"], "float32")
+    return np.asarray(model.predict(feed, verbose=0)["sentence_embedding"], "float32")
