@@ -321,4 +321,5 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None):
             ids = tokenizer([prompt], padding=True, truncation="longest_first")["input_ids"][0]
             count = len(ids) - (ids[-1] in tokenizer.all_special_ids)
         feed["prompt_length"] = np.full((len(texts),), count, "int32")
-    return np.asarray(model.predict(feed, verbose=0)["sentence_embedding"], "float32")
+    # One eager call: `predict` would trace a function for this one batch.
+    return np.asarray(keras.ops.convert_to_numpy(model(feed, training=False)["sentence_embedding"]), "float32")
