@@ -140,17 +140,21 @@ def convert(folder, convert_transformer, *, output_dim=None):
             "pools the hidden states of encoders (BERT, RoBERTa, XLM-RoBERTa, T5 encoders) only"
         )
     hidden = encoder.get_layer("last_hidden_state").output
-    inputs = {tensor.name: tensor for tensor in encoder.inputs}
-    attention_mask = inputs["attention_mask"]
+    # A list, as the encoder's: the exporters sign a functional model's
+    # inputs in this order, each by its name.
+    inputs = list(encoder.inputs)
+    attention_mask = next(tensor for tensor in inputs if tensor.name == "attention_mask")
+    prompt_length = None
     x = hidden
     dense_layers = []
     for index, (module, path) in enumerate(modules[1:], start=1):
         config = _config(path)
         if module == "Pooling":
-            if not config.get("include_prompt", True) and "prompt_length" not in inputs:
-                inputs["prompt_length"] = keras.Input((), dtype="int32", name="prompt_length")
+            if not config.get("include_prompt", True) and prompt_length is None:
+                prompt_length = keras.Input((), dtype="int32", name="prompt_length")
+                inputs.append(prompt_length)
             x = pool(x, attention_mask, pooling_modes(config),
-                     prompt_length=None if config.get("include_prompt", True) else inputs["prompt_length"])
+                     prompt_length=None if config.get("include_prompt", True) else prompt_length)
         elif module == "Dense":
             _check_io_names(config, "Dense")
             if config.get("use_residual", False):
@@ -212,6 +216,8 @@ def pool(hidden, attention_mask, modes, prompt_length=None):
     """
     for mode in modes:
         checks.check_choice("modes", mode, POOLING_MODES)
+    # `expand_dims`, not `[:, None]`: TensorFlow's new-axis slice is no
+    # TFLite builtin.
     ops = keras.ops
     hidden = ops.cast(hidden, "float32")
     # Positions and selections from cumulative sums: the graph holds no
@@ -224,9 +230,9 @@ def pool(hidden, attention_mask, modes, prompt_length=None):
     first = ops.where(ops.greater(ops.sum(original, axis=1), 0), leading, 0)  # (B,)
     mask = original
     if prompt_length is not None:
-        keep = ops.greater_equal(positions, (first + ops.cast(prompt_length, "int32"))[:, None])
+        keep = ops.greater_equal(positions, ops.expand_dims(first + ops.cast(prompt_length, "int32"), 1))
         mask = mask * ops.cast(keep, "int32")
-    weights = ops.cast(mask, "float32")[:, :, None]  # (B, T, 1)
+    weights = ops.expand_dims(ops.cast(mask, "float32"), 2)  # (B, T, 1)
     counted = ops.cumsum(mask, axis=1)  # kept tokens up to each position
     vectors = []
     for mode in modes:
@@ -244,7 +250,7 @@ def pool(hidden, attention_mask, modes, prompt_length=None):
             total = ops.sum(hidden * weights, axis=1)
             vectors.append(total / (count if mode == "mean" else ops.sqrt(count)))
         else:  # "weightedmean": weights 1, 2, ... from the first token
-            position_weights = ops.cast(positions + 1 - first[:, None], "float32")[:, :, None]
+            position_weights = ops.expand_dims(ops.cast(positions + 1 - ops.expand_dims(first, 1), "float32"), 2)
             weighted = weights * position_weights
             vectors.append(ops.sum(hidden * weighted, axis=1)
                            / ops.maximum(ops.sum(weighted, axis=1), _MIN_COUNT))
@@ -255,7 +261,7 @@ def _take(hidden, selected):
     """The token of `hidden` `(B, T, D)` where `selected` `(B, T)` (one per
     row, or none: zeros) is True, as a masked sum: no gather, which the
     exports' builtin ops cover."""
-    return keras.ops.sum(hidden * keras.ops.cast(selected, hidden.dtype)[:, :, None], axis=1)
+    return keras.ops.sum(hidden * keras.ops.expand_dims(keras.ops.cast(selected, hidden.dtype), 2), axis=1)
 
 
 def prompts(folder):

@@ -87,7 +87,7 @@ def test_real_minilm_equals_encode(minilm):
 
 def test_real_minilm_structure(minilm):
     _, model, _ = minilm
-    assert [t.name for t in model.inputs] == ["attention_mask", "input_ids", "token_type_ids"]
+    assert [t.name for t in model.inputs] == ["input_ids", "attention_mask", "token_type_ids"]
     assert model.output_names == ["sentence_embedding"]
     assert "pooler" not in [layer.name for layer in model.layers]  # unused by the embedding
 
