@@ -36,6 +36,9 @@ its tensor name mapping):
   experts and wider feed-forwards on the shared layers are refused by field.
 - **T5** (`T5ForConditionalGeneration`, `T5EncoderModel`; `t5.py`): a
   `Seq2SeqLM` with relative position buckets, or a functional encoder.
+- **sentence-transformers folders** (a `modules.json`: Transformer, Pooling,
+  Dense, Normalize; `sentence_transformers.py`): one functional model whose
+  output `sentence_embedding` is `SentenceTransformer.encode`'s.
 
 What the converter cannot represent, it refuses with a ValueError naming
 the config field (e.g. `position_embedding_type="relative_key"`,
