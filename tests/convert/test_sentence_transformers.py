@@ -51,7 +51,8 @@ def cosines(a, b):
 def feed(model, features):
     """The library's own tokenization of a batch, as our model's inputs."""
     names = [tensor.name for tensor in model.inputs]
-    out = {name: features[name].numpy().astype("int32") for name in names if name in features}
+    out = {name: features[name].numpy().astype("int32") for name in names
+           if name in features and name != "prompt_length"}
     if "prompt_length" in names:
         out["prompt_length"] = np.full((len(out["input_ids"]),), int(features.get("prompt_length", 0)), "int32")
     return out
@@ -243,3 +244,45 @@ def test_bad_arguments(tmp_path, backbone):
         st_convert.encode(model, folder, "a single string")
     # use_modules=False: the Transformer module alone, its hidden states.
     assert "last_hidden_state" in from_huggingface(folder, use_modules=False).output_names
+
+
+# ---------------------------------------------------------------------------
+# Exports
+
+
+@pytest.mark.slow
+def test_tiny_exports_equal_encode(tmp_path, backbone):
+    """TFLite (builtins only) and ONNX of a model with every step (prompt
+    exclusion, CLS, Dense tanh, Normalize, truncation), run in their
+    runtimes on the library's tokens, against `encode`. The pooling is not
+    in the direct writers: both fall back to the converters."""
+    import onnxruntime as ort
+    from ai_edge_litert.interpreter import Interpreter
+
+    from keras_attn import export as kx
+
+    folder, _ = write_folder(tmp_path / "st", backbone, pooling="cls", include_prompt=False, dense=True,
+                             normalize=True, prompts={"query": "query: "})
+    reference = st.SentenceTransformer(folder, device="cpu", truncate_dim=8)
+    model = from_huggingface(folder, output_dim=8)
+    texts = SENTENCES[:5]
+    want = reference.encode(texts, prompt_name="query", batch_size=len(texts))
+    features = reference.preprocess(texts, prompt="query: ")
+    sample = feed(model, features)
+    assert sample["prompt_length"][0] == 3  # [CLS] query :
+    tfl = kx.export_tflite(model, tmp_path / "st.tflite", sample_inputs=sample)
+    # (the reason and a warning are given from 16M weights on: all-MiniLM-L6-v2's)
+    assert "writer=converter" in str(tfl)
+    assert not [op for op in tfl.ops if "FLEX" in op.upper() or op == "CUSTOM"]
+    onx = kx.export_onnx(model, tmp_path / "st.onnx", sample_inputs=sample)
+    assert "writer=tf2onnx direct_writer_skipped=" in str(onx)
+    session = ort.InferenceSession(onx.path, providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["sentence_embedding"]
+    tolerance.assert_close(session.run(["sentence_embedding"], sample)[0], want, terms=2 * 32 + 40)
+    interpreter = Interpreter(model_path=tfl.path)
+    details = {d["name"]: d for d in interpreter.get_input_details()}
+    for name, value in sample.items():
+        interpreter.resize_tensor_input(details[f"serving_default_{name}:0"]["index"], value.shape)
+    interpreter.allocate_tensors()
+    got = interpreter.get_signature_runner("serving_default")(**sample)["sentence_embedding"]
+    tolerance.assert_close(got, want, terms=2 * 32 + 40)
