@@ -147,9 +147,17 @@ def convert(folder, convert_transformer, *, output_dim=None):
     prompt_length = None
     x = hidden
     dense_layers = []
+    pooled = False
     for index, (module, path) in enumerate(modules[1:], start=1):
         config = _config(path)
+        # The library's Dense and Normalize read the pooled `sentence_embedding`.
+        if pooled == (module == "Pooling"):
+            raise ValueError(
+                f"Cannot convert the sentence-transformers folder {folder!r}: modules.json must list "
+                f"one Pooling, right after the Transformer. Received: {[m for m, _ in modules]}"
+            )
         if module == "Pooling":
+            pooled = True
             if not config.get("include_prompt", True) and prompt_length is None:
                 prompt_length = keras.Input((), dtype="int32", name="prompt_length")
                 inputs.append(prompt_length)
@@ -171,7 +179,7 @@ def convert(folder, convert_transformer, *, output_dim=None):
         else:  # Normalize (read_modules refuses a second Transformer)
             _check_io_names(config, "Normalize")
             x = keras.ops.normalize(x, axis=-1, order=2)
-    if len(x.shape) != 2:
+    if not pooled:
         raise ValueError(
             f"Cannot convert the sentence-transformers folder {folder!r}: its modules give no "
             "sentence embedding (no Pooling module)"

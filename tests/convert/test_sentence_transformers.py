@@ -229,6 +229,21 @@ def test_unconverted_module_is_named(tmp_path, backbone):
         from_huggingface(folder)
 
 
+def test_modules_out_of_order_are_refused(tmp_path, backbone):
+    folder, _ = write_folder(tmp_path / "st", backbone, normalize=True)
+    with open(os.path.join(folder, "modules.json")) as f:
+        modules = json.load(f)
+    modules[1]["idx"], modules[2]["idx"] = 2, 1  # Normalize before Pooling
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match="one Pooling, right after the Transformer"):
+        from_huggingface(folder)
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules[:1], f)
+    with pytest.raises(ValueError, match="no Pooling module"):
+        from_huggingface(folder)
+
+
 def test_bad_arguments(tmp_path, backbone):
     folder, _ = write_folder(tmp_path / "st", backbone)
     with pytest.raises(ValueError, match="output_dim"):
