@@ -108,7 +108,7 @@ def build_artifacts(folder, workdir, optimum_python):
     from keras_attn.export import onnx as onnx_export
     from keras_attn.export import onnx_fused
 
-    model = from_huggingface(folder)
+    model = from_huggingface(folder, use_modules=False)  # the encoder: hidden states
     paths = {}
     raw = os.path.join(workdir, "ours_raw.onnx")
     onnx.save(onnx_export.convert(model, opset=17), raw)

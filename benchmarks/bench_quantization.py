@@ -237,7 +237,7 @@ def run(model_dir, length, calibration_size, repeats, calls, skip=()):
     from keras_attn.export import samples as model_io
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = from_huggingface(model_dir)
+    model = from_huggingface(model_dir, use_modules=False)  # the encoder: hidden states
     names = [s.name for s in model_io.input_specs(model)]
     outputs = model_io.output_names(model)
     calib_sentences = SENTENCES[:-HELD_OUT][:calibration_size]

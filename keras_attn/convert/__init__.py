@@ -7,6 +7,8 @@ each becomes). One module per family (`bert`, `gpt2`, `llama`, `gemma`,
 `gemma2`, `gemma4`, `qwen3`, `smollm3`, `phi3`, `t5`), found through the table in
 `keras_attn.convert.registry`; what they share (the checkpoint and weight
 source, the refusals, the weight copies) is `keras_attn.convert.common`.
+A sentence-transformers folder (`modules.json`) becomes one model of its
+sentence embedding (`keras_attn.convert.sentence_transformers`).
 
 LoRA adapters convert both ways as Hugging Face PEFT folders
 (`save_peft_adapter`, `from_huggingface(..., adapter=folder)`; see

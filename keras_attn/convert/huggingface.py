@@ -36,6 +36,9 @@ its tensor name mapping):
   experts and wider feed-forwards on the shared layers are refused by field.
 - **T5** (`T5ForConditionalGeneration`, `T5EncoderModel`; `t5.py`): a
   `Seq2SeqLM` with relative position buckets, or a functional encoder.
+- **sentence-transformers folders** (a `modules.json`: Transformer, Pooling,
+  Dense, Normalize; `sentence_transformers.py`): one functional model whose
+  output `sentence_embedding` is `SentenceTransformer.encode`'s.
 
 What the converter cannot represent, it refuses with a ValueError naming
 the config field (e.g. `position_embedding_type="relative_key"`,
@@ -72,6 +75,7 @@ from keras_attn.convert import bert
 from keras_attn.convert import common
 from keras_attn.convert import gpt2
 from keras_attn.convert import registry
+from keras_attn.convert import sentence_transformers
 
 ENCODER_TYPES = bert.FAMILY.model_types
 DECODER_TYPES = gpt2.FAMILY.model_types
@@ -80,7 +84,8 @@ DECODER_TYPES = gpt2.FAMILY.model_types
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapter=None):
+def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapter=None, use_modules=True,
+                     output_dim=None):
     """Converts a Hugging Face BERT-, RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- or T5-style model.
 
     Args:
@@ -107,9 +112,20 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapt
             the logits are `PeftModel.from_pretrained`'s. Families whose
             projections map one to one (Llama, Mistral, Qwen2/3, SmolLM3,
             Gemma) take adapters (`keras_attn.convert.adapters`).
+        use_modules: for a sentence-transformers folder (one with
+            `modules.json`): True converts all its modules (Transformer,
+            Pooling, Dense, Normalize) into one model whose output
+            `"sentence_embedding"` is `SentenceTransformer.encode`'s
+            (`keras_attn.convert.sentence_transformers`); False converts its
+            Transformer module alone (the encoder's hidden states).
+        output_dim: None, or (sentence-transformers folders) the number of
+            leading embedding features kept: the library's Matryoshka
+            `truncate_dim`, applied after the last module.
 
     Returns:
-        A functional `keras.Model` for encoders (BERT family,
+        For a sentence-transformers folder (`use_modules=True`), a
+        functional `keras.Model` with the output `{"sentence_embedding": (B, D)}`.
+        Otherwise a functional `keras.Model` for encoders (BERT family,
         `T5EncoderModel`), a `DecoderOnlyLM` for decoders, a `Seq2SeqLM` for
         `T5ForConditionalGeneration` (see the module docstring).
 
@@ -132,14 +148,35 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapt
     ['last_hidden_state', 'pooler_output']
     """
     checks.check_choice("dtype", dtype, DTYPES)
+    checks.check_bool("use_modules", use_modules)
+    checks.check_positive_int("output_dim", output_dim, allow_none=True)
     if adapter is not None:  # checked before the (long) conversion
         adapters.read_config(os.fspath(adapter))
-    checkpoint = _checkpoint(model_or_local_dir)
+    modules = (use_modules and isinstance(model_or_local_dir, (str, os.PathLike))
+               and sentence_transformers.is_folder(os.fspath(model_or_local_dir)))
+    if output_dim is not None and not modules:
+        raise ValueError(
+            "Received an invalid value for argument `output_dim`: it truncates the embedding "
+            "of a sentence-transformers folder (with modules.json, use_modules=True). "
+            f"Received: output_dim={output_dim}, model_or_local_dir={model_or_local_dir!r}")
+    if adapter is not None and modules:
+        raise ValueError(
+            "Received an invalid value for argument `adapter`: adapters convert onto decoders, "
+            f"not sentence-transformers folders. Received: adapter={adapter!r}")
+    checkpoint = None if modules else _checkpoint(model_or_local_dir)
     # The family converters build their layers under the global policy.
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(dtype)
     try:
-        model = registry.convert(checkpoint, dropout=dropout)
+        if modules:
+            with common.values_from_checkpoint():
+                model = sentence_transformers.convert(
+                    os.fspath(model_or_local_dir),
+                    lambda path: registry.convert(_checkpoint(path), dropout=dropout),
+                    output_dim=output_dim,
+                )
+        else:
+            model = registry.convert(checkpoint, dropout=dropout)
     finally:
         keras.config.set_dtype_policy(previous)
     if adapter is not None:

@@ -272,7 +272,7 @@ def test_pretrained_encoder_dynamic_passes_by_cosine(tmp_path):
     from keras_attn.convert import from_huggingface
 
     model_dir = gt.get_model_path()
-    model = from_huggingface(model_dir)
+    model = from_huggingface(model_dir, use_modules=False)  # the encoder: hidden states
     tokenizer = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     tokenizer.enable_padding(length=24)
     encoded = tokenizer.encode_batch(["A man is playing a guitar on the street corner.",

