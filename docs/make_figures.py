@@ -163,6 +163,13 @@ def draw_results_runtimes(path, results_md=RESULTS_MD):
     for name, model in (("genai_speed_qwen05b", "Qwen 0.5B"), ("genai_speed_llama1b", "Llama 1B"),
                         ("genai_speed_qwen15b", "Qwen 1.5B")):
         header, rows = section_tables(name, results_md)[0]
+        if header[0] == "folder":  # bench_genai's own table: a row per folder, `<exporter>_<precision>`
+            tok_s = {r[0]: (_number(r[1]), _number(r[2])) for r in rows}
+            for folder in tok_s:
+                if folder.startswith("keras_attn_"):
+                    precision = folder[len("keras_attn_"):]
+                    speed[(model, precision)] = (*tok_s[folder], *tok_s["builder_" + precision])
+            continue
         for r in rows:
             precision = r[0].split()[0]
             speed[(model, precision)] = (*_pair(r[1]), *_pair(r[2]))
