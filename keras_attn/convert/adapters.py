@@ -47,10 +47,16 @@ def _family_projections(model, model_type):
     if family is None:
         raise ValueError("Received an invalid value for argument `model_type`, expected one of "
                          f"{sorted(registry.CONVERTERS)}. Received: model_type={model_type!r}")
+    return check_family(family).projections(model)
+
+
+def check_family(family):
+    """`family` when its LoRA adapters convert (its projections map one to
+    one), else a ValueError naming it."""
     if family.projections is None:
-        raise ValueError(f"LoRA adapters of {family.name} models (model_type={model_type!r}) do not "
-                         "convert: its projections are fused or rescaled in keras_attn.")
-    return family.projections(model)
+        raise ValueError(f"LoRA adapters of {family.name} models do not convert: its projections "
+                         "are fused or rescaled in keras_attn.")
+    return family
 
 
 def _model_type(model):
@@ -158,10 +164,7 @@ def load_peft_adapter(model, family, folder):
     """Puts the PEFT LoRA adapter in `folder` on `model` (converted by
     `family`), active and not merged; returns the adapted layers."""
     config = read_config(folder)
-    if family.projections is None:
-        raise ValueError(f"LoRA adapters of {family.name} models do not convert: its projections "
-                         "are fused or rescaled in keras_attn.")
-    names = family.projections(model)
+    names = check_family(family).projections(model)
     tensors = common.SafetensorsTensors(folder, files=[os.path.join(folder, WEIGHTS)])
     factors = {}
     for key in tensors:

@@ -164,6 +164,8 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapt
             "Received an invalid value for argument `adapter`: adapters convert onto decoders, "
             f"not sentence-transformers folders. Received: adapter={adapter!r}")
     checkpoint = None if modules else _checkpoint(model_or_local_dir)
+    if adapter is not None:  # a family whose adapters do not convert: before converting it
+        adapters.check_family(registry.find(checkpoint))
     # The family converters build their layers under the global policy.
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(dtype)
