@@ -67,12 +67,36 @@ class Weight:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRA:
+    """A projection's unmerged PEFT-style adapter (`generation/lora.py`):
+    the projection is `x @ base + scale * (x @ a) @ b`, `base` `(in, out)`
+    the frozen kernel, `a` `(in, r)`, `b` `(r, out)`, `scale` `alpha / r`."""
+
+    base: Weight
+    a: Weight
+    b: Weight
+    scale: float
+
+    @property
+    def rank(self):
+        return self.a.shape[1]
+
+    def scaled_b(self):
+        """`scale * b` (float32): the adapter as one `(x @ a) @ b'` (how the
+        GenAI model builder and its `.onnx_adapter` files hold it)."""
+        return self.b.read() * np.float32(self.scale)
+
+
+@dataclasses.dataclass(frozen=True)
 class Dense:
-    """A projection `x @ kernel (+ bias)`: `kernel` `(in, out)`, `bias` `(out,)` or None."""
+    """A projection `x @ kernel (+ bias)`: `kernel` `(in, out)`, `bias` `(out,)`
+    or None. `kernel` is what the projection computes (an adapter merged in);
+    `lora` the adapter unmerged, for a writer that keeps it apart, or None."""
 
     name: str
     kernel: Weight
     bias: Optional[Weight]
+    lora: Optional[LoRA] = None
 
     def read_bias(self):
         """The bias as float32 NumPy, or None."""
@@ -183,6 +207,12 @@ class FeedForward:
     down: Dense
     activation: Optional[str]
     activation_repr: str
+
+
+def projections(layer):
+    """A described `Layer`'s projections (`Dense`s), attention then feed-forward."""
+    a, f = layer.attention, layer.feedforward
+    return [d for d in (a.query, a.key, a.value, a.output, f.gate, f.up, f.down) if d is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +343,19 @@ def _dense(layer, heads_first_input=False):
     flat = (int(np.prod(shape[:-1])), shape[-1]) if heads_first_input else (shape[0], int(np.prod(shape[1:])))
     bias = getattr(layer, "bias", None)
     bias = None if bias is None else _weight(layer, "bias", (int(np.prod(bias.shape)),))
-    return Dense(layer.name, _weight(layer, "kernel", flat), bias)
+    return Dense(layer.name, _weight(layer, "kernel", flat), bias, _lora(layer, flat))
+
+
+def _lora(layer, flat):
+    """The PEFT-style adapter of `layer` unmerged (None without one, or once
+    `merge_lora` has added it to the kernel). Its `(in, r)`/`(r, out)` are
+    over the kernel's input and output axes in C order, as `flat` is."""
+    # Keras's own LoRA (style="keras") has no `lora_merged` and per-head
+    # factors: served merged only.
+    if getattr(layer, "lora_merged", True):
+        return None
+    return LoRA(_weight(layer, "_kernel", flat), _weight(layer, "lora_kernel_a"), _weight(layer, "lora_kernel_b"),
+                float(layer.lora_alpha) / int(layer.lora_rank))
 
 
 def _norm(layer):

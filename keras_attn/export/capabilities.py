@@ -133,6 +133,10 @@ _EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemSt
 
 
 FEATURES = (
+    Feature("LoRA adapters kept apart (runtime inputs)", lambda d, c: c.get("adapters") and _first(
+        [(l.name, dense) for l in d.layers for dense in description_lib.projections(l)],
+        lambda n: n[1].lora is not None, lambda n: f"{n[0]}: a LoRA adapter on {n[1].name} (`enable_lora`)"),
+        frozenset({"onnx_genai"}), DECODERS),
     Feature("layers quantized by Keras", lambda d, c: d.quantized and (
         f"layers quantized by Keras (`model.quantize({d.quantized[0]!r})`) are not read"
         "; export the float model with the export's own `quantization=`"), frozenset()),
@@ -226,9 +230,11 @@ def describe(model, writer):
     return model.describe()
 
 
-def support(description, writer, max_length=None):
+def support(description, writer, max_length=None, adapters=False):
     """None when `writer` covers the model `description` (a cache of
-    `max_length`, when given), else the first reason it does not."""
+    `max_length`, when given; its LoRA adapters kept apart from the weights,
+    with `adapters`: without, every writer writes them merged), else the
+    first reason it does not."""
     if writer not in WRITERS:
         raise ValueError(f"Received an invalid value for argument `writer`, expected one of "
                          f"{sorted(WRITERS)}. Received: writer={writer!r}")
@@ -236,7 +242,7 @@ def support(description, writer, max_length=None):
         kinds = ("an Encoder", "a Decoder") if writer in ENCODERS else ("a Decoder", "an Encoder")
         raise ValueError(f"The {WRITERS[writer]} reads {kinds[0]}, not {kinds[1]}. "
                          f"Received: writer={writer!r}")
-    context = {"writer": writer, "max_length": max_length}
+    context = {"writer": writer, "max_length": max_length, "adapters": adapters}
     for feature in FEATURES:
         if writer not in feature.applies:
             continue
@@ -246,9 +252,9 @@ def support(description, writer, max_length=None):
     return None
 
 
-def check(description, writer, max_length=None):
+def check(description, writer, max_length=None, adapters=False):
     """Raises `NotFusableError` with `support`'s reason when `writer` does not cover it."""
-    reason = support(description, writer, max_length)
+    reason = support(description, writer, max_length, adapters)
     if reason is not None:
         raise NotFusableError(reason)
 
