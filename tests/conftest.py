@@ -41,6 +41,7 @@ BACKEND_AGNOSTIC_FILES = {
     "layers/test_serialization.py",
     "layers/test_upstream_suites.py",
     "ops/test_ops.py",
+    "runtimes/test_genai_adapters.py",
 }
 
 TESTS = pathlib.Path(__file__).parent
