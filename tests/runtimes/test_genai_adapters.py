@@ -146,6 +146,24 @@ def test_quantized_base_with_float_adapters(tmp_path, quantization, bits):
                                err_msg=f"{quantization}, adapter {name}")
 
 
+def test_adapter_of_fewer_projections_leaves_the_others_as_the_base(folder, tmp_path):
+    """An adapter on some of the folder's adapted projections (q_proj only,
+    another rank): the others keep their empty defaults, the base weights."""
+    lm = build_lm(**OPTIONS)
+    rng = np.random.default_rng(3)
+    for query in lm.enable_lora(3, target_names=("q_proj",)):
+        query.lora_kernel_b.assign(rng.standard_normal(query.lora_kernel_b.shape).astype("float32"))
+    save_onnx_adapter(lm, tmp_path / "q.onnx_adapter", folder=folder)
+    model = og.Model(str(folder))
+    adapters = og.Adapters(model)
+    adapters.load(str(tmp_path / "q.onnx_adapter"), "q")
+    got = np.asarray(generator(model, adapters, "q").get_logits())[0, -1]
+    want = last_logits(lm, PROMPT)
+    tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * 2)
+    base = last_logits(build_lm(**OPTIONS), PROMPT)
+    assert np.abs(want - base).max() > 1000 * tolerance.bound(tolerance.magnitude(want), terms=tolerance.LAYER_TERMS * 2)
+
+
 def test_adapter_of_other_projections_is_refused(folder, tmp_path):
     lm = build_lm(**OPTIONS)
     lm.enable_lora(2, target_names=("k_proj",))
