@@ -51,6 +51,12 @@ def last_logits(lm, prompt):
     return keras.ops.convert_to_numpy(lm(np.array([prompt])))[0, -1]
 
 
+def assert_far_apart(a, b, what):
+    """Two models' logits, far apart next to the float32 bound of the comparisons."""
+    bound = tolerance.bound(tolerance.magnitude(a, b), terms=tolerance.LAYER_TERMS * 2)
+    assert np.abs(a - b).max() > 1000 * bound, what
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A float32 GenAI folder of adapter "one", adapter "two" saved beside it."""
@@ -94,10 +100,8 @@ def test_each_generator_runs_its_own_adapter_or_the_base(folder):
     for name, g in generators.items():
         got = [int(t) for t in np.asarray(g.get_sequence(0))]
         assert got == forward_greedy(references[name], PROMPT, len(got)), f"adapter {name}"
-    # The three are different models: far apart next to the float32 bound.
-    bound = tolerance.bound(tolerance.magnitude(*logits.values()), terms=tolerance.LAYER_TERMS * 2)
     for a, b in (("one", None), ("two", None), ("one", "two")):
-        assert np.abs(logits[a] - logits[b]).max() > 1000 * bound, (a, b)
+        assert_far_apart(logits[a], logits[b], (a, b))
     sequences = {name: tuple(np.asarray(g.get_sequence(0))) for name, g in generators.items()}
     assert len(set(sequences.values())) == 3, "the adapters do not change the tokens: nothing is tested"
 
@@ -114,8 +118,7 @@ def test_merged_export_is_the_adapted_model(tmp_path):
     model = og.Model(str(tmp_path))
     got = np.asarray(generator(model, None, None).get_logits())[0, -1]
     tolerance.assert_close(got, last_logits(lm, PROMPT), terms=tolerance.LAYER_TERMS * 2)
-    base = last_logits(build_lm(**OPTIONS), PROMPT)
-    assert np.abs(got - base).max() > 1000 * tolerance.bound(tolerance.magnitude(got), terms=tolerance.LAYER_TERMS * 2)
+    assert_far_apart(got, last_logits(build_lm(**OPTIONS), PROMPT), "merged adapter against the base")
 
 
 @pytest.mark.parametrize("quantization,bits", [("int4", 4), ("int8", 8)])
@@ -160,8 +163,7 @@ def test_adapter_of_fewer_projections_leaves_the_others_as_the_base(folder, tmp_
     got = np.asarray(generator(model, adapters, "q").get_logits())[0, -1]
     want = last_logits(lm, PROMPT)
     tolerance.assert_close(got, want, terms=tolerance.LAYER_TERMS * 2)
-    base = last_logits(build_lm(**OPTIONS), PROMPT)
-    assert np.abs(want - base).max() > 1000 * tolerance.bound(tolerance.magnitude(want), terms=tolerance.LAYER_TERMS * 2)
+    assert_far_apart(want, last_logits(build_lm(**OPTIONS), PROMPT), "q_proj adapter against the base")
 
 
 def test_adapter_of_other_projections_is_refused(folder, tmp_path):
