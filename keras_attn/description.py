@@ -5,7 +5,9 @@ attention (heads, key/value heads, head size, the four projections with
 their biases, QK-norm, rotary, window, soft cap, value norm, shared keys and
 values) and its feed-forward; per model the token table, its scale, the head
 (or the tied table), the final norm and soft cap, the positions and the
-per-layer inputs. The ONNX and TFLite writers (`keras_attn.export`) read
+per-layer inputs; a projection's LoRA adapter, unmerged (`Dense.lora`:
+every writer reads `kernel`, the adapter merged in, unless it keeps the
+adapters apart). The ONNX and TFLite writers (`keras_attn.export`) read
 this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
 the description by `keras_attn.export.capabilities`. The encoder writers read
@@ -76,10 +78,6 @@ class LoRA:
     a: Weight
     b: Weight
     scale: float
-
-    @property
-    def rank(self):
-        return self.a.shape[1]
 
     def scaled_b(self):
         """`scale * b` (float32): the adapter as one `(x @ a) @ b'` (how the

@@ -38,6 +38,12 @@ Weights are float32 `MatMul`s, or `com.microsoft` `MatMulNBits` with
 `keras_attn.export.onnx_quantize.nbits_weight`), quantized as they are
 written.
 
+LoRA adapters are merged into the kernels (the description's `kernel`), or,
+with `adapters=`, kept apart as graph inputs that ONNX Runtime's adapter
+files (`.onnx_adapter`) feed: each adapted projection adds `(x @ A) @ B'`
+(`B'` = `(alpha / r) * B`), named and defaulted (empty, rank 0) as Olive's
+`ExtractAdapters` writes them for ONNX Runtime GenAI.
+
 A model this writer does not cover raises `NotFusableError` naming the
 setting; `keras_attn.runtimes.onnx_genai.export_onnx_genai` then falls back
 to the tf2onnx graph with a warning.

@@ -173,6 +173,17 @@ def test_adapter_of_other_projections_is_refused(folder, tmp_path):
         save_onnx_adapter(lm, tmp_path / "k.onnx_adapter", folder=folder)
 
 
+def test_capability_table_keeps_adapters_apart_in_genai_only():
+    from keras_attn.export import capabilities
+
+    described = adapted(*ADAPTERS["one"]).describe()
+    assert capabilities.support(described, "onnx_genai", adapters=True) is None
+    for writer in capabilities.DECODERS - {"onnx_genai"}:
+        assert capabilities.support(described, writer) is None  # merged
+        reason = capabilities.support(described, writer, adapters=True)
+        assert "a LoRA adapter on query" in reason and capabilities.WRITERS[writer] in reason
+
+
 def test_refusals_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="no LoRA adapter to write apart"):
         export_onnx_genai(build_lm(**OPTIONS), tmp_path, max_length=CACHE, adapters=True)
