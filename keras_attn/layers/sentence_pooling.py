@@ -46,7 +46,7 @@ class SentencePooling(keras.layers.Layer):
     >>> import numpy as np
     >>> layer = SentencePooling("mean")
     >>> hidden = np.arange(12, dtype="float32").reshape(1, 3, 4)
-    >>> layer(hidden, np.array([[1, 1, 0]])).numpy().tolist()
+    >>> np.asarray(layer(hidden, np.array([[1, 1, 0]]))).tolist()
     [[2.0, 3.0, 4.0, 5.0]]
     """
 
