@@ -289,7 +289,7 @@ def test_tiny_exports_equal_encode(tmp_path, backbone):
     exclusion, CLS, Dense tanh, Normalize, truncation), run in their
     runtimes on the library's tokens, against `encode`. Pooling without the
     prompt's tokens is not in the direct writers: both fall back to the
-    converters, ONNX's warning naming it."""
+    converters, ONNX's report naming why."""
     import onnxruntime as ort
     from ai_edge_litert.interpreter import Interpreter
 
@@ -308,9 +308,9 @@ def test_tiny_exports_equal_encode(tmp_path, backbone):
     # (the reason and a warning are given from 16M weights on: all-MiniLM-L6-v2's)
     assert "writer=converter" in str(tfl)
     assert not [op for op in tfl.ops if "FLEX" in op.upper() or op == "CUSTOM"]
-    with pytest.warns(UserWarning, match=r"falls back to tf2onnx.*prompt_length input \(include_prompt=False\)"):
-        onx = kx.export_onnx(model, tmp_path / "st.onnx", sample_inputs=sample)
+    onx = kx.export_onnx(model, tmp_path / "st.onnx", sample_inputs=sample)
     assert "writer=tf2onnx direct_writer_skipped=" in str(onx)
+    assert "a prompt_length input (include_prompt=False)" in onx.details["direct_writer_skipped"]
     session = ort.InferenceSession(onx.path, providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == ["sentence_embedding"]
     tolerance.assert_close(session.run(["sentence_embedding"], sample)[0], want, terms=2 * 32 + 40)
@@ -465,15 +465,24 @@ def test_tiny_description_and_support(tmp_path, backbone):
     assert not loaded.unsupported and [type(s) for s in loaded.steps] == [type(s) for s in steps]
     for writer in capabilities.ENCODERS:
         assert capabilities.support(description.read_encoder(model), writer) is None
+    refused = {}
     for pooling, include_prompt, reason in (
             ("max", True, r"modes=\('max',\)"), (("mean", "weightedmean"), True, "weightedmean"),
             # (the TFLite writer's first reason is the rank-1 input itself)
             ("mean", False, "prompt_length")):
         folder, _ = write_folder(tmp_path / f"st_{pooling}_{include_prompt}", backbone, pooling=pooling,
                                  include_prompt=include_prompt)
-        encoder = description.read_encoder(from_huggingface(folder))
+        refused[reason] = from_huggingface(folder)
+        encoder = description.read_encoder(refused[reason])
         for writer in capabilities.ENCODERS:
             assert re.search(reason, capabilities.support(encoder, writer)), writer
+    # The exports give that reason: writer="direct" raises it ("auto" warns
+    # or reports it, test_tiny_exports_equal_encode).
+    from keras_attn import export as kx
+
+    for export, path in ((kx.export_onnx, "m.onnx"), (kx.export_tflite, "m.tflite")):
+        with pytest.raises(capabilities.NotFusableError, match="does not cover this model: .*weightedmean"):
+            export(refused["weightedmean"], str(tmp_path / path), writer="direct")
 
 
 def test_tiny_saved_model_names(tmp_path, backbone):
