@@ -639,7 +639,8 @@ def _encoder_step(op, node, name):
             return "only a comparison with a scalar"
         return CompareStep(op.name, name(x), out, kind == "Equal", np.asarray(other, dtype=x.dtype))
     if isinstance(op, SentencePooling):
-        values = dict(zip(("hidden", "attention_mask", "prompt_length"), args), **kwargs)
+        values = dict(zip(("hidden", "attention_mask", "prompt_length"), args),
+                      **{k: v for k, v in kwargs.items() if k != "training"})
         if set(values) - {"hidden", "attention_mask", "prompt_length"} or "attention_mask" not in values:
             return "called with extra arguments"
         if len(values["hidden"].shape) != 3 or len(values["attention_mask"].shape) != 2:
