@@ -11,7 +11,9 @@ adapters apart). The ONNX and TFLite writers (`keras_attn.export`) read
 this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
 the description by `keras_attn.export.capabilities`. The encoder writers read
-`read_encoder(model)`: a functional Keras model's calls in order, as steps.
+`read_encoder(model)`: a functional Keras model's calls in order, as steps
+(embeddings, Transformer blocks, dense layers, comparisons and indexing, and
+a sentence embedding's pooling, L2 normalization and truncation).
 
 Weights are `Weight`s: a variable read when a writer asks for it, as a
 read-only float32 view of the variable's own memory where the backend keeps
@@ -556,6 +558,34 @@ class GetItemStep(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class PoolingStep(Step):
+    """`SentencePooling` of the sequence `input` `(B, T, D)` over the tokens
+    of `mask` `(B, T)` (nonzero: a token), leaving out the first
+    `prompt_length` `(B,)` tokens when it is not None: each of `modes`
+    (`keras_attn.layers.sentence_pooling.MODES`) gives a `(B, D)` vector,
+    concatenated in that order."""
+
+    mask: str
+    prompt_length: Optional[str]
+    modes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizeStep(Step):
+    """L2 normalization of the last axis, as `keras.ops.normalize`:
+    `input * min(rsqrt(sum(input ** 2)), 1 / epsilon)`."""
+
+    epsilon: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncateStep(Step):
+    """The first `size` features of the last axis (`x[..., :size]`)."""
+
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Encoder:
     """A functional Keras model as steps (see above). `unsupported`:
     `(layer name, what)` for each call the description does not carry (its
@@ -585,10 +615,24 @@ def _index_key(key):
     return None
 
 
+def _truncation(key, rank):
+    """`size` of a key `(:, ..., :size)` over `rank` axes (a list as
+    `_index_key`'s), else None."""
+    key = list(key) if isinstance(key, (list, tuple)) else [key]
+    if len(key) != rank or any(not (isinstance(k, slice) and k == slice(None)) for k in key[:-1]):
+        return None
+    last = key[-1]
+    if (not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1)
+            or not isinstance(last.stop, (int, np.integer)) or isinstance(last.stop, bool) or last.stop <= 0):
+        return None
+    return int(last.stop)
+
+
 def _encoder_step(op, node, name):
     """The step of one call, or the text of why it is not one."""
     import keras
 
+    from keras_attn.layers.sentence_pooling import SentencePooling
     from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
     from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
@@ -634,6 +678,23 @@ def _encoder_step(op, node, name):
         if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
             return "only a comparison with a scalar"
         return CompareStep(op.name, name(x), out, kind == "Equal", np.asarray(other, dtype=x.dtype))
+    if isinstance(op, SentencePooling):
+        values = dict(zip(("hidden", "attention_mask", "prompt_length"), args),
+                      **{k: v for k, v in kwargs.items() if k != "training"})
+        if set(values) - {"hidden", "attention_mask", "prompt_length"} or "attention_mask" not in values:
+            return "called with extra arguments"
+        if len(values["hidden"].shape) != 3 or len(values["attention_mask"].shape) != 2:
+            return "pooling other than (batch, length, features) over a (batch, length) mask"
+        prompt = values.get("prompt_length")
+        return PoolingStep(op.name, name(values["hidden"]), out, name(values["attention_mask"]),
+                           None if prompt is None else name(prompt), tuple(op.modes))
+    if kind == "Normalize" and len(args) == 1:
+        if op.order != 2 or op.axis not in (-1, len(args[0].shape) - 1):
+            return f"only the L2 norm of the last axis (received order={op.order}, axis={op.axis})"
+        epsilon = keras.backend.epsilon() if op.epsilon is None else op.epsilon
+        return NormalizeStep(op.name, name(args[0]), out, float(epsilon))
+    if kind == "GetItem" and len(args) == 2 and _truncation(args[1], len(args[0].shape)) is not None:
+        return TruncateStep(op.name, name(args[0]), out, _truncation(args[1], len(args[0].shape)))
     if kind == "GetItem" and len(args) == 2:
         key = _index_key(args[1])
         if key is None or len(key) != len(args[0].shape):

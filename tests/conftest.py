@@ -38,6 +38,7 @@ BACKEND_AGNOSTIC_FILES = {
     "layers/test_mha_keras_compat.py",
     "layers/test_peers.py",
     "layers/test_position_layers.py",
+    "layers/test_sentence_pooling.py",
     "layers/test_serialization.py",
     "layers/test_upstream_suites.py",
     "ops/test_ops.py",

@@ -130,6 +130,10 @@ _DECODER_LAYER_SETTINGS = (
 
 
 _EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemStep
+_POOLING = description_lib.PoolingStep
+# `SentencePooling` modes the encoder writers have an emitter for (as
+# masked sums: the others need a max or weights over positions).
+POOLING_MODES = ("cls", "lasttoken", "mean", "mean_sqrt_len_tokens")
 
 
 FEATURES = (
@@ -203,6 +207,13 @@ FEATURES = (
             DECODERS),
     # Found only when outside the writer's own list (ACTIVATIONS).
     Feature("activation", _activation, frozenset()),
+    Feature("sentence pooling modes max and weightedmean", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _POOLING) and set(s.modes) - set(POOLING_MODES),
+        lambda s: f"{s.name}: modes={s.modes!r} (the writers pool with {POOLING_MODES})"),
+        frozenset(), ENCODERS),
+    Feature("sentence pooling without the prompt's tokens", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _POOLING) and s.prompt_length is not None,
+        lambda s: f"{s.name}: a prompt_length input (include_prompt=False)"), frozenset(), ENCODERS),
     Feature("negative indices", lambda d, c: _first(
         d.steps, lambda s: isinstance(s, _GET_ITEM) and any(k is not None and k < 0 for k in s.key),
         lambda s: f"{s.name}: key {s.key} (negative indices)"), frozenset({"onnx_encoder"}), ENCODERS),
