@@ -19,6 +19,17 @@ RMSNorm scale `1 + w`) with what Gemma 2 and 3 add.
   unscaled) on the sliding layers, `rope_parameters["full_attention"]`
   (`rope_theta` with its `rope_scaling`) on the full ones.
 
+Gemma 3's text model without a head (`Gemma3TextModel`, the backbone of
+EmbeddingGemma) becomes a functional encoder (`Gemma3EncoderConverter`):
+int32 `input_ids` and `attention_mask` (1 = token, 0 = padding) in,
+`last_hidden_state` `(B, T, D)` out, the same blocks as a
+`TransformerEncoderBlock` stack. With `use_bidirectional_attention=True`
+(EmbeddingGemma) nothing is causal: full layers see every token, sliding
+layers a symmetric band. transformers' config turns the checkpoint's
+`sliding_window` `w` into `w // 2 + 1` and its band is `|i - j| < w // 2 + 1`,
+which is keras_attn's `sliding_window=w // 2 + 1`. Without it, the encoder
+is causal (the decoder's last hidden state). Padding masks keys only.
+
 Gemma 3's multimodal `Gemma3ForConditionalGeneration` (model_type "gemma3")
 and Gemma 3n are refused by `registry.REFUSED`.
 
@@ -36,9 +47,13 @@ and Gemma 3n are refused by `registry.REFUSED`.
 
 import math
 
+import keras
+
 from keras_attn.convert import common
 from keras_attn.convert import gemma
 from keras_attn.convert import llama
+from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
 
 class Gemma2Converter(gemma.GemmaConverter):
@@ -99,6 +114,58 @@ class Gemma2Converter(gemma.GemmaConverter):
         set_norms_and_feedforward(self, block, prefix)
 
 
+class Gemma3EncoderConverter(Gemma2Converter):
+    """A `Gemma3TextModel` (no head) into a functional encoder of
+    `TransformerEncoderBlock`s: bidirectional with
+    `use_bidirectional_attention=True`, else causal."""
+
+    # The text model is what the flag makes bidirectional: taken, not refused.
+    causal_text_bidirectional = (True,)
+
+    def __init__(self, checkpoint):
+        super().__init__(checkpoint)
+        # A task model's base is under `model.`; the text model's tensors have no prefix.
+        self.weights = common.Weights(checkpoint.tensors, "model")
+
+    def convert(self):
+        self.check_config()
+        config, options = self.config, self.model_options()
+        causal = not getattr(config, "use_bidirectional_attention", False)
+        full = RotaryEmbedding(options["rope_max_wavelength"], rope_scaling=options["rope_scaling"])
+        local = RotaryEmbedding(options["local_rope_max_wavelength"])
+        windows = options["sliding_window"] or [None] * config.num_hidden_layers
+        input_ids = keras.Input((None,), dtype="int32", name="input_ids")
+        attention_mask = keras.Input((None,), dtype="int32", name="attention_mask")
+        embedding = keras.layers.Embedding(config.vocab_size, config.hidden_size, name="embedding")
+        x = embedding(input_ids)
+        x = x * keras.ops.cast(options["embedding_scale"], x.dtype)
+        padding_mask = keras.ops.not_equal(attention_mask, 0)
+        blocks = []
+        for i, window in enumerate(windows):
+            block = TransformerEncoderBlock(
+                num_heads=options["num_heads"], num_key_value_heads=options["num_key_value_heads"],
+                key_dim=options["head_dim"], intermediate_dim=options["intermediate_dim"],
+                activation=options["activation"], normalize_first=True,
+                layer_norm_epsilon=options["layer_norm_epsilon"], normalization="rms_norm",
+                use_gated_feedforward=True, attention_use_bias=options["attention_use_bias"],
+                attention_output_use_bias=options["attention_output_use_bias"],
+                feedforward_use_bias=options["feedforward_use_bias"], use_qk_norm=True,
+                use_sandwich_norm=True, rotary_embedding=full if window is None else local,
+                sliding_window=window, mask_padded_queries=False, name=f"encoder_{i}",
+            )
+            x = block(x, padding_mask=padding_mask, use_causal_mask=causal)
+            blocks.append(block)
+        final_norm = keras.layers.RMSNormalization(epsilon=options["layer_norm_epsilon"], name="final_norm")
+        x = keras.layers.Identity(name="last_hidden_state")(final_norm(x))
+        model = keras.Model([input_ids, attention_mask], x, name=f"{self.model_type}_keras_attn")
+        common.assign(embedding.embeddings, self.weights.take("embed_tokens.weight"), "embed_tokens.weight")
+        for i, block in enumerate(blocks):
+            self.set_block(block, f"layers.{i}.")
+        self.set_norm(final_norm, "norm")
+        self.weights.check_all_used(self.checkpoint.architecture)
+        return model
+
+
 def set_norms_and_feedforward(converter, block, prefix):
     """The sandwich norms (before and after attention and feed-forward) and
     the gated feed-forward of a Gemma 2/3/4 block, by `converter.set_norm`."""
@@ -119,13 +186,16 @@ def set_norms_and_feedforward(converter, block, prefix):
 
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `Gemma2ForCausalLM`
-    or `Gemma3ForCausalLM` (`dropout` is not used: the result has none)."""
+    or `Gemma3ForCausalLM`, or the functional encoder of a `Gemma3TextModel`
+    (`dropout` is not used: the result has none)."""
+    if checkpoint.architecture == "Gemma3TextModel":
+        return Gemma3EncoderConverter(checkpoint).convert()
     return Gemma2Converter(checkpoint).convert()
 
 
 FAMILY = common.Family(
     name="Gemma 2/3",
     model_types=("gemma2", "gemma3_text"),
-    architectures=("*ForCausalLM",),
+    architectures=("*ForCausalLM", "Gemma3TextModel"),
     convert=convert,
 )
