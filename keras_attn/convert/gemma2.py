@@ -47,13 +47,9 @@ and Gemma 3n are refused by `registry.REFUSED`.
 
 import math
 
-import keras
-
 from keras_attn.convert import common
 from keras_attn.convert import gemma
 from keras_attn.convert import llama
-from keras_attn.layers.rotary_embedding import RotaryEmbedding
-from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
 
 class Gemma2Converter(gemma.GemmaConverter):
@@ -114,56 +110,10 @@ class Gemma2Converter(gemma.GemmaConverter):
         set_norms_and_feedforward(self, block, prefix)
 
 
-class Gemma3EncoderConverter(Gemma2Converter):
+class Gemma3EncoderConverter(llama.EncoderConverter, Gemma2Converter):
     """A `Gemma3TextModel` (no head) into a functional encoder of
     `TransformerEncoderBlock`s: bidirectional with
     `use_bidirectional_attention=True`, else causal."""
-
-    # The text model is what the flag makes bidirectional: taken, not refused.
-    causal_text_bidirectional = (True,)
-
-    def __init__(self, checkpoint):
-        super().__init__(checkpoint)
-        # A task model's base is under `model.`; the text model's tensors have no prefix.
-        self.weights = common.Weights(checkpoint.tensors, "model")
-
-    def convert(self):
-        self.check_config()
-        config, options = self.config, self.model_options()
-        causal = not getattr(config, "use_bidirectional_attention", False)
-        full = RotaryEmbedding(options["rope_max_wavelength"], rope_scaling=options["rope_scaling"])
-        local = RotaryEmbedding(options["local_rope_max_wavelength"])
-        windows = options["sliding_window"] or [None] * config.num_hidden_layers
-        input_ids = keras.Input((None,), dtype="int32", name="input_ids")
-        attention_mask = keras.Input((None,), dtype="int32", name="attention_mask")
-        embedding = keras.layers.Embedding(config.vocab_size, config.hidden_size, name="embedding")
-        x = embedding(input_ids)
-        x = x * keras.ops.cast(options["embedding_scale"], x.dtype)
-        padding_mask = keras.ops.not_equal(attention_mask, 0)
-        blocks = []
-        for i, window in enumerate(windows):
-            block = TransformerEncoderBlock(
-                num_heads=options["num_heads"], num_key_value_heads=options["num_key_value_heads"],
-                key_dim=options["head_dim"], intermediate_dim=options["intermediate_dim"],
-                activation=options["activation"], normalize_first=True,
-                layer_norm_epsilon=options["layer_norm_epsilon"], normalization="rms_norm",
-                use_gated_feedforward=True, attention_use_bias=options["attention_use_bias"],
-                attention_output_use_bias=options["attention_output_use_bias"],
-                feedforward_use_bias=options["feedforward_use_bias"], use_qk_norm=True,
-                use_sandwich_norm=True, rotary_embedding=full if window is None else local,
-                sliding_window=window, mask_padded_queries=False, name=f"encoder_{i}",
-            )
-            x = block(x, padding_mask=padding_mask, use_causal_mask=causal)
-            blocks.append(block)
-        final_norm = keras.layers.RMSNormalization(epsilon=options["layer_norm_epsilon"], name="final_norm")
-        x = keras.layers.Identity(name="last_hidden_state")(final_norm(x))
-        model = keras.Model([input_ids, attention_mask], x, name=f"{self.model_type}_keras_attn")
-        common.assign(embedding.embeddings, self.weights.take("embed_tokens.weight"), "embed_tokens.weight")
-        for i, block in enumerate(blocks):
-            self.set_block(block, f"layers.{i}.")
-        self.set_norm(final_norm, "norm")
-        self.weights.check_all_used(self.checkpoint.architecture)
-        return model
 
 
 def set_norms_and_feedforward(converter, block, prefix):

@@ -179,7 +179,8 @@ def convert(checkpoint, *, dropout=None):
         common.set_dense(head[0], *weights.linear("head.dense"))
         _set_norm(head[1], weights, "head.norm")
     if architecture == MASKED_LM:
-        _set_decoder(decoder, weights, table, bool(config.tie_word_embeddings))
+        common.set_output_head(decoder, weights, "decoder", table, bool(config.tie_word_embeddings),
+                               "tok_embeddings")
     elif architecture == CLASSIFIER:
         common.set_dense(classifier, *weights.linear("classifier"))
     weights.check_all_used(architecture)
@@ -191,21 +192,6 @@ def _set_norm(layer, weights, prefix):
     common.assign(layer.gamma, weights.take(prefix + ".weight"), prefix + ".weight")
     if layer.beta is not None:
         common.assign(layer.beta, weights.take(prefix + ".bias"), prefix + ".bias")
-
-
-def _set_decoder(decoder, weights, table, tied):
-    """The masked LM's decoder: the token table when tied (a safetensors
-    folder leaves `decoder.weight` out; a state dict has it, checked equal)."""
-    if "decoder.weight" in weights:
-        kernel = weights.take("decoder.weight")
-        if tied and not np.array_equal(kernel, table):
-            common.refuse("tie_word_embeddings", True, "but decoder.weight differs from tok_embeddings")
-    elif tied:
-        kernel = table
-    else:
-        common.refuse("tie_word_embeddings", False, "but the checkpoint has no decoder.weight")
-    bias = weights.take("decoder.bias") if "decoder.bias" in weights else None
-    common.set_dense(decoder, kernel.T, bias, "decoder")
 
 
 FAMILY = common.Family(

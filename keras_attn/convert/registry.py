@@ -1,7 +1,7 @@
 """The converter table: which family converts which `model_type`.
 
 Each family module (`bert.py`, `gpt2.py`, `llama.py`, `gemma.py`,
-`gemma2.py`, `gemma4.py`, `modernbert.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
+`gemma2.py`, `gemma4.py`, `modernbert.py`, `eurobert.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
 declares a `FAMILY` (`common.Family`): the `model_type`s and architectures it
 takes and its `convert(checkpoint, *, dropout=None)`. `FAMILIES` lists them,
 one row each; adding a family is adding its module and its row. `REFUSED`
@@ -10,6 +10,7 @@ names the related model types that cannot be represented, and why.
 
 from keras_attn.convert import bert
 from keras_attn.convert import common
+from keras_attn.convert import eurobert
 from keras_attn.convert import gemma
 from keras_attn.convert import gpt2
 from keras_attn.convert import gemma2
@@ -24,6 +25,7 @@ from keras_attn.convert import t5
 FAMILIES = (
     bert.FAMILY,
     modernbert.FAMILY,
+    eurobert.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gemma.FAMILY,

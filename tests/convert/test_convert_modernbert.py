@@ -1,5 +1,6 @@
-"""ModernBERT and Gemma 3's text model (bidirectional, EmbeddingGemma's
-backbone) from `transformers`, converted with `from_huggingface`: hidden
+"""ModernBERT, EuroBERT and Gemma 3's text model (bidirectional,
+EmbeddingGemma's backbone) from `transformers`, converted with
+`from_huggingface`: hidden
 states, masked-LM logits and classifier logits within float32 rounding of
 `attn_implementation="eager"` on right- and left-padded batches longer
 than the local windows, and what cannot be represented refused by name.
@@ -42,6 +43,10 @@ GEMMA3 = dict(
     query_pre_attn_scalar=16, rope_local_base_freq=100.0, rope_theta=1000.0,
     rope_scaling=dict(rope_type="linear", factor=2.0),
 )
+EUROBERT = dict(
+    hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, rope_theta=100.0, mlp_bias=True, attention_bias=True,
+)
 FAMILIES = {
     "modernbert": ("ModernBertModel", "ModernBertConfig", MODERNBERT),
     "modernbert_biased": ("ModernBertModel", "ModernBertConfig", BIASED),
@@ -52,6 +57,10 @@ FAMILIES = {
     "gemma3_bidirectional": ("Gemma3TextModel", "Gemma3TextConfig",
                              dict(GEMMA3, use_bidirectional_attention=True)),
     "gemma3_causal": ("Gemma3TextModel", "Gemma3TextConfig", GEMMA3),
+    "eurobert": ("EuroBertModel", "EuroBertConfig", EUROBERT),
+    "eurobert_mlm": ("EuroBertForMaskedLM", "EuroBertConfig", EUROBERT),
+    "eurobert_mlm_tied": ("EuroBertForMaskedLM", "EuroBertConfig",
+                          dict(EUROBERT, mlp_bias=False, tie_word_embeddings=True)),
 }
 
 
@@ -120,9 +129,10 @@ def test_windows_and_rotary_bases_are_active(name, change):
     assert np.abs(before - after).max() > 0.01 * np.abs(before).max()
 
 
-def test_masked_lm_from_a_safetensors_folder(tmp_path):
+@pytest.mark.parametrize("name", ["modernbert_mlm", "eurobert_mlm_tied"])
+def test_tied_masked_lm_from_a_safetensors_folder(tmp_path, name):
     """`save_pretrained` leaves the tied decoder out: the table serves."""
-    hf = hf_model("modernbert_mlm")
+    hf = hf_model(name)
     hf.save_pretrained(tmp_path)
     ids, mask = padded_batch()
     got = np.asarray(from_huggingface(str(tmp_path))({"input_ids": ids, "attention_mask": mask}))
