@@ -1,7 +1,7 @@
 """The converter table: which family converts which `model_type`.
 
 Each family module (`bert.py`, `gpt2.py`, `llama.py`, `gemma.py`,
-`gemma2.py`, `gemma4.py`, `modernbert.py`, `eurobert.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
+`gemma2.py`, `gemma4.py`, `modernbert.py`, `eurobert.py`, `nomic_bert.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
 declares a `FAMILY` (`common.Family`): the `model_type`s and architectures it
 takes and its `convert(checkpoint, *, dropout=None)`. `FAMILIES` lists them,
 one row each; adding a family is adding its module and its row. `REFUSED`
@@ -17,6 +17,7 @@ from keras_attn.convert import gemma2
 from keras_attn.convert import gemma4
 from keras_attn.convert import llama
 from keras_attn.convert import modernbert
+from keras_attn.convert import nomic_bert
 from keras_attn.convert import phi3
 from keras_attn.convert import qwen3
 from keras_attn.convert import smollm3
@@ -26,6 +27,7 @@ FAMILIES = (
     bert.FAMILY,
     modernbert.FAMILY,
     eurobert.FAMILY,
+    nomic_bert.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gemma.FAMILY,

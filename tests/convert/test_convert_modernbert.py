@@ -1,7 +1,7 @@
 """ModernBERT, EuroBERT and Gemma 3's text model (bidirectional,
 EmbeddingGemma's backbone) from `transformers`, converted with
-`from_huggingface`: hidden
-states, masked-LM logits and classifier logits within float32 rounding of
+`from_huggingface`: hidden states, masked-LM logits and classifier logits
+within float32 rounding of
 `attn_implementation="eager"` on right- and left-padded batches longer
 than the local windows, and what cannot be represented refused by name.
 
@@ -47,6 +47,8 @@ EUROBERT = dict(
     hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, rope_theta=100.0, mlp_bias=True, attention_bias=True,
 )
+NOMIC = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+             rope_theta=100.0, layer_norm_eps=1e-12)
 FAMILIES = {
     "modernbert": ("ModernBertModel", "ModernBertConfig", MODERNBERT),
     "modernbert_biased": ("ModernBertModel", "ModernBertConfig", BIASED),
@@ -61,6 +63,7 @@ FAMILIES = {
     "eurobert_mlm": ("EuroBertForMaskedLM", "EuroBertConfig", EUROBERT),
     "eurobert_mlm_tied": ("EuroBertForMaskedLM", "EuroBertConfig",
                           dict(EUROBERT, mlp_bias=False, tie_word_embeddings=True)),
+    "nomic_bert": ("NomicBertModel", "NomicBertConfig", NOMIC),
 }
 
 
@@ -79,9 +82,18 @@ def padded_batch():
     return ids, mask
 
 
-def hf_output(hf, ids, mask):
+def inputs(name, ids, mask):
+    """The batch as inputs; NomicBERT's also has token types (a second type
+    from position 10, so that the type table is checked)."""
+    feed = {"input_ids": ids, "attention_mask": mask}
+    if name.startswith("nomic"):
+        feed["token_type_ids"] = np.broadcast_to(np.arange(ids.shape[1]) >= 10, ids.shape).astype("int32")
+    return feed
+
+
+def hf_output(hf, feed):
     with torch.no_grad():
-        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask))
+        out = hf(**{key: torch.tensor(value, dtype=torch.long) for key, value in feed.items()})
     return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
 
 
@@ -94,8 +106,9 @@ def family(request):
 def test_outputs_equal_transformers_on_padded_batches(family):
     name, hf, model = family
     ids, mask = padded_batch()
-    want = hf_output(hf, ids, mask)
-    got = np.asarray(model({"input_ids": ids, "attention_mask": mask}))
+    feed = inputs(name, ids, mask)
+    want = hf_output(hf, feed)
+    got = np.asarray(model(feed))
     assert got.shape == want.shape
     # Padded positions are computed by both but used by neither (keys are
     # masked); compare the tokens. "cls" pooling reads position 0, which
@@ -125,7 +138,8 @@ def test_windows_and_rotary_bases_are_active(name, change):
     ids, mask = padded_batch()
     base, changed = hf_model(name), hf_model(name, **change)
     valid = mask == 1
-    before, after = hf_output(base, ids, mask)[valid], hf_output(changed, ids, mask)[valid]
+    feed = inputs(name, ids, mask)
+    before, after = hf_output(base, feed)[valid], hf_output(changed, feed)[valid]
     assert np.abs(before - after).max() > 0.01 * np.abs(before).max()
 
 
@@ -135,8 +149,9 @@ def test_tied_masked_lm_from_a_safetensors_folder(tmp_path, name):
     hf = hf_model(name)
     hf.save_pretrained(tmp_path)
     ids, mask = padded_batch()
-    got = np.asarray(from_huggingface(str(tmp_path))({"input_ids": ids, "attention_mask": mask}))
-    want = hf_output(hf, ids, mask)
+    feed = inputs(name, ids, mask)
+    got = np.asarray(from_huggingface(str(tmp_path))(feed))
+    want = hf_output(hf, feed)
     tolerance.assert_close(got[mask == 1], want[mask == 1], terms=5 * 64)
 
 
