@@ -181,3 +181,12 @@ def test_modernbert_refuses_other_heads_and_classifier_options():
         from_huggingface(token)
     _refused("modernbert_cls", dict(problem_type="ranking"), "`problem_type`='ranking'")
     _refused("modernbert_mlm", dict(classifier_activation="softplus"), "`classifier_activation`='softplus'")
+
+
+def test_eurobert_and_nomic_bert_refuse_what_they_cannot_represent():
+    _refused("eurobert", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 100.0}),
+             "`rope_scaling`=.*yarn")
+    _refused("nomic_bert", dict(hidden_act="softplus"), "`hidden_act`='softplus'")
+    pooled = transformers.NomicBertModel(transformers.NomicBertConfig(**COMMON, **NOMIC), add_pooling_layer=True)
+    with pytest.raises(ValueError, match=r"NomicBertModel: these checkpoint tensors .*pooler\.dense"):
+        from_huggingface(pooled)
