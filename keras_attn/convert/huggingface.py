@@ -95,7 +95,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapter=None, use_modules=True,
                      output_dim=None):
-    """Converts a Hugging Face BERT-, RoBERTa-, ModernBERT-, EuroBERT-, NomicBERT-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- or T5-style model.
+    """Converts a Hugging Face encoder, decoder or T5 model (the families: see the module docstring).
 
     Args:
         model_or_local_dir: a `transformers.PreTrainedModel` (PyTorch) or the
