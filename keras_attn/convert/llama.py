@@ -282,7 +282,9 @@ class EncoderConverter:
         embedding = keras.layers.Embedding(config.vocab_size, config.hidden_size, name="embedding")
         x = embedding(input_ids)
         if options.get("embedding_scale") is not None:
-            x = x * keras.ops.cast(options["embedding_scale"], x.dtype)
+            # A Python float, which takes `x`'s dtype (Gemma rounds it so) and
+            # stays a constant of the graph (a cast tensor would be captured).
+            x = x * options["embedding_scale"]
         padding_mask = keras.ops.not_equal(attention_mask, 0)
         blocks = []
         for i, window in enumerate(windows):

@@ -53,6 +53,7 @@ import numpy as np
 from keras_attn.convert import common
 from keras_attn.convert import llama
 from keras_attn.convert import sentence_transformers
+from keras_attn.layers import activations
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
 from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
@@ -141,8 +142,9 @@ def convert(checkpoint, *, dropout=None):
     if architecture == "ModernBertModel":
         outputs = keras.layers.Identity(name="last_hidden_state")(x)
     else:
-        head_dense = keras.layers.Dense(hidden, activation=common.mapped_activation(
-            "classifier_activation", config.classifier_activation), use_bias=bool(config.classifier_bias),
+        # keras_attn's exportable activations (Keras' gelu is no TFLite or ONNX builtin).
+        head_dense = keras.layers.Dense(hidden, activation=activations.get(common.mapped_activation(
+            "classifier_activation", config.classifier_activation)), use_bias=bool(config.classifier_bias),
             name="head_dense")
         head_norm = norm("head_norm")
         head = (head_dense, head_norm)

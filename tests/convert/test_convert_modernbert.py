@@ -190,3 +190,27 @@ def test_eurobert_and_nomic_bert_refuse_what_they_cannot_represent():
     pooled = transformers.NomicBertModel(transformers.NomicBertConfig(**COMMON, **NOMIC), add_pooling_layer=True)
     with pytest.raises(ValueError, match=r"NomicBertModel: these checkpoint tensors .*pooler\.dense"):
         from_huggingface(pooled)
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only
+@pytest.mark.parametrize("name", ["modernbert_mlm", "gemma3_bidirectional"])
+def test_exports_equal_transformers(tmp_path, name):
+    """ONNX run by onnxruntime against transformers; TFLite of builtin ops
+    only, checked against Keras by the exporter."""
+    import onnxruntime as ort
+
+    from keras_attn import export as kx
+
+    hf = hf_model(name)
+    model = from_huggingface(hf)
+    onx = kx.export_onnx(model, tmp_path / "model.onnx")
+    tfl = kx.export_tflite(model, tmp_path / "model.tflite")
+    assert not [op for op in tfl.ops if "FLEX" in op.upper() or op == "CUSTOM"]
+    assert tfl.max_abs_error <= tfl.atol
+    ids, mask = padded_batch()
+    feed = inputs(name, ids, mask)
+    session = ort.InferenceSession(onx.path, providers=["CPUExecutionProvider"])
+    got = session.run(None, feed)[0]
+    want = hf_output(hf, feed)
+    tolerance.assert_close(got[mask == 1], want[mask == 1], terms=(hf.config.num_hidden_layers + 1) * 64)
