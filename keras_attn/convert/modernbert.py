@@ -30,6 +30,9 @@ has, and what it becomes:
 
 Padding masks keys only (`mask_padded_queries=False`), as transformers does;
 positions are `0 .. T-1` whatever the padding, as transformers gives them.
+"cls" pooling reads position 0, as transformers does: in a left-padded row
+that is a pad, whose value is unspecified (when its window holds no token,
+transformers averages every value, keras_attn gives none).
 
 | Hugging Face tensor (prefix `model.` in task models) | keras_attn variable                                        |
 |------------------------------------------------------|------------------------------------------------------------|
