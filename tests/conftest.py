@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 # converters' streaming. Training, export, generation and data are TensorFlow
 # by design (docs/architecture.md). Paths are relative to tests/.
 BACKEND_AGNOSTIC_FILES = {
+    "convert/test_convert_modernbert.py",
     "convert/test_convert_streaming.py",
     "export/test_decoder_writers.py",
     "export/test_description.py",

