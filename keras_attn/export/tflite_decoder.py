@@ -257,8 +257,11 @@ class DecoderBuilder:
 
     def __init__(self, description, writer, max_length, quantization, read_bucket, lora_rank=None):
         self.d = description
-        # With a rank, every signature holds the frozen kernels (`base_kernel`).
+        # With a rank, every signature holds the frozen kernels (`base_kernel`)
+        # and takes LoRA inputs: `lora` maps (layer, letter) to the current
+        # signature's (a', b') tensors.
         self.lora_rank = lora_rank
+        self.lora = {}
         self.w = writer
         self.max_length = int(max_length)
         self.quantization = quantization
