@@ -56,6 +56,11 @@ flatbuffer (`Buffer.offset/size`, the converter's
 `_experimental_use_buffer_offset` layout): no 2 GB limit, and one weight in
 memory at a time.
 
+With `lora_rank` (16 or 32), the signatures hold the frozen kernels of a
+model's PEFT-style adapters and take every attention projection's LoRA
+weights as inputs, named as LiteRT-LM names them; `write_lora_tflite`
+writes the file LiteRT-LM binds to them (see `write_decoder_tflite`).
+
 A model or option the writer does not cover raises `NotFusableError` naming
 it (`check_direct_decoder`); `keras_attn.runtimes.litertlm` then falls back
 to the converter with a warning.
@@ -77,8 +82,6 @@ QUANTIZATIONS = (None, "dynamic", "int4")
 # `IsLoRAInputName`: `lora_atten_(q|k|v|o)_(a|b)_prime_weight_<layer>`, the
 # names ai-edge-torch's LoRA signatures take), and our description's names.
 LORA_PROJECTIONS = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "output"))
-
-
 # The LoRA ranks LiteRT-LM 0.18's CPU executor runs (others: "Currently only
 # support rank 16 and 32", runtime/components/lora.cc).
 LORA_RANKS = (16, 32)
@@ -165,13 +168,20 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
 
 def check_lora_rank(rank, description):
     """`rank` as an int when LiteRT-LM takes LoRA weights of that rank and
-    every adapter of `description` fits it, else ValueError."""
+    every adapter of `description` fits it, else ValueError (also for an
+    adapter that is merged or Keras-style: the description serves it only
+    merged, so the frozen kernel would carry the fine-tune)."""
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or int(rank) not in LORA_RANKS:
         raise ValueError(
             f"Received an invalid value for argument `lora_rank`, expected one of {list(LORA_RANKS)} "
             f"(the LoRA ranks LiteRT-LM runs). Received: lora_rank={rank!r}")
     for layer in description.layers:
         for dense in _adapted(layer):
+            if dense.lora is None:
+                raise ValueError(
+                    f"`{layer.name}/{dense.name}` has a merged or Keras-style (style='keras') LoRA "
+                    "adapter: a LoRA file needs the PEFT-style adapter unmerged (`enable_lora`, "
+                    "not `merge_lora`). Export without `lora_rank` for the merged model.")
             if dense.lora.rank > rank:
                 raise ValueError(
                     f"Received an invalid value for argument `lora_rank`, expected at least the "
@@ -181,11 +191,12 @@ def check_lora_rank(rank, description):
 
 
 def _adapted(layer):
-    """The projections of `layer` with an unmerged adapter; ValueError for a
-    feed-forward one (LiteRT-LM feeds LoRA weights to attention only)."""
+    """The attention projections of `layer` with an adapter (`lora` None when
+    it is served merged only); ValueError for a feed-forward one (LiteRT-LM
+    feeds LoRA weights to attention only)."""
     feedforward = layer.feedforward
     for dense in (feedforward.gate, feedforward.up, feedforward.down):
-        if dense is not None and dense.lora is not None:
+        if _has_adapter(dense):
             raise ValueError(
                 f"`{layer.name}/{dense.name}` has a LoRA adapter: LiteRT-LM takes LoRA "
                 "weights for the attention projections only (query, key, value, "
@@ -193,7 +204,13 @@ def _adapted(layer):
                 "(`merge_lora`) and export without `lora_rank`.")
     attention = layer.attention
     return [d for d in (attention.query, attention.key, attention.value, attention.output)
-            if d is not None and d.lora is not None]
+            if _has_adapter(d)]
+
+
+def _has_adapter(dense):
+    # A merged or Keras-style adapter has no `lora` in the description; its
+    # layer still says it has one.
+    return dense is not None and (dense.lora is not None or getattr(dense.kernel.owner, "lora_enabled", False))
 
 
 def lora_weights(description, rank):
@@ -464,9 +481,7 @@ class DecoderBuilder:
         packed = attention.packed_bias()
         if packed is not None:
             packed[:sizes[0]] *= scale
-        # Keyed apart from the merged packing: a bundle holds one of the two.
-        key = f"layers.{i}/qkv" + ("/base" if self.lora_base else "")
-        qkv = self.fully_connected(g, h, key, kernel, packed, f"layers.{i}/attn/qkv")
+        qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
         rows = g.shape(h)[0]
         q, k, v = g.op("SPLIT_V", [qkv, g.const(np.array(sizes, np.int32)), g.const(np.array(-1, np.int32))],
                        [(rows, n) for n in sizes], np.float32, g.options("SplitVOptions", numSplits=3),
@@ -479,14 +494,10 @@ class DecoderBuilder:
         q = g.add(q, g.mul(self._lora_update(g, normed, i, "q"), g.const(np.array(scale, np.float32))))
         return q, g.add(k, self._lora_update(g, normed, i, "k")), g.add(v, self._lora_update(g, normed, i, "v"))
 
-    @property
-    def lora_base(self):
-        return self.lora_rank is not None
-
     def base_kernel(self, dense):
         """The kernel a projection's FULLY_CONNECTED holds: the frozen one
         where LoRA weights are inputs, else the kernel with any adapter merged."""
-        return dense.lora.base if self.lora_base and dense.lora is not None else dense.kernel
+        return dense.lora.base if self.lora_rank is not None and dense.lora is not None else dense.kernel
 
     def _lora_update(self, g, x, i, letter):
         """`(x @ a') @ b'` with layer `i`'s LoRA inputs of projection `letter`."""
@@ -521,8 +532,7 @@ class DecoderBuilder:
         """`x` plus the attention's output projection of `attended`, then plus
         the feed-forward, each branch sandwich-normed where the layer is."""
         out, base = layer.attention.output, f"layers.{i}"
-        key = f"{base}/o" + ("/base" if self.lora_base else "")
-        branch = self.fully_connected(g, attended, key, self.base_kernel(out).read, out.read_bias(),
+        branch = self.fully_connected(g, attended, f"{base}/o", self.base_kernel(out).read, out.read_bias(),
                                       f"{base}/attn/o")
         if self.lora:
             branch = g.add(branch, self._lora_update(g, attended, i, "o"))

@@ -201,3 +201,12 @@ def test_refuses_what_litertlm_lora_cannot_carry(lora, tmp_path):
     ffn.enable_lora(4, target_names=("query", "feedforward_output_dense"))
     with pytest.raises(ValueError, match="feedforward_output_dense` has a LoRA adapter"):
         save_litertlm_lora(ffn, tmp_path / "c.tflite", lora_rank=16)
+    # Merged or Keras-style adapters: the frozen kernel would carry the fine-tune.
+    merged = _lm()
+    merged.enable_lora(4, target_names=("query",))
+    merged.merge_lora()
+    keras_style = _lm()
+    keras_style.enable_lora(4, target_names=("query",), style="keras")
+    for model in (merged, keras_style):
+        with pytest.raises(ValueError, match="query` has a merged or Keras-style"):
+            export_litertlm(model, tmp_path / "d.litertlm", lora_rank=16, **kwargs)
