@@ -42,8 +42,10 @@ time (`litert_lm.LoraConfig(lora_path=...)`): one bundle, many fine-tunes.
 What LiteRT-LM 0.18's CPU executor requires, measured: the inputs on
 `decode` and `prefill_<T>` themselves, rank 16 or 32, the file's tensor
 data after its flatbuffer (`Buffer.offset/size`) with a `lora_rank`
-metadata entry, and its size a multiple of 4096 bytes; a session without a
-LoRA file leaves the inputs unbound (garbage logits).
+metadata entry, and its size a multiple of 4096 bytes. Give every session
+a file (the all-zero one for the base model): an engine that never loaded
+one leaves the inputs unbound (garbage, for that session and the next ones),
+and a session without a file after one with a file keeps the previous LoRA.
 """
 
 import dataclasses
@@ -472,10 +474,10 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             for every attention projection, LiteRT-LM's LoRA input names;
             the model's own adapters (PEFT-style, on attention projections,
             of rank up to `lora_rank`) are what the export is verified with.
-            LiteRT-LM 0.18's CPU executor leaves these inputs unbound when
-            a session has no LoRA file: run such a bundle with one (a model
-            without adapters writes an all-zero one, the base model).
-            Direct writer only.
+            Give every LiteRT-LM session a LoRA file: in an engine that
+            never loaded one, LiteRT-LM 0.18's CPU executor leaves these
+            inputs unbound (garbage); a model without adapters writes the
+            all-zero file, the base model. Direct writer only.
 
     Returns:
         A `LitertLmReport`.

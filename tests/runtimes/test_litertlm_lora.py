@@ -81,14 +81,12 @@ def _file_tensors(path):
     return model, content, out
 
 
-def _generate(path, lora_path, *token_lists):
-    """LiteRT-LM's greedy text from `TEXT` with `lora_path`, and the
-    engine's text of each of `token_lists`."""
-    # One engine per run: a session without a LoRA file would leave NaNs in
-    # the engine's caches (its LoRA inputs unbound).
+def _generate(path, lora_paths, *token_lists):
+    """LiteRT-LM's greedy texts from `TEXT`, one session per LoRA file of
+    `lora_paths` in one engine, and the engine's text of each of `token_lists`."""
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     try:
-        got = litertlm.generate(path, TEXT, engine=engine, lora_path=lora_path)
+        got = [litertlm.generate(path, TEXT, engine=engine, lora_path=p) for p in lora_paths]
         return got, [engine.detokenize([int(t) for t in tokens]) for tokens in token_lists]
     finally:
         engine.close()
@@ -161,13 +159,18 @@ def test_engine_with_the_lora_file_generates_the_keras_lora_tokens(lora):
     base = lora["base_tokens"]
     # The adapters change the greedy tokens: a run that ignored them would fail.
     assert want != base and len(want) >= 8 and len(set(want)) >= 3
-    got, (want_text, base_text) = _generate(lora["path"], lora["lora_path"], want, base)
+    (got,), (want_text, base_text) = _generate(lora["path"], [lora["lora_path"]], want, base)
     assert got == want_text and got != base_text
 
 
-def test_engine_with_the_zero_lora_file_generates_the_base_tokens(lora):
-    got, (want_text,) = _generate(lora["path"], lora["zero_path"], lora["base_tokens"])
-    assert got == want_text
+def test_each_session_takes_its_own_lora_file(lora):
+    """The all-zero file gives the base model's tokens, and one engine
+    switches between files from one session to the next."""
+    lm, prompt = lora["lm"], lora["prompt"]
+    files = [lora["zero_path"], lora["lora_path"], lora["zero_path"]]
+    got, (base_text, want_text) = _generate(lora["path"], files, lora["base_tokens"],
+                                            keras_tokens(lm, prompt, MAX_LEN))
+    assert got == [base_text, want_text, base_text]
 
 
 def test_merged_export_of_a_lora_model_generates_the_keras_lora_tokens(lora, tmp_path):
@@ -180,7 +183,7 @@ def test_merged_export_of_a_lora_model_generates_the_keras_lora_tokens(lora, tmp
     assert report.max_abs_error <= report.atol
     assert not any(LORA_INPUT.fullmatch(n) for n in report.signatures["decode"]["inputs"])
     want = keras_tokens(lm, prompt, MAX_LEN)
-    got, (want_text, base_text) = _generate(path, None, want, lora["base_tokens"])
+    (got,), (want_text, base_text) = _generate(path, [None], want, lora["base_tokens"])
     assert got == want_text and got != base_text
 
 
