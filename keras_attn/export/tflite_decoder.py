@@ -106,9 +106,10 @@ def lora_inputs(description, rank):
     return inputs
 
 
-def check_direct_decoder(model, quantization=None, max_length=None):
+def check_direct_decoder(model, quantization=None, max_length=None, adapters=False):
     """`model`'s description when the direct TFLite writer covers it and
-    `quantization` (caches of `max_length`, when given); else
+    `quantization` (caches of `max_length`, when given; its LoRA adapters
+    kept apart, with `adapters`); else
     `NotFusableError` naming the first thing it does not cover
     (`keras_attn.export.capabilities`)."""
     if quantization not in QUANTIZATIONS:
@@ -116,7 +117,7 @@ def check_direct_decoder(model, quantization=None, max_length=None):
             f"quantization={quantization!r} (the direct TFLite writer writes "
             f"{list(QUANTIZATIONS)})")
     description = capabilities.describe(model, "litertlm")
-    capabilities.check(description, "litertlm", max_length)
+    capabilities.check(description, "litertlm", max_length, adapters)
     return description
 
 
@@ -152,7 +153,7 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
     Raises:
         NotFusableError: the model (or `quantization`) is not covered.
     """
-    description = check_direct_decoder(model, quantization, max_length)
+    description = check_direct_decoder(model, quantization, max_length, adapters=lora_rank is not None)
     lengths = sorted(set(int(t) for t in prefill_lengths))
     if lora_rank is not None:
         lora_rank = check_lora_rank(lora_rank, description)
@@ -182,10 +183,10 @@ def check_lora_rank(rank, description):
                     f"`{layer.name}/{dense.name}` has a merged or Keras-style (style='keras') LoRA "
                     "adapter: a LoRA file needs the PEFT-style adapter unmerged (`enable_lora`, "
                     "not `merge_lora`). Export without `lora_rank` for the merged model.")
-            if dense.lora.rank > rank:
+            if dense.lora.a.shape[1] > rank:
                 raise ValueError(
                     f"Received an invalid value for argument `lora_rank`, expected at least the "
-                    f"adapters' rank ({dense.lora.rank} on `{layer.name}/{dense.name}`). "
+                    f"adapters' rank ({dense.lora.a.shape[1]} on `{layer.name}/{dense.name}`). "
                     f"Received: lora_rank={rank}")
     return int(rank)
 
@@ -225,10 +226,11 @@ def lora_weights(description, rank):
         array = np.zeros(shape, np.float32)
         lora = dense.lora
         if lora is not None:
+            r = lora.a.shape[1]
             if "_a_prime_" in input_name:
-                array[:, :lora.rank] = lora.a.read() * np.float32(lora.scale)
+                array[:, :r] = lora.a.read() * np.float32(lora.scale)
             else:
-                array[:lora.rank] = lora.b.read()
+                array[:r] = lora.b.read()
         weights[input_name] = array
     return weights
 
