@@ -9,14 +9,22 @@ accuracy and export lines it printed and the summary JSON it wrote.
 
     python benchmarks/bench_examples.py                    # all (about an hour on 2 cores)
     python benchmarks/bench_examples.py translate_dates text_classification
+    python benchmarks/bench_examples.py finetune_and_ship --write-results finetune_and_ship
+
+`--write-results SECTION` writes the table of the one example that has one
+(`TABLES`) into benchmarks/RESULTS.md.
 """
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_file  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {
@@ -29,6 +37,7 @@ EXAMPLES = {
     "image_self_attention": ([], "results.json"),
     "attend_and_caption": ([], "results.json"),
     "translate_dates_mobile": ([], "mobile_summary.json"),
+    "finetune_and_ship": ([], "summary.json"),
 }
 KEYS = ("accuracy", "exact", "agreement", "- Keras|", "export failed", "Error")
 
@@ -39,7 +48,7 @@ def run(name, directory):
     command = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), *args,
                "--output-dir", out_dir]
     if name not in ("image_self_attention", "attend_and_caption", "text_classification",
-                    "distributed_training"):
+                    "distributed_training", "finetune_and_ship"):
         command += ["--data-dir", os.path.join(directory, "tfds")]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
@@ -55,11 +64,38 @@ def run(name, directory):
     return proc.returncode, seconds, lines, summary, proc.stderr[-2000:]
 
 
-def main(names):
-    names = names or list(EXAMPLES)
+def finetune_table(summary, seconds):
+    """Exact match of the base and of each adapter, in Keras and in each runtime."""
+    runtimes = ("keras", "onnxruntime_genai", "litert_lm")
+    lines = ["| model | answer form | Keras | ONNX Runtime GenAI | LiteRT-LM | runtime answers equal to Keras's |",
+             "|---|---|---|---|---|---|"]
+    for form, score in summary["base"].items():
+        lines.append(f"| base (no adapter) | {form} | {score:.2f} | | | |")
+    for form, adapter in summary["adapters"].items():
+        scores = [adapter["keras"]] + [adapter[r]["exact_match"] for r in runtimes[1:]]
+        equal = " / ".join(f"{adapter[r]['answers_equal_to_keras']:.0%}" for r in runtimes[1:])
+        lines.append(f"| LoRA adapter `{form}` | {form} | "
+                     + " | ".join(f"{v:.2f}" for v in scores) + f" | {equal} |")
+    return ("Exact match on 100 held-out dates (`examples/finetune_and_ship.py` at its defaults: "
+            "a 2-layer d=64 Llama-shaped base pretrained in the run, rank-16 PEFT-style LoRA on "
+            "q/k/v/o per answer form, one base per runtime with one adapter file per fine-tune); "
+            f"the whole run took {seconds / 60:.1f} min.\n\n" + "\n".join(lines))
+
+
+TABLES = {"finetune_and_ship": finetune_table}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help=f"examples to run (default all): {list(EXAMPLES)}")
+    results_file.add_argument(parser)
+    args = results_file.start(parser.parse_args(argv))
+    names = args.names or list(EXAMPLES)
     unknown = sorted(set(names) - set(EXAMPLES))
     if unknown:
         sys.exit(f"unknown examples {unknown}; choose from {list(EXAMPLES)}")
+    if args.write_results and (len(names) != 1 or names[0] not in TABLES):
+        sys.exit(f"--write-results takes one example with a table: {sorted(TABLES)}")
     failed = []
     with tempfile.TemporaryDirectory(prefix="bench_examples_") as directory:
         for name in names:
@@ -74,9 +110,11 @@ def main(names):
             if code != 0:
                 failed.append(name)
                 print("   stderr tail: " + stderr.replace("\n", "\n   "))
+            elif args.write_results:
+                results_file.finish(args, TABLES[name](summary, seconds))
     print(f"examples that did not run to the end: {failed or 'none'}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -9,12 +9,16 @@
    instruction the base never saw: "<a date as people write it> ->" answered
    in one form. The base's exact match is printed beside each fine-tune's.
 3. One LoRA adapter per answer form (ISO and US), with PEFT's meaning
-   (`enable_lora`: rank 16 on every projection), trained with `model.fit` on
+   (`enable_lora`: rank 16 on the attention projections), trained with `model.fit` on
    `keras_attn.data.causal_lm_dataset` (the loss sees only the answers), and
    saved as PEFT folders (`save_peft_adapter`). Each is scored in Keras after
    loading it back from its folder (`from_huggingface(base, adapter=...)`).
-4. Shipping: the fine-tunes in ONNX Runtime GenAI and LiteRT-LM, each
-   runtime's exact match beside Keras's (see `ship`).
+4. Shipping, one base per runtime and one small file per fine-tune: an ONNX
+   Runtime GenAI folder (`export_onnx_genai(..., adapters=True)`, more
+   `.onnx_adapter` files by `save_onnx_adapter`, activated per generator)
+   and a LiteRT-LM bundle (`export_litertlm(..., lora_rank=16)`, LoRA files
+   by `save_litertlm_lora`, given per session); each runtime's exact match
+   beside Keras's.
 
     python examples/finetune_and_ship.py
     python examples/finetune_and_ship.py --hf-dir ./my-llama   # skips step 1
@@ -121,9 +125,9 @@ def train_adapter(base_dir, tokenizer, train, form, *, rank, epochs, learning_ra
 
     lm = from_huggingface(base_dir)
     keras.utils.set_random_seed(seed)
-    # PEFT's LoraConfig(r=rank, target_modules=[every projection]).
-    lm.enable_lora(rank, target_names=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                       "up_proj", "down_proj"))
+    # PEFT's LoraConfig(r=rank, target_modules=[the attention projections]):
+    # LiteRT-LM's LoRA inputs exist for these only, at rank 16 or 32.
+    lm.enable_lora(rank, target_names=("q_proj", "k_proj", "v_proj", "o_proj"))
     lm.compile(keras.optimizers.AdamW(learning_rate),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     lm.fit(causal_lm_dataset(prompts_and_answers(train, form), tokenizer, 32, 32,
@@ -140,7 +144,7 @@ def main(argv=None):
     parser.add_argument("--num-test", type=int, default=100)
     parser.add_argument("--base-epochs", type=int, default=15)
     parser.add_argument("--epochs", type=int, default=6, help="epochs per adapter")
-    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rank", type=int, default=16, help="16 or 32 (LiteRT-LM's ranks)")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--output-dir", default="outputs/finetune_and_ship")
     args = parser.parse_args(argv)
@@ -187,24 +191,25 @@ def main(argv=None):
 
 
 def ship(args, base_dir, tokenizer, test_prompts, references, adapters, summary):
-    """Each fine-tune in each runtime: its exact match and whether its tokens
+    """Each fine-tune in each runtime: its exact match and whether its answers
     are Keras's. One base serves both adapters in each runtime."""
     ok = True
-    for runtime, run in (("onnxruntime_genai", ship_genai),):
-        answers = run(args, base_dir, test_prompts, adapters)
-        for form, runtime_answers in answers.items():
-            keras_answers = adapters[form][1]
-            equal = sum(a == k for a, k in zip(runtime_answers, keras_answers))
-            result = {"exact_match": exact_match(tokenizer, runtime_answers, references[form]),
-                      "answers_equal_to_keras": equal / len(keras_answers)}
+    for runtime, run in (("onnxruntime_genai", ship_genai), ("litert_lm", ship_litertlm)):
+        for form, (texts, keras_texts) in run(args, base_dir, tokenizer, test_prompts,
+                                              adapters).items():
+            equal = sum(t == k for t, k in zip(texts, keras_texts))
+            result = {
+                "exact_match": sum(t.strip() == r for t, r in zip(texts, references[form]))
+                / len(texts),
+                "answers_equal_to_keras": equal / len(texts)}
             summary["adapters"][form][runtime] = result
-            ok &= equal == len(keras_answers)
+            ok &= equal == len(texts)
             print(f"adapter {form!r} in {runtime}: exact match {result['exact_match']:.2f}, "
-                  f"answers equal to Keras's: {equal}/{len(keras_answers)}")
+                  f"answers equal to Keras's: {equal}/{len(texts)}")
     return ok
 
 
-def ship_genai(args, base_dir, test_prompts, adapters, max_new_tokens=12):
+def ship_genai(args, base_dir, tokenizer, test_prompts, adapters, max_new_tokens=12):
     """An ONNX Runtime GenAI folder holding the base once, and one
     `.onnx_adapter` file per fine-tune, activated per generator."""
     import numpy as np
@@ -240,7 +245,36 @@ def ship_genai(args, base_dir, test_prompts, adapters, max_new_tokens=12):
             while not generator.is_done():
                 generator.generate_next_token()
             answers[form].append(until_eos(generator.get_sequence(0)[len(ids):]))
-    return answers
+    return {form: ([og_tokenizer.decode(a) for a in answers[form]],
+                   [og_tokenizer.decode(a) for a in adapters[form][1]]) for form in forms}
+
+
+def ship_litertlm(args, base_dir, tokenizer, test_prompts, adapters, max_new_tokens=12):
+    """One `.litertlm` bundle whose decode and prefill take LoRA weights as
+    inputs, and one LiteRT-LM LoRA file per fine-tune, given per session."""
+    import litert_lm
+
+    from keras_attn.runtimes import export_litertlm, litertlm, save_litertlm_lora
+
+    bundle = os.path.join(args.output_dir, "model.litertlm")
+    forms = list(adapters)
+    # Keras was given the prompts without a start token: the bundle adds none.
+    export_litertlm(adapters[forms[0]][0], bundle, tokenizer=base_dir, max_length=64,
+                    bos_token_id=None, stop_token_ids=[EOS], lora_rank=args.rank)
+    files = {form: save_litertlm_lora(adapters[form][0],
+                                      os.path.join(args.output_dir, f"{form}.lora.tflite"),
+                                      lora_rank=args.rank) for form in forms}
+    litert_lm.set_min_log_severity(litert_lm.LogSeverity.ERROR)  # its loader's INFO lines
+    engine = litert_lm.Engine(bundle, backend=litert_lm.Backend.CPU())
+    try:
+        # LiteRT-LM answers text: beside it, the Keras tokens detokenized by
+        # the bundle's own tokenizer (equal text means the same tokens).
+        return {form: ([litertlm.generate(bundle, prompt, engine=engine, lora_path=files[form],
+                                          max_new_tokens=max_new_tokens)
+                        for prompt in test_prompts],
+                       [engine.detokenize(a) for a in adapters[form][1]]) for form in forms}
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":
