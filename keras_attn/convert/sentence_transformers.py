@@ -342,6 +342,12 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32
     up to a multiple of `pad_to_multiple_of`. A model with a `prompt_length`
     input gets the prompt's token count, its trailing special token excluded.
 
+    Padding is masked out, so with a right-padding tokenizer an embedding
+    does not depend on its batch. A left-padding tokenizer shifts the
+    absolute positions of encoders such as BERT by the padding: there, as in
+    the library, the embeddings depend on the batching (one batch with
+    `pad_to_multiple_of=None` is the library's `batch_size=len(texts)`).
+
     Args:
         model: the model `from_huggingface(folder)` returned, or its export
             in a runtime: an `onnxruntime.InferenceSession` or a TFLite
