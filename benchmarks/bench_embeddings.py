@@ -9,9 +9,10 @@ tokens:
 
 - padded: the batches in input order, each padded to its own longest (what
   `tokenizer(batch, padding=True)` per batch gives);
-- bucketed: sorted by length, longest first, each batch padded to its
-  longest rounded up to a multiple of 8 (`encode`'s default);
-- bucketed, exact: the same, without the rounding.
+- bucketed (multiple of 8): sorted by length, longest first, each batch
+  padded to its longest rounded up to a multiple of 8 (for runtimes that
+  compile each shape);
+- bucketed, exact: the same, without the rounding (`encode`'s default).
 
 The sentence lengths are skewed as in search or chat traffic: most 8-30
 tokens, a few (`--long-fraction`) 100-250. The words are single tokens of

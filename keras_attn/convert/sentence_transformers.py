@@ -228,21 +228,25 @@ def _positive_int(name, value, *, none_ok=False):
                          f"{' or None' if none_ok else ''}. Received: {name}={value!r}")
 
 
-def run_in_buckets(run, features, *, batch_size=32, pad_to_multiple_of=8, pad_token_id=0,
+def run_in_buckets(run, features, *, batch_size=32, pad_to_multiple_of=None, pad_token_id=0,
                    padding_side="right", sort_by_length=True):
     """`run` over batches of sentences of similar lengths, each padded only
     to its own longest; the outputs in the input order.
 
     The sentences are sorted by token count, longest first (as
     `SentenceTransformer.encode` does), cut into batches of `batch_size`,
-    and each batch is padded to its longest sentence rounded up to a
-    multiple of `pad_to_multiple_of`. A mixed batch padded to its longest
-    spends most of its attention and feed-forward work on padding; sorted,
-    the short sentences run in short batches. The rounding bounds the number
-    of distinct shapes a runtime sees (at most `max_length /
-    pad_to_multiple_of` lengths), so shape-specialized work (a traced
-    function, a TFLite interpreter's allocation, ONNX Runtime's buffers) is
-    reused, for at most `pad_to_multiple_of - 1` padding tokens a sentence.
+    and each batch is padded to its longest sentence. A mixed batch padded
+    to its longest spends most of its attention and feed-forward work on
+    padding; sorted, the short sentences run in short batches.
+
+    `pad_to_multiple_of` rounds each batch's length up, which bounds the
+    number of distinct shapes (at most `max_length / pad_to_multiple_of`):
+    worth it where every new shape is compiled (`jit_compile=True`, XLA,
+    TensorRT, a GPU graph cache). The default is None (no rounding): eager
+    Keras, ONNX Runtime and TFLite's signature runner run any length without
+    compiling, so rounding only adds padding (on all-MiniLM-L6-v2 a multiple
+    of 8 ran 7-8% slower than exact lengths in both Keras and ONNX Runtime,
+    `benchmarks/bench_embeddings.py`).
 
     Any runtime fits: `run` takes one padded batch and returns its
     embeddings (`runner` makes one from a Keras model, an ONNX Runtime
@@ -328,7 +332,7 @@ def runner(model):
                     f"Received: model of type {type(model).__name__}")
 
 
-def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32, pad_to_multiple_of=8):
+def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32, pad_to_multiple_of=None):
     """`SentenceTransformer(folder).encode(texts, prompt_name=..., prompt=...)`
     with the converted `model`: the library's text steps, then `model`, in
     batches of sentences of similar lengths (`run_in_buckets`).
@@ -357,7 +361,8 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32
         prompt_name: None or a key of the folder's `prompts`.
         prompt: None or a prompt string (wins over `prompt_name`).
         batch_size: sentences per batch (the library's default, 32).
-        pad_to_multiple_of: None or a positive integer (8: see `run_in_buckets`).
+        pad_to_multiple_of: None (each batch to its longest) or a positive
+            integer (for compiled runtimes: see `run_in_buckets`).
 
     Returns:
         The float32 embeddings, a NumPy array `(len(texts), D)`, in the order of `texts`.
@@ -370,8 +375,6 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32
     if not len(texts):
         raise ValueError("Received an invalid value for argument `texts`, expected a non-empty list of "
                          f"strings. Received: texts={texts!r}")
-    _positive_int("batch_size", batch_size)
-    _positive_int("pad_to_multiple_of", pad_to_multiple_of, none_ok=True)
     names, run = runner(model)
     table, default = prompts(folder)
     if prompt is None:
