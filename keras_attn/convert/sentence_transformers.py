@@ -342,8 +342,9 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32
     prepended to each text. The texts are tokenized with the folder's
     tokenizer (`transformers.AutoTokenizer`), truncated to the tokenizer's
     `model_max_length` (the folder's `max_seq_length`), sorted by length and
-    run `batch_size` at a time, each batch padded to its own longest rounded
-    up to a multiple of `pad_to_multiple_of`. A model with a `prompt_length`
+    run `batch_size` at a time, each batch padded to its own longest (rounded
+    up to a multiple of `pad_to_multiple_of` when given); the embeddings come
+    back in the order of `texts`. A model with a `prompt_length`
     input gets the prompt's token count, its trailing special token excluded.
 
     Padding is masked out, so with a right-padding tokenizer an embedding
