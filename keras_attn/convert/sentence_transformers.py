@@ -28,9 +28,11 @@ unaffected).
 Prompts (`config_sentence_transformers.json`'s `prompts` and
 `default_prompt_name`) are text prefixes the library adds before
 tokenizing; the model takes token ids, so `encode` here does that text
-step (prompt, tokenization padded and truncated to the tokenizer's
+step (prompt, tokenization truncated to the tokenizer's
 `model_max_length`, the prompt's token count for `include_prompt=False`)
-and runs the model.
+and runs the model, or its ONNX Runtime or TFLite export, in batches of
+sentences of similar lengths, each padded only to its own longest
+(`run_in_buckets`, usable with any runtime).
 """
 
 import json
@@ -218,33 +220,163 @@ def prompts(folder):
     return dict(config.get("prompts") or {}), config.get("default_prompt_name")
 
 
-def encode(model, folder, texts, *, prompt_name=None, prompt=None):
+def _positive_int(name, value, *, none_ok=False):
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"Received an invalid value for argument `{name}`, expected a positive integer"
+                         f"{' or None' if none_ok else ''}. Received: {name}={value!r}")
+
+
+def run_in_buckets(run, features, *, batch_size=32, pad_to_multiple_of=None, pad_token_id=0,
+                   padding_side="right", sort_by_length=True):
+    """`run` over batches of sentences of similar lengths, each padded only
+    to its own longest; the outputs in the input order.
+
+    The sentences are sorted by token count, longest first (as
+    `SentenceTransformer.encode` does), cut into batches of `batch_size`,
+    and each batch is padded to its longest sentence. A mixed batch padded
+    to its longest spends most of its attention and feed-forward work on
+    padding; sorted, the short sentences run in short batches.
+
+    `pad_to_multiple_of` rounds each batch's length up, which bounds the
+    number of distinct shapes (at most `max_length / pad_to_multiple_of`):
+    worth it where every new shape is compiled (`jit_compile=True`, XLA,
+    TensorRT, a GPU graph cache). The default is None (no rounding): eager
+    Keras, ONNX Runtime and TFLite's signature runner run any length without
+    compiling, so rounding only adds padding (on all-MiniLM-L6-v2 a multiple
+    of 8 ran 7-8% slower than exact lengths in both Keras and ONNX Runtime,
+    `benchmarks/bench_embeddings.py`).
+
+    Any runtime fits: `run` takes one padded batch and returns its
+    embeddings (`runner` makes one from a Keras model, an ONNX Runtime
+    session or a TFLite signature runner).
+
+    Args:
+        run: a callable `run(feed) -> (b, D)`: `feed` is `{name: int32 (b, T)}`,
+            one entry per key of `features`.
+        features: `{name: [one 1-D int sequence per sentence]}`, unpadded
+            (a tokenizer's output without padding, e.g. `input_ids`,
+            `attention_mask`, `token_type_ids`); the sentences' lengths are
+            those of the first entry.
+        batch_size: sentences per batch, a positive integer.
+        pad_to_multiple_of: None (pad to the batch's longest) or a positive
+            integer.
+        pad_token_id: the value `input_ids` is padded with (the other
+            features are padded with 0).
+        padding_side: "right" or "left" (the tokenizer's `padding_side`).
+        sort_by_length: False keeps the input order in the batches: each
+            batch still padded to its own longest (the padded baseline).
+
+    Returns:
+        The float32 outputs, a NumPy array `(n, D)` in the order of `features`.
+    """
+    if not callable(run):
+        raise TypeError(f"Received an invalid value for argument `run`, expected a callable "
+                        f"run(feed) -> embeddings. Received: run={run!r}")
+    _positive_int("batch_size", batch_size)
+    _positive_int("pad_to_multiple_of", pad_to_multiple_of, none_ok=True)
+    if padding_side not in ("right", "left"):
+        raise ValueError("Received an invalid value for argument `padding_side`, expected 'right' or "
+                         f"'left'. Received: padding_side={padding_side!r}")
+    if not features or not len(next(iter(features.values()))):
+        raise ValueError("Received an invalid value for argument `features`, expected at least one "
+                         f"sentence. Received: features={features!r}")
+    lengths = np.array([len(ids) for ids in next(iter(features.values()))])
+    # Stable, so equal lengths keep their input order.
+    order = np.argsort(-lengths, kind="stable") if sort_by_length else np.arange(len(lengths))
+    outputs = [None] * len(order)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = int(lengths[rows].max())
+        if pad_to_multiple_of:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        feed = {}
+        for name, sequences in features.items():
+            batch = np.full((len(rows), width), pad_token_id if name == "input_ids" else 0, "int32")
+            for row, index in enumerate(rows):
+                ids = sequences[index]
+                if padding_side == "left":
+                    batch[row, width - len(ids):] = ids
+                else:
+                    batch[row, :len(ids)] = ids
+            feed[name] = batch
+        embeddings = np.asarray(run(feed), "float32")
+        for row, index in enumerate(rows):
+            outputs[index] = embeddings[row]
+    return np.stack(outputs)
+
+
+def runner(model):
+    """`(input names, run)` for `run_in_buckets`, from a converted Keras model,
+    an `onnxruntime.InferenceSession` or a TFLite `SignatureRunner`
+    (`interpreter.get_signature_runner()`), each returning the
+    `sentence_embedding` output; any other callable is `run` itself (its
+    names None: it gets every tokenizer feature)."""
+    if isinstance(model, keras.Model):
+        names = [tensor.name for tensor in model.inputs]
+        return names, lambda feed: keras.ops.convert_to_numpy(
+            model({name: feed[name] for name in names}, training=False)["sentence_embedding"])
+    if hasattr(model, "get_inputs") and hasattr(model, "run"):  # onnxruntime
+        types = {i.name: "int64" if i.type == "tensor(int64)" else "int32" for i in model.get_inputs()}
+        return list(types), lambda feed: model.run(
+            ["sentence_embedding"], {name: feed[name].astype(dtype) for name, dtype in types.items()})[0]
+    if hasattr(model, "get_input_details") and callable(model):  # a TFLite SignatureRunner
+        details = model.get_input_details()
+        return list(details), lambda feed: model(
+            **{name: feed[name].astype(d["dtype"]) for name, d in details.items()})["sentence_embedding"]
+    if callable(model):
+        return None, model
+    raise TypeError("Received an invalid value for argument `model`, expected a keras.Model, an "
+                    "onnxruntime.InferenceSession, a TFLite SignatureRunner or a callable. "
+                    f"Received: model of type {type(model).__name__}")
+
+
+def encode(model, folder, texts, *, prompt_name=None, prompt=None, batch_size=32, pad_to_multiple_of=None):
     """`SentenceTransformer(folder).encode(texts, prompt_name=..., prompt=...)`
-    with the converted `model`: the library's text steps, then `model`.
+    with the converted `model`: the library's text steps, then `model`, in
+    batches of sentences of similar lengths (`run_in_buckets`).
 
     The prompt is `prompt`, else the folder's prompt named `prompt_name`,
     else its `default_prompt_name`'s, as the library resolves it; it is
     prepended to each text. The texts are tokenized with the folder's
-    tokenizer (`transformers.AutoTokenizer`), padded to the longest and
-    truncated to the tokenizer's `model_max_length` (the folder's
-    `max_seq_length`), in one batch. A model with a `prompt_length` input
-    gets the prompt's token count, its trailing special token excluded.
+    tokenizer (`transformers.AutoTokenizer`), truncated to the tokenizer's
+    `model_max_length` (the folder's `max_seq_length`), sorted by length and
+    run `batch_size` at a time, each batch padded to its own longest (rounded
+    up to a multiple of `pad_to_multiple_of` when given); the embeddings come
+    back in the order of `texts`. A model with a `prompt_length`
+    input gets the prompt's token count, its trailing special token excluded.
+
+    Padding is masked out, so with a right-padding tokenizer an embedding
+    does not depend on its batch. A left-padding tokenizer shifts the
+    absolute positions of encoders such as BERT by the padding: there, as in
+    the library, the embeddings depend on the batching (one batch with
+    `pad_to_multiple_of=None` is the library's `batch_size=len(texts)`).
 
     Args:
-        model: the model `from_huggingface(folder)` returned.
+        model: the model `from_huggingface(folder)` returned, or its export
+            in a runtime: an `onnxruntime.InferenceSession` or a TFLite
+            `SignatureRunner` (see `runner`).
         folder: the sentence-transformers folder it was converted from.
-        texts: a list of strings.
+        texts: a non-empty list of strings.
         prompt_name: None or a key of the folder's `prompts`.
         prompt: None or a prompt string (wins over `prompt_name`).
+        batch_size: sentences per batch (the library's default, 32).
+        pad_to_multiple_of: None (each batch to its longest) or a positive
+            integer (for compiled runtimes: see `run_in_buckets`).
 
     Returns:
-        The float32 embeddings, a NumPy array `(len(texts), D)`.
+        The float32 embeddings, a NumPy array `(len(texts), D)`, in the order of `texts`.
     """
     import transformers
 
     if isinstance(texts, str) or not all(isinstance(text, str) for text in texts):
         raise TypeError("Received an invalid value for argument `texts`, expected a list of strings. "
                         f"Received: texts={texts!r}")
+    if not len(texts):
+        raise ValueError("Received an invalid value for argument `texts`, expected a non-empty list of "
+                         f"strings. Received: texts={texts!r}")
+    names, run = runner(model)
     table, default = prompts(folder)
     if prompt is None:
         if prompt_name is not None:
@@ -265,14 +397,20 @@ def encode(model, folder, texts, *, prompt_name=None, prompt=None):
     tokenizer = transformers.AutoTokenizer.from_pretrained(module, local_files_only=True, **kwargs)
     if prompt:
         texts = [prompt + text for text in texts]
-    batch = tokenizer(list(texts), padding=True, truncation="longest_first", return_tensors="np")
-    names = [tensor.name for tensor in model.inputs]
-    feed = {name: np.asarray(batch[name], "int32") for name in names if name in batch}
-    if "prompt_length" in names:
+    tokens = tokenizer(list(texts), truncation="longest_first")
+    features = {name: tokens[name] for name in ("input_ids", *tokens.keys())
+                if name in tokens and (names is None or name in names)}
+    count = None
+    if names is not None and "prompt_length" in names:
         count = 0
         if prompt:
-            ids = tokenizer([prompt], padding=True, truncation="longest_first")["input_ids"][0]
+            ids = tokenizer([prompt], truncation="longest_first")["input_ids"][0]
             count = len(ids) - (ids[-1] in tokenizer.all_special_ids)
-        feed["prompt_length"] = np.full((len(texts),), count, "int32")
-    # One eager call: `predict` would trace a function for this one batch.
-    return np.asarray(keras.ops.convert_to_numpy(model(feed, training=False)["sentence_embedding"]), "float32")
+
+    def run_batch(feed):
+        if count is not None:
+            feed["prompt_length"] = np.full((len(feed["input_ids"]),), count, "int32")
+        return run(feed)
+
+    return run_in_buckets(run_batch, features, batch_size=batch_size, pad_to_multiple_of=pad_to_multiple_of,
+                          pad_token_id=tokenizer.pad_token_id or 0, padding_side=tokenizer.padding_side)

@@ -123,6 +123,67 @@ def test_real_minilm_truncated(minilm):
     tolerance.assert_close(got, want, scale=1.0, terms=6 * 384)
 
 
+def test_run_in_buckets_pads_each_batch_and_restores_order():
+    """The batching arithmetic, on a `run` that reports what it was fed:
+    each batch holds sentences of similar lengths, padded (on the tokenizer's
+    side, with its pad id) to its longest rounded up to the multiple, and the
+    rows come back in the input order."""
+    lengths = [3, 17, 1, 9, 5, 30, 2, 12]
+    rng = np.random.default_rng(0)
+    ids = [list(rng.integers(1, 100, n)) for n in lengths]
+    features = {"input_ids": ids, "attention_mask": [[1] * n for n in lengths]}
+    for padding_side in ("right", "left"):
+        widths = []
+
+        def run(feed):
+            mask, batch = feed["attention_mask"], feed["input_ids"]
+            widths.append(batch.shape)
+            assert (batch[mask == 0] == 7).all()  # the pad id, under the mask's zeros
+            assert mask[:, -1 if padding_side == "left" else 0].all()  # the padding on its side
+            first = mask.argmax(1)  # each sentence's first token
+            real = batch.sum(1) - 7 * (mask == 0).sum(1)
+            return np.stack([real, mask.sum(1), batch[np.arange(len(batch)), first]], 1)
+
+        got = st_convert.run_in_buckets(run, features, batch_size=3, pad_to_multiple_of=8, pad_token_id=7,
+                                        padding_side=padding_side)
+        np.testing.assert_array_equal(got, [[sum(x), len(x), x[0]] for x in ids])
+        # Longest first: (30, 17, 12), (9, 5, 3), (2, 1), each rounded up to 8.
+        assert widths == [(3, 32), (3, 16), (2, 8)], widths
+    # The padded baseline: input order, each batch to its own longest.
+    widths = []
+
+    def shapes(feed):
+        widths.append(feed["input_ids"].shape)
+        return np.zeros((len(feed["input_ids"]), 1))
+
+    st_convert.run_in_buckets(shapes, features, batch_size=3, pad_to_multiple_of=None, sort_by_length=False)
+    assert widths == [(3, 17), (3, 30), (2, 12)]
+
+
+def test_real_minilm_buckets_equal_one_padded_batch(minilm, minilm_batch):
+    """`encode` in batches of similar lengths against the model on one batch
+    of the 30 sentences padded to the longest (the library's tokens), and
+    against `SentenceTransformer.encode`; the shapes fed were the buckets'."""
+    folder, model, _ = minilm
+    sample, keras_out, want = minilm_batch
+    texts = SENTENCES + MORE_SENTENCES
+    got = st_convert.encode(model, folder, texts, batch_size=4, pad_to_multiple_of=8)
+    tolerance.assert_close(got, keras_out, scale=1.0, terms=6 * 384)
+    assert cosines(got, want).min() >= 0.99999
+    shapes = []
+    names, run = st_convert.runner(model)
+
+    def spy(feed):
+        shapes.append(feed["input_ids"].shape)
+        return run(feed)
+
+    again = st_convert.encode(spy, folder, texts, batch_size=4)
+    tolerance.assert_close(again, keras_out, scale=1.0, terms=6 * 384)
+    lengths = sorted(sample["attention_mask"].sum(1), reverse=True)
+    assert shapes == [(len(lengths[i:i + 4]), lengths[i]) for i in range(0, len(lengths), 4)]
+    assert sum(b * t for b, t in shapes) < 0.7 * sample["input_ids"].size  # the saving
+
+
 # ---------------------------------------------------------------------------
 # Tiny random folders
 
@@ -178,10 +239,22 @@ def write_folder(path, backbone, *, pooling="mean", include_prompt=True, dense=F
     return str(path), st.SentenceTransformer(str(path), device="cpu")
 
 
+def batching(reference, count):
+    """`encode`'s batching for a comparison with `reference.encode(texts,
+    batch_size=count)`. Right padding: three sentences a batch, each padded
+    to its own longest rounded up to 8 (padding is masked out). Left
+    padding shifts BERT's absolute positions by the padding, so the
+    embeddings depend on the batch, in the library as here: one batch
+    padded to the longest, as the library's."""
+    if reference.tokenizer.padding_side == "left":
+        return dict(batch_size=count, pad_to_multiple_of=None)
+    return dict(batch_size=3, pad_to_multiple_of=8)
+
+
 def check_folder(folder, reference, texts=SENTENCES[:8], **encode_kwargs):
     model = from_huggingface(folder)
     want = reference.encode(texts, batch_size=len(texts), **encode_kwargs)
-    got = st_convert.encode(model, folder, texts, **encode_kwargs)
+    got = st_convert.encode(model, folder, texts, **batching(reference, len(texts)), **encode_kwargs)
     assert got.shape == want.shape
     # Two layers of sums over 32 features; a pooling sum over <= 40 tokens.
     tolerance.assert_close(got, want, terms=2 * 32 + 40)
@@ -240,7 +313,7 @@ def test_tiny_prompts(tmp_path, backbone, include_prompt, padding_side):
     assert ("prompt_length" in [t.name for t in model.inputs]) is not include_prompt
     for kwargs in ({}, {"prompt_name": "passage"}, {"prompt": ""}, {"prompt": "Summarize: "}):
         want = reference.encode(SENTENCES[:6], batch_size=6, **kwargs)
-        got = st_convert.encode(model, folder, SENTENCES[:6], **kwargs)
+        got = st_convert.encode(model, folder, SENTENCES[:6], **batching(reference, 6), **kwargs)
         tolerance.assert_close(got, want, terms=2 * 32 + 40, err_msg=str(kwargs))
     # The prompts change the embedding: the check above is not vacuous.
     assert not np.allclose(st_convert.encode(model, folder, SENTENCES[:2]),
@@ -302,6 +375,17 @@ def test_bad_arguments(tmp_path, backbone):
         st_convert.encode(model, folder, ["a"], prompt_name="missing")
     with pytest.raises(TypeError, match="texts"):
         st_convert.encode(model, folder, "a single string")
+    with pytest.raises(ValueError, match=r"`texts`.*Received: texts=\[\]"):
+        st_convert.encode(model, folder, [])
+    for name, value in (("batch_size", 0), ("batch_size", 2.5), ("batch_size", True), ("pad_to_multiple_of", 0)):
+        with pytest.raises(ValueError, match=f"`{name}`.*Received: {name}={value}"):
+            st_convert.encode(model, folder, ["a"], **{name: value})
+    with pytest.raises(TypeError, match="`run`"):
+        st_convert.run_in_buckets(None, {"input_ids": [[1]]})
+    with pytest.raises(ValueError, match="`padding_side`"):
+        st_convert.run_in_buckets(len, {"input_ids": [[1]]}, padding_side="top")
+    with pytest.raises(TypeError, match="`model`.*Received: model of type object"):
+        st_convert.encode(object(), folder, ["a"])
     # use_modules=False: the Transformer module alone, its hidden states.
     assert "last_hidden_state" in from_huggingface(folder, use_modules=False).output_names
 
@@ -415,6 +499,18 @@ def test_real_minilm_direct_writers(minilm, minilm_batch, tmp_path):
     tfl = export_direct(model, tmp_path / "m.tflite", sample, kx.export_tflite)
     assert not [op for op in tfl.ops if "FLEX" in op.upper() or op == "CUSTOM"]
     for got in (run_onnx(onx.path, sample), run_tflite(tfl.path, sample)):
+        tolerance.assert_close(got, keras_out, scale=1.0, terms=6 * 384)
+        assert cosines(got, want).min() >= 0.99999
+    # `encode` through the runtimes, in batches of similar lengths.
+    import onnxruntime as ort
+    from ai_edge_litert.interpreter import Interpreter
+
+    folder = minilm[0]
+    texts = SENTENCES + MORE_SENTENCES
+    session = ort.InferenceSession(onx.path, providers=["CPUExecutionProvider"])
+    signature = Interpreter(model_path=tfl.path).get_signature_runner("serving_default")
+    for runtime in (session, signature):
+        got = st_convert.encode(runtime, folder, texts, batch_size=8)
         tolerance.assert_close(got, keras_out, scale=1.0, terms=6 * 384)
         assert cosines(got, want).min() >= 0.99999
 
