@@ -1,4 +1,5 @@
-"""examples/finetune_and_ship.py end to end, smaller: a base pretrained here,
+"""examples/finetune_and_ship.py end to end at its defaults (about two
+minutes; smaller runs do not learn the answer forms): a base pretrained here,
 two LoRA fine-tunes that learn their answer form (scored from their PEFT
 folders, against the dates' own ISO/US strings), shipped as adapters whose
 runtime answers are Keras's."""
@@ -22,8 +23,7 @@ def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("finetune")
     env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--output-dir", str(out), "--num-train", "2000",
-         "--base-epochs", "10", "--epochs", "3", "--num-test", "40"],
+        [sys.executable, str(SCRIPT), "--output-dir", str(out), "--num-test", "50"],
         env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "summary.json").read_text()), out
@@ -34,7 +34,8 @@ def test_each_adapter_learns_its_form_and_the_base_does_not(summary):
     for form, other in (("iso", "us"), ("us", "iso")):
         adapter = summary["adapters"][form]
         assert (Path(adapter["peft_folder"]) / "adapter_config.json").exists()
-        assert adapter["keras"] >= summary["base"][form] + 0.3, summary
+        # 0.93 and 0.82 at the defaults on 100 dates (benchmarks/RESULTS.md).
+        assert adapter["keras"] >= summary["base"][form] + 0.5, summary
     assert max(summary["base"].values()) < 0.2, summary
 
 
