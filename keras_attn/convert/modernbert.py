@@ -55,9 +55,9 @@ import numpy as np
 
 from keras_attn.convert import common
 from keras_attn.convert import llama
-from keras_attn.convert import sentence_transformers
 from keras_attn.layers import activations
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.layers.sentence_pooling import SentencePooling
 from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
 MASKED_LM = "ModernBertForMaskedLM"
@@ -156,7 +156,7 @@ def convert(checkpoint, *, dropout=None):
             logits = decoder(head_norm(head_dense(x)))
         else:
             pooled = x[:, 0, :] if config.classifier_pooling == "cls" else (
-                sentence_transformers.pool(x, attention_mask, ["mean"]))
+                SentencePooling("mean", name="pooling")(x, attention_mask))
             pooled = head_norm(head_dense(pooled))
             head_dropout = float(config.classifier_dropout) if dropout is None else dropout
             pooled = keras.layers.Dropout(head_dropout, name="head_dropout")(pooled)
