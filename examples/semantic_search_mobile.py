@@ -132,14 +132,14 @@ def _parse(argv):
     parser.add_argument("--batch-size", type=int, default=16, help="sentences per encode batch")
     parser.add_argument("--output-dir", default="outputs/semantic_search_mobile",
                         help="the .tflite files and summary.json go here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 1 <= args.top_k <= len(CORPUS):
+        parser.error(f"argument --top-k: expected 1 to {len(CORPUS)}, received {args.top_k}")
+    return args
 
 
 def main(argv=None):
     args = _parse(argv)
-    if args.top_k < 1 or args.top_k > len(CORPUS):
-        raise ValueError(f"Received an invalid value for argument `--top-k`, expected 1 to "
-                         f"{len(CORPUS)}. Received: --top-k={args.top_k}")
     # Before TensorFlow is imported: hides its log lines (KERAS_ATTN_VERBOSE=1 shows them).
     import keras_attn_cli
 

