@@ -244,8 +244,9 @@ def main(argv=None):
             top1, topk = agreement(variants[name]["top"], st_top)
             summary[f"{name}_vs_sentence_transformers"] = {"top1": top1, f"top{k}": topk}
             print(f"LiteRT {name} vs SentenceTransformer.encode: top 1 {top1:.2f}, top {k} {topk:.2f}")
-    print(f"sizes: float32 {variants['float32']['size_mb']:.1f} MB, int8 {variants['int8']['size_mb']:.1f} MB; "
-          f"int8 embedding cosine vs float32, min over corpus and queries {summary['int8_embedding_cosine_min']:.4f}")
+    sizes = ", ".join(f"{name} {v['size_mb']:.1f} MB" for name, v in variants.items())
+    print(f"sizes: {sizes}; int8 embedding cosine vs float32, min over corpus and queries "
+          f"{summary['int8_embedding_cosine_min']:.4f}")
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return 0 if float_equal else 1
