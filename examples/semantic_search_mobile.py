@@ -215,7 +215,8 @@ def main(argv=None):
         "folder": folder, "corpus_size": len(CORPUS), "queries": QUERIES, "top_k": k,
         "keras_top": keras_top.tolist(),
         "litert": {name: {"top": v["top"].tolist(),
-                          "top_scores": np.take_along_axis(v["scores"], v["top"], 1).round(4).tolist(),
+                          "top_scores": np.take_along_axis(v["scores"], v["top"], 1)
+                          .astype(float).round(4).tolist(),
                           "size_mb": round(v["size_mb"], 2), "file": os.path.basename(v["path"]),
                           "export_seconds": round(v["export_seconds"], 1),
                           "search_seconds": round(v["search_seconds"], 2)}
