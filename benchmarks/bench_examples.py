@@ -38,6 +38,7 @@ EXAMPLES = {
     "attend_and_caption": ([], "results.json"),
     "translate_dates_mobile": ([], "mobile_summary.json"),
     "finetune_and_ship": ([], "summary.json"),
+    "semantic_search_mobile": ([], "summary.json"),
 }
 KEYS = ("accuracy", "exact", "agreement", "- Keras|", "export failed", "Error")
 
@@ -48,7 +49,7 @@ def run(name, directory):
     command = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), *args,
                "--output-dir", out_dir]
     if name not in ("image_self_attention", "attend_and_caption", "text_classification",
-                    "distributed_training", "finetune_and_ship"):
+                    "distributed_training", "finetune_and_ship", "semantic_search_mobile"):
         command += ["--data-dir", os.path.join(directory, "tfds")]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
