@@ -61,9 +61,7 @@ def check_fusable_decoder(model, max_length=None):
     """`model`'s description when the fused decoder writer covers it (for a
     cache of `max_length`, when given); else `NotFusableError` naming the
     first thing it does not cover (`keras_attn.export.capabilities`)."""
-    description = capabilities.describe(model, "onnx_genai")
-    capabilities.check(description, "onnx_genai", max_length)
-    return description
+    return capabilities.checked(model, "onnx_genai", max_length)
 
 
 class DecoderGraph(Graph):
@@ -248,7 +246,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         base = f"/model/layers.{i}"
         attention = layer.attention
         residual, h = _norm(graph, residual, pending, layer.attention_norm, f"{base}/input_layernorm")
-        kernel, bias = attention.packed_qkv()
+        kernel, bias = attention.packed_kernel(), attention.packed_bias()
         sizes = [attention.query.kernel.shape[1], attention.key.kernel.shape[1], attention.value.kernel.shape[1]]
         qkv = graph.matmul(h, kernel, bias, f"{base}/attn/qkv_proj")
         del kernel, bias

@@ -67,7 +67,6 @@ import tempfile
 import numpy as np
 
 from keras_attn.export import capabilities
-from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.tflite_writer import INT4
 from keras_attn.export.tflite_writer import Graph
 from keras_attn.export.tflite_writer import write_model
@@ -80,13 +79,7 @@ def check_direct_decoder(model, quantization=None, max_length=None):
     `quantization` (caches of `max_length`, when given); else
     `NotFusableError` naming the first thing it does not cover
     (`keras_attn.export.capabilities`)."""
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(
-            f"quantization={quantization!r} (the direct TFLite writer writes "
-            f"{list(QUANTIZATIONS)})")
-    description = capabilities.describe(model, "litertlm")
-    capabilities.check(description, "litertlm", max_length)
-    return description
+    return capabilities.checked(model, "litertlm", max_length, [("quantization", quantization, QUANTIZATIONS)])
 
 
 def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
@@ -360,10 +353,8 @@ class DecoderBuilder:
         """QK-norm (with the query scale) and the rotation at `rows` over `q`
         and `k` `(..., H, D)`, where the layer has them."""
         if attention.query_norm is not None:
-            q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
-                      g.const(attention.query_norm.scale.read() * np.float32(1.0 / np.sqrt(attention.head_dim))))
-            k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
-                      g.const(np.array(attention.key_norm.scale.read())))
+            q = self._rms_norm(g, q, attention.query_norm, np.float32(1.0 / np.sqrt(attention.head_dim)))
+            k = self._rms_norm(g, k, attention.key_norm)
         if attention.rotary is not None:
             cos, sin = self._rotary(g, attention.rotary, rows)
             q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
@@ -388,9 +379,11 @@ class DecoderBuilder:
 
     def _post_norm(self, g, x, layer):
         """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
-        if layer is None:
-            return x
-        return g.mul(self.rms(g, x, layer.epsilon), g.const(np.array(layer.scale.read())))
+        return x if layer is None else self._rms_norm(g, x, layer)
+
+    def _rms_norm(self, g, x, norm, factor=np.float32(1.0)):
+        """The RMSNorm `norm` of `x` over its last axis, its scale times `factor`."""
+        return g.mul(self.rms(g, x, norm.epsilon), g.const(norm.scale.read() * factor))
 
     def _logits(self, g, x, leading):
         """The final RMSNorm, the head and the final soft cap over `x` `(B T,

@@ -89,15 +89,10 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
             (the capability table's reason, `keras_attn.export.capabilities`,
             writer "tflite_encoder").
     """
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(f"quantization={quantization!r} (the direct TFLite writer writes "
-                              f"{list(QUANTIZATIONS)})")
-    if check_ids not in ID_CHECKS:
-        raise NotFusableError(f"check_ids={check_ids!r}")
-    encoder = capabilities.describe(model, "tflite_encoder")
+    encoder = capabilities.checked(model, "tflite_encoder", options=[
+        ("quantization", quantization, QUANTIZATIONS), ("check_ids", check_ids, ID_CHECKS)])
     if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in [t.name for t in encoder.outputs]:
         raise NotFusableError(f"check_ids='flag' and an output named {saved_model_lib.VALID_OUTPUT!r}")
-    capabilities.check(encoder, "tflite_encoder")
 
     def build(writer):
         return [_EncoderBuilder(writer, quantization == "dynamic").build(encoder, check_ids)]

@@ -61,19 +61,11 @@ def check_direct_signatures(model, *, max_length, batch_size, prompt_length, qua
     """`model`'s description when the direct writer covers it and the
     options; else `NotFusableError` naming the first thing it does not
     cover (`keras_attn.export.capabilities`)."""
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(
-            f"quantization={quantization!r} (the direct signatures writer writes {list(QUANTIZATIONS)})")
-    if cache_dtype != "float32":
-        raise NotFusableError(f"cache_dtype={cache_dtype!r} (the direct writer keeps float32 caches)")
     for name, value in (("batch_size", batch_size), ("prompt_length", prompt_length)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
-    if hasattr(model, "encode"):
-        raise NotFusableError("an encoder-decoder model")
-    description = capabilities.describe(model, "tflite_signatures")
-    capabilities.check(description, "tflite_signatures", max_length)
-    return description
+    return capabilities.checked(model, "tflite_signatures", max_length, [
+        ("quantization", quantization, QUANTIZATIONS), ("cache_dtype", cache_dtype, ("float32",))])
 
 
 def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_length, checks="flag",
