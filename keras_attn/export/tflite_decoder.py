@@ -196,9 +196,7 @@ class DecoderBuilder:
 
         # Positions p0 + [0, T); rotary rows clamped into the table (a
         # padded chunk's positions past the end land in dropped slots).
-        p0 = g.op("SLICE", [input_pos, g.const(np.array([0], np.int32)),
-                            g.const(np.array([1], np.int32))], (1,), np.int32,
-                  g.options("SliceOptions"))
+        p0 = g.slice(input_pos, [0], [1], (1,))
         positions = g.add(p0, g.const(np.arange(t_len, dtype=np.int32)))
         rotary_rows = g.binary("MINIMUM", positions, g.const(np.array(S - 1, np.int32)))
         read = None
@@ -234,8 +232,7 @@ class DecoderBuilder:
             _, _, kv, hd = g.shape(cache)
             size = g.cached(("read_size", kv, hd), lambda: g.concat(
                 [g.const(np.array([1], np.int32)), read, g.const(np.array([kv, hd], np.int32))], 0))
-            return g.op("SLICE", [cache, g.const(np.zeros(4, np.int32)), size], (1, None, kv, hd),
-                        options=g.options("SliceOptions"))
+            return g.slice(cache, [0, 0, 0, 0], size, (1, None, kv, hd))
 
         outputs = {}
 
@@ -321,8 +318,7 @@ class DecoderBuilder:
         every = g.const(np.arange(slots, dtype=np.int32))
         if read is None:
             return every, slots
-        return g.op("SLICE", [every, g.const(np.array([0], np.int32)), read], (None,), np.int32,
-                    g.options("SliceOptions")), None
+        return g.slice(every, [0], read, (None,)), None
 
     def _qkv(self, g, h, layer, i):
         """The packed query/key/value projection of layer `i` (norm scale and,

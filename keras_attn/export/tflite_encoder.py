@@ -117,10 +117,7 @@ class _EncoderBuilder:
 
     def dims(self, rows):
         """`(B, T)` as `(1,)` int32 tensors, from a `(2,)` shape."""
-        def make():
-            return [self.g.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
-                              (1,), np.int32, "SliceOptions") for i in (0, 1)]
-        return self.g.cached(("dims", rows), make)
+        return self.g.cached(("dims", rows), lambda: [self.g.slice(rows, [i], [1], (1,)) for i in (0, 1)])
 
     def shape_of(self, rows, *parts):
         """An int32 shape vector of `parts`: "B", "T" (from `rows`) or ints."""
@@ -184,16 +181,13 @@ class _EncoderBuilder:
 
     def embedding(self, step, ids, types_, clamped):
         g = self.g
-        rows = g.cached(("rows", ids), lambda: g.op("SHAPE", [ids], (2,), np.int32,
-                                                    "ShapeOptions", outType=2))
+        rows = g.cached(("rows", ids), lambda: g.dims(ids))
         x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped,
                         int8=self.quantization is not None)
         positions = step.positions.table.read()
         _, t = self.dims(rows)
         size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
-        pos = g.op("SLICE", [g.const(positions, step.name + "/positions"),
-                             self.const([0, 0], np.int32), size],
-                   (None, positions.shape[1]), np.float32, "SliceOptions")
+        pos = g.slice(g.const(positions, step.name + "/positions"), [0, 0], size, (None, positions.shape[1]))
         x = g.add(x, pos)
         if step.types is not None:
             table = step.types.read()
@@ -324,9 +318,7 @@ class _EncoderBuilder:
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = g.op("SLICE", [g.op("SHAPE", [index], (3,), np.int32, "ShapeOptions", outType=2),
-                                      self.const([0], np.int32), self.const([2], np.int32)],
-                            (2,), np.int32, "SliceOptions")
+                rows = g.dims(index, 0, 2)
                 index = g.reshape(index, (-1, tensor.shape[2]))
             elif check_ids and tensor.vocabulary is not None:
                 vocab = tensor.vocabulary
@@ -343,11 +335,7 @@ class _EncoderBuilder:
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
-                batch = g.op("SLICE", [g.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                            "ShapeOptions", outType=2),
-                                       self.const([0], np.int32), self.const([1], np.int32)],
-                             (1,), np.int32, "SliceOptions")
-                valid = g.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
+                valid = g.op("FILL", [g.dims(first, 0, 1), self.const(True, np.bool_)], (None,), np.bool_)
             else:
                 valid = g.binary("GREATER", valid, self.const(0, np.int32))
         return dict(sorted(graph_inputs.items())), valid
@@ -387,9 +375,7 @@ class _EncoderBuilder:
         for tensor in encoder.outputs:
             index = self.unflatten(v[tensor.value])
             if index in taken:  # an input or another output: a copy of its own
-                index = self.reshape(index, g.op("SHAPE", [index], (len(g.shape(index)),),
-                                                 np.int32, "ShapeOptions", outType=2),
-                                     g.shape(index))
+                index = self.reshape(index, g.dims(index), g.shape(index))
             taken.add(index)
             outputs.append((tensor.name, index))
         if valid is not None:

@@ -170,9 +170,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         index = g.reshape(index_in, (1,))
         # The slots held: S, or the length of the part passed to `decode_step`.
         if step:
-            shape = g.op("SHAPE", [cache_in], (6,), np.int32, g.options("ShapeOptions", outType=2))
-            held = g.op("SLICE", [shape, g.const(np.array([3], np.int32)), g.const(np.array([1], np.int32))],
-                        (1,), np.int32, g.options("SliceOptions"))
+            held = g.dims(cache_in, 3, 1)
         else:
             held = g.const(np.array([S], np.int32))
         if self.flag:
@@ -209,8 +207,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
             out = []
             for j, new in enumerate((k, v)):
                 begin = g.const(np.array([(2 * i + j) * B, 0, 0, 0], np.int32))
-                part = g.op("SLICE", [flat, begin, size], (B, read_len, kv, hd),
-                            options=g.options("SliceOptions"))
+                part = g.slice(flat, begin, size, (B, read_len, kv, hd))
                 out.append(g.op("DYNAMIC_UPDATE_SLICE", [part, new, start], (B, read_len, kv, hd),
                                 options=g.options("DynamicUpdateSliceOptions")))
             keys = g.transpose(out[0], (0, 2, 3, 1))  # (B, H_kv, D, L)
