@@ -340,10 +340,7 @@ class DecoderBuilder:
         if packed is not None:
             packed[:sizes[0]] *= scale
         qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
-        rows = g.shape(h)[0]
-        return g.op("SPLIT_V", [qkv, g.const(np.array(sizes, np.int32)), g.const(np.array(-1, np.int32))],
-                    [(rows, n) for n in sizes], np.float32, g.options("SplitVOptions", numSplits=3),
-                    outputs=3)
+        return g.split(qkv, sizes)
 
     def _positions(self, g, q, k, attention, rows):
         """QK-norm (with the query scale) and the rotation at `rows` over `q`
@@ -425,10 +422,7 @@ class DecoderBuilder:
         rotary_dim = g.shape(cos)[-1]
         passed = None
         if rotary_dim < shape[-1]:  # partial rotary: the last features pass unchanged
-            x, passed = g.op("SPLIT_V", [x, g.const(np.array([rotary_dim, shape[-1] - rotary_dim], np.int32)),
-                                         g.const(np.array(-1, np.int32))],
-                             [shape[:-1] + (rotary_dim,), shape[:-1] + (shape[-1] - rotary_dim,)],
-                             options=g.options("SplitVOptions", numSplits=2), outputs=2)
+            x, passed = g.split(x, [rotary_dim, shape[-1] - rotary_dim])
         x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (rotary_dim // 2,),
                       options=g.options("SplitOptions", numSplits=2), outputs=2)
         out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))

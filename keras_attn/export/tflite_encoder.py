@@ -267,11 +267,7 @@ class _EncoderBuilder:
         heads_shape = self.shape_of(rows, "B", "T", heads, head)
 
         def attention(h):
-            n = g.shape(h)[0]
-            qkv = self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv")
-            q, k, v = g.op("SPLIT_V", [qkv, self.const([width] * 3, np.int32),
-                                       self.const(-1, np.int32)], [(n, width)] * 3, np.float32,
-                           g.options("SplitVOptions", numSplits=3), outputs=3)
+            q, k, v = g.split(self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv"), [width] * 3)
             q, k, v = (self.reshape(t, heads_shape, (None, None, heads, head)) for t in (q, k, v))
             q = g.transpose(q, (0, 2, 1, 3))  # (B, H, T, d)
             k = g.transpose(k, (0, 2, 3, 1))  # (B, H, d, T)

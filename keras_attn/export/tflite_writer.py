@@ -393,6 +393,13 @@ class Graph:
         begin, size = (self.const(np.array(v, np.int32)) if isinstance(v, list) else v for v in (begin, size))
         return self.op("SLICE", [x, begin, size], shape, self.dtype(x), self.options("SliceOptions"))
 
+    def split(self, x, sizes):
+        """`x` split along its last axis into parts of `sizes` (SPLIT_V)."""
+        shape = self.shape(x)
+        return self.op("SPLIT_V", [x, self.const(np.array(sizes, np.int32)), self.const(np.array(-1, np.int32))],
+                       [shape[:-1] + (n,) for n in sizes], self.dtype(x),
+                       self.options("SplitVOptions", numSplits=len(sizes)), outputs=len(sizes))
+
     def dims(self, x, start=0, count=None):
         """`x`'s dynamic shape (SHAPE, int32), or `count` of its axes from `start`."""
         shape = self.op("SHAPE", [x], (len(self.shape(x)),), np.int32, "ShapeOptions", outType=2)
