@@ -295,8 +295,8 @@ class DecoderBuilder:
         """`(T, 1, L)` bool: key slot `j` seen by the query at `p` (`positions`
         `(T,)`) when `j <= p` (and `p - j < window`)."""
         def make():
-            keys = g.reshape(key_slots, (1, 1, -1))
-            query = g.reshape(positions, (g.shape(positions)[0], 1, 1))
+            keys, query = g.cached("band_axes", lambda: (
+                g.reshape(key_slots, (1, 1, -1)), g.reshape(positions, (g.shape(positions)[0], 1, 1))))
             seen = g.binary("LESS_EQUAL", keys, query)
             if window is None:
                 return seen
