@@ -20,8 +20,17 @@ outputs on held-out sentences: the cosine of each token's hidden state
 sentence embedding (the model's real output). A variant that fails to
 convert is listed with the reason.
 
+`--sentence-embedding` measures the whole sentence-transformers model
+instead (the folder converted with its modules: output `sentence_embedding`,
+pooled and normalized), written by the direct writers only (TFLite float32
+and "dynamic"; ONNX standard ops and onnxruntime's fused kernels, each
+float32 and with keras_attn's 7-bit int8 MatMul weights): size, batch-1
+latency and the embedding's cosine against Keras on every sentence below,
+one sentence per call.
+
     python benchmarks/bench_quantization.py --markdown quantization.md
     python benchmarks/bench_quantization.py --model /path/to/hf_dir
+    python benchmarks/bench_quantization.py --sentence-embedding
 """
 
 import argparse
@@ -274,6 +283,64 @@ def run(model_dir, length, calibration_size, repeats, calls, skip=()):
                   "calibration": len(calibration), "held_out": HELD_OUT}
 
 
+def sentence_embedding_variants(model):
+    """{label: (runner, size in bytes)}: the direct writers' files of a
+    sentence-embedding model (any other writer would be a fallback: refused)."""
+    import tempfile
+
+    from keras_attn.export import onnx_fused
+    from keras_attn.export import tflite_encoder
+    from keras_attn.export.onnx_quantize import quantize_matmul_weights
+
+    variants = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, quantization in (("TFLite float32", None), ("TFLite dynamic", "dynamic")):
+            path = os.path.join(tmp, "m.tflite")
+            tflite_encoder.write_encoder_tflite(model, path, quantization=quantization)
+            with open(path, "rb") as f:
+                content = f.read()
+            variants[label] = (TFLiteRunner(content), len(content))
+    for label, fused in (("ONNX", False), ("ONNX fused", True)):
+        proto = onnx_fused.direct_model_proto(model, fused=fused)
+        for suffix, graph in (("float32", proto), ("int8 (7-bit MatMul weights)", quantize_matmul_weights(proto))):
+            content = graph.SerializeToString()
+            variants[f"{label} {suffix}"] = (OnnxRunner(content), len(content))
+    return variants
+
+
+def run_sentence_embedding(model_dir, length, repeats, calls):
+    import numpy as np
+
+    from keras_attn.convert import from_huggingface
+    from keras_attn.export import samples as model_io
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = from_huggingface(model_dir)  # with its modules: the sentence embedding
+    names = [s.name for s in model_io.input_specs(model)]
+    tokens = tokenize(model_dir, SENTENCES, length, names)
+    feeds = [{k: v[i:i + 1] for k, v in tokens.items()} for i in range(len(SENTENCES))]
+    want = np.concatenate([model_io.keras_outputs(model, feed)[0] for feed in feeds])
+    variants = sentence_embedding_variants(model)
+    latency = _common.interleaved({k: (lambda r=r: r(feeds[0])) for k, (r, _) in variants.items()},
+                                  repeats=repeats, calls=calls)
+    rows = []
+    for label, (runner, size) in variants.items():
+        got = np.concatenate([np.asarray(runner(feed)["sentence_embedding"]) for feed in feeds])
+        c = cosines(got, want)
+        row = {"variant": label, "size_mb": size / 1e6, "latency_ms": latency[label] * 1e3,
+               "ratio": latency[label] / latency["TFLite float32"],
+               "cos_min": float(c.min()), "cos_mean": float(c.mean())}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    header = ["variant", "size MB", "latency ms", "vs TFLite float32", "sentence_embedding cos min / mean"]
+    body = [[r["variant"], f"{r['size_mb']:.1f}", f"{r['latency_ms']:.1f}", f"{r['ratio']:.2f}x",
+             f"{r['cos_min']:.4f} / {r['cos_mean']:.4f}"] for r in rows]
+    return (f"The sentence-transformers model ({int(model.count_params()):,} weights: encoder, pooling, "
+            f"Normalize), written by the direct writers; batch 1, T={length}, 2 threads; the "
+            f"`sentence_embedding` cosine against Keras on {len(SENTENCES)} sentences, one per call.\n\n"
+            + _common.markdown_table(header, body))
+
+
 def to_markdown(rows, meta, model_name):
     header = ["variant", "size MB", "latency ms", "vs float32", "token cos min / mean",
               "sentence cos min / mean"]
@@ -302,10 +369,22 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--skip", action="append", default=[], help="a variant label to skip")
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--sentence-embedding", action="store_true",
+                        help="the whole sentence-transformers model by the direct writers (see above)")
     results_file.add_argument(parser, "quantization")
     args = parser.parse_args(argv)
+    if args.sentence_embedding and args.write_results == "quantization":
+        args.write_results = "quantization_sentence_embedding"
     results_file.start(args)
     model_dir = args.model or default_model_dir()
+    if args.sentence_embedding:
+        text = run_sentence_embedding(model_dir, args.length, args.repeats, args.calls)
+        print(text)
+        results_file.finish(args, text)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text + "\n")
+        return
     rows, meta = run(model_dir, args.length, args.calibration, args.repeats, args.calls,
                      tuple(args.skip))
     text = to_markdown(rows, meta, "all-MiniLM-L6-v2" if args.model is None else args.model)

@@ -5,11 +5,15 @@ attention (heads, key/value heads, head size, the four projections with
 their biases, QK-norm, rotary, window, soft cap, value norm, shared keys and
 values) and its feed-forward; per model the token table, its scale, the head
 (or the tied table), the final norm and soft cap, the positions and the
-per-layer inputs. The ONNX and TFLite writers (`keras_attn.export`) read
+per-layer inputs; a projection's LoRA adapter, unmerged (`Dense.lora`:
+every writer reads `kernel`, the adapter merged in, unless it keeps the
+adapters apart). The ONNX and TFLite writers (`keras_attn.export`) read
 this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
 the description by `keras_attn.export.capabilities`. The encoder writers read
-`read_encoder(model)`: a functional Keras model's calls in order, as steps.
+`read_encoder(model)`: a functional Keras model's calls in order, as steps
+(embeddings, Transformer blocks, dense layers, comparisons and indexing, and
+a sentence embedding's pooling, L2 normalization and truncation).
 
 Weights are `Weight`s: a variable read when a writer asks for it, as a
 read-only float32 view of the variable's own memory where the backend keeps
@@ -67,12 +71,32 @@ class Weight:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRA:
+    """A projection's unmerged PEFT-style adapter (`generation/lora.py`):
+    the projection is `x @ base + scale * (x @ a) @ b`, `base` `(in, out)`
+    the frozen kernel, `a` `(in, r)`, `b` `(r, out)`, `scale` `alpha / r`."""
+
+    base: Weight
+    a: Weight
+    b: Weight
+    scale: float
+
+    def scaled_b(self):
+        """`scale * b` (float32): the adapter as one `(x @ a) @ b'` (how the
+        GenAI model builder and its `.onnx_adapter` files hold it)."""
+        return self.b.read() * np.float32(self.scale)
+
+
+@dataclasses.dataclass(frozen=True)
 class Dense:
-    """A projection `x @ kernel (+ bias)`: `kernel` `(in, out)`, `bias` `(out,)` or None."""
+    """A projection `x @ kernel (+ bias)`: `kernel` `(in, out)`, `bias` `(out,)`
+    or None. `kernel` is what the projection computes (an adapter merged in);
+    `lora` the adapter unmerged, for a writer that keeps it apart, or None."""
 
     name: str
     kernel: Weight
     bias: Optional[Weight]
+    lora: Optional[LoRA] = None
 
     def read_bias(self):
         """The bias as float32 NumPy, or None."""
@@ -180,6 +204,12 @@ class FeedForward:
     down: Dense
     activation: Optional[str]
     activation_repr: str
+
+
+def projections(layer):
+    """A described `Layer`'s projections (`Dense`s), attention then feed-forward."""
+    a, f = layer.attention, layer.feedforward
+    return [d for d in (a.query, a.key, a.value, a.output, f.gate, f.up, f.down) if d is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +340,19 @@ def _dense(layer, heads_first_input=False):
     flat = (int(np.prod(shape[:-1])), shape[-1]) if heads_first_input else (shape[0], int(np.prod(shape[1:])))
     bias = getattr(layer, "bias", None)
     bias = None if bias is None else _weight(layer, "bias", (int(np.prod(bias.shape)),))
-    return Dense(layer.name, _weight(layer, "kernel", flat), bias)
+    return Dense(layer.name, _weight(layer, "kernel", flat), bias, _lora(layer, flat))
+
+
+def _lora(layer, flat):
+    """The PEFT-style adapter of `layer` unmerged (None without one, or once
+    `merge_lora` has added it to the kernel). Its `(in, r)`/`(r, out)` are
+    over the kernel's input and output axes in C order, as `flat` is."""
+    # Keras's own LoRA (style="keras") has no `lora_merged` and per-head
+    # factors: served merged only.
+    if getattr(layer, "lora_merged", True):
+        return None
+    return LoRA(_weight(layer, "_kernel", flat), _weight(layer, "lora_kernel_a"), _weight(layer, "lora_kernel_b"),
+                float(layer.lora_alpha) / int(layer.lora_rank))
 
 
 def _norm(layer):
@@ -513,6 +555,34 @@ class GetItemStep(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class PoolingStep(Step):
+    """`SentencePooling` of the sequence `input` `(B, T, D)` over the tokens
+    of `mask` `(B, T)` (nonzero: a token), leaving out the first
+    `prompt_length` `(B,)` tokens when it is not None: each of `modes`
+    (`keras_attn.layers.sentence_pooling.MODES`) gives a `(B, D)` vector,
+    concatenated in that order."""
+
+    mask: str
+    prompt_length: Optional[str]
+    modes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizeStep(Step):
+    """L2 normalization of the last axis, as `keras.ops.normalize`:
+    `input * min(rsqrt(sum(input ** 2)), 1 / epsilon)`."""
+
+    epsilon: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncateStep(Step):
+    """The first `size` features of the last axis (`x[..., :size]`)."""
+
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Encoder:
     """A functional Keras model as steps (see above). `unsupported`:
     `(layer name, what)` for each call the description does not carry (its
@@ -542,10 +612,24 @@ def _index_key(key):
     return None
 
 
+def _truncation(key, rank):
+    """`size` of a key `(:, ..., :size)` over `rank` axes (a list as
+    `_index_key`'s), else None."""
+    key = list(key) if isinstance(key, (list, tuple)) else [key]
+    if len(key) != rank or any(not (isinstance(k, slice) and k == slice(None)) for k in key[:-1]):
+        return None
+    last = key[-1]
+    if (not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1)
+            or not isinstance(last.stop, (int, np.integer)) or isinstance(last.stop, bool) or last.stop <= 0):
+        return None
+    return int(last.stop)
+
+
 def _encoder_step(op, node, name):
     """The step of one call, or the text of why it is not one."""
     import keras
 
+    from keras_attn.layers.sentence_pooling import SentencePooling
     from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
     from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
@@ -591,6 +675,23 @@ def _encoder_step(op, node, name):
         if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
             return "only a comparison with a scalar"
         return CompareStep(op.name, name(x), out, kind == "Equal", np.asarray(other, dtype=x.dtype))
+    if isinstance(op, SentencePooling):
+        values = dict(zip(("hidden", "attention_mask", "prompt_length"), args),
+                      **{k: v for k, v in kwargs.items() if k != "training"})
+        if set(values) - {"hidden", "attention_mask", "prompt_length"} or "attention_mask" not in values:
+            return "called with extra arguments"
+        if len(values["hidden"].shape) != 3 or len(values["attention_mask"].shape) != 2:
+            return "pooling other than (batch, length, features) over a (batch, length) mask"
+        prompt = values.get("prompt_length")
+        return PoolingStep(op.name, name(values["hidden"]), out, name(values["attention_mask"]),
+                           None if prompt is None else name(prompt), tuple(op.modes))
+    if kind == "Normalize" and len(args) == 1:
+        if op.order != 2 or op.axis not in (-1, len(args[0].shape) - 1):
+            return f"only the L2 norm of the last axis (received order={op.order}, axis={op.axis})"
+        epsilon = keras.backend.epsilon() if op.epsilon is None else op.epsilon
+        return NormalizeStep(op.name, name(args[0]), out, float(epsilon))
+    if kind == "GetItem" and len(args) == 2 and _truncation(args[1], len(args[0].shape)) is not None:
+        return TruncateStep(op.name, name(args[0]), out, _truncation(args[1], len(args[0].shape)))
     if kind == "GetItem" and len(args) == 2:
         key = _index_key(args[1])
         if key is None or len(key) != len(args[0].shape):

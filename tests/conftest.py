@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 # converters' streaming. Training, export, generation and data are TensorFlow
 # by design (docs/architecture.md). Paths are relative to tests/.
 BACKEND_AGNOSTIC_FILES = {
+    "convert/test_convert_modernbert.py",
     "convert/test_convert_streaming.py",
     "export/test_decoder_writers.py",
     "export/test_description.py",
@@ -38,9 +39,11 @@ BACKEND_AGNOSTIC_FILES = {
     "layers/test_mha_keras_compat.py",
     "layers/test_peers.py",
     "layers/test_position_layers.py",
+    "layers/test_sentence_pooling.py",
     "layers/test_serialization.py",
     "layers/test_upstream_suites.py",
     "ops/test_ops.py",
+    "runtimes/test_genai_adapters.py",
 }
 
 TESTS = pathlib.Path(__file__).parent

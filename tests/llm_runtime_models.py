@@ -302,3 +302,17 @@ def variable_memory(variable):
     if backend == "torch":
         return variable.value.detach().cpu().numpy()
     return np.asarray(variable.value)
+
+
+def forward_greedy(lm, prompt, length):
+    """`prompt` continued greedily to `length` tokens by Keras's full forward
+    pass, one call per token (no cache, no TensorFlow graph: any backend).
+    One shape for every call (one compilation): causal, so the zeros after
+    the tokens so far do not reach them."""
+    import keras
+
+    tokens = np.zeros((1, length), np.int64)
+    tokens[0, :len(prompt)] = prompt
+    for i in range(len(prompt), length):
+        tokens[0, i] = keras.ops.convert_to_numpy(lm(tokens))[0, i - 1].argmax()
+    return [int(t) for t in tokens[0]]

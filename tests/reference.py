@@ -184,3 +184,18 @@ def attention_with_grads(q, k, v, mask, bias, scale, d_out):
         return x.reshape(b, t, h // groups, groups, d).sum(axis=3)
 
     return out, d_q, fold(d_k), fold(d_v), d_s
+
+
+def blockwise_dequantized(kernel, bits, block=32):
+    """What symmetric `bits`-bit blocks of `block` along the input axis of
+    `kernel` `(k, n)` give back (MatMulNBits' layout, written here
+    independently of the writers). In float32, as the weights are: a code
+    exactly between two integers rounds the same way."""
+    k, n = kernel.shape
+    padded = np.zeros((-(-k // block) * block, n), np.float32)
+    padded[:k] = kernel
+    blocks = padded.reshape(-1, block, n)
+    top = np.float32(2 ** (bits - 1) - 1)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / top
+    codes = np.clip(np.rint(blocks / np.where(scale == 0, 1, scale)), -top, top)
+    return (codes * scale).reshape(-1, n)[:k].astype(np.float32)

@@ -467,3 +467,20 @@ def set_lm_head(lm, weights, tied, table, table_name, untied_bias=False):
     assign(lm.lm_head.kernel, head.T, "lm_head.weight")
     if untied_bias:
         assign(lm.lm_head.bias, np.zeros(lm.lm_head.bias.shape, "float32"), "lm_head.bias")
+
+
+def set_output_head(layer, weights, name, table, tied, table_name):
+    """An encoder's output Dense `name` (a masked LM's decoder): with `tied`,
+    the token table `table` (a safetensors folder leaves the tied
+    `name.weight` out; a state dict has it, checked equal); its bias when
+    the checkpoint has one."""
+    if name + ".weight" in weights:
+        kernel = weights.take(name + ".weight")
+        if tied and not np.array_equal(kernel, table):
+            refuse("tie_word_embeddings", True, f"but {name}.weight differs from {table_name}")
+    elif tied:
+        kernel = table
+    else:
+        refuse("tie_word_embeddings", False, f"but the checkpoint has no {name}.weight")
+    bias = weights.take(name + ".bias") if name + ".bias" in weights else None
+    set_dense(layer, kernel.T, bias, name)

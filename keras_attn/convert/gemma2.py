@@ -19,6 +19,17 @@ RMSNorm scale `1 + w`) with what Gemma 2 and 3 add.
   unscaled) on the sliding layers, `rope_parameters["full_attention"]`
   (`rope_theta` with its `rope_scaling`) on the full ones.
 
+Gemma 3's text model without a head (`Gemma3TextModel`, the backbone of
+EmbeddingGemma) becomes a functional encoder (`Gemma3EncoderConverter`):
+int32 `input_ids` and `attention_mask` (1 = token, 0 = padding) in,
+`last_hidden_state` `(B, T, D)` out, the same blocks as a
+`TransformerEncoderBlock` stack. With `use_bidirectional_attention=True`
+(EmbeddingGemma) nothing is causal: full layers see every token, sliding
+layers a symmetric band. transformers' config turns the checkpoint's
+`sliding_window` `w` into `w // 2 + 1` and its band is `|i - j| < w // 2 + 1`,
+which is keras_attn's `sliding_window=w // 2 + 1`. Without it, the encoder
+is causal (the decoder's last hidden state). Padding masks keys only.
+
 Gemma 3's multimodal `Gemma3ForConditionalGeneration` (model_type "gemma3")
 and Gemma 3n are refused by `registry.REFUSED`.
 
@@ -99,6 +110,12 @@ class Gemma2Converter(gemma.GemmaConverter):
         set_norms_and_feedforward(self, block, prefix)
 
 
+class Gemma3EncoderConverter(llama.EncoderConverter, Gemma2Converter):
+    """A `Gemma3TextModel` (no head) into a functional encoder of
+    `TransformerEncoderBlock`s: bidirectional with
+    `use_bidirectional_attention=True`, else causal."""
+
+
 def set_norms_and_feedforward(converter, block, prefix):
     """The sandwich norms (before and after attention and feed-forward) and
     the gated feed-forward of a Gemma 2/3/4 block, by `converter.set_norm`."""
@@ -119,13 +136,16 @@ def set_norms_and_feedforward(converter, block, prefix):
 
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `Gemma2ForCausalLM`
-    or `Gemma3ForCausalLM` (`dropout` is not used: the result has none)."""
+    or `Gemma3ForCausalLM`, or the functional encoder of a `Gemma3TextModel`
+    (`dropout` is not used: the result has none)."""
+    if checkpoint.architecture == "Gemma3TextModel":
+        return Gemma3EncoderConverter(checkpoint).convert()
     return Gemma2Converter(checkpoint).convert()
 
 
 FAMILY = common.Family(
     name="Gemma 2/3",
     model_types=("gemma2", "gemma3_text"),
-    architectures=("*ForCausalLM",),
+    architectures=("*ForCausalLM", "Gemma3TextModel"),
     convert=convert,
 )

@@ -16,6 +16,15 @@ its tensor name mapping):
   config has more than one token type, `token_type_ids`; a base model
   outputs `last_hidden_state` (and `pooler_output`), a
   `*ForSequenceClassification` model `logits`.
+- **ModernBERT** (`"modernbert"`: `ModernBertModel`, `ModernBertForMaskedLM`,
+  `ModernBertForSequenceClassification`; `modernbert.py`), **EuroBERT**
+  (`EuroBertModel`, `EuroBertForMaskedLM`; `eurobert.py`), **NomicBERT**
+  (`NomicBertModel`; `nomic_bert.py`) and **Gemma 3's text model**
+  (`Gemma3TextModel`, bidirectional with `use_bidirectional_attention=True`
+  as in EmbeddingGemma; `gemma2.py`): a functional encoder with int32
+  inputs `input_ids` and `attention_mask` (NomicBERT: and `token_type_ids`)
+  and the output `last_hidden_state` or `logits`; local layers' windows are
+  symmetric bands.
 - **GPT-2-family decoders** (`"gpt2"`; `gpt2.py`): a
   `keras_attn.generation.DecoderOnlyLM` (learned positions, pre-norm
   blocks, tied head), so `keras_attn.generation.greedy_search` and the
@@ -86,7 +95,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapter=None, use_modules=True,
                      output_dim=None):
-    """Converts a Hugging Face BERT-, RoBERTa-, GPT-2-, Llama-, Mistral-, Qwen2-, Gemma- or T5-style model.
+    """Converts a Hugging Face encoder, decoder or T5 model (the families: see the module docstring).
 
     Args:
         model_or_local_dir: a `transformers.PreTrainedModel` (PyTorch) or the
@@ -126,7 +135,7 @@ def from_huggingface(model_or_local_dir, *, dropout=None, dtype="float32", adapt
         For a sentence-transformers folder (`use_modules=True`), a
         functional `keras.Model` with the output `{"sentence_embedding": (B, D)}`.
         Otherwise a functional `keras.Model` for encoders (BERT family,
-        `T5EncoderModel`), a `DecoderOnlyLM` for decoders, a `Seq2SeqLM` for
+        ModernBERT, EuroBERT, NomicBERT, `Gemma3TextModel`, `T5EncoderModel`), a `DecoderOnlyLM` for decoders, a `Seq2SeqLM` for
         `T5ForConditionalGeneration` (see the module docstring).
 
     Raises:

@@ -36,6 +36,8 @@ import numpy as np
 
 from keras_attn.convert import common
 from keras_attn.generation.models import DecoderOnlyLM
+from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.layers.transformer_encoder_block import TransformerEncoderBlock
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -240,6 +242,86 @@ class LlamaConverter:
         self.set_norm(lm.final_norm, "model.norm")
         weights.check_all_used(self.checkpoint.architecture)
         return lm
+
+
+class EncoderConverter:
+    """Mixed into a `LlamaConverter` (first base): the checkpoint's text
+    model (`*Model`, no head) or masked LM (`*ForMaskedLM`, an output dense)
+    as a functional encoder of `TransformerEncoderBlock`s with the blocks
+    `DecoderOnlyLM` would have, int32 inputs `input_ids` and
+    `attention_mask` (1 = token, 0 = padding), output `last_hidden_state`
+    or `logits`. Bidirectional when the config's
+    `use_bidirectional_attention` is set (or `bidirectional` says so), else
+    causal; a window is then the symmetric band `|i - j| < sliding_window`.
+    Padding masks keys only; positions are `0 .. T-1`."""
+
+    # The flag makes the text model bidirectional: taken, not refused.
+    causal_text_bidirectional = (True,)
+
+    def __init__(self, checkpoint):
+        super().__init__(checkpoint)
+        # A task model's base is under `model.`; a text model's tensors have no prefix.
+        self.weights = common.Weights(checkpoint.tensors, "model")
+
+    @property
+    def bidirectional(self):
+        return bool(getattr(self.config, "use_bidirectional_attention", False))
+
+    def convert(self):
+        self.check_config()
+        config, options, weights = self.config, self.model_options(), self.weights
+        full = RotaryEmbedding(options["rope_max_wavelength"], rope_scaling=options["rope_scaling"])
+        local = full
+        if options.get("local_rope_max_wavelength") is not None:
+            local = RotaryEmbedding(options["local_rope_max_wavelength"])
+        windows = options["sliding_window"]
+        if not isinstance(windows, list):
+            windows = [windows] * config.num_hidden_layers
+        input_ids = keras.Input((None,), dtype="int32", name="input_ids")
+        attention_mask = keras.Input((None,), dtype="int32", name="attention_mask")
+        embedding = keras.layers.Embedding(config.vocab_size, config.hidden_size, name="embedding")
+        x = embedding(input_ids)
+        if options.get("embedding_scale") is not None:
+            # A Python float, which takes `x`'s dtype (Gemma rounds it so) and
+            # stays a constant of the graph (a cast tensor would be captured).
+            x = x * options["embedding_scale"]
+        padding_mask = keras.ops.not_equal(attention_mask, 0)
+        blocks = []
+        for i, window in enumerate(windows):
+            block = TransformerEncoderBlock(
+                num_heads=options["num_heads"], num_key_value_heads=options["num_key_value_heads"],
+                key_dim=options["head_dim"], intermediate_dim=options["intermediate_dim"],
+                activation=options["activation"], normalize_first=True,
+                layer_norm_epsilon=options["layer_norm_epsilon"], normalization="rms_norm",
+                use_gated_feedforward=True, attention_use_bias=options["attention_use_bias"],
+                attention_output_use_bias=options["attention_output_use_bias"],
+                feedforward_use_bias=options["feedforward_use_bias"],
+                use_qk_norm=options.get("use_qk_norm", False),
+                use_sandwich_norm=options.get("use_sandwich_norm", False),
+                logit_soft_cap=options.get("attention_logit_soft_cap"),
+                rotary_embedding=full if window is None else local, sliding_window=window,
+                mask_padded_queries=False, name=f"encoder_{i}",
+            )
+            x = block(x, padding_mask=padding_mask, use_causal_mask=not self.bidirectional)
+            blocks.append(block)
+        final_norm = keras.layers.RMSNormalization(epsilon=options["layer_norm_epsilon"], name="final_norm")
+        x = final_norm(x)
+        head = None
+        if self.checkpoint.architecture.endswith("ForMaskedLM"):
+            head = keras.layers.Dense(config.vocab_size, use_bias="lm_head.bias" in weights, name="lm_head")
+            x = keras.layers.Identity(name="logits")(head(x))
+        else:
+            x = keras.layers.Identity(name="last_hidden_state")(x)
+        model = keras.Model([input_ids, attention_mask], x, name=f"{self.model_type}_keras_attn")
+        table = weights.take("embed_tokens.weight")
+        common.assign(embedding.embeddings, table, "embed_tokens.weight")
+        for i, block in enumerate(blocks):
+            self.set_block(block, f"layers.{i}.")
+        self.set_norm(final_norm, "norm")
+        if head is not None:
+            common.set_output_head(head, weights, "lm_head", table, self.tied, "embed_tokens")
+        weights.check_all_used(self.checkpoint.architecture)
+        return model
 
 
 # --- Back to transformers ------------------------------------------------------

@@ -1,7 +1,7 @@
 """The converter table: which family converts which `model_type`.
 
 Each family module (`bert.py`, `gpt2.py`, `llama.py`, `gemma.py`,
-`gemma2.py`, `gemma4.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
+`gemma2.py`, `gemma4.py`, `modernbert.py`, `eurobert.py`, `nomic_bert.py`, `qwen3.py`, `smollm3.py`, `phi3.py`, `t5.py`)
 declares a `FAMILY` (`common.Family`): the `model_type`s and architectures it
 takes and its `convert(checkpoint, *, dropout=None)`. `FAMILIES` lists them,
 one row each; adding a family is adding its module and its row. `REFUSED`
@@ -10,11 +10,14 @@ names the related model types that cannot be represented, and why.
 
 from keras_attn.convert import bert
 from keras_attn.convert import common
+from keras_attn.convert import eurobert
 from keras_attn.convert import gemma
 from keras_attn.convert import gpt2
 from keras_attn.convert import gemma2
 from keras_attn.convert import gemma4
 from keras_attn.convert import llama
+from keras_attn.convert import modernbert
+from keras_attn.convert import nomic_bert
 from keras_attn.convert import phi3
 from keras_attn.convert import qwen3
 from keras_attn.convert import smollm3
@@ -22,6 +25,9 @@ from keras_attn.convert import t5
 
 FAMILIES = (
     bert.FAMILY,
+    modernbert.FAMILY,
+    eurobert.FAMILY,
+    nomic_bert.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gemma.FAMILY,

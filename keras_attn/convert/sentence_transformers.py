@@ -15,7 +15,7 @@ embedding exports like any other output.
 | sentence-transformers module              | in the Keras graph                                                 |
 |-------------------------------------------|--------------------------------------------------------------------|
 | `Transformer` (`path`, `config.json`)     | the family's functional encoder, its `last_hidden_state`           |
-| `Pooling` (`1_Pooling/config.json`)       | `cls`, `lasttoken`, `mean`, `mean_sqrt_len_tokens`, `max`, `weightedmean` over `attention_mask` (several modes: concatenated in the listed order) |
+| `Pooling` (`1_Pooling/config.json`)       | `keras_attn.layers.SentencePooling`: `cls`, `lasttoken`, `mean`, `mean_sqrt_len_tokens`, `max`, `weightedmean` over `attention_mask` (several modes: concatenated in the listed order) |
 | `Dense` (`config.json`, `linear.weight`/`linear.bias`) | `keras.layers.Dense` named `dense_<i>`, the torch activation mapped |
 | `Normalize`                               | L2 normalization of the last axis                                  |
 | `truncate_dim` (`output_dim=`)            | the first `output_dim` features, after every module                |
@@ -39,14 +39,14 @@ import os
 import keras
 import numpy as np
 
-from keras_attn import checks
 from keras_attn.convert import common
+from keras_attn.layers import sentence_pooling
 
 # The module classes converted, by class name: sentence-transformers writes
 # `sentence_transformers.models.<Class>` (before v5) or the class's full
 # module path (`sentence_transformers.base.modules.dense.Dense`).
 _MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
-POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+POOLING_MODES = sentence_pooling.MODES
 # `Pooling`'s configs before v5 set one boolean per mode; the library reads
 # them in this order (`_LEGACY_POOLING_MODE_KWARGS`), "mean" when none is set.
 _LEGACY_POOLING = {
@@ -60,8 +60,6 @@ _LEGACY_POOLING = {
 # The torch activation classes a `Dense` module's config names, as Keras activations.
 _ACTIVATIONS = {"Tanh": "tanh", "Identity": None, "ReLU": "relu", "GELU": "gelu", "Sigmoid": "sigmoid",
                 "SiLU": "silu"}
-# The library clamps token counts to this before dividing (mean pooling).
-_MIN_COUNT = 1e-9
 
 
 def is_folder(path):
@@ -161,8 +159,8 @@ def convert(folder, convert_transformer, *, output_dim=None):
             if not config.get("include_prompt", True) and prompt_length is None:
                 prompt_length = keras.Input((), dtype="int32", name="prompt_length")
                 inputs.append(prompt_length)
-            x = pool(x, attention_mask, pooling_modes(config),
-                     prompt_length=None if config.get("include_prompt", True) else prompt_length)
+            x = sentence_pooling.SentencePooling(pooling_modes(config), name="pooling")(
+                x, attention_mask, None if config.get("include_prompt", True) else prompt_length)
         elif module == "Dense":
             _check_io_names(config, "Dense")
             if config.get("use_residual", False):
@@ -211,65 +209,6 @@ def _load_dense(layer, path):
     weights = common.Weights(tensors)
     common.set_dense(layer, *weights.linear("linear"))
     weights.check_all_used(f"the Dense module {path!r}")
-
-
-def pool(hidden, attention_mask, modes, prompt_length=None):
-    """sentence-transformers' `Pooling` over `hidden` `(B, T, D)`, in float32:
-    each mode's `(B, D)` vector, concatenated in the order of `modes`.
-
-    `attention_mask` `(B, T)`: 1 = token (right or left padding). With
-    `prompt_length` `(B,)` (the prompt's tokens, the leading special token
-    included), the first `prompt_length` tokens after the padding are left
-    out, as the library's `include_prompt=False` does.
-    """
-    for mode in modes:
-        checks.check_choice("modes", mode, POOLING_MODES)
-    # `expand_dims`, not `[:, None]`: TensorFlow's new-axis slice is no
-    # TFLite builtin.
-    ops = keras.ops
-    hidden = ops.cast(hidden, "float32")
-    # Positions and selections from cumulative sums: the graph holds no
-    # length, so it is built once for every sequence length.
-    original = ops.cast(ops.not_equal(attention_mask, 0), "int32")  # (B, T)
-    positions = ops.cumsum(ops.ones_like(original), axis=1) - 1
-    # The library's first token of each row (its `argmax` of the mask: 0 for
-    # a row without tokens): the number of left-padding positions.
-    leading = ops.sum(ops.cast(ops.equal(ops.cumsum(original, axis=1), 0), "int32"), axis=1)
-    first = ops.where(ops.greater(ops.sum(original, axis=1), 0), leading, 0)  # (B,)
-    mask = original
-    if prompt_length is not None:
-        keep = ops.greater_equal(positions, ops.expand_dims(first + ops.cast(prompt_length, "int32"), 1))
-        mask = mask * ops.cast(keep, "int32")
-    weights = ops.expand_dims(ops.cast(mask, "float32"), 2)  # (B, T, 1)
-    counted = ops.cumsum(mask, axis=1)  # kept tokens up to each position
-    vectors = []
-    for mode in modes:
-        if mode == "cls":  # the first kept token; the library's argmax takes token 0 in a row without one
-            selected = ops.logical_and(ops.equal(counted, 1), ops.greater(mask, 0))
-            selected = ops.where(ops.any(selected, axis=1, keepdims=True), selected, ops.equal(positions, 0))
-            vectors.append(_take(hidden, selected))
-        elif mode == "lasttoken":  # the last kept token; zeros in a row without one, as the library's
-            selected = ops.logical_and(ops.equal(counted, ops.sum(mask, axis=1, keepdims=True)), ops.greater(mask, 0))
-            vectors.append(_take(hidden, selected))
-        elif mode == "max":
-            vectors.append(ops.max(ops.where(ops.greater(weights, 0), hidden, float("-inf")), axis=1))
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            count = ops.maximum(ops.sum(weights, axis=1), _MIN_COUNT)  # (B, 1)
-            total = ops.sum(hidden * weights, axis=1)
-            vectors.append(total / (count if mode == "mean" else ops.sqrt(count)))
-        else:  # "weightedmean": weights 1, 2, ... from the first token
-            position_weights = ops.expand_dims(ops.cast(positions + 1 - ops.expand_dims(first, 1), "float32"), 2)
-            weighted = weights * position_weights
-            vectors.append(ops.sum(hidden * weighted, axis=1)
-                           / ops.maximum(ops.sum(weighted, axis=1), _MIN_COUNT))
-    return vectors[0] if len(vectors) == 1 else ops.concatenate(vectors, axis=-1)
-
-
-def _take(hidden, selected):
-    """The token of `hidden` `(B, T, D)` where `selected` `(B, T)` (one per
-    row, or none: zeros) is True, as a masked sum: no gather, which the
-    exports' builtin ops cover."""
-    return keras.ops.sum(hidden * keras.ops.expand_dims(keras.ops.cast(selected, hidden.dtype), 2), axis=1)
 
 
 def prompts(folder):

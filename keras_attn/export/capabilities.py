@@ -130,9 +130,17 @@ _DECODER_LAYER_SETTINGS = (
 
 
 _EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemStep
+_POOLING = description_lib.PoolingStep
+# `SentencePooling` modes the encoder writers have an emitter for (as
+# masked sums: the others need a max or weights over positions).
+POOLING_MODES = ("cls", "lasttoken", "mean", "mean_sqrt_len_tokens")
 
 
 FEATURES = (
+    Feature("LoRA adapters kept apart (runtime inputs)", lambda d, c: c.get("adapters") and _first(
+        [(l.name, dense) for l in d.layers for dense in description_lib.projections(l)],
+        lambda n: n[1].lora is not None, lambda n: f"{n[0]}: a LoRA adapter on {n[1].name} (`enable_lora`)"),
+        frozenset({"onnx_genai"}), DECODERS),
     Feature("layers quantized by Keras", lambda d, c: d.quantized and (
         f"layers quantized by Keras (`model.quantize({d.quantized[0]!r})`) are not read"
         "; export the float model with the export's own `quantization=`"), frozenset()),
@@ -199,6 +207,13 @@ FEATURES = (
             DECODERS),
     # Found only when outside the writer's own list (ACTIVATIONS).
     Feature("activation", _activation, frozenset()),
+    Feature("sentence pooling modes max and weightedmean", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _POOLING) and set(s.modes) - set(POOLING_MODES),
+        lambda s: f"{s.name}: modes={s.modes!r} (the writers pool with {POOLING_MODES})"),
+        frozenset(), ENCODERS),
+    Feature("sentence pooling without the prompt's tokens", lambda d, c: _first(
+        d.steps, lambda s: isinstance(s, _POOLING) and s.prompt_length is not None,
+        lambda s: f"{s.name}: a prompt_length input (include_prompt=False)"), frozenset(), ENCODERS),
     Feature("negative indices", lambda d, c: _first(
         d.steps, lambda s: isinstance(s, _GET_ITEM) and any(k is not None and k < 0 for k in s.key),
         lambda s: f"{s.name}: key {s.key} (negative indices)"), frozenset({"onnx_encoder"}), ENCODERS),
@@ -226,22 +241,24 @@ def describe(model, writer):
     return model.describe()
 
 
-def checked(model, writer, max_length=None, options=()):
+def checked(model, writer, max_length=None, options=(), adapters=False):
     """`writer`'s description of `model` (`describe`) when `writer` covers it
-    (a cache of `max_length`, when given) and each of `options`, `(name,
-    value, the values it writes)`; else `NotFusableError` naming the first
-    option or feature it does not cover."""
+    (a cache of `max_length`, when given; `adapters`: as `support`) and each
+    of `options`, `(name, value, the values it writes)`; else
+    `NotFusableError` naming the first option or feature it does not cover."""
     for name, value, written in options:
         if value not in written:
             raise NotFusableError(f"{name}={value!r} (the {WRITERS[writer]} writes {list(written)})")
     description = describe(model, writer)
-    check(description, writer, max_length)
+    check(description, writer, max_length, adapters)
     return description
 
 
-def support(description, writer, max_length=None):
+def support(description, writer, max_length=None, adapters=False):
     """None when `writer` covers the model `description` (a cache of
-    `max_length`, when given), else the first reason it does not."""
+    `max_length`, when given; its LoRA adapters kept apart from the weights,
+    with `adapters`: without, every writer writes them merged), else the
+    first reason it does not."""
     if writer not in WRITERS:
         raise ValueError(f"Received an invalid value for argument `writer`, expected one of "
                          f"{sorted(WRITERS)}. Received: writer={writer!r}")
@@ -249,7 +266,7 @@ def support(description, writer, max_length=None):
         kinds = ("an Encoder", "a Decoder") if writer in ENCODERS else ("a Decoder", "an Encoder")
         raise ValueError(f"The {WRITERS[writer]} reads {kinds[0]}, not {kinds[1]}. "
                          f"Received: writer={writer!r}")
-    context = {"writer": writer, "max_length": max_length}
+    context = {"writer": writer, "max_length": max_length, "adapters": adapters}
     for feature in FEATURES:
         if writer not in feature.applies:
             continue
@@ -259,9 +276,9 @@ def support(description, writer, max_length=None):
     return None
 
 
-def check(description, writer, max_length=None):
+def check(description, writer, max_length=None, adapters=False):
     """Raises `NotFusableError` with `support`'s reason when `writer` does not cover it."""
-    reason = support(description, writer, max_length)
+    reason = support(description, writer, max_length, adapters)
     if reason is not None:
         raise NotFusableError(reason)
 

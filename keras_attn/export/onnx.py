@@ -217,7 +217,8 @@ def export_onnx(
     The graph is written by the direct writer wherever it covers the model
     (`keras_attn.export.onnx_fused`: Transformer encoders built from
     `TokenAndPositionEmbedding`, `TransformerEncoderBlock` and `Dense`
-    layers, such as a BERT converted by `from_huggingface`), each weight
+    layers, such as a BERT converted by `from_huggingface`, and a
+    sentence-transformers model's pooling, normalization and truncation), each weight
     held once; any other model goes through tf2onnx, refused up front when
     its estimated memory (`TF2ONNX_MEMORY_FACTOR` x the weights) exceeds what
     the system has available.

@@ -38,6 +38,12 @@ Weights are float32 `MatMul`s, or `com.microsoft` `MatMulNBits` with
 `keras_attn.export.onnx_quantize.nbits_weight`), quantized as they are
 written.
 
+LoRA adapters are merged into the kernels (the description's `kernel`), or,
+with `adapters=`, kept apart as graph inputs that ONNX Runtime's adapter
+files (`.onnx_adapter`) feed: each adapted projection adds `(x @ A) @ B'`
+(`B'` = `(alpha / r) * B`), named and defaulted (empty, rank 0) as Olive's
+`ExtractAdapters` writes them for ONNX Runtime GenAI.
+
 A model this writer does not cover raises `NotFusableError` naming the
 setting; `keras_attn.runtimes.onnx_genai.export_onnx_genai` then falls back
 to the tf2onnx graph with a warning.
@@ -57,11 +63,46 @@ from keras_attn.export.onnx_graph import Graph
 PROMPT_LOGITS = ("last", "all")
 
 
-def check_fusable_decoder(model, max_length=None):
+def check_fusable_decoder(model, max_length=None, adapters=False):
     """`model`'s description when the fused decoder writer covers it (for a
-    cache of `max_length`, when given); else `NotFusableError` naming the
-    first thing it does not cover (`keras_attn.export.capabilities`)."""
-    return capabilities.checked(model, "onnx_genai", max_length)
+    cache of `max_length`, when given; its LoRA adapters as graph inputs,
+    with `adapters`); else `NotFusableError` naming the first thing it does
+    not cover (`keras_attn.export.capabilities`)."""
+    return capabilities.checked(model, "onnx_genai", max_length, adapters=adapters)
+
+
+# The projections' node names under `/model/layers.{i}/`, as the GenAI model
+# builder names them; the adapter inputs are named after them.
+_PROJECTION_NODES = {"query": "attn/q_proj", "key": "attn/k_proj", "value": "attn/v_proj",
+                     "output": "attn/o_proj", "gate": "mlp/gate_proj", "down": "mlp/down_proj"}
+
+
+def _up_node(feedforward):
+    return "mlp/up_proj" if feedforward.gate is not None else "mlp/fc1"
+
+
+def adapter_name(node, factor):
+    """The graph input of factor "A" or "B" of the adapter on the projection
+    `node` (`/model/layers.0/attn/q_proj`): PEFT's parameter name as Olive's
+    `ExtractAdapters` writes it, `model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return node.lstrip("/").replace("/attn/", "/self_attn/").replace("/", ".") + f".lora_{factor}.weight"
+
+
+def adapter_weights(description):
+    """`{graph input name: array}` of every LoRA adapter of the description:
+    A `(in, r)` and `scale * B` `(r, out)`, what an `.onnx_adapter` file
+    holds for the graph `decoder_model_proto(..., adapters=...)` writes."""
+    weights = {}
+    for i, layer in enumerate(description.layers):
+        attention, feedforward = layer.attention, layer.feedforward
+        nodes = {**{_PROJECTION_NODES[k]: getattr(attention, k) for k in ("query", "key", "value", "output")},
+                 _PROJECTION_NODES["gate"]: feedforward.gate, _up_node(feedforward): feedforward.up,
+                 _PROJECTION_NODES["down"]: feedforward.down}
+        for node, dense in nodes.items():
+            if dense is not None and dense.lora is not None:
+                weights[adapter_name(f"/model/layers.{i}/{node}", "A")] = dense.lora.a.read()
+                weights[adapter_name(f"/model/layers.{i}/{node}", "B")] = dense.lora.scaled_b()
+    return weights
 
 
 class DecoderGraph(Graph):
@@ -70,11 +111,68 @@ class DecoderGraph(Graph):
     `tied_table`, `apply`, `gather_rows`) they share: float32, or
     `MatMulNBits` with `bits`."""
 
-    def __init__(self, bits, block_size, accuracy_level, data_file=None, shared=None):
+    def __init__(self, bits, block_size, accuracy_level, data_file=None, shared=None, adapters=None):
         super().__init__(data_file, external=True, shared=shared)
         self.bits = bits
         self.block_size = block_size
         self.accuracy_level = accuracy_level
+        # None: adapters merged into the kernels. A dict: each adapter's A and
+        # scaled B are graph inputs (recorded here with their values).
+        self.adapters = adapters
+        self.adapter_inputs = []
+
+    def kernel(self, dense):
+        """The `(in, out)` kernel `dense` is written with: merged with its
+        adapter, or without it when the adapters are inputs."""
+        if self.adapters is not None and dense.lora is not None:
+            return dense.lora.base.read()
+        return dense.kernel.read()
+
+    def _adapter_input(self, name, value, rank_axis):
+        """Graph input `name` (a LoRA factor, rank axis `lora_r`), by default
+        empty (rank 0: the update `x @ A @ B` is zero), as Olive's
+        `ExtractAdapters` makes them; onnxruntime feeds an active
+        `.onnx_adapter`'s tensor of that name instead."""
+        from onnx import TensorProto
+        from onnx import helper
+
+        self.adapters[name] = value
+        shape = list(value.shape)
+        shape[rank_axis] = 0
+        self.const(np.zeros(shape, np.float32), name)
+        shape[rank_axis] = "lora_r"
+        self.adapter_inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+        return name
+
+    def add_adapters(self, x, y, parts, name):
+        """`y` (the packed product of `x` and the projections `parts`, `[(node
+        name, Dense)]` side by side on the last axis) plus each adapted
+        one's `x @ A @ (scale B)`, with the adapters as graph inputs; `y`
+        when they are merged. The factors go in as one pair: the A's side
+        by side, the B's stacked, each padded out to its own columns."""
+        if self.adapters is None:
+            return y
+        width = sum(dense.kernel.shape[1] for _, dense in parts)
+        factors_a, factors_b, offset = [], [], 0
+        for node, dense in parts:
+            out = dense.kernel.shape[1]
+            if dense.lora is not None:
+                factors_a.append(self._adapter_input(adapter_name(node, "A"), dense.lora.a.read(), 1))
+                b = self._adapter_input(adapter_name(node, "B"), dense.lora.scaled_b(), 0)
+                if out != width:
+                    pads = self.const(np.array([0, offset, 0, width - offset - out], np.int64),
+                                      node + "/lora_B/pads")
+                    b = self.node("Pad", [b, pads], node + "/lora_B/Pad")
+                factors_b.append(b)
+            offset += out
+        if not factors_a:
+            return y
+        if len(factors_a) > 1:
+            factors_a = [self.node("Concat", factors_a, name + "/lora_A/Concat", axis=1)]
+            factors_b = [self.node("Concat", factors_b, name + "/lora_B/Concat", axis=0)]
+        low = self.node("MatMul", [x, factors_a[0]], name + "/lora_A/MatMul")
+        update = self.node("MatMul", [low, factors_b[0]], name + "/lora_B/MatMul")
+        return self.node("Add", [y, update], name + "/lora/Add")
 
     def weight(self, kernel, name):
         """`kernel` (K, N) written once as a `MatMul` weight: float32, or
@@ -155,7 +253,7 @@ class DecoderGraph(Graph):
 
 
 def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy_level=4, opset=17,
-                        external_data=None, prompt_logits="last", shared=None):
+                        external_data=None, prompt_logits="last", shared=None, adapters=None):
     """The GenAI decoder graph of `model` (a `DecoderOnlyLM`) as an ONNX
     `ModelProto` with onnxruntime's fused ops (see the module docstring).
 
@@ -181,17 +279,27 @@ def decoder_model_proto(model, *, max_length, bits=None, block_size=32, accuracy
             holds it in memory (a read-only view of its variable): a check
             can run the graph on those arrays (onnxruntime's
             `SessionOptions.add_initializer`) instead of a second copy.
+        adapters: None (LoRA adapters merged into the weights), or a dict
+            that receives `adapter_weights(description)`: each PEFT-style
+            adapter's A `(in, r)` and `scale * B` `(r, out)` become graph
+            inputs named as Olive names them
+            (`model.layers.0.self_attn.q_proj.lora_A.weight`), the rank axis
+            `lora_r`, each by default empty (rank 0: the base model), as
+            ONNX Runtime's LoRA adapters (`.onnx_adapter`) feed them; the
+            base weights are written without the adapters (quantized with
+            `bits`; the adapters stay float32).
 
     Raises:
         NotFusableError: `model` has an option the writer does not cover.
     """
-    description = check_fusable_decoder(model, max_length)
+    description = check_fusable_decoder(model, max_length, adapters is not None)
     checks.check_choice("prompt_logits", prompt_logits, PROMPT_LOGITS)
     if bits not in (None, 4, 8):
         raise ValueError(f"Received an invalid value for argument `bits`, expected None, 4 or 8. Received: bits={bits!r}")
     with contextlib.ExitStack() as stack:
         data_file = None if external_data is None else stack.enter_context(open(external_data, "wb"))
-        return _decoder_graph(description, DecoderGraph(bits, block_size, accuracy_level, data_file, shared),
+        return _decoder_graph(description, DecoderGraph(bits, block_size, accuracy_level, data_file, shared,
+                                                        adapters),
                               max_length, opset, prompt_logits == "last")
 
 
@@ -246,10 +354,12 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         base = f"/model/layers.{i}"
         attention = layer.attention
         residual, h = _norm(graph, residual, pending, layer.attention_norm, f"{base}/input_layernorm")
-        kernel, bias = attention.packed_kernel(), attention.packed_bias()
-        sizes = [attention.query.kernel.shape[1], attention.key.kernel.shape[1], attention.value.kernel.shape[1]]
-        qkv = graph.matmul(h, kernel, bias, f"{base}/attn/qkv_proj")
-        del kernel, bias
+        parts = [(f"{base}/{_PROJECTION_NODES[k]}", getattr(attention, k)) for k in ("query", "key", "value")]
+        kernel = np.concatenate([graph.kernel(dense) for _, dense in parts], axis=1)
+        sizes = [dense.kernel.shape[1] for _, dense in parts]
+        qkv = graph.matmul(h, kernel, attention.packed_bias(), f"{base}/attn/qkv_proj")
+        del kernel
+        qkv = graph.add_adapters(h, qkv, parts, f"{base}/attn/qkv_proj")
         qkv_inputs = [qkv, "", ""]
         if attention.query_norm is not None:
             # QK-norm: RMSNorm over each head of Q and K, before the rotary
@@ -280,13 +390,15 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
             attn = graph.node("GatherND", [attn, rows], f"{base}/attn/last_token/GatherND", batch_dims=1)
             residual = graph.node("GatherND", [residual, rows], f"{base}/residual/last_token/GatherND",
                                   batch_dims=1)
-        pending = _dense(graph, attn, attention.output, f"{base}/attn/o_proj")
+        pending = _dense(graph, attn, attention.output, f"{base}/{_PROJECTION_NODES['output']}")
         pending = _post_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
         residual, h = _norm(graph, residual, pending, layer.feedforward_norm,
                             f"{base}/pre_feedforward_layernorm")
         # The projections named as the GenAI model builder names them.
+        nodes = {"gate": _PROJECTION_NODES["gate"], "up": _up_node(layer.feedforward), "fc1": _up_node(
+            layer.feedforward), "down": _PROJECTION_NODES["down"]}
         pending = graph.feedforward(h, layer.feedforward, lambda x, part, dense: _dense(
-            graph, x, dense, f"{base}/mlp/{part}" + ("" if part == "fc1" else "_proj")), lambda op: f"{base}/mlp/{op}")
+            graph, x, dense, f"{base}/{nodes[part]}"), lambda op: f"{base}/mlp/{op}")
         pending = _post_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
     _, h = _norm(graph, residual, pending, d.final_norm, "/model/norm")
     if head is None:
@@ -316,12 +428,14 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
                 f"past_key_values.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
             outputs.append(helper.make_tensor_value_info(
                 f"present.{i}.{kind}", TensorProto.FLOAT, [batch, kv_heads, cache, head_dim]))
+    inputs += graph.adapter_inputs
     return graph.finish("keras_attn_decoder", inputs, outputs, [("", opset), (MS_DOMAIN, 1)], onnx.IR_VERSION)
 
 
 def _dense(graph, x, dense, name):
-    """`x @ kernel + bias` of a described `Dense`."""
-    return graph.matmul(x, dense.kernel.read(), dense.read_bias(), name)
+    """`x @ kernel + bias` of a described `Dense` (with its adapter's update
+    as graph inputs, when the adapters are)."""
+    return graph.add_adapters(x, graph.matmul(x, graph.kernel(dense), dense.read_bias(), name), [(name, dense)], name)
 
 
 def _last_rows(graph, seqlens, opset):

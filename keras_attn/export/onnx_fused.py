@@ -25,7 +25,10 @@ Two op sets, the same arithmetic:
 A block is its attention, the output projection as a `MatMul`, the residual
 LayerNorms (pre-norm: `LayerNormalization` and `Add`) and the feed-forward
 as two `MatMul`s around the activation; the embedding `Gather`s, `Add`s and
-a `LayerNormalization`. What the writer covers is the capability table's
+a `LayerNormalization`. A sentence embedding's pooling is masked sums over
+the tokens (`CumSum` of the mask picks the first and last token),
+its L2 normalization `ReduceSum`, `Sqrt`, `Reciprocal`, its truncation a
+`Slice`. What the writer covers is the capability table's
 (`keras_attn.export.capabilities`, "onnx_encoder"); anything else raises
 `NotFusableError` with its reason (then `export_onnx` uses tf2onnx). The
 written graph is verified against Keras like tf2onnx's.
@@ -38,6 +41,7 @@ from keras_attn.export import capabilities
 from keras_attn.export.capabilities import NotFusableError
 from keras_attn.export.onnx_graph import MS_DOMAIN
 from keras_attn.export.onnx_graph import Graph
+from keras_attn.layers.sentence_pooling import MIN_COUNT
 
 _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 
@@ -258,6 +262,63 @@ def _emit_embedding(w, step, ids, type_ids, clamp):
     return x
 
 
+def _reduce(w, op, x, axis, keepdims, hint):
+    """`op` (ReduceSum, ReduceMax) over `axis`; `axes` is an input from
+    opset 13 (ReduceSum) or 18 (the others)."""
+    if w.opset >= (13 if op == "ReduceSum" else 18):
+        return w.node(op, [x, w.const(np.array([axis], np.int64), hint + "_axis")], hint, keepdims=keepdims)
+    return w.node(op, [x], hint, keepdims=keepdims, axes=[axis])
+
+
+def _emit_pooling(w, step, hidden, mask):
+    """A `PoolingStep` (modes of `capabilities.POOLING_MODES`) as masked sums
+    over the tokens, as `SentencePooling` computes them."""
+    hint = step.name
+    float32 = _onnx_type("float32")
+    tokens = w.node("Cast", [w.node("Cast", [mask], hint + "_kept", to=_onnx_type("bool"))], hint + "_kept",
+                    to=float32)  # (B, T), 1.0 on a token
+    def axis2(x):  # (B, T) -> (B, T, 1)
+        return w.node("Unsqueeze", [x, w.const(np.array([2], np.int64), hint + "_axis2")], hint)
+
+    def take(selected):  # the token where `selected` (B, T) is 1 (zeros where none is)
+        return _reduce(w, "ReduceSum", w.node("Mul", [hidden, axis2(selected)], hint), 1, 0, hint)
+
+    def equal(a, b):
+        return w.node("Cast", [w.node("Equal", [a, b], hint)], hint, to=float32)
+
+    axis = w.const(np.array(1, np.int32), hint + "_cumsum_axis")
+    counted = w.node("CumSum", [tokens, axis], hint + "_counted")  # tokens up to each position
+    count = _reduce(w, "ReduceSum", tokens, 1, 1, hint + "_count")  # (B, 1)
+    vectors = []
+    for mode in step.modes:
+        if mode == "cls":  # the first token; token 0 in a row without one
+            one = w.const(np.float32(1.0), hint + "_one")
+            selected = w.node("Mul", [equal(counted, one), tokens], hint + "_cls")
+            none = w.node("Sub", [one, _reduce(w, "ReduceMax", selected, 1, 1, hint)], hint + "_none")
+            ones = w.node("Add", [w.node("Mul", [tokens, w.const(np.float32(0.0), hint + "_zero")], hint), one],
+                          hint + "_ones")
+            position0 = equal(w.node("CumSum", [ones, axis], hint), one)
+            vectors.append(take(w.node("Add", [selected, w.node("Mul", [none, position0], hint)], hint)))
+        elif mode == "lasttoken":  # the last token; zeros in a row without one
+            vectors.append(take(w.node("Mul", [equal(counted, count), tokens], hint + "_last")))
+        else:  # "mean", "mean_sqrt_len_tokens"
+            total = _reduce(w, "ReduceSum", w.node("Mul", [hidden, axis2(tokens)], hint), 1, 0, hint + "_total")
+            divisor = w.node("Max", [count, w.const(np.float32(MIN_COUNT), hint + "_min_count")], hint)
+            if mode == "mean_sqrt_len_tokens":
+                divisor = w.node("Sqrt", [divisor], hint)
+            vectors.append(w.node("Div", [total, divisor], hint + "_mean"))
+    return vectors[0] if len(vectors) == 1 else w.node("Concat", vectors, hint, axis=-1)
+
+
+def _emit_normalize(w, step, x):
+    """`x * min(rsqrt(sum(x ** 2)), 1 / epsilon)` over the last axis."""
+    hint = step.name
+    squares = _reduce(w, "ReduceSum", w.node("Mul", [x, x], hint), -1, 1, hint + "_squares")
+    inverse = w.node("Reciprocal", [w.node("Sqrt", [squares], hint)], hint)
+    inverse = w.node("Min", [inverse, w.const(np.float32(1.0 / step.epsilon), hint + "_limit")], hint)
+    return w.node("Mul", [x, inverse], hint)
+
+
 def _dims(tensor):
     """ONNX dims of an input or output: `batch`, then its sizes or `<name>_dim<i>`."""
     return ["batch"] + [d if d is not None else f"{tensor.name}_dim{i + 1}"
@@ -310,6 +371,14 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
         elif isinstance(step, description_lib.CompareStep):
             y = w.node("Equal", [v[step.input], w.const(step.scalar, hint + "_scalar")], hint)
             v[step.output] = y if step.equal else w.node("Not", [y], hint)
+        elif isinstance(step, description_lib.PoolingStep):
+            v[step.output] = _emit_pooling(w, step, v[step.input], v[step.mask])
+        elif isinstance(step, description_lib.NormalizeStep):
+            v[step.output] = _emit_normalize(w, step, v[step.input])
+        elif isinstance(step, description_lib.TruncateStep):
+            v[step.output] = w.node("Slice", [v[step.input], w.const(np.array([0], np.int64), hint + "_start"),
+                                              w.const(np.array([step.size], np.int64), hint + "_stop"),
+                                              w.const(np.array([-1], np.int64), hint + "_axis")], hint)
         elif isinstance(step, description_lib.GetItemStep):
             x = v[step.input]
             for axis in reversed(range(len(step.key))):

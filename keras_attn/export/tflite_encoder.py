@@ -24,7 +24,10 @@ LayerNorm as MEAN, SQUARED_DIFFERENCE, MEAN, ADD, RSQRT, SUB, MUL, MUL, ADD
 (what the converter emits for Keras's LayerNormalization); attention as
 TRANSPOSE, BATCH_MATMUL, the masked logits' bias ADD, SOFTMAX, BATCH_MATMUL,
 with query rows that see no key zeroed (as Keras's attention does) rather
-than NaN; GELU as the builtin GELU (`approximate` as the model has it). The
+than NaN; GELU as the builtin GELU (`approximate` as the model has it); a
+sentence embedding's pooling as masked sums over the tokens (CUMSUM of the
+mask picks the first and last token), its L2 normalization SUM, RSQRT,
+MINIMUM, MUL, its truncation a SLICE. The
 `1/sqrt(head_size)` query scale is folded into the query weights (exact in
 real arithmetic). The integer inputs that feed an embedding are clamped into
 range at the graph's entry (`check_ids="clamp"`), and flagged with a
@@ -46,6 +49,7 @@ from keras_attn.export import saved_model as saved_model_lib
 from keras_attn.export import tflite_writer
 from keras_attn.export.capabilities import NotFusableError
 from keras_attn.export.tflite_writer import quantize_rows
+from keras_attn.layers.sentence_pooling import MIN_COUNT
 from keras_attn.ops.masking import MASKED_LOGIT
 
 QUANTIZATIONS = (None, "dynamic")
@@ -298,6 +302,75 @@ class _EncoderBuilder:
                 h = self.layer_norm(g.add(h, fn(h)), norm)
         return types.SimpleNamespace(index=h, rows=rows)
 
+    def reduce(self, op, x, axis, keepdims):
+        """`op` (SUM, REDUCE_MAX) of `x` over `axis`."""
+        shape = list(self.g.shape(x))
+        axis %= len(shape)
+        shape[axis] = 1
+        if not keepdims:
+            del shape[axis]
+        return self.g.op(op, [x, self.const([axis], np.int32)], tuple(shape), self.g.dtype(x),
+                         "ReducerOptions", keepDims=keepdims)
+
+    def pooling(self, step, hidden, mask):
+        """A `PoolingStep` (modes of `capabilities.POOLING_MODES`) of the
+        sequence `hidden` (a value kept as rows) as masked sums over the
+        tokens, as `SentencePooling` computes them; `(B, D * modes)`."""
+        g = self.g
+        h = self.unflatten(hidden)  # (B, T, D)
+        if g.dtype(mask) != np.bool_:
+            mask = g.binary("NOT_EQUAL", mask, self.const(0, g.dtype(mask)))
+        tokens = g.op("CAST", [mask], g.shape(mask), np.float32, "CastOptions")  # (B, T)
+        one = self.const(1.0, np.float32)
+        axis = self.const(1, np.int32)
+
+        def cumsum(x):
+            return g.op("CUMSUM", [x, axis], g.shape(x), np.float32, "CumsumOptions")
+
+        def equal(a, b):
+            same = g.binary("EQUAL", a, b)
+            return g.op("CAST", [same], g.shape(same), np.float32, "CastOptions")
+
+        def take(selected):  # the token where `selected` (B, T) is 1 (zeros where none is)
+            return self.reduce("SUM", g.mul(h, self.expand_last(selected)), 1, False)
+
+        counted = cumsum(tokens)  # tokens up to each position
+        count = self.reduce("SUM", tokens, 1, True)  # (B, 1)
+        vectors = []
+        for mode in step.modes:
+            if mode == "cls":  # the first token; token 0 in a row without one
+                selected = g.mul(equal(counted, one), tokens)
+                none = g.binary("SUB", one, self.reduce("REDUCE_MAX", selected, 1, True))
+                position0 = equal(cumsum(g.add(g.mul(tokens, self.const(0.0, np.float32)), one)), one)
+                vectors.append(take(g.add(selected, g.mul(none, position0))))
+            elif mode == "lasttoken":  # the last token; zeros in a row without one
+                vectors.append(take(g.mul(equal(counted, count), tokens)))
+            else:  # "mean", "mean_sqrt_len_tokens"
+                total = self.reduce("SUM", g.mul(h, self.expand_last(tokens)), 1, False)
+                divisor = g.binary("MAXIMUM", count, self.const(MIN_COUNT, np.float32))
+                if mode == "mean_sqrt_len_tokens":
+                    divisor = g.op("SQRT", [divisor], g.shape(divisor))
+                vectors.append(g.binary("DIV", total, divisor))
+        return vectors[0] if len(vectors) == 1 else g.concat(vectors, -1)
+
+    def expand_last(self, x):
+        """`x` with a last axis of 1."""
+        return self.g.op("EXPAND_DIMS", [x, self.const(-1, np.int32)], self.g.shape(x) + (1,),
+                         self.g.dtype(x), "ExpandDimsOptions")
+
+    def normalize(self, step, x):
+        """`x * min(rsqrt(sum(x ** 2)), 1 / epsilon)` over the last axis."""
+        g = self.g
+        inverse = g.op("RSQRT", [self.reduce("SUM", g.mul(x, x), -1, True)], g.shape(x)[:-1] + (1,))
+        return g.mul(x, g.binary("MINIMUM", inverse, self.const(1.0 / step.epsilon, np.float32)))
+
+    def truncate(self, step, x):
+        """The first `step.size` features of the last axis."""
+        rank = len(self.g.shape(x))
+        return self.g.op("SLICE", [x, self.const([0] * rank, np.int32),
+                                   self.const([-1] * (rank - 1) + [step.size], np.int32)],
+                         self.g.shape(x)[:-1] + (step.size,), self.g.dtype(x), "SliceOptions")
+
     # -- the model ------------------------------------------------------------
     def inputs(self, encoder, check_ids):
         """The graph inputs (sorted by name, as the converter's signature
@@ -357,6 +430,15 @@ class _EncoderBuilder:
                 index = g.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
                                  self.const(step.scalar, g.dtype(x.index)))
                 result = types.SimpleNamespace(index=index, rows=x.rows)
+            elif isinstance(step, description_lib.PoolingStep):
+                index = self.pooling(step, v[step.input], self.unflatten(v[step.mask]))
+                result = types.SimpleNamespace(index=index, rows=None)
+            elif isinstance(step, description_lib.NormalizeStep):
+                x = v[step.input]
+                result = types.SimpleNamespace(index=self.normalize(step, x.index), rows=x.rows)
+            elif isinstance(step, description_lib.TruncateStep):
+                x = v[step.input]
+                result = types.SimpleNamespace(index=self.truncate(step, x.index), rows=x.rows)
             elif isinstance(step, description_lib.GetItemStep):
                 index = self.unflatten(v[step.input])
                 for axis in reversed(range(len(step.key))):

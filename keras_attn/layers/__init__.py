@@ -8,6 +8,7 @@ from keras_attn.layers.multi_head_attention import MultiHeadAttention
 from keras_attn.layers.relative_position_bias import RelativePositionBias
 from keras_attn.layers.reversible_embedding import ReversibleEmbedding
 from keras_attn.layers.rotary_embedding import RotaryEmbedding
+from keras_attn.layers.sentence_pooling import SentencePooling
 from keras_attn.layers.sinusoidal_position_encoding import SinusoidalPositionEncoding
 from keras_attn.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from keras_attn.layers.transformer_decoder_block import TransformerDecoderBlock
@@ -22,6 +23,7 @@ __all__ = [
     "RelativePositionBias",
     "ReversibleEmbedding",
     "RotaryEmbedding",
+    "SentencePooling",
     "SinusoidalPositionEncoding",
     "TokenAndPositionEmbedding",
     "TransformerDecoderBlock",

@@ -40,6 +40,7 @@ class BlockBase(keras.layers.Layer):
         use_qk_norm=False,
         use_sandwich_norm=False,
         logit_soft_cap=None,
+        layer_norm_use_bias=True,
         **kwargs,
     ):
         name = type(self).__name__
@@ -101,6 +102,8 @@ class BlockBase(keras.layers.Layer):
                 f"use_sandwich_norm=True, normalize_first={normalize_first!r}"
             )
         self.logit_soft_cap = checks.check_soft_cap("logit_soft_cap", logit_soft_cap)
+        # False: LayerNorms scale only (ModernBERT's `norm_bias=False`).
+        self.layer_norm_use_bias = checks.check_bool("layer_norm_use_bias", layer_norm_use_bias)
         self.supports_masking = True
 
     def _query_padding(self, padding_mask):
@@ -155,7 +158,8 @@ class BlockBase(keras.layers.Layer):
                 epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
             )
         return LastAxisLayerNorm(
-            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
+            epsilon=self.layer_norm_epsilon, center=self.layer_norm_use_bias,
+            dtype=self.dtype_policy, name=name,
         )
 
     def _post_norm(self, name, shape):
@@ -201,7 +205,7 @@ class BlockBase(keras.layers.Layer):
         """`norm(x + f(x))` (post-norm), `x + f(norm(x))` (pre-norm) or
         `x + post_norm(f(norm(x)))` (sandwich)."""
         residual = x
-        if self.normalize_first:
+        if self.normalize_first and norm is not None:  # None: no norm on this branch
             x = norm(x)
         x, extra = fn(x)
         if post_norm is not None:
@@ -268,6 +272,7 @@ class BlockBase(keras.layers.Layer):
                 "use_qk_norm": self.use_qk_norm,
                 "use_sandwich_norm": self.use_sandwich_norm,
                 "logit_soft_cap": self.logit_soft_cap,
+                "layer_norm_use_bias": self.layer_norm_use_bias,
             }
         )
         return config

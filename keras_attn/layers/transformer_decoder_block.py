@@ -25,7 +25,8 @@ class TransformerDecoderBlock(_transformer.BlockBase):
     and LayerNorm (post-norm by default, pre-norm with `normalize_first`).
     Sublayer names follow KerasHub's `TransformerDecoder`.
 
-    Args: as `TransformerEncoderBlock`, and for the self-attention:
+    Args: as `TransformerEncoderBlock` (but `use_self_attention_norm`), and
+        for the self-attention:
         use_value_norm: an RMSNorm without scale over each value head
             (Gemma 4; see `MultiHeadAttention`).
         shared_key_value: the self-attention has no key/value projections and

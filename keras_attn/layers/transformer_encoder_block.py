@@ -68,6 +68,12 @@ class TransformerEncoderBlock(_transformer.BlockBase):
             `feedforward_post_norm`.
         logit_soft_cap: None or a positive float: attention logits become
             `cap * tanh(logits / cap)` (Gemma 2; see `MultiHeadAttention`).
+        layer_norm_use_bias: False: the LayerNorms scale without a bias
+            (`center=False`; ModernBERT). No effect with `"rms_norm"`.
+        use_self_attention_norm: False (pre-norm only): no norm before the
+            self-attention, `x + attention(x)`, and no
+            `self_attention_layer_norm` sublayer (ModernBERT's first layer,
+            whose input is the normalized embedding).
 
     Call arguments:
         inputs: `(B, T, D)`.
@@ -115,14 +121,28 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         """
         return _peer_weights.encoder_from_keras_hub(cls, layer)
 
+    def __init__(self, num_heads, *args, use_self_attention_norm=True, **kwargs):
+        super().__init__(num_heads, *args, **kwargs)
+        self.use_self_attention_norm = checks.check_bool(
+            "use_self_attention_norm", use_self_attention_norm
+        )
+        if not self.use_self_attention_norm and not self.normalize_first:
+            raise ValueError(
+                "`use_self_attention_norm=False` drops the norm before the attention of a "
+                "pre-norm block: it needs `normalize_first=True`. Received: "
+                f"use_self_attention_norm=False, normalize_first={self.normalize_first!r}"
+            )
+
     def build(self, inputs_shape):
         checks.check_shape_rank("inputs", inputs_shape, 3, "(batch, seq, features)")
         self.self_attention = self._attention(
             "self_attention", inputs_shape[-1], self.rotary_embedding, self.sliding_window
         )
         self.self_attention.build(inputs_shape, inputs_shape)
-        self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
-        self.self_attention_layer_norm.build(inputs_shape)
+        self.self_attention_layer_norm = None
+        if self.use_self_attention_norm:
+            self.self_attention_layer_norm = self._norm("self_attention_layer_norm")
+            self.self_attention_layer_norm.build(inputs_shape)
         self.self_attention_post_norm = self._post_norm("self_attention_post_norm", inputs_shape)
         self.self_attention_dropout = self._dropout("self_attention_dropout")
         self._build_feedforward(inputs_shape)
@@ -166,6 +186,11 @@ class TransformerEncoderBlock(_transformer.BlockBase):
         if return_attention_scores:
             return x, scores
         return x
+
+    def get_config(self):
+        config = super().get_config()
+        config["use_self_attention_norm"] = self.use_self_attention_norm
+        return config
 
     def compute_output_spec(self, inputs, return_attention_scores=False, **kwargs):
         out = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)

@@ -178,19 +178,22 @@ EXTERNAL_DATA_BYTES = 256 << 20
 
 
 def genai_model_proto(model, *, max_length, quantization=None, writer="auto", accuracy_level=4,
-                      opset=17, external_data=None, prompt_logits="last", shared=None):
+                      opset=17, external_data=None, prompt_logits="last", shared=None, adapters=None):
     """The GenAI graph of `model` as an ONNX `ModelProto`, quantized (see
-    `export_onnx_genai` for the arguments; `external_data` and `shared`: as
-    `keras_attn.export.onnx_decoder.decoder_model_proto`'s, for the fused
-    graph without "dynamic" quantization)."""
+    `export_onnx_genai` for the arguments; `external_data`, `shared` and
+    `adapters`: as `keras_attn.export.onnx_decoder.decoder_model_proto`'s,
+    for the fused graph without "dynamic" quantization)."""
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
     writer = check_writer(writer, ("fused", "tf2onnx"))
+    if adapters is not None:
+        writer = _adapter_writer(writer, quantization)
     bits = {"int8": 8, "int4": 4}.get(quantization)
     proto, _ = direct_or_none(
         writer, lambda: onnx_decoder.decoder_model_proto(
             model, max_length=max_length, bits=bits, accuracy_level=accuracy_level, opset=opset,
             external_data=None if quantization == "dynamic" else external_data,
-            prompt_logits=prompt_logits, shared=None if quantization == "dynamic" else shared),
+            prompt_logits=prompt_logits, shared=None if quantization == "dynamic" else shared,
+            adapters=adapters),
         what="export_onnx_genai", direct_name="fused decoder writer",
         traced_name="the tf2onnx graph (slower in onnxruntime)")
     if proto is None:
@@ -202,9 +205,94 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
     return proto
 
 
+ADAPTER_FILE = "adapter.onnx_adapter"
+
+
+def _adapter_writer(writer, quantization):
+    """The writer of a graph with its adapters as inputs: the direct one
+    (the traced graph has its kernels merged)."""
+    if writer == "traced":
+        raise ValueError("Received an invalid value for argument `writer`: LoRA adapters as graph inputs "
+                         "(adapters=True) are written by the direct writer only; the traced graph merges "
+                         "them (adapters=False). Received: writer='traced'")
+    if quantization == "dynamic":
+        raise ValueError("Received an invalid value for argument `quantization`: with adapters=True, "
+                         "None, 'int8' or 'int4' (the adapters stay float32 beside the base weights). "
+                         "Received: quantization='dynamic'")
+    return "direct"
+
+
+def _adapters_of(model, max_length):
+    """`model`'s LoRA factors by graph input name (`onnx_decoder.adapter_weights`),
+    or ValueError when it has none to keep apart."""
+    description = onnx_decoder.check_fusable_decoder(model, max_length, adapters=True)
+    weights = onnx_decoder.adapter_weights(description)
+    if not weights:
+        raise ValueError(
+            "The model has no LoRA adapter to write apart: enable PEFT-style LoRA "
+            "(`model.enable_lora(rank)`, not style='keras', and not merged by `merge_lora`) or "
+            "load one (`from_huggingface(..., adapter=...)`); without adapters, export with adapters=False.")
+    return weights
+
+
+def save_onnx_adapter(model, path, folder=None):
+    """Writes `model`'s LoRA adapters as an ONNX Runtime adapter file
+    (`onnxruntime.AdapterFormat`, `.onnx_adapter`) for a GenAI folder written
+    by `export_onnx_genai(base, folder, ..., adapters=True)` from a model
+    with the same base weights and the same adapted projections (any ranks
+    and `lora_alpha`: each file holds its own A `(in, r)` and `(alpha / r)
+    * B` `(r, out)`).
+
+    Args:
+        model: a `DecoderOnlyLM` with PEFT-style LoRA (`enable_lora`, or a
+            PEFT adapter loaded by `from_huggingface(adapter=...)`), unmerged.
+        path: the file to write (by convention `*.onnx_adapter`).
+        folder: optional GenAI folder to check the adapter against: every
+            tensor must be one of its `model.onnx`'s adapter inputs, with
+            its input and output sizes (ValueError otherwise).
+
+    Returns:
+        `path`. In GenAI: `adapters = og.Adapters(og_model)`,
+        `adapters.load(path, "name")`, `generator.set_active_adapter(adapters, "name")`.
+    """
+    weights = _adapters_of(model, None)
+    if folder is not None:
+        _check_adapter_inputs(weights, os.path.join(os.fspath(folder), "model.onnx"))
+    _write_adapter(weights, path)
+    return path
+
+
+def _write_adapter(weights, path):
+    import onnxruntime as ort
+
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(1)
+    adapter.set_model_version(1)
+    adapter.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+                            for name, value in weights.items()})
+    adapter.export_adapter(os.fspath(path))
+
+
+def _check_adapter_inputs(weights, model_path):
+    import onnx
+
+    graph = onnx.load(model_path, load_external_data=False).graph
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    for name, value in weights.items():
+        if name not in inputs:
+            adapter_inputs = sorted(n for n in inputs if ".lora_" in n)
+            raise ValueError(f"The adapter tensor {name} is not an input of {model_path}, whose adapter inputs "
+                             f"are {adapter_inputs}: adapt the same projections as the exported model.")
+        want = [value.shape[i] if d == "lora_r" else d for i, d in enumerate(inputs[name])]
+        if list(value.shape) != want:
+            raise ValueError(f"The adapter tensor {name} has shape {value.shape}; {model_path} takes "
+                             f"{inputs[name]} (lora_r: any rank).")
+
+
 def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None, opset=17,
-                      quantization=None, writer="auto", accuracy_level=4, prompt_logits="last"):
+                      quantization=None, writer="auto", accuracy_level=4, prompt_logits="last",
+                      adapters=False):
     """Writes an ONNX Runtime GenAI folder for a keras_attn decoder.
 
     Args:
@@ -239,6 +327,15 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
             position's `(B, T, V)` (e.g. to score a prompt through
             `generator.get_output("logits")`). The tf2onnx graph always
             returns every position.
+        adapters: False (default): LoRA adapters (`enable_lora`) are merged
+            into the weights, by every writer. True: the base weights are
+            written without them, each adapted projection taking its A and
+            `(alpha / r) * B` as graph inputs (empty by default: with no
+            adapter active GenAI runs the base model), and this model's
+            adapters go to `adapter.onnx_adapter` in the folder; further
+            fine-tunes of the same base: `save_onnx_adapter`. The direct
+            writer only; quantization None, "int8" or "int4" (of the base
+            weights; the adapters stay float32).
 
     Returns:
         A `SignatureReport` (`keras_attn.runtimes.verification`; `path` is
@@ -263,13 +360,25 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
         while not generator.is_done():
             generator.generate_next_token()
         tokens = generator.get_sequence(0)
+
+    With `adapters=True`, before generating:
+
+        adapters = og.Adapters(og_model)
+        adapters.load("lm_genai/adapter.onnx_adapter", "mine")
+        generator.set_active_adapter(adapters, "mine")
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive int. Received: max_length={max_length!r}")
     checks.check_choice("quantization", quantization, _QUANTIZATIONS)
     writer = check_writer(writer, ("fused", "tf2onnx"), stacklevel=3)
     checks.check_choice("prompt_logits", prompt_logits, onnx_decoder.PROMPT_LOGITS)
+    checks.check_bool("adapters", adapters)
     check_runtime_decoder(model)
+    adapter_weights = None
+    if adapters:
+        writer = _adapter_writer(writer, quantization)
+        _adapters_of(model, max_length)
+        adapter_weights = {}
     os.makedirs(folder, exist_ok=True)
     write_tokenizer(tokenizer, folder)
     if tokenizer_model_type(folder) == "WordPiece":
@@ -286,17 +395,19 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     proto = genai_model_proto(model, max_length=max_length, quantization=quantization,
                               writer=writer, accuracy_level=accuracy_level, opset=opset,
                               external_data=path + ".data" if large else None,
-                              prompt_logits=prompt_logits, shared=shared)
+                              prompt_logits=prompt_logits, shared=shared, adapters=adapter_weights)
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
     try:  # from the file: a large model's weights are in `model.onnx.data`
         verified = verify_genai_model(model, path, max_length=max_length,
-                                      quantization=quantization, shared=shared)
+                                      quantization=quantization, shared=shared, adapters=adapter_weights)
     except ParityError:
         for written in (path, path + ".data"):
             if os.path.exists(written):
                 os.remove(written)
         raise
+    if adapters:
+        _write_adapter(adapter_weights, os.path.join(folder, ADAPTER_FILE))
     config = genai_config(model, max_length=max_length, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                           pad_token_id=pad_token_id)
     with open(os.path.join(folder, "genai_config.json"), "w") as f:
@@ -304,14 +415,15 @@ def export_onnx_genai(model, folder, *, max_length, tokenizer=None,
     files = {name: os.path.abspath(os.path.join(folder, name))
              for name in sorted(os.listdir(folder))
              if name in ("model.onnx", "genai_config.json", "tokenizer.json",
-                         "tokenizer_config.json", "model.onnx.data")}
+                         "tokenizer_config.json", "model.onnx.data", ADAPTER_FILE)}
     return verification.signature_report(
         "onnx_genai", folder, verified, ops=sorted({n.op_type for n in proto.graph.node}),
         files=files, details={"max_length": max_length, "opset": opset,
-                              "quantization": quantization, "prompt_logits": prompt_logits})
+                              "quantization": quantization, "prompt_logits": prompt_logits,
+                              "adapters": adapters})
 
 
-def verify_genai_model(model, path, *, max_length, quantization=None, shared=None):
+def verify_genai_model(model, path, *, max_length, quantization=None, shared=None, adapters=None):
     """The GenAI graph at `path` (`model.onnx`) run in onnxruntime as GenAI
     runs it, against Keras (`verification.verify_prefill_decode`).
 
@@ -319,7 +431,9 @@ def verify_genai_model(model, path, *, max_length, quantization=None, shared=Non
     `model.onnx.data` that are the Keras model's own memory. The session
     runs on those arrays instead of mapping the file (a float32 model would
     be resident twice), and the file's bytes are checked equal to them
-    (`ParityError` otherwise), so what was run is what was written."""
+    (`ParityError` otherwise), so what was run is what was written.
+    `adapters` (`{input name: array}`): the model's LoRA factors, fed as
+    GenAI feeds an active adapter (the Keras model computes with them)."""
     if shared:
         onnx_graph.check_external_data(path, shared)
     # No packed copies of float32 weights for a few calls: beside the Keras
@@ -334,6 +448,7 @@ def verify_genai_model(model, path, *, max_length, quantization=None, shared=Non
         feeds = {"input_ids": token_ids.astype(np.int64),
                  "attention_mask": np.ones((token_ids.shape[0], total), np.int64)}
         feeds.update(zip((i.name for i in past), cache))
+        feeds.update(adapters or {})
         logits, *present = session.run(None, feeds)
         return {"logits": logits, "cache": present}
 

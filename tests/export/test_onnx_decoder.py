@@ -17,8 +17,9 @@ from keras_attn.export.onnx_decoder import decoder_model_proto
 from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
+from tests.reference import blockwise_dequantized
 from tests.export.decoder_variants import build_lm
-from tests.llm_runtime_models import variable_memory
+from tests.llm_runtime_models import forward_greedy, variable_memory
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -166,20 +167,6 @@ def test_graph_is_the_fused_kernels():
     assert np.isclose(attrs["scale"], 1 / np.sqrt(lm.head_dim))
 
 
-def _dequantized(kernel, bits, block=32):
-    """What symmetric `bits`-bit blocks of `block` along the input axis give
-    back (written here, independently of the writer). In float32, as the
-    weights are: a code exactly between two integers rounds the same way."""
-    k, n = kernel.shape
-    padded = np.zeros((-(-k // block) * block, n), np.float32)
-    padded[:k] = kernel
-    blocks = padded.reshape(-1, block, n)
-    top = np.float32(2 ** (bits - 1) - 1)
-    scale = np.abs(blocks).max(axis=1, keepdims=True) / top
-    codes = np.clip(np.rint(blocks / np.where(scale == 0, 1, scale)), -top, top)
-    return (codes * scale).reshape(-1, n)[:k].astype(np.float32)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_nbits_weights_are_the_blockwise_quantized_kernels(bits):
     """With `accuracy_level=0` onnxruntime computes in float32 on the
@@ -196,12 +183,12 @@ def test_nbits_weights_are_the_blockwise_quantized_kernels(bits):
     for w in reference.weights:
         if w.path.endswith("kernel"):
             value = keras.ops.convert_to_numpy(w)
-            w.assign(_dequantized(value.reshape(value.shape[0], -1) if "attention_output" not in w.path
+            w.assign(blockwise_dequantized(value.reshape(value.shape[0], -1) if "attention_output" not in w.path
                                   else value.reshape(-1, value.shape[-1]), bits).reshape(value.shape))
     # The tied table is stored once, as the quantized head: the lookup reads
     # the same quantized values (GatherBlockQuantized), as the builder does.
     table = keras.ops.convert_to_numpy(lm.embedding.embeddings)
-    head = _dequantized(table.T, bits)
+    head = blockwise_dequantized(table.T, bits)
     reference.embedding.embeddings.assign(head.T)
     hidden = _final_hidden(reference, ids)
     want = hidden @ head
@@ -281,13 +268,7 @@ def test_genai_folder_generates_keras_greedy_tokens_on_this_backend(tmp_path):
     while not generator.is_done():
         generator.generate_next_token()
     got = list(np.asarray(generator.get_sequence(0)))
-    # One shape for every step (one compilation): causal, so the zeros after
-    # the tokens so far do not reach them.
-    want = np.zeros((1, len(got)), np.int64)
-    want[0, :len(prompt)] = prompt
-    for i in range(len(prompt), len(got)):
-        want[0, i] = keras.ops.convert_to_numpy(lm(want))[0, i - 1].argmax()
-    want = list(want[0])
+    want = forward_greedy(lm, prompt, len(got))
     assert got == want
     assert len(set(got[len(prompt):])) >= 3, "degenerate generation tests nothing"
 
@@ -325,7 +306,7 @@ def test_nbits_weight_layout_past_one_chunk_of_columns(bits, monkeypatch):
         stored = np.stack([stored & 15, stored >> 4], axis=-1).reshape(stored.shape[0], stored.shape[1], -1)
     codes = stored.astype(np.float32) - 2 ** (bits - 1)  # (N, blocks, 32)
     got = (codes * scales.reshape(codes.shape[0], -1, 1)).reshape(codes.shape[0], -1)[:, :40].T
-    np.testing.assert_array_equal(got, _dequantized(weight, bits))
+    np.testing.assert_array_equal(got, blockwise_dequantized(weight, bits))
 
 
 def _spy_on_verification(monkeypatch, before=None):

@@ -2,7 +2,8 @@
 need, usable from scratch, each against NumPy written here: logit
 soft-capping on every kernel, RMSNorm of query and key heads, sandwich
 norms, partial rotary and LongRoPE, and `DecoderOnlyLM`'s per-layer
-windows, rotary bases and rotary-free layers. Plus their configs and the
+windows, rotary bases and rotary-free layers; ModernBERT's encoder block
+without an attention norm or norm biases. Plus their configs and the
 errors naming a bad argument."""
 
 import math
@@ -16,6 +17,7 @@ from keras_attn.generation.models import DecoderOnlyLM
 from keras_attn.layers import MultiHeadAttention
 from keras_attn.layers import RotaryEmbedding
 from keras_attn.layers import TransformerDecoderBlock
+from keras_attn.layers import TransformerEncoderBlock
 from keras_attn.ops import dot_product_attention
 from keras_attn.ops import last_kernel
 from tests import reference
@@ -339,3 +341,35 @@ def test_caches_of_different_lengths_are_not_stacked():
     caches = _per_layer_lm().init_cache(1, 8)
     with pytest.raises(ValueError, match=r"cache lengths per layer: \[3, 8, 3\]"):
         cache_lib.stack_cache(caches)
+
+
+# ---------------------------------------------------------------------------
+# Encoder block: LayerNorms without bias, no attention norm (ModernBERT)
+
+
+def test_encoder_block_without_attention_norm_or_norm_bias_matches_numpy(rng):
+    block = TransformerEncoderBlock(
+        num_heads=2, intermediate_dim=10, normalize_first=True, layer_norm_use_bias=False,
+        use_self_attention_norm=False,
+    )
+    x = rng.standard_normal((2, 5, 8)).astype("float32")
+    block(x)
+    assert block.self_attention_layer_norm is None and block.feedforward_layer_norm.beta is None
+    _set_random(block, rng, 0.7)
+    got = block(x)
+    x1 = x + reference.mha(x, x, x, reference.mha_weights(block.self_attention), 2, 2)[0]
+    norm = block.feedforward_layer_norm
+    h = reference.layer_norm(x1, norm.gamma.numpy(), 0.0, norm.epsilon)
+    h = _dense(block.feedforward_output_dense, np.maximum(_dense(block.feedforward_intermediate_dense, h), 0.0))
+    tolerance.assert_close(got, x1 + h, terms=2 * 64)
+
+
+def test_encoder_block_norm_options_config_and_errors():
+    block = TransformerEncoderBlock(num_heads=2, intermediate_dim=8, normalize_first=True,
+                                    layer_norm_use_bias=False, use_self_attention_norm=False)
+    again = TransformerEncoderBlock.from_config(block.get_config())
+    assert (again.layer_norm_use_bias, again.use_self_attention_norm) == (False, False)
+    with pytest.raises(ValueError, match="use_self_attention_norm=False, normalize_first=False"):
+        TransformerEncoderBlock(num_heads=2, intermediate_dim=8, use_self_attention_norm=False)
+    with pytest.raises((ValueError, TypeError), match="layer_norm_use_bias"):
+        TransformerEncoderBlock(num_heads=2, intermediate_dim=8, layer_norm_use_bias="no")

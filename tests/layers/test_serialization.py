@@ -39,6 +39,7 @@ LAYERS = [
     kal.LearnedPositionEmbedding(9),
     kal.RotaryEmbedding(scaling_factor=2.0),
     kal.AlibiBias(6, max_bias=4.0),
+    kal.SentencePooling(("cls", "mean")),
     kal.RelativePositionBias(4, num_buckets=8, max_distance=20, bidirectional=False),
     kal.TokenAndPositionEmbedding(10, 8, 4, position="learned", mask_zero=True),
     kal.TokenAndPositionEmbedding(10, 8, 4, type_vocabulary_size=3, use_layer_norm=True,
