@@ -140,7 +140,7 @@ FEATURES = (
     Feature("LoRA adapters kept apart (runtime inputs)", lambda d, c: c.get("adapters") and _first(
         [(l.name, dense) for l in d.layers for dense in description_lib.projections(l)],
         lambda n: n[1].lora is not None, lambda n: f"{n[0]}: a LoRA adapter on {n[1].name} (`enable_lora`)"),
-        frozenset({"onnx_genai"}), DECODERS),
+        frozenset({"onnx_genai", "litertlm"}), DECODERS),
     Feature("layers quantized by Keras", lambda d, c: d.quantized and (
         f"layers quantized by Keras (`model.quantize({d.quantized[0]!r})`) are not read"
         "; export the float model with the export's own `quantization=`"), frozenset()),

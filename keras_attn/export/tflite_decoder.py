@@ -56,6 +56,11 @@ flatbuffer (`Buffer.offset/size`, the converter's
 `_experimental_use_buffer_offset` layout): no 2 GB limit, and one weight in
 memory at a time.
 
+With `lora_rank` (16 or 32), the signatures hold the frozen kernels of a
+model's PEFT-style adapters and take every attention projection's LoRA
+weights as inputs, named as LiteRT-LM names them; `write_lora_tflite`
+writes the file LiteRT-LM binds to them (see `write_decoder_tflite`).
+
 A model or option the writer does not cover raises `NotFusableError` naming
 it (`check_direct_decoder`); `keras_attn.runtimes.litertlm` then falls back
 to the converter with a warning.
@@ -72,18 +77,46 @@ from keras_attn.export.tflite_writer import Graph
 from keras_attn.export.tflite_writer import write_model
 
 QUANTIZATIONS = (None, "dynamic", "int4")
+# The attention projections LiteRT-LM feeds LoRA weights to (its
+# `IsLoRAInputName`: `lora_atten_(q|k|v|o)_(a|b)_prime_weight_<layer>`, the
+# names ai-edge-torch's LoRA signatures take), and our description's names.
+LORA_PROJECTIONS = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "output"))
+# The LoRA ranks LiteRT-LM 0.18's CPU executor runs (others: "Currently only
+# support rank 16 and 32", runtime/components/lora.cc).
+LORA_RANKS = (16, 32)
+# LiteRT-LM maps a LoRA tensor's data in whole pages of this size
+# (`MemoryMappedFileWithAutoAlignment`), so a LoRA file's size is a multiple of it.
+LORA_FILE_ALIGNMENT = 4096
 
 
-def check_direct_decoder(model, quantization=None, max_length=None):
+def lora_inputs(description, rank):
+    """`[(input name, shape, layer, letter, Dense)]`: the LoRA weights a
+    signature of rank `rank` takes, `a'` `(in, rank)` and `b'` `(rank, out)`
+    of every attention projection of every layer, named as LiteRT-LM names them."""
+    inputs = []
+    for i, layer in enumerate(description.layers):
+        for letter, attribute in LORA_PROJECTIONS:
+            dense = getattr(layer.attention, attribute)
+            if dense is None:  # a layer reading another's keys and values
+                continue
+            k, n = dense.kernel.shape
+            inputs.append((f"lora_atten_{letter}_a_prime_weight_{i}", (k, rank), i, letter, dense))
+            inputs.append((f"lora_atten_{letter}_b_prime_weight_{i}", (rank, n), i, letter, dense))
+    return inputs
+
+
+def check_direct_decoder(model, quantization=None, max_length=None, adapters=False):
     """`model`'s description when the direct TFLite writer covers it and
-    `quantization` (caches of `max_length`, when given); else
+    `quantization` (caches of `max_length`, when given; its LoRA adapters
+    kept apart, with `adapters`); else
     `NotFusableError` naming the first thing it does not cover
     (`keras_attn.export.capabilities`)."""
-    return capabilities.checked(model, "litertlm", max_length, [("quantization", quantization, QUANTIZATIONS)])
+    return capabilities.checked(model, "litertlm", max_length, [("quantization", quantization, QUANTIZATIONS)],
+                                adapters)
 
 
 def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
-                         read_bucket=128):
+                         read_bucket=128, lora_rank=None):
     """Writes the LiteRT-LM TFLite model of `model` (a `DecoderOnlyLM`) to `path`.
 
     Args:
@@ -96,6 +129,16 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
             dimension; int8 per output channel where it is not a multiple of 32).
         read_bucket: attention reads the filled slots rounded up to a
             multiple of this (None: every slot).
+        lora_rank: None, or a rank `r`: every signature holds the base
+            model (each LoRA layer's frozen kernel, its adapter left out)
+            and takes the LoRA weights of every attention projection as
+            inputs (`lora_inputs`: `a'` `(in, r)`, `b'` `(r, out)`), adding
+            `(x @ a') @ b'` to the projection: the inputs LiteRT-LM's CPU
+            executor binds in `decode` and `prefill_<T>` from a LoRA file
+            (`write_lora_tflite`). Separate LoRA signatures (ai-edge-torch's
+            `prefill_<T>_lora_r<r>`) would not do: the executor takes every
+            signature whose name starts with "prefill" as the prefill of its
+            length, the last one listed winning.
 
     Returns:
         `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
@@ -104,16 +147,108 @@ def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantizati
     Raises:
         NotFusableError: the model (or `quantization`) is not covered.
     """
-    description = check_direct_decoder(model, quantization, max_length)
+    description = check_direct_decoder(model, quantization, max_length, adapters=lora_rank is not None)
     lengths = sorted(set(int(t) for t in prefill_lengths))
+    if lora_rank is not None:
+        lora_rank = check_lora_rank(lora_rank, description)
 
     def build(writer):
-        builder = DecoderBuilder(description, writer, max_length, quantization, read_bucket)
+        builder = DecoderBuilder(description, writer, max_length, quantization, read_bucket, lora_rank)
         # Subgraph 0 is `decode`; the runtime finds each signature by name.
         return [builder.signature(name, length, with_logits=name == "decode")
                 for name, length in [("decode", 1)] + [(f"prefill_{t}", t) for t in lengths]]
 
     return write_model(path, build, "keras_attn direct TFLite decoder")
+
+
+def check_lora_rank(rank, description):
+    """`rank` as an int when LiteRT-LM takes LoRA weights of that rank and
+    every adapter of `description` fits it, else ValueError (also for an
+    adapter that is merged or Keras-style: the description serves it only
+    merged, so the frozen kernel would carry the fine-tune)."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or int(rank) not in LORA_RANKS:
+        raise ValueError(
+            f"Received an invalid value for argument `lora_rank`, expected one of {list(LORA_RANKS)} "
+            f"(the LoRA ranks LiteRT-LM runs). Received: lora_rank={rank!r}")
+    for layer in description.layers:
+        for dense in _adapted(layer):
+            if dense.lora is None:
+                raise ValueError(
+                    f"`{layer.name}/{dense.name}` has a merged or Keras-style (style='keras') LoRA "
+                    "adapter: a LoRA file needs the PEFT-style adapter unmerged (`enable_lora`, "
+                    "not `merge_lora`). Export without `lora_rank` for the merged model.")
+            if dense.lora.a.shape[1] > rank:
+                raise ValueError(
+                    f"Received an invalid value for argument `lora_rank`, expected at least the "
+                    f"adapters' rank ({dense.lora.a.shape[1]} on `{layer.name}/{dense.name}`). "
+                    f"Received: lora_rank={rank}")
+    return int(rank)
+
+
+def _adapted(layer):
+    """The attention projections of `layer` with an adapter (`lora` None when
+    it is served merged only); ValueError for a feed-forward one (LiteRT-LM
+    feeds LoRA weights to attention only)."""
+    feedforward = layer.feedforward
+    for dense in (feedforward.gate, feedforward.up, feedforward.down):
+        if _has_adapter(dense):
+            raise ValueError(
+                f"`{layer.name}/{dense.name}` has a LoRA adapter: LiteRT-LM takes LoRA "
+                "weights for the attention projections only (query, key, value, "
+                "attention_output). Enable LoRA on those, or merge the adapters "
+                "(`merge_lora`) and export without `lora_rank`.")
+    attention = layer.attention
+    return [d for d in (attention.query, attention.key, attention.value, attention.output)
+            if _has_adapter(d)]
+
+
+def _has_adapter(dense):
+    # A merged or Keras-style adapter has no `lora` in the description; its
+    # layer still says it has one.
+    return dense is not None and (dense.lora is not None or getattr(dense.kernel.owner, "lora_enabled", False))
+
+
+def lora_weights(description, rank):
+    """`{input name: float32 array}`: `description`'s adapters as the inputs
+    of `lora_inputs(description, rank)`. `a' = scale * A` `(in, rank)`,
+    `b' = B` `(rank, out)` (ai-edge-torch's split of the scale), an adapter
+    of a smaller rank zero-padded to `rank`; zeros for a projection
+    without an adapter."""
+    rank = check_lora_rank(rank, description)
+    weights = {}
+    for input_name, shape, _, _, dense in lora_inputs(description, rank):
+        array = np.zeros(shape, np.float32)
+        lora = dense.lora
+        if lora is not None:
+            r = lora.a.shape[1]
+            if "_a_prime_" in input_name:
+                array[:, :r] = lora.a.read() * np.float32(lora.scale)
+            else:
+                array[:r] = lora.b.read()
+        weights[input_name] = array
+    return weights
+
+
+def write_lora_tflite(model, path, *, lora_rank):
+    """Writes `model`'s LoRA adapters as LiteRT-LM's LoRA file (its
+    `LoraData`): a TFLite flatbuffer of one subgraph whose tensors, named as
+    the LoRA signatures' inputs (`lora_inputs`), hold `lora_weights` after
+    the flatbuffer (`Buffer.offset/size`, the only layout `LoraData` reads),
+    and a `lora_rank` metadata entry whose buffer field is the rank."""
+    weights = lora_weights(model.describe(), lora_rank)
+
+    def build(writer):
+        writer.metadata.append(("lora_rank", int(lora_rank)))
+        g = Graph(writer, "lora_params")
+        for name, array in weights.items():
+            g.tensor(name, array.shape, np.float32, writer.buffer(array, inline=False))
+        return [g.finish([], [])]
+
+    info = write_model(path, build, "keras_attn LiteRT-LM LoRA weights")
+    # `LoraData` maps each tensor's pages: the last one must lie whole in the file.
+    with open(path, "ab") as f:
+        f.write(b"\0" * (-f.tell() % LORA_FILE_ALIGNMENT))
+    return info
 
 
 def decoder_tflite_bytes(model, **kwargs):
@@ -133,8 +268,13 @@ def written_bytes(write, model, **kwargs):
 class DecoderBuilder:
     """Writes the signatures of a described decoder (`keras_attn.description.Decoder`)."""
 
-    def __init__(self, description, writer, max_length, quantization, read_bucket):
+    def __init__(self, description, writer, max_length, quantization, read_bucket, lora_rank=None):
         self.d = description
+        # With a rank, every signature holds the frozen kernels (`base_kernel`)
+        # and takes LoRA inputs: `lora` maps (layer, letter) to the current
+        # signature's (a', b') tensors.
+        self.lora_rank = lora_rank
+        self.lora = {}
         self.w = writer
         self.max_length = int(max_length)
         self.quantization = quantization
@@ -193,6 +333,12 @@ class DecoderBuilder:
                            for kind in "kv"])
         inputs = [("tokens", tokens), ("input_pos", input_pos)] + [
             (f"kv_cache_{kind}_{i}", caches[i][j]) for i in range(len(caches)) for j, kind in enumerate("kv")]
+        self.lora = {}  # (layer, letter) -> (a', b') input tensors of this signature
+        if self.lora_rank is not None:
+            for input_name, shape, i, letter, _ in lora_inputs(d, self.lora_rank):
+                tensor = g.tensor(f"{name}_{input_name}", shape, np.float32)
+                inputs.append((input_name, tensor))
+                self.lora.setdefault((i, letter), []).append(tensor)
 
         # Positions p0 + [0, T); rotary rows clamped into the table (a
         # padded chunk's positions past the end land in dropped slots).
@@ -331,7 +477,8 @@ class DecoderBuilder:
         sizes = (heads * hd, kv * hd, kv * hd)
 
         def kernel():
-            packed = attention.packed_kernel()
+            packed = np.concatenate([self.base_kernel(dense).read()
+                                     for dense in (attention.query, attention.key, attention.value)], axis=1)
             packed[:, :sizes[0]] *= scale
             packed *= layer.attention_norm.scale.read()[:, None]
             return packed
@@ -340,7 +487,27 @@ class DecoderBuilder:
         if packed is not None:
             packed[:sizes[0]] *= scale
         qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
-        return g.split(qkv, sizes)
+        q, k, v = g.split(qkv, sizes)
+        if not self.lora:
+            return q, k, v
+        # The adapters read the normed input (the norm's scale is folded
+        # into the packed kernel only).
+        normed = g.mul(h, g.const(layer.attention_norm.scale.read(), f"layers.{i}/attn_norm/scale"))
+        q = g.add(q, g.mul(self._lora_update(g, normed, i, "q"), g.const(np.array(scale, np.float32))))
+        return q, g.add(k, self._lora_update(g, normed, i, "k")), g.add(v, self._lora_update(g, normed, i, "v"))
+
+    def base_kernel(self, dense):
+        """The kernel a projection's FULLY_CONNECTED holds: the frozen one
+        where LoRA weights are inputs, else the kernel with any adapter merged."""
+        return dense.lora.base if self.lora_rank is not None and dense.lora is not None else dense.kernel
+
+    def _lora_update(self, g, x, i, letter):
+        """`(x @ a') @ b'` with layer `i`'s LoRA inputs of projection `letter`."""
+        a, b = self.lora[i, letter]
+        low = g.op("BATCH_MATMUL", [x, a], (g.shape(x)[0], g.shape(a)[1]),
+                   options=g.options("BatchMatMulOptions"))
+        return g.op("BATCH_MATMUL", [low, b], (g.shape(x)[0], g.shape(b)[1]),
+                    options=g.options("BatchMatMulOptions"))
 
     def _positions(self, g, q, k, attention, rows):
         """QK-norm (with the query scale) and the rotation at `rows` over `q`
@@ -365,7 +532,10 @@ class DecoderBuilder:
         """`x` plus the attention's output projection of `attended`, then plus
         the feed-forward, each branch sandwich-normed where the layer is."""
         out, base = layer.attention.output, f"layers.{i}"
-        branch = self.fully_connected(g, attended, f"{base}/o", out.kernel.read, out.read_bias(), f"{base}/attn/o")
+        branch = self.fully_connected(g, attended, f"{base}/o", self.base_kernel(out).read, out.read_bias(),
+                                      f"{base}/attn/o")
+        if self.lora:
+            branch = g.add(branch, self._lora_update(g, attended, i, "o"))
         x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
         branch = self._feedforward(g, x, layer, base)
         return g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))

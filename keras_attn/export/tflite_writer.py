@@ -48,10 +48,13 @@ class Writer:
         self.keyed = {}  # weight key -> (buffer index, dtype, shape, quantization)
         self.opcodes = {}
         self.location_buffer = self.buffer(np.frombuffer(b"outside flatbuffers", np.uint8))
+        # Model metadata beyond `buffer_location`: (name, buffer field).
+        self.metadata = []
 
-    def buffer(self, array):
-        """The buffer of `array`: NumPy, or `ScaledColumns`."""
-        if array.nbytes <= INLINE_MAX_BYTES:
+    def buffer(self, array, inline=True):
+        """The buffer of `array`: NumPy, or `ScaledColumns`; with
+        `inline=False` after the flatbuffer whatever its size."""
+        if inline and array.nbytes <= INLINE_MAX_BYTES:
             raw = np.asarray(array[...]).tobytes()
             digest = hashlib.sha1(raw).hexdigest()
             if digest not in self.small:
@@ -101,6 +104,11 @@ class Writer:
         metadata.name = "buffer_location"
         metadata.buffer = self.location_buffer
         model.metadata = [metadata]
+        for name, field in self.metadata:
+            entry = s.MetadataT()
+            entry.name = name
+            entry.buffer = field
+            model.metadata.append(entry)
         return model
 
     def write(self, path, subgraphs, signatures, description):

@@ -18,7 +18,7 @@ contract:
 The models and the searches are `keras_attn.generation`'s.
 """
 
-from keras_attn.runtimes.litertlm import LitertLmReport, export_litertlm
+from keras_attn.runtimes.litertlm import LitertLmReport, export_litertlm, save_litertlm_lora
 from keras_attn.runtimes.loop import greedy_loop
 from keras_attn.runtimes.onnx_genai import export_onnx_genai, save_onnx_adapter
 from keras_attn.runtimes.signatures import (
@@ -45,6 +45,7 @@ __all__ = [
     "export_tflite",
     "greedy_loop",
     "onnx_models",
+    "save_litertlm_lora",
     "save_onnx_adapter",
     "signature_functions",
     "tflite_bytes",

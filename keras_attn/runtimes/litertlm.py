@@ -34,6 +34,18 @@ from the traced signatures (`litertlm_functions`).
 
 Greedy decoding in LiteRT-LM (`SamplerConfig(top_k=1)`) gives Keras's
 `greedy_search` tokens; `generate` runs it from text.
+
+LoRA: `export_litertlm(..., lora_rank=16)` writes the base model with
+LoRA weights as inputs of every signature and `save_litertlm_lora` writes
+a fine-tune's adapters as a LoRA file that LiteRT-LM binds to them at run
+time (`litert_lm.LoraConfig(lora_path=...)`): one bundle, many fine-tunes.
+What LiteRT-LM 0.18's CPU executor requires, measured: the inputs on
+`decode` and `prefill_<T>` themselves, rank 16 or 32, the file's tensor
+data after its flatbuffer (`Buffer.offset/size`) with a `lora_rank`
+metadata entry, and its size a multiple of 4096 bytes. Give every session
+a file (the all-zero one for the base model): an engine that never loaded
+one leaves the inputs unbound (garbage, for that session and the next ones),
+and a session without a file after one with a file keeps the previous LoRA.
 """
 
 import dataclasses
@@ -168,12 +180,21 @@ def litertlm_tflite(model, *, max_length, prefill_lengths=None, quantization=Non
 
 
 def write_litertlm_tflite(model, path, *, max_length, prefill_lengths=None, quantization=None,
-                          cache_dtype="float32", writer="auto"):
+                          cache_dtype="float32", writer="auto", lora_rank=None):
     """Writes the bundle's TFLite model to `path`; returns `(writer, why)`:
     the writer used ("direct" or "converter") and, when "auto" fell back to
     the converter, why the direct writer was skipped (else None)."""
     writer = check_writer(writer, ("converter",))
     cache_storage_dtype(cache_dtype)
+    if lora_rank is not None:
+        # Only the direct writer takes LoRA weights as inputs: no fallback to
+        # a bundle that would ignore the LoRA file.
+        if writer == "traced":
+            raise ValueError(
+                "Received an invalid value for argument `writer`, expected 'auto' or 'direct' "
+                "with `lora_rank` (TensorFlow's converter writes no LoRA inputs). "
+                f"Received: writer={writer!r}")
+        writer = "direct"
 
     def direct():
         if cache_dtype != "float32":
@@ -182,7 +203,7 @@ def write_litertlm_tflite(model, path, *, max_length, prefill_lengths=None, quan
         length = _positive_int("max_length", max_length)
         tflite_decoder.write_decoder_tflite(
             model, path, max_length=length, prefill_lengths=_prefill_lengths(prefill_lengths, length),
-            quantization=quantization, read_bucket=decoder_trace.READ_BUCKET)
+            quantization=quantization, read_bucket=decoder_trace.READ_BUCKET, lora_rank=lora_rank)
         return "direct"
 
     used, why = direct_or_none(writer, direct, what=f"The LiteRT-LM export of `{model.name}`",
@@ -303,7 +324,7 @@ def prefill_chunks(prefill_lengths, num_tokens, capacity=None):
     return calls
 
 
-def runtime_logits(content, tokens, xnnpack=True):
+def runtime_logits(content, tokens, xnnpack=True, lora_weights=None):
     """`tokens` run through a bundle's TFLite model (bytes or a path) on LiteRT-LM's schedule.
 
     The first half of `tokens` (`n_prefill`) is prefilled in the chunks the
@@ -313,7 +334,8 @@ def runtime_logits(content, tokens, xnnpack=True):
     `(len(tokens) - n_prefill, V)`, row `i` predicting the token after
     position `n_prefill + i`. `xnnpack=False` runs LiteRT's builtin kernels
     instead of the XNNPACK delegate, which packs a copy of the weights for
-    every signature.
+    every signature. `lora_weights` (`{input name: array}`) feeds a
+    LoRA bundle's LoRA inputs in every call.
     """
     from ai_edge_litert import interpreter as litert
 
@@ -324,6 +346,7 @@ def runtime_logits(content, tokens, xnnpack=True):
             litert.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
     interpreter = litert.Interpreter(**source)
     signatures = interpreter.get_signature_list()
+    lora = dict(lora_weights or {})
     chunks = {int(k.split("_", 1)[1]): k for k in signatures if k.startswith("prefill_")}
     decode = interpreter.get_signature_runner("decode")
     cache = {name: np.zeros(d["shape"], d["dtype"])
@@ -337,19 +360,19 @@ def runtime_logits(content, tokens, xnnpack=True):
         pos = np.zeros((length,), np.int32)
         ids[0, :take] = tokens[step:step + take]
         pos[:take] = np.arange(step, step + take)
-        cache = interpreter.get_signature_runner(chunks[length])(tokens=ids, input_pos=pos, **cache)
+        cache = interpreter.get_signature_runner(chunks[length])(tokens=ids, input_pos=pos, **cache, **lora)
         step += take
     logits = []
     for position in range(n_prefill, len(tokens)):
         out = decode(tokens=np.array([[tokens[position]]], np.int32),
-                     input_pos=np.array([position], np.int32), **cache)
+                     input_pos=np.array([position], np.int32), **cache, **lora)
         logits.append(out.pop("logits")[0, 0])
         cache = out
     return np.stack(logits), n_prefill
 
 
 def _verify(model, content, max_length, quantization, atol, min_agreement, seed=0,
-            cache_dtype="float32"):
+            cache_dtype="float32", lora_rank=None):
     rng = np.random.default_rng(seed)
     length = min(max_length, 24)
     tokens = rng.integers(0, model.vocabulary_size, size=(1, length)).astype("int32")
@@ -362,7 +385,9 @@ def _verify(model, content, max_length, quantization, atol, min_agreement, seed=
     # the builtin blockwise kernel is a scalar loop, and XNNPACK's packs of
     # int4 weights are small (Llama-3.2-1B's export: 82 s and 10.2 GB peak
     # with XNNPACK, 584 s and 8.4 GB with the builtin kernels).
-    got, first = runtime_logits(content, tokens[0], xnnpack=quantization == "int4")
+    # A LoRA bundle runs with the model's own adapters, as its LoRA file holds them.
+    lora = None if lora_rank is None else tflite_decoder.lora_weights(model.describe(), lora_rank)
+    got, first = runtime_logits(content, tokens[0], xnnpack=quantization == "int4", lora_weights=lora)
     reference = reference[first:]
     error = float(np.max(np.abs(got - reference)))
     agreement = float(np.mean(np.argmax(got, -1) == np.argmax(reference, -1)))
@@ -389,7 +414,7 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
                     quantization=None, cache_dtype="float32", bos_token_id=None,
                     stop_token_ids=None,
                     prompt_template=None, atol=None, min_agreement=None, overwrite=True,
-                    writer="auto"):
+                    writer="auto", lora_rank=None):
     """Writes a `.litertlm` bundle that `litert_lm.Engine` loads and generates with.
 
     Args:
@@ -440,6 +465,19 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
             "traced" (the converter; "converter", deprecated, is "traced").
             The report's `writer` says which wrote the bundle ("direct" or
             "converter").
+        lora_rank: None, or 16 or 32 (the LoRA ranks LiteRT-LM runs): a
+            bundle for LoRA files (`save_litertlm_lora`) loaded at run time
+            (`litert_lm.LoraConfig(lora_path=...)`, or `generate(...,
+            lora_path=...)`). Its `decode` and `prefill_<T>` signatures hold
+            the base model (each adapted projection's frozen kernel) and
+            take `lora_atten_(q|k|v|o)_(a|b)_prime_weight_<layer>` inputs
+            for every attention projection, LiteRT-LM's LoRA input names;
+            the model's own adapters (PEFT-style, on attention projections,
+            of rank up to `lora_rank`) are what the export is verified with.
+            Give every LiteRT-LM session a LoRA file: in an engine that
+            never loaded one, LiteRT-LM 0.18's CPU executor leaves these
+            inputs unbound (garbage); a model without adapters writes the
+            all-zero file, the base model. Direct writer only.
 
     Returns:
         A `LitertLmReport`.
@@ -477,9 +515,10 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
         model_path = os.path.join(tmp, "model.tflite")
         used, skipped = write_litertlm_tflite(
             model, model_path, max_length=max_length, prefill_lengths=prefill_lengths,
-            quantization=quantization, cache_dtype=cache_dtype, writer=writer)
+            quantization=quantization, cache_dtype=cache_dtype, writer=writer, lora_rank=lora_rank)
         error, bound, agreement, threshold = _verify(model, model_path, max_length, quantization,
-                                                     atol, min_agreement, cache_dtype=cache_dtype)
+                                                     atol, min_agreement, cache_dtype=cache_dtype,
+                                                     lora_rank=lora_rank)
         # Only the signature list: no XNNPACK delegate (it would pack a
         # second copy of the weights).
         from ai_edge_litert import interpreter as litert
@@ -513,8 +552,32 @@ def export_litertlm(model, path, *, tokenizer, max_length, prefill_lengths=None,
                           direct_writer_skipped=skipped)
 
 
+def save_litertlm_lora(model, path, *, lora_rank):
+    """Writes `model`'s LoRA adapters as a LiteRT-LM LoRA file for a bundle
+    that `export_litertlm(..., lora_rank=lora_rank)` wrote from the same
+    base model; returns `path`.
+
+    The file is what LiteRT-LM's `LoraData` reads: a TFLite flatbuffer whose
+    tensors are named as the bundle's LoRA inputs, each attention
+    projection's `a' = (alpha / r) * A` `(in, lora_rank)` and `b' = B`
+    `(lora_rank, out)` (ai-edge-torch's split of the scale; an adapter of a
+    smaller rank zero-padded, zeros for a projection without one), stored
+    after the flatbuffer, with a `lora_rank` metadata entry. A model
+    without adapters writes the all-zero file (the base model).
+
+    Args:
+        model: a `DecoderOnlyLM` whose adapters (`enable_lora`, PEFT style,
+            not merged) are on attention projections only.
+        path: the file to write (`.tflite` by convention).
+        lora_rank: the bundle's LoRA rank (16 or 32).
+    """
+    path = os.fspath(path)
+    tflite_decoder.write_lora_tflite(model, path, lora_rank=lora_rank)
+    return path
+
+
 def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_template=False,
-             verbose=None):
+             verbose=None, lora_path=None):
     """Greedy generation from `text` in `litert_lm.Engine` (CPU); returns the text.
 
     `engine`: an open `litert_lm.Engine` on `path` to reuse (loading one
@@ -524,6 +587,8 @@ def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_templ
     sections not found) are hidden unless `verbose=True` or the environment
     variable `KERAS_ATTN_VERBOSE=1` (the `keras-attn` CLI's switch); errors
     are always shown. The log level is LiteRT-LM's, for the whole process.
+    `lora_path`: a LoRA file (`save_litertlm_lora`) for a bundle exported
+    with `lora_rank`.
     """
     import litert_lm
 
@@ -535,10 +600,12 @@ def generate(path, text, *, max_new_tokens=None, engine=None, apply_prompt_templ
     if own:
         engine = litert_lm.Engine(os.fspath(path), backend=litert_lm.Backend.CPU())
     try:
+        lora = {} if lora_path is None else {
+            "lora_config": litert_lm.LoraConfig(lora_path=os.fspath(lora_path))}
         session = engine.create_session(
             apply_prompt_template=apply_prompt_template,
             sampler_config=litert_lm.SamplerConfig(top_k=1),
-            max_output_tokens=max_new_tokens)
+            max_output_tokens=max_new_tokens, **lora)
         try:
             session.run_prefill([text])
             return "".join(session.run_decode().texts)

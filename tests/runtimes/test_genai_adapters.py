@@ -173,12 +173,13 @@ def test_adapter_of_other_projections_is_refused(folder, tmp_path):
         save_onnx_adapter(lm, tmp_path / "k.onnx_adapter", folder=folder)
 
 
-def test_capability_table_keeps_adapters_apart_in_genai_only():
+def test_capability_table_keeps_adapters_apart_in_genai_and_litertlm_only():
     from keras_attn.export import capabilities
 
     described = adapted(*ADAPTERS["one"]).describe()
-    assert capabilities.support(described, "onnx_genai", adapters=True) is None
-    for writer in capabilities.DECODERS - {"onnx_genai"}:
+    for writer in ("onnx_genai", "litertlm"):  # litertlm: tests/runtimes/test_litertlm_lora.py
+        assert capabilities.support(described, writer, adapters=True) is None
+    for writer in capabilities.DECODERS - {"onnx_genai", "litertlm"}:
         assert capabilities.support(described, writer) is None  # merged
         reason = capabilities.support(described, writer, adapters=True)
         assert "a LoRA adapter on query" in reason and capabilities.WRITERS[writer] in reason
