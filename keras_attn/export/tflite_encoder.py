@@ -93,15 +93,10 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
             (the capability table's reason, `keras_attn.export.capabilities`,
             writer "tflite_encoder").
     """
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(f"quantization={quantization!r} (the direct TFLite writer writes "
-                              f"{list(QUANTIZATIONS)})")
-    if check_ids not in ID_CHECKS:
-        raise NotFusableError(f"check_ids={check_ids!r}")
-    encoder = capabilities.describe(model, "tflite_encoder")
+    encoder = capabilities.checked(model, "tflite_encoder", options=[
+        ("quantization", quantization, QUANTIZATIONS), ("check_ids", check_ids, ID_CHECKS)])
     if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in [t.name for t in encoder.outputs]:
         raise NotFusableError(f"check_ids='flag' and an output named {saved_model_lib.VALID_OUTPUT!r}")
-    capabilities.check(encoder, "tflite_encoder")
 
     def build(writer):
         return [_EncoderBuilder(writer, quantization == "dynamic").build(encoder, check_ids)]
@@ -126,10 +121,7 @@ class _EncoderBuilder:
 
     def dims(self, rows):
         """`(B, T)` as `(1,)` int32 tensors, from a `(2,)` shape."""
-        def make():
-            return [self.g.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
-                              (1,), np.int32, "SliceOptions") for i in (0, 1)]
-        return self.g.cached(("dims", rows), make)
+        return self.g.cached(("dims", rows), lambda: [self.g.slice(rows, [i], [1], (1,)) for i in (0, 1)])
 
     def shape_of(self, rows, *parts):
         """An int32 shape vector of `parts`: "B", "T" (from `rows`) or ints."""
@@ -193,16 +185,13 @@ class _EncoderBuilder:
 
     def embedding(self, step, ids, types_, clamped):
         g = self.g
-        rows = g.cached(("rows", ids), lambda: g.op("SHAPE", [ids], (2,), np.int32,
-                                                    "ShapeOptions", outType=2))
+        rows = g.cached(("rows", ids), lambda: g.dims(ids))
         x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped,
                         int8=self.quantization is not None)
         positions = step.positions.table.read()
         _, t = self.dims(rows)
         size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
-        pos = g.op("SLICE", [g.const(positions, step.name + "/positions"),
-                             self.const([0, 0], np.int32), size],
-                   (None, positions.shape[1]), np.float32, "SliceOptions")
+        pos = g.slice(g.const(positions, step.name + "/positions"), [0, 0], size, (None, positions.shape[1]))
         x = g.add(x, pos)
         if step.types is not None:
             table = step.types.read()
@@ -282,11 +271,7 @@ class _EncoderBuilder:
         heads_shape = self.shape_of(rows, "B", "T", heads, head)
 
         def attention(h):
-            n = g.shape(h)[0]
-            qkv = self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv")
-            q, k, v = g.op("SPLIT_V", [qkv, self.const([width] * 3, np.int32),
-                                       self.const(-1, np.int32)], [(n, width)] * 3, np.float32,
-                           g.options("SplitVOptions", numSplits=3), outputs=3)
+            q, k, v = g.split(self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv"), [width] * 3)
             q, k, v = (self.reshape(t, heads_shape, (None, None, heads, head)) for t in (q, k, v))
             q = g.transpose(q, (0, 2, 1, 3))  # (B, H, T, d)
             k = g.transpose(k, (0, 2, 3, 1))  # (B, H, d, T)
@@ -402,9 +387,7 @@ class _EncoderBuilder:
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = g.op("SLICE", [g.op("SHAPE", [index], (3,), np.int32, "ShapeOptions", outType=2),
-                                      self.const([0], np.int32), self.const([2], np.int32)],
-                            (2,), np.int32, "SliceOptions")
+                rows = g.dims(index, 0, 2)
                 index = g.reshape(index, (-1, tensor.shape[2]))
             elif check_ids and tensor.vocabulary is not None:
                 vocab = tensor.vocabulary
@@ -421,11 +404,7 @@ class _EncoderBuilder:
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
-                batch = g.op("SLICE", [g.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                            "ShapeOptions", outType=2),
-                                       self.const([0], np.int32), self.const([1], np.int32)],
-                             (1,), np.int32, "SliceOptions")
-                valid = g.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
+                valid = g.op("FILL", [g.dims(first, 0, 1), self.const(True, np.bool_)], (None,), np.bool_)
             else:
                 valid = g.binary("GREATER", valid, self.const(0, np.int32))
         return dict(sorted(graph_inputs.items())), valid
@@ -474,9 +453,7 @@ class _EncoderBuilder:
         for tensor in encoder.outputs:
             index = self.unflatten(v[tensor.value])
             if index in taken:  # an input or another output: a copy of its own
-                index = self.reshape(index, g.op("SHAPE", [index], (len(g.shape(index)),),
-                                                 np.int32, "ShapeOptions", outType=2),
-                                     g.shape(index))
+                index = self.reshape(index, g.dims(index), g.shape(index))
             taken.add(index)
             outputs.append((tensor.name, index))
         if valid is not None:
