@@ -269,6 +269,17 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=8)),
     "gemma": ("GemmaConfig", dict(head_dim=8)),
+    # query_pre_attn_scalar != head_dim: the converter folds a factor into the
+    # queries; windows shorter than IDS; soft caps that bite.
+    "gemma2": ("Gemma2Config", dict(head_dim=8, query_pre_attn_scalar=16, sliding_window=4,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=8, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0], pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, pad_token_id=0, tie_word_embeddings=False)),
 }
 
 
@@ -280,7 +291,7 @@ def _hf_base(name, folder):
     config_name, extra = FAMILIES[name]
     config = getattr(transformers, config_name)(
         vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, intermediate_size=28,
-        num_attention_heads=6, num_key_value_heads=2, **extra)
+        num_attention_heads=6, num_key_value_heads=2, attn_implementation="eager", **extra)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
@@ -288,7 +299,8 @@ def _hf_base(name, folder):
 
 def _hf_model(folder):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, attn_implementation="eager").eval()
 
 
 def _gradients():
@@ -409,20 +421,27 @@ def test_adapters_that_are_not_plain_lora_are_refused(tmp_path):
 # --- whole models back to transformers ----------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_huggingface_with_merged_lora_gives_our_logits(name, tmp_path):
+    """Converted, adapted (random B: the merge matters), written: transformers
+    loads our logits, and so does converting the written folder again."""
     from keras_attn.convert import from_huggingface
     from keras_attn.convert import save_huggingface
 
     base = _hf_base(name, str(tmp_path / "base"))
     lm = from_huggingface(base)
+    # Every projection, fused ones (Phi-3) and rescaled ones (Gemma 2) too.
     _randomise_b(lm.enable_lora(4, target_names=ALL), scale=0.3)
+    assert len(lora.adapted_layers(lm)) == 2 * len(ALL)
     got = keras.ops.convert_to_numpy(lm(IDS))
     assert np.abs(got - _logits(_hf_model(base), IDS)).max() > 0.1 * np.abs(got).max(), "LoRA changes nothing"
     folder = save_huggingface(lm, str(tmp_path / "written"))
     written = _hf_model(folder)
     assert type(written).__name__ == type(_hf_model(base)).__name__
     tolerance.assert_close(got, _logits(written, IDS), terms=2 * 64)
+    again = from_huggingface(folder)
+    assert again.name == lm.name
+    tolerance.assert_close(keras.ops.convert_to_numpy(again(IDS)), got, terms=2 * 64)
 
 
 def test_save_huggingface_refuses_what_the_config_cannot_say(tmp_path):
