@@ -135,7 +135,11 @@ class Gemma2Writer(gemma.GemmaWriter):
         return ("final_logit_soft_cap", "attention_logit_soft_cap")
 
     def window_fields(self):
-        return self.layer_windows()
+        fields = self.layer_windows()
+        if fields["sliding_window"] is None:
+            # Every layer full: transformers still builds a sliding mask, of any size.
+            fields["sliding_window"] = self.options["sequence_length"]
+        return fields
 
     def rope_fields(self):
         if not self.gemma3:

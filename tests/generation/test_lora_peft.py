@@ -444,6 +444,31 @@ def test_save_huggingface_with_merged_lora_gives_our_logits(name, tmp_path):
     tolerance.assert_close(keras.ops.convert_to_numpy(again(IDS)), got, terms=2 * 64)
 
 
+_GEMMA = dict(activation="gelu_pytorch_tanh", embedding_scale=float(np.float32(24**0.5)),
+              use_sandwich_norm=True, attention_use_bias=False, feedforward_use_bias=False, head_dim=8)
+
+
+@pytest.mark.parametrize("model_type, options", [
+    ("gemma2", _GEMMA),  # no window: every layer full
+    ("gemma3_text", dict(_GEMMA, use_qk_norm=True)),  # no local base: the full one
+    ("qwen3", dict(use_qk_norm=True, attention_use_bias=False, feedforward_use_bias=False,
+                   sliding_window=[None, 4])),
+])
+def test_save_huggingface_writes_models_built_here(model_type, options, tmp_path):
+    """Models not converted (random weights everywhere, norms included),
+    written with the settings a checkpoint would not show: transformers'
+    logits are ours."""
+    from keras_attn.convert import save_huggingface
+
+    lm = tiny_lm(name=f"{model_type}_keras_attn", vocabulary_size=VOCAB, **options)
+    rng = np.random.default_rng(1)
+    for variable in lm.weights:
+        variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.3)
+    written = _hf_model(save_huggingface(lm, str(tmp_path / "written")))
+    assert written.config.model_type == model_type
+    tolerance.assert_close(keras.ops.convert_to_numpy(lm(IDS)), _logits(written, IDS), terms=2 * 64)
+
+
 def test_save_huggingface_refuses_what_the_config_cannot_say(tmp_path):
     from keras_attn.convert import save_huggingface
 
@@ -453,3 +478,21 @@ def test_save_huggingface_refuses_what_the_config_cannot_say(tmp_path):
         save_huggingface(tiny_lm(feedforward_use_bias=False), str(tmp_path / "b"), model_type="qwen2")
     with pytest.raises(ValueError, match="model_type"):
         save_huggingface(tiny_lm(), str(tmp_path / "c"), model_type="gpt2")
+    plain = dict(attention_use_bias=False, feedforward_use_bias=False)
+    refused = [
+        ("qwen3", dict(plain), "use_qk_norm"),
+        ("qwen3", dict(plain, use_qk_norm=True, sliding_window=[3, 4]), "sliding_window"),
+        ("gemma", dict(plain, embedding_scale=2.0), "embedding_scale"),
+        ("gemma", dict(plain, feedforward_use_bias=True, embedding_scale=float(np.float32(24**0.5))),
+         "feedforward_use_bias"),
+        ("gemma3_text", dict(_GEMMA, use_qk_norm=True, attention_logit_soft_cap=5.0), "attention_logit_soft_cap"),
+        ("gemma3_text", dict(_GEMMA, use_qk_norm=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+         "local_rope_max_wavelength"),
+        ("gemma2", dict(_GEMMA, use_sandwich_norm=False), "use_sandwich_norm"),
+        ("smollm3", dict(plain, use_qk_norm=True), "use_qk_norm"),
+        ("phi3", dict(plain, attention_use_bias=True), "attention_use_bias"),
+        ("phi3", dict(plain, sliding_window=[3, None]), "sliding_window"),
+    ]
+    for model_type, options, option in refused:
+        with pytest.raises(ValueError, match=f"as {model_type!r}: `{option}`"):
+            save_huggingface(tiny_lm(**options), str(tmp_path / "d"), model_type=model_type)
