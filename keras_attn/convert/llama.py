@@ -15,7 +15,8 @@ Runtime GenAI model builder writes its families: `check_config`,
 one per layer from `layer_types`), `model_options` (the `DecoderOnlyLM`
 arguments), `norm_scale` (a checkpoint norm weight into an RMSNorm scale),
 `set_attention` (one attention's tensors) and `set_block` (one block's). A family that differs in a piece
-subclasses it and overrides that piece only.
+subclasses it and overrides that piece only. `LlamaWriter` (for
+`save_huggingface`) is the inverse, in pieces too, beside each converter.
 
 | Hugging Face tensor (prefix `model.`)       | keras_attn variable (`DecoderOnlyLM`)                    |
 |---------------------------------------------|----------------------------------------------------------|
