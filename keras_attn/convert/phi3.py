@@ -120,6 +120,8 @@ class Phi3Writer(llama.LlamaWriter):
                       partial_rotary_factor=options["partial_rotary_factor"])
         fields = dict(rope_parameters=params, partial_rotary_factor=options["partial_rotary_factor"])
         if "original_max_position_embeddings" in params:
+            # The model keeps it as a float; the config field is an int.
+            params["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
             fields["original_max_position_embeddings"] = params["original_max_position_embeddings"]
         return fields
 

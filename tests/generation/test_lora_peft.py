@@ -453,6 +453,10 @@ _GEMMA = dict(activation="gelu_pytorch_tanh", embedding_scale=float(np.float32(2
     ("gemma3_text", dict(_GEMMA, use_qk_norm=True)),  # no local base: the full one
     ("qwen3", dict(use_qk_norm=True, attention_use_bias=False, feedforward_use_bias=False,
                    sliding_window=[None, 4])),
+    # IDS are longer than the original context: the long factors and the attention factor.
+    ("phi3", dict(attention_use_bias=False, feedforward_use_bias=False, partial_rotary_factor=0.5,
+                  rope_scaling={"rope_type": "longrope", "short_factor": [1.5], "long_factor": [3.0],
+                                "original_max_position_embeddings": 8, "attention_factor": 1.2})),
 ])
 def test_save_huggingface_writes_models_built_here(model_type, options, tmp_path):
     """Models not converted (random weights everywhere, norms included),
