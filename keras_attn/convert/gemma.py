@@ -49,6 +49,7 @@ class GemmaWriter(llama.LlamaWriter):
     def norm_weight(self, scale):
         return scale - 1.0
 
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `GemmaForCausalLM`
     (`dropout` is not used: the result has none)."""

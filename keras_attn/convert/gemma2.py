@@ -173,6 +173,7 @@ class Gemma2Writer(gemma.GemmaWriter):
                           "self_attn.k_norm": block.self_attention.key_norm})
         return norms
 
+
 class Gemma3EncoderConverter(llama.EncoderConverter, Gemma2Converter):
     """A `Gemma3TextModel` (no head) into a functional encoder of
     `TransformerEncoderBlock`s: bidirectional with

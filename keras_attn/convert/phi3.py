@@ -142,6 +142,7 @@ class Phi3Writer(llama.LlamaWriter):
             yield prefix + "mlp.gate_up_proj.weight", np.ascontiguousarray(gate_up.T)
             yield from llama.linear_tensors(prefix + "mlp.down_proj", block.feedforward_output_dense)
 
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `Phi3ForCausalLM`
     (Phi-3, Phi-3.5-mini, Phi-4-mini; `dropout` is not used: the result has

@@ -45,6 +45,7 @@ class Qwen3Writer(llama.LlamaWriter):
         return {**super().norms(block), "self_attn.q_norm": block.self_attention.query_norm,
                 "self_attn.k_norm": block.self_attention.key_norm}
 
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `Qwen3ForCausalLM`
     (`dropout` is not used: the result has none)."""

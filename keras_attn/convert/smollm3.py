@@ -39,6 +39,7 @@ class SmolLM3Writer(llama.LlamaWriter):
         uses = self.options["rotary_layers"] or [True] * self.options["num_layers"]
         return dict(super().family_fields(), no_rope_layers=[int(use) for use in uses])
 
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `SmolLM3ForCausalLM`
     (`dropout` is not used: the result has none)."""

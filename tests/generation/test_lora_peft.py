@@ -6,7 +6,9 @@ and output of query, output and feed-forward projections, dropout on the
 adapter's input only); the trainable-parameter count against PEFT's; the
 merged kernel the description and `.keras` files see; and converted tiny
 random Llama/Mistral/Qwen2/Qwen3/Gemma models against
-`peft.PeftModel` with trained (non-zero B) adapters, each direction.
+`peft.PeftModel` with trained (non-zero B) adapters, each direction. Whole
+models back to `transformers` (`save_huggingface`), every decoder family
+that converts, against the `transformers` model loading the folder.
 """
 
 import contextlib
