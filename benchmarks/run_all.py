@@ -101,7 +101,7 @@ def targets(data):
         d512 = [r for r in train if r["d"] == 512]
         if d512:
             worst = min(r["ours_ceiling"] for r in d512)
-            lines.append(f"- train step at d=512, target >= 85% of the ceiling (every row): ours "
+            lines.append("- train step at d=512, target >= 85% of the ceiling (every row): ours "
                          + ", ".join(f"{r['block']}/{r['mode']} T={r['T']} {100 * r['ours_ceiling']:.0f}%"
                                      for r in d512)
                          + (" -> met" if worst >= 0.85 else " -> MISSED"))

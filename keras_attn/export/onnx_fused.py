@@ -38,7 +38,6 @@ import numpy as np
 
 from keras_attn import description as description_lib
 from keras_attn.export import capabilities
-from keras_attn.export.capabilities import NotFusableError
 from keras_attn.export.onnx_graph import MS_DOMAIN
 from keras_attn.export.onnx_graph import Graph
 from keras_attn.layers.sentence_pooling import MIN_COUNT

@@ -50,7 +50,7 @@ from keras_attn.description import array_of
 from keras_attn.export import capabilities
 from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_writer
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 
 QUANTIZATIONS = tflite_decoder.QUANTIZATIONS  # None, "dynamic", "int4"
 CHECKS = ("flag", "none")

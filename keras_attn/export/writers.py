@@ -11,7 +11,7 @@ writer. The reports keep naming the tool that wrote the file ("direct",
 import warnings
 
 from keras_attn.checks import check_choice
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 
 WRITERS = ("auto", "direct", "traced")
 # The previous release's values, accepted for one more with a DeprecationWarning.

@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_attn.export import tflite_decoder
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 from keras_attn.export.writers import check_writer, direct_or_none
 from keras_attn.runtimes.tflite_convert import GENERATION_QUANTIZATIONS
 from keras_attn.runtimes.tflite_convert import signatures_to_tflite

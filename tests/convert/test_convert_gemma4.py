@@ -189,7 +189,7 @@ def test_fused_onnx_writer_refuses_each_gemma4_option_by_name(option, value):
     export then falls back to the tf2onnx graph
     (test_llm_runtimes_generate_hf_tokens)."""
     from keras_attn.export.onnx_decoder import check_fusable_decoder
-    from keras_attn.export.onnx_fused import NotFusableError
+    from keras_attn.export.capabilities import NotFusableError
     from keras_attn.generation.models import DecoderOnlyLM
 
     options = dict(num_layers=3, num_heads=2, intermediate_dim=32, head_dim=16,

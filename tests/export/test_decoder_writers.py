@@ -19,7 +19,7 @@ from keras_attn.export import onnx_signatures
 from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx_decoder import decoder_model_proto
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 from keras_attn.runtimes import litertlm
 from tests import tolerance
 from tests.export.decoder_variants import CACHE

@@ -135,7 +135,7 @@ def test_uncovered_model_goes_to_tf2onnx_by_default_without_a_warning(tmp_path):
 
 
 def test_writer_forced(post_norm, tmp_path):
-    from keras_attn.export.onnx_fused import NotFusableError
+    from keras_attn.export.capabilities import NotFusableError
 
     model = post_norm[0]
     report = export_onnx(model, tmp_path / "tf.onnx", writer="traced", sample_inputs=_feed(seed=5))
@@ -281,7 +281,8 @@ def test_unsupported_layer_falls_back_to_tf2onnx_with_a_warning(tmp_path):
 @pytest.mark.parametrize("option", [dict(use_qk_norm=True), dict(use_sandwich_norm=True),
                                     dict(logit_soft_cap=2.0)])
 def test_block_options_the_fused_kernels_lack_are_refused_by_name(option):
-    from keras_attn.export.onnx_fused import NotFusableError, fused_model_proto
+    from keras_attn.export.capabilities import NotFusableError
+    from keras_attn.export.onnx_fused import fused_model_proto
 
     inputs = keras.Input((None, DIM), name="x")
     block = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalize_first=True, **option)

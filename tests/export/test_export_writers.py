@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from keras_attn.export import writers
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 
 NAMES = dict(what="The export of `m`", direct_name="direct writer", traced_name="the converter")
 

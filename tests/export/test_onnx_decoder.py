@@ -14,7 +14,7 @@ import pytest
 import keras
 
 from keras_attn.export.onnx_decoder import decoder_model_proto
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 from keras_attn.generation import DecoderOnlyLM
 from tests import tolerance
 from tests.reference import blockwise_dequantized

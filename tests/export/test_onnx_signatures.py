@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from keras_attn.export import onnx_signatures
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.export.capabilities import NotFusableError
 from keras_attn.generation import DecoderOnlyLM
 from keras_attn.runtimes import greedy_loop
 from keras_attn.runtimes import signatures

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_attn.export import export_tflite
 from tests import model_zoo

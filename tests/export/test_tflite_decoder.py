@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("ai_edge_litert")
 
 from keras_attn.export import tflite_decoder  # noqa: E402
-from keras_attn.export.onnx_fused import NotFusableError  # noqa: E402
+from keras_attn.export.capabilities import NotFusableError  # noqa: E402
 from keras_attn.generation import DecoderOnlyLM  # noqa: E402
 from keras_attn.runtimes import litertlm  # noqa: E402
 

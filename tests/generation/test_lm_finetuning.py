@@ -2,7 +2,6 @@
 default; against the merged-kernel formula written here) and a `keras.distribution` layout map
 (sharded on 8 virtual JAX CPU devices, same loss and gradients as one)."""
 
-import os
 import subprocess
 import sys
 import textwrap

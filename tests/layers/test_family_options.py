@@ -174,7 +174,6 @@ def test_decoder_block_sandwich_norms_match_numpy(rng):
     _set_random(block, rng, 0.7)
     got = block(x)
     eps = 1e-5
-    a = block.self_attention
 
     want = np_block(block, x, eps, reference.causal(5)[None, None], cap=3.0)
     tolerance.assert_close(got, want, terms=2 * 64)

@@ -111,7 +111,6 @@ def test_chunked_matches_numpy_and_unblocked(name, rng, backward_max_chunk):
     expected = np_attention(q, k, v, mask4, bias, 1.0 / np.sqrt(d), d_out)
     got = _grads(run(chunk), q, k, v, bias, d_out)
     unblocked = _grads(run(0), q, k, v, bias, d_out)
-    names = ["out", "d_query", "d_key", "d_value", "d_bias"]
     ref = list(expected[:4])
     if use_bias:
         ref.append(expected[4].sum(axis=0, keepdims=True))

@@ -307,7 +307,7 @@ def test_writer_falls_back_to_tf2onnx_with_the_reason(tmp_path):
     lm = scaled_lm()  # sinusoidal positions and LayerNorm: not the fused writer's
     with pytest.warns(UserWarning, match="fused decoder writer does not cover this model"):
         export_onnx_genai(lm, tmp_path / "auto", max_length=16)
-    from keras_attn.export.onnx_fused import NotFusableError
+    from keras_attn.export.capabilities import NotFusableError
 
     with pytest.raises(NotFusableError, match="position="):
         export_onnx_genai(lm, tmp_path / "fused", max_length=16, writer="direct")
