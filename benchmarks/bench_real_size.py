@@ -3,8 +3,10 @@ random weights in published model shapes.
 
 Models (the published configurations, written below; random weights, saved
 as bfloat16 safetensors the way the published checkpoints are):
-BERT-base and BERT-large encoders (`BertModel`), Qwen2.5-0.5B, Llama-3.2-1B
-and Qwen2.5-1.5B (`*ForCausalLM`). `--quick`: one tiny Llama, sharded.
+BERT-base and BERT-large encoders (`BertModel`), ModernBERT-base
+(`ModernBertModel`), EmbeddingGemma-300m's backbone (`Gemma3TextModel`,
+bidirectional), Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-1.5B (`*ForCausalLM`)
+and Gemma 3 270M/1B. `--quick`: one tiny Llama, sharded.
 
 Stages (`STAGES`, one entry each; later stages are added there):
 
@@ -41,12 +43,16 @@ Stages (`STAGES`, one entry each; later stages are added there):
   tf2onnx), `export_all`: each converts, then times the export, its
   verification against Keras included; `cli`: `keras-attn export
   model.keras --format all` in a fresh process (the `.keras` file is made
-  once by the `keras_file` stage, not ours). The peer `torch_onnx`:
-  `BertModel.from_pretrained(folder, float32)` and `torch.onnx.export`
+  once by the `keras_file` stage, not ours). The peer `torch_onnx`: the
+  transformers model (`BertModel`, `ModernBertModel`, ...)
+  `.from_pretrained(folder, float32)` and `torch.onnx.export`
   (TorchScript exporter, dynamic batch and sequence axes) on the same
   folder; its export is timed like ours. `tflite` writes encoders with the
   direct writer (`export_tflite`'s default); `tflite_converter` forces
   TensorFlow's converter, `tflite_dynamic` is int8 weights.
+- `latency`: batch-1 latency at 32, 128 and 512 tokens of the files the
+  `onnx`, `tflite` and `torch_onnx` stages left in `--work` (onnxruntime
+  and LiteRT, 2 threads, interleaved, `--rounds` rounds).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
@@ -141,6 +147,34 @@ MODELS = {
                     rope_local_base_freq=10000.0, sliding_window=512,
                     layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
                     tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    ),
+    # Today's encoders. ModernBERT-base (answerdotai/ModernBERT-base's
+    # config.json; architecture ModernBertModel, the backbone without the MLM
+    # head): alternating attention, a 128-token local window on two layers
+    # of three, two rotary bases, no biases, 8192 positions.
+    "modernbert-base": dict(
+        architecture="ModernBertModel", model_type="modernbert",
+        inputs=("input_ids", "attention_mask"),
+        config=dict(vocab_size=50368, hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                    intermediate_size=1152, hidden_activation="gelu", max_position_embeddings=8192,
+                    local_attention=128, global_attn_every_n_layers=3, global_rope_theta=160000.0,
+                    local_rope_theta=10000.0, norm_eps=1e-5, norm_bias=False, attention_bias=False,
+                    mlp_bias=False, pad_token_id=50283, bos_token_id=50281, eos_token_id=50282,
+                    cls_token_id=50281, sep_token_id=50282),
+    ),
+    # EmbeddingGemma-300m's backbone (google/embeddinggemma-300m's
+    # config.json: Gemma3TextModel, bidirectional; the published
+    # sliding_window 512 is the band |i - j| < 257, see convert/gemma2.py).
+    "embeddinggemma-300m": dict(
+        architecture="Gemma3TextModel", model_type="gemma3_text",
+        inputs=("input_ids", "attention_mask"),
+        config=dict(vocab_size=262144, hidden_size=768, intermediate_size=1152, num_hidden_layers=24,
+                    num_attention_heads=3, num_key_value_heads=1, head_dim=256,
+                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=2048,
+                    query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    rope_local_base_freq=10000.0, sliding_window=512, use_bidirectional_attention=True,
+                    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4,
+                    attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0),
     ),
     # The encoder stages at test size.
     "tiny-bert": dict(
@@ -748,49 +782,125 @@ def _cli_command(name, paths):
                  "export", os.path.join(paths["work"], "model.keras"), "--out", out]
 
 
+BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
 def stage_torch_onnx(name, spec, paths, args):
-    """The peer: transformers' BertModel from the same folder (float32), then
-    `torch.onnx.export` (TorchScript exporter: onnxscript, which the dynamo
-    exporter needs, is not installed), dynamic batch and sequence axes."""
+    """The peer: the transformers model of `spec["architecture"]` from the
+    same folder (float32, its default attention), then `torch.onnx.export`
+    (TorchScript exporter: onnxscript, which the dynamo exporter needs, is
+    not installed), dynamic batch and sequence axes."""
     sampler = Sampler()
     sampler.mark("import")
     import torch
     import transformers
 
     sampler.mark("read")
-    model = transformers.BertModel.from_pretrained(paths["checkpoint"], dtype=torch.float32).eval()
+    model = getattr(transformers, spec["architecture"]).from_pretrained(
+        paths["checkpoint"], dtype=torch.float32).eval()
     keras_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    path = os.path.join(paths["work"], "torch_onnx", "bert.onnx")
+    path = os.path.join(paths["work"], "torch_onnx", "model.onnx")
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     os.makedirs(os.path.dirname(path))
+    names = list(spec.get("inputs", BERT_INPUTS))
     ids = torch.ones((2, 8), dtype=torch.int64)
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    axes = {n: {0: "batch", 1: "sequence"} for n in names}
-    axes["last_hidden_state"] = {0: "batch", 1: "sequence"}
-    axes["pooler_output"] = {0: "batch"}
+    example = tuple(torch.zeros_like(ids) if n == "token_type_ids" else ids for n in names)
+    outputs = ["last_hidden_state"] + (["pooler_output"] if spec["architecture"] == "BertModel" else [])
+    axes = {n: {0: "batch", 1: "sequence"} for n in names + ["last_hidden_state"]}
+    axes.update({n: {0: "batch"} for n in outputs[1:]})
 
     class Positional(torch.nn.Module):
         # transformers 5's forward takes keyword-only extras the tracer would
-        # fill positionally: the three inputs by position, a tuple out.
-        def __init__(self, bert):
+        # fill positionally: the inputs by position, a tuple out.
+        def __init__(self, inner):
             super().__init__()
-            self.bert = bert
+            self.inner = inner
 
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            out = self.bert(input_ids=input_ids, attention_mask=attention_mask,
-                            token_type_ids=token_type_ids)
-            return out.last_hidden_state, out.pooler_output
+        def forward(self, *inputs):
+            out = self.inner(**dict(zip(names, inputs)))
+            return tuple(getattr(out, n) for n in outputs)
 
     sampler.mark("export")
     start = time.perf_counter()
     with torch.no_grad():
-        torch.onnx.export(Positional(model), (ids, ids, torch.zeros_like(ids)), path, input_names=names,
-                          output_names=["last_hidden_state", "pooler_output"], dynamic_axes=axes,
-                          opset_version=17, dynamo=False)
+        torch.onnx.export(Positional(model), example, path, input_names=names, output_names=outputs,
+                          dynamic_axes=axes, opset_version=17, dynamo=False)
     seconds = time.perf_counter() - start
     sampler.mark(None)
     return {"seconds": seconds, "keras_bytes": keras_bytes, "phases": sampler.phases,
             "artifact_bytes": _dir_bytes(path)}
+
+
+LATENCY_LENGTHS = (32, 128, 512)
+LATENCY_THREADS = 2
+
+
+def _latency_runners(paths):
+    """The artifacts the `onnx`, `tflite` and `torch_onnx` stages left in
+    the work folder (those present), each as `run(ids, mask) -> output`."""
+    import numpy as np
+
+    from bench_onnx_fused import _session
+
+    runners = {}
+    for label, path in (("ours ONNX", ("export_onnx", "bert.onnx")),
+                        ("peer ONNX (torch.onnx.export)", ("torch_onnx", "model.onnx"))):
+        path = os.path.join(paths["work"], *path)
+        if not os.path.exists(path):
+            continue
+        session = _session(path, LATENCY_THREADS)
+        inputs = [(i.name, np.int64 if "int64" in i.type else np.int32) for i in session.get_inputs()]
+
+        def run(ids, mask, session=session, inputs=inputs):
+            values = {"attention_mask": mask, "padding_mask": mask}
+            segments = np.zeros_like(ids)
+            feed = {n: values.get(n, segments if "type" in n or "segment" in n else ids).astype(t)
+                    for n, t in inputs}
+            return session.run(None, feed)[0]
+        runners[label] = run
+    path = os.path.join(paths["work"], "export_tflite", "bert.tflite")
+    if os.path.exists(path):
+        from ai_edge_litert import interpreter as litert
+
+        interpreter = litert.Interpreter(model_path=path, num_threads=LATENCY_THREADS)
+        details = interpreter.get_input_details()
+
+        shape = [None]
+
+        def run_tflite(ids, mask):
+            if shape[0] != ids.shape:
+                for d in details:
+                    interpreter.resize_tensor_input(d["index"], ids.shape)
+                interpreter.allocate_tensors()
+                shape[0] = ids.shape
+            for d in details:
+                interpreter.set_tensor(d["index"], (mask if "mask" in d["name"] else ids).astype(d["dtype"]))
+            interpreter.invoke()
+            return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+        runners["ours TFLite (direct writer)"] = run_tflite
+    return runners
+
+
+def stage_latency(name, spec, paths, args):
+    """Batch-1 latency of the exports the `onnx`, `tflite` and `torch_onnx`
+    stages wrote, at each of LATENCY_LENGTHS tokens (random ids, no
+    padding), interleaved (`_common.interleaved`, `--rounds` rounds of 2
+    calls after 2 warm-up calls); onnxruntime and LiteRT with 2 threads.
+    The TFLite interpreter is resized once per length, before its warm-up."""
+    import numpy as np
+
+    runners = _latency_runners(paths)
+    if not runners:
+        raise FileNotFoundError(f"no export of {name} in {paths['work']}: run onnx, tflite, torch_onnx first")
+    rng = np.random.default_rng(0)
+    latency = {}
+    for length in LATENCY_LENGTHS:
+        ids = rng.integers(0, spec["config"]["vocab_size"], size=(1, length)).astype(np.int64)
+        mask = np.ones_like(ids)
+        fns = {label: (lambda run=run: run(ids, mask)) for label, run in runners.items()}
+        medians = _common.interleaved(fns, repeats=args.rounds, calls=2)
+        latency[str(length)] = {label: seconds * 1e3 for label, seconds in medians.items()}
+    return {"latency_ms": latency, "load": list(os.getloadavg())}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -852,7 +962,8 @@ STAGES = {
                         ours=False),
     "cli": Stage(None, "keras-attn export model.keras --format all", command=_cli_command,
                  needs="keras_file"),
-    "torch_onnx": Stage(stage_torch_onnx, "BertModel + torch.onnx.export (peer)", ours=False),
+    "torch_onnx": Stage(stage_torch_onnx, "transformers model + torch.onnx.export (peer)", ours=False),
+    "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, tflite and torch_onnx exports"),
 }
 
 
@@ -962,6 +1073,14 @@ def table(results):
         text += "\n" + _common.markdown_table(
             ["model", "bundle", "size (GB)", "prefill tok/s", "decode tok/s",
              "tokens (prefill, decode)", "load average after"], speed_rows)
+    latency = [r for r in results if "latency_ms" in r]
+    if latency:
+        labels = list(dict.fromkeys(label for r in latency for by in r["latency_ms"].values() for label in by))
+        rows = [[r["model"], length] + [f"{by[label]:.1f}" if label in by else "" for label in labels]
+                + ["/".join(f"{x:.1f}" for x in r["load"])]
+                for r in latency for length, by in r["latency_ms"].items()]
+        text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime and LiteRT, 2 threads):\n\n"
+        text += _common.markdown_table(["model", "tokens"] + labels + ["load average after"], rows)
     return text
 
 
@@ -977,7 +1096,7 @@ def main(argv=None):
     parser.add_argument("--shard-gb", type=float, default=5.0, help="max shard size of the checkpoints")
     parser.add_argument("--prompt", type=int, default=100, help="litertlm_speed: prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="litertlm_speed: new tokens")
-    parser.add_argument("--rounds", type=int, default=3, help="litertlm_speed: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="litertlm_speed, latency: alternating rounds")
     parser.add_argument("--max-rss-gb", type=float, default=9.0, help="kill a child past this RSS")
     parser.add_argument("--quick", action="store_true", help="the tiny model through checkpoint, save_weights and genai_int4, in a temporary --work")
     parser.add_argument("--markdown", help="write the table here")
