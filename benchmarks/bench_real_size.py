@@ -736,6 +736,10 @@ def _export_stage(fmt, **kwargs):
                   "artifact_bytes": _dir_bytes(artifact)}
         reports = report if fmt == "export_all" else {fmt: report}
         result["max_abs_error"] = {k: r.max_abs_error for k, r in reports.items()}
+        # Which writer ran, and why "auto" skipped the direct one.
+        result["writer"] = "; ".join(
+            f"{k}: " + " ".join(str(r.details[d]) for d in ("writer", "direct_writer_skipped") if d in r.details)
+            for k, r in reports.items() if "writer" in r.details)
         return result
     return stage
 
@@ -835,6 +839,16 @@ LATENCY_LENGTHS = (32, 128, 512)
 LATENCY_THREADS = 2
 
 
+def _feed_value(input_name, ids, mask):
+    """The value of an export's input by its name: the padding mask, zero
+    segment ids, else the token ids."""
+    import numpy as np
+
+    if "mask" in input_name:
+        return mask
+    return np.zeros_like(ids) if "type" in input_name or "segment" in input_name else ids
+
+
 def _latency_runners(paths):
     """The artifacts the `onnx`, `tflite` and `torch_onnx` stages left in
     the work folder (those present), each as `run(ids, mask) -> output`."""
@@ -852,11 +866,7 @@ def _latency_runners(paths):
         inputs = [(i.name, np.int64 if "int64" in i.type else np.int32) for i in session.get_inputs()]
 
         def run(ids, mask, session=session, inputs=inputs):
-            values = {"attention_mask": mask, "padding_mask": mask}
-            segments = np.zeros_like(ids)
-            feed = {n: values.get(n, segments if "type" in n or "segment" in n else ids).astype(t)
-                    for n, t in inputs}
-            return session.run(None, feed)[0]
+            return session.run(None, {n: _feed_value(n, ids, mask).astype(t) for n, t in inputs})[0]
         runners[label] = run
     path = os.path.join(paths["work"], "export_tflite", "bert.tflite")
     if os.path.exists(path):
@@ -874,7 +884,7 @@ def _latency_runners(paths):
                 interpreter.allocate_tensors()
                 shape[0] = ids.shape
             for d in details:
-                interpreter.set_tensor(d["index"], (mask if "mask" in d["name"] else ids).astype(d["dtype"]))
+                interpreter.set_tensor(d["index"], _feed_value(d["name"], ids, mask).astype(d["dtype"]))
             interpreter.invoke()
             return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
         runners["ours TFLite (direct writer)"] = run_tflite
@@ -895,6 +905,8 @@ def stage_latency(name, spec, paths, args):
     rng = np.random.default_rng(0)
     latency = {}
     for length in LATENCY_LENGTHS:
+        if length > spec["config"].get("max_position_embeddings", length):
+            continue
         ids = rng.integers(0, spec["config"]["vocab_size"], size=(1, length)).astype(np.int64)
         mask = np.ones_like(ids)
         fns = {label: (lambda run=run: run(ids, mask)) for label, run in runners.items()}
@@ -1058,6 +1070,8 @@ def table(results):
         ratio = f"{r['ru_maxrss'] / keras_bytes:.2f}" if keras_bytes else ""
         phases = "; ".join(f"{p[0]} {p[1]:.1f} s, {p[2] / GB:.2f} -> {p[3] / GB:.2f}"
                            for p in r.get("phases", []))
+        if r.get("writer"):
+            phases += f"; writer {r['writer']}"
         seconds = r.get("seconds", r["child_seconds"])
         n = params.get(r["model"])
         cpu = r.get("cpu_seconds")
