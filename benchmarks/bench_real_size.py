@@ -167,7 +167,10 @@ MODELS = {
     # sliding_window 512 is the band |i - j| < 257, see convert/gemma2.py).
     "embeddinggemma-300m": dict(
         architecture="Gemma3TextModel", model_type="gemma3_text",
-        inputs=("input_ids", "attention_mask"),
+        # The TorchScript tracer fails on transformers' padding mask
+        # (`RuntimeError: unordered_map::at` in its vmap), and the window's
+        # `bitwise_and` needs opset 18: the peer takes ids only (no padding).
+        inputs=("input_ids",), torch_opset=18,
         config=dict(vocab_size=262144, hidden_size=768, intermediate_size=1152, num_hidden_layers=24,
                     num_attention_heads=3, num_key_value_heads=1, head_dim=256,
                     hidden_activation="gelu_pytorch_tanh", max_position_embeddings=2048,
@@ -801,7 +804,7 @@ def stage_torch_onnx(name, spec, paths, args):
 
     sampler.mark("read")
     model = getattr(transformers, spec["architecture"]).from_pretrained(
-        paths["checkpoint"], dtype=torch.float32).eval()
+        paths["checkpoint"], dtype=torch.float32, **spec.get("torch_kwargs", {})).eval()
     keras_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     path = os.path.join(paths["work"], "torch_onnx", "model.onnx")
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
@@ -828,7 +831,7 @@ def stage_torch_onnx(name, spec, paths, args):
     start = time.perf_counter()
     with torch.no_grad():
         torch.onnx.export(Positional(model), example, path, input_names=names, output_names=outputs,
-                          dynamic_axes=axes, opset_version=17, dynamo=False)
+                          dynamic_axes=axes, opset_version=spec.get("torch_opset", 17), dynamo=False)
     seconds = time.perf_counter() - start
     sampler.mark(None)
     return {"seconds": seconds, "keras_bytes": keras_bytes, "phases": sampler.phases,
@@ -903,7 +906,7 @@ def stage_latency(name, spec, paths, args):
     if not runners:
         raise FileNotFoundError(f"no export of {name} in {paths['work']}: run onnx, tflite, torch_onnx first")
     rng = np.random.default_rng(0)
-    latency = {}
+    latency, agreement = {}, {}
     for length in LATENCY_LENGTHS:
         if length > spec["config"].get("max_position_embeddings", length):
             continue
@@ -912,7 +915,12 @@ def stage_latency(name, spec, paths, args):
         fns = {label: (lambda run=run: run(ids, mask)) for label, run in runners.items()}
         medians = _common.interleaved(fns, repeats=args.rounds, calls=2)
         latency[str(length)] = {label: seconds * 1e3 for label, seconds in medians.items()}
-    return {"latency_ms": latency, "load": list(os.getloadavg())}
+        # The exports agree (a trace that froze the example's length would not).
+        outputs = {label: np.asarray(run(ids, mask), np.float64) for label, run in runners.items()}
+        first = next(iter(outputs.values()))
+        agreement[str(length)] = max(float(np.max(np.abs(o - first))) for o in outputs.values())
+    return {"latency_ms": latency, "load": list(os.getloadavg()), "max_abs_difference": agreement,
+            "scale": float(np.max(np.abs(first)))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1091,10 +1099,12 @@ def table(results):
     if latency:
         labels = list(dict.fromkeys(label for r in latency for by in r["latency_ms"].values() for label in by))
         rows = [[r["model"], length] + [f"{by[label]:.1f}" if label in by else "" for label in labels]
-                + ["/".join(f"{x:.1f}" for x in r["load"])]
+                + [f"{r['max_abs_difference'][length]:.2g} (outputs up to {r['scale']:.2g})",
+                   "/".join(f"{x:.1f}" for x in r["load"])]
                 for r in latency for length, by in r["latency_ms"].items()]
         text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime and LiteRT, 2 threads):\n\n"
-        text += _common.markdown_table(["model", "tokens"] + labels + ["load average after"], rows)
+        text += _common.markdown_table(
+            ["model", "tokens"] + labels + ["max abs difference between the exports", "load average after"], rows)
     return text
 
 
