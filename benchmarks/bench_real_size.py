@@ -890,7 +890,7 @@ def _latency_runners(paths):
                 interpreter.set_tensor(d["index"], _feed_value(d["name"], ids, mask).astype(d["dtype"]))
             interpreter.invoke()
             return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
-        runners["ours TFLite (direct writer)"] = run_tflite
+        runners["ours TFLite"] = run_tflite
     return runners
 
 
@@ -906,12 +906,21 @@ def stage_latency(name, spec, paths, args):
     if not runners:
         raise FileNotFoundError(f"no export of {name} in {paths['work']}: run onnx, tflite, torch_onnx first")
     rng = np.random.default_rng(0)
-    latency, agreement = {}, {}
+    latency, agreement, failed = {}, {}, {}
     for length in LATENCY_LENGTHS:
         if length > spec["config"].get("max_position_embeddings", length):
             continue
         ids = rng.integers(0, spec["config"]["vocab_size"], size=(1, length)).astype(np.int64)
         mask = np.ones_like(ids)
+        # An export that does not run at this length is a finding, not the stage's end.
+        for label, run in list(runners.items()):
+            try:
+                run(ids, mask)
+            except Exception as e:  # noqa: BLE001 (onnxruntime's and LiteRT's own errors)
+                failed[label] = f"{length} tokens: {type(e).__name__}: {str(e)[:300]}"
+                del runners[label]
+        if not runners:
+            break
         fns = {label: (lambda run=run: run(ids, mask)) for label, run in runners.items()}
         medians = _common.interleaved(fns, repeats=args.rounds, calls=2)
         latency[str(length)] = {label: seconds * 1e3 for label, seconds in medians.items()}
@@ -920,7 +929,7 @@ def stage_latency(name, spec, paths, args):
         first = next(iter(outputs.values()))
         agreement[str(length)] = max(float(np.max(np.abs(o - first))) for o in outputs.values())
     return {"latency_ms": latency, "load": list(os.getloadavg()), "max_abs_difference": agreement,
-            "scale": float(np.max(np.abs(first)))}
+            "scale": float(np.max(np.abs(first))) if latency else None, "failed": failed}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1105,6 +1114,8 @@ def table(results):
         text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime and LiteRT, 2 threads):\n\n"
         text += _common.markdown_table(
             ["model", "tokens"] + labels + ["max abs difference between the exports", "load average after"], rows)
+        text += "".join(f"\n- {r['model']}, {label} failed at {why}\n"
+                        for r in latency for label, why in r.get("failed", {}).items())
     return text
 
 
