@@ -520,6 +520,23 @@ class EmbeddingStep(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class LookupStep(Step):
+    """`keras.layers.Embedding` of the ids `input`: `table[ids]` (ModernBERT's,
+    EuroBERT's token embedding; no positions, no norm)."""
+
+    table: Weight
+    mask_zero: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class NormStep(Step):
+    """A norm layer of its own (`LayerNormalization`, with or without its
+    bias, or `RMSNormalization`) over the last axis of `input`."""
+
+    norm: Norm
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockStep(Step):
     """`TransformerEncoderBlock` (its `layer` as a decoder's): `padding` the
     `(B, T)` mask of valid keys (None: none), `causal`, and with
@@ -667,6 +684,19 @@ def _encoder_step(op, node, name):
             positions=_table_positions(op.position, op, op.sequence_length),
             types=None if table is None else _weight(table, "embeddings"),
             norm=_norm(op.layer_norm), mask_zero=op.mask_zero)
+    if isinstance(op, keras.layers.Embedding):
+        if len(args) != 1 or kwargs:
+            return "called with extra arguments"
+        return LookupStep(op.name, name(args[0]), out, _weight(op, "embeddings"), bool(op.mask_zero))
+    if isinstance(op, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
+        if len(args) != 1:
+            return "called with extra arguments"
+        if isinstance(op, keras.layers.LayerNormalization) and (op.gamma is None or op.rms_scaling):
+            return "a LayerNormalization with scale=False or rms_scaling=True"
+        norm = _norm(op)
+        if not norm.last_axis:
+            return f"a norm over axis={op.axis} (not the last)"
+        return NormStep(op.name, name(args[0]), out, norm)
     if isinstance(op, keras.layers.Dense):
         if len(args) != 1:
             return "called with extra arguments"
@@ -727,7 +757,8 @@ def read_encoder(model):
                 unsupported.append((op.name, step))
             else:
                 steps.append(step)
-    sizes = [(s.input, s.tokens.shape[0]) for s in steps if isinstance(s, EmbeddingStep)]
+    sizes = [(s.input, s.tokens.shape[0]) for s in steps if isinstance(s, EmbeddingStep)] + [
+        (s.input, s.table.shape[0]) for s in steps if isinstance(s, LookupStep)]
     inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.name,
                           min((n for v, n in sizes if v == t.name), default=None)) for t in model.inputs)
     outputs = tuple(Tensor(n, t.dtype, tuple(t.shape), name(t))
