@@ -44,8 +44,8 @@ ACTIVATIONS = {
     "onnx_signatures": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
     "litertlm": ("silu", "gelu", "gelu_tanh", "relu"),
     "tflite_signatures": ("silu", "gelu", "gelu_tanh", "relu"),
-    "onnx_encoder": ("relu", "tanh", "gelu", "gelu_tanh", "linear"),
-    "tflite_encoder": ("relu", "tanh", "gelu", "gelu_tanh", "linear"),
+    "onnx_encoder": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
+    "tflite_encoder": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
 }
 # Writers that keep one cache stacked over the layers (a ring of the window
 # when every layer has the same one): the signature writers.
