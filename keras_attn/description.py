@@ -537,6 +537,17 @@ class NormStep(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class ArithmeticStep(Step):
+    """`input + other` (`op` "add") or `input * other` ("multiply"): `other`
+    the name of a value of the input's shape, or None and `scalar` a float
+    (NomicBERT's token plus type embeddings, Gemma's embedding scale)."""
+
+    op: str
+    other: Optional[str]
+    scalar: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockStep(Step):
     """`TransformerEncoderBlock` (its `layer` as a decoder's): `padding` the
     `(B, T)` mask of valid keys (None: none), `causal`, and with
@@ -703,6 +714,17 @@ def _encoder_step(op, node, name):
         return DenseStep(op.name, name(args[0]), out, _dense(op), *_activation_of(op.activation))
     if isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
         return Step(op.name, name(args[0]), out)
+    if kind in ("Add", "Multiply") and len(args) == 2 and not kwargs:
+        x, other = args
+        if not isinstance(x, keras.KerasTensor):
+            x, other = other, x
+        if isinstance(other, keras.KerasTensor):
+            if tuple(other.shape) != tuple(x.shape) or other.dtype != x.dtype:
+                return f"{kind} of shapes {tuple(x.shape)} and {tuple(other.shape)} (not one shape and dtype)"
+            return ArithmeticStep(op.name, name(x), out, kind.lower(), name(other), None)
+        if not np.isscalar(other) or x.dtype != "float32":
+            return f"{kind} of a float32 value and a scalar only"
+        return ArithmeticStep(op.name, name(x), out, kind.lower(), None, float(other))
     if kind in ("NotEqual", "Equal") and len(args) == 2:
         x, other = args
         if isinstance(other, keras.KerasTensor) or not np.isscalar(other):

@@ -132,7 +132,8 @@ _DECODER_LAYER_SETTINGS = (
 
 # The encoder writers that write each of them too.
 ENCODER_LAYER_SETTINGS = {"RMSNorm": ENCODERS, "rotary positions": ENCODERS, "sliding windows": ENCODERS,
-                          "gated feed-forward": ENCODERS, "grouped-query heads": ENCODERS}
+                          "gated feed-forward": ENCODERS, "grouped-query heads": ENCODERS,
+                          "QK-norm": ENCODERS, "sandwich norms": ENCODERS}
 _EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemStep
 _LOOKUP = description_lib.LookupStep
 _POOLING = description_lib.PoolingStep

@@ -192,6 +192,8 @@ class _Writer(Graph):
         q, k, v = self.node("Split", [qkv, widths], hint + "_split", outputs=3, axis=2)
         q, k, v = (self.node("Reshape", [t, self.const(np.array([0, 0, n, d], np.int64), hint + "_heads")], hint)
                    for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))  # (B, T, H, d)
+        if a.query_norm is not None:  # QK-norm: over each head, before the rotation
+            q, k = self.norm(q, a.query_norm, hint + "_q_norm"), self.norm(k, a.key_norm, hint + "_k_norm")
         if a.rotary is not None:
             cos, sin = self.rotary(a.rotary, h)
             q, k = (self.rotate_half(t, cos, sin, d, a.rotary.rotary_dim, lambda part: f"{hint}_{part}")
@@ -320,7 +322,8 @@ def _emit_block(w, step, x, padding, rows, hint):
     """
     layer = step.layer
     a, f = layer.attention, layer.feedforward
-    plain = a.rotary is None and a.window is None and a.num_key_value_heads == a.num_heads
+    plain = (a.rotary is None and a.window is None and a.num_key_value_heads == a.num_heads
+             and a.query_norm is None)
 
     def attention(h):
         if plain:  # BERT's: onnxruntime's fused Attention where fused
@@ -345,13 +348,16 @@ def _emit_block(w, step, x, padding, rows, hint):
         h = w.dense(h, f.up.kernel.read(), f.up.read_bias(), f.activation, hint + "_ffn1")
         return w.node("MatMul", [h, w.const(f.down.kernel.read(), hint + "_ffn2_kernel")], hint + "_ffn2")
 
-    branches = ((attention, layer.attention_norm, a.output.read_bias(), "_attn_res", "_ln1"),
-                (ffn, layer.feedforward_norm, f.down.read_bias(), "_ffn_res", "_ln2"))
-    for fn, norm, out_bias, pre, post in branches:
-        if step.normalize_first:  # x + f(norm(x)) + bias (no norm: x + f(x) + bias)
+    branches = ((attention, layer.attention_norm, layer.attention_post_norm, a.output.read_bias(),
+                 "_attn_res", "_ln1"),
+                (ffn, layer.feedforward_norm, layer.feedforward_post_norm, f.down.read_bias(), "_ffn_res", "_ln2"))
+    for fn, norm, post_norm, out_bias, pre, post in branches:
+        if step.normalize_first:  # x + post_norm(f(norm(x)) + bias) (a missing norm: none)
             y = fn(x if norm is None else w.norm(x, norm, hint + pre))
             if out_bias is not None:
                 y = w.node("Add", [y, w.const(out_bias, hint + pre + "_bias")], hint + pre)
+            if post_norm is not None:  # Gemma's sandwich norm
+                y = w.norm(y, post_norm, hint + pre + "_post")
             x = w.node("Add", [x, y], hint + pre)
         else:  # norm(f(x) + bias + x)
             x = w.skip_layer_norm(fn(x), x, norm, out_bias, hint + post)
@@ -501,6 +507,9 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
                                              clamp=check_ids == "clamp")
         elif isinstance(step, description_lib.LookupStep):
             v[step.output] = _lookup(w, step.table.read(), v[step.input], hint, clamp=check_ids == "clamp")
+        elif isinstance(step, description_lib.ArithmeticStep):
+            other = v[step.other] if step.other is not None else w.const(np.float32(step.scalar), hint + "_scalar")
+            v[step.output] = w.node({"add": "Add", "multiply": "Mul"}[step.op], [v[step.input], other], hint)
         elif isinstance(step, description_lib.NormStep):
             v[step.output] = w.norm(v[step.input], step.norm, hint)
         elif isinstance(step, description_lib.DenseStep):

@@ -284,6 +284,9 @@ class _EncoderBuilder:
         width, kv_width = heads * head, kv_heads * head
         rows = x.rows
         scale = np.float32(1.0 / np.sqrt(head))
+        # The query scale is folded into the query weights, or with QK-norm
+        # (which a scale before it would not survive) into the norm's output.
+        after_norm, scale = (scale, np.float32(1.0)) if a.query_norm is not None else (None, scale)
 
         def qkv_kernel():
             kernel = a.packed_kernel()
@@ -308,6 +311,9 @@ class _EncoderBuilder:
                            g.options("SplitVOptions", numSplits=3), outputs=3)
             q, k, v = (self.reshape(t, self.shape_of(rows, "B", "T", n, head), (None, None, n, head))
                        for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))  # (B, T, H, d)
+            if a.query_norm is not None:  # QK-norm: over each head, before the rotation
+                q = g.mul(self.norm(q, a.query_norm), self.const(after_norm, np.float32))
+                k = self.norm(k, a.key_norm)
             if a.rotary is not None:  # the query scale folded in commutes with the rotation
                 cos, sin = tflite_decoder.rotary_angles(g, a.rotary, self.positions(rows))
                 q, k = (tflite_decoder.rotate(g, t, cos, sin) for t in (q, k))
@@ -338,9 +344,12 @@ class _EncoderBuilder:
             return self.dense(h, f.down, "linear", f"{name}/ffn2")
 
         h = x.index
-        for fn, norm in ((attention, step.layer.attention_norm), (feedforward, step.layer.feedforward_norm)):
-            if step.normalize_first:  # no norm (ModernBERT's first block): h + f(h)
-                h = g.add(h, fn(h if norm is None else self.norm(h, norm)))
+        layer = step.layer
+        for fn, norm, post_norm in ((attention, layer.attention_norm, layer.attention_post_norm),
+                                    (feedforward, layer.feedforward_norm, layer.feedforward_post_norm)):
+            if step.normalize_first:  # h + post_norm(f(norm(h))), a missing norm none
+                y = fn(h if norm is None else self.norm(h, norm))
+                h = g.add(h, y if post_norm is None else self.norm(y, post_norm))
             else:
                 h = self.norm(g.add(h, fn(h)), norm)
         return types.SimpleNamespace(index=h, rows=rows)
@@ -483,6 +492,11 @@ class _EncoderBuilder:
                 x = self.lookup(step.table.read(), ids, step.name, wrap=step.input not in clamped,
                                 int8=self.quantization is not None)
                 result = types.SimpleNamespace(index=g.reshape(x, (-1, step.table.shape[1])), rows=self.rows_of(ids))
+            elif isinstance(step, description_lib.ArithmeticStep):
+                x = v[step.input]
+                other = v[step.other].index if step.other is not None else self.const(step.scalar, np.float32)
+                index = g.binary({"add": "ADD", "multiply": "MUL"}[step.op], x.index, other)
+                result = types.SimpleNamespace(index=index, rows=x.rows)
             elif isinstance(step, description_lib.NormStep):
                 x = v[step.input]
                 result = types.SimpleNamespace(index=self.norm(x.index, step.norm), rows=x.rows)
