@@ -31,6 +31,7 @@ from tests.convert.test_convert_modernbert import hf_model  # noqa: E402
 from tests.convert.test_convert_modernbert import hf_output  # noqa: E402
 from tests.convert.test_convert_modernbert import inputs  # noqa: E402
 from tests.convert.test_convert_modernbert import padded_batch  # noqa: E402
+from tests.model_zoo import randomize  # noqa: E402
 
 # Every step kind the families add: a masked LM with a SiLU head and its
 # norm (ModernBERT), mean pooling and every bias (ModernBERT), grouped
@@ -80,6 +81,36 @@ def test_tflite_direct_equals_transformers(family, tmp_path):
     assert not [op for op in report.ops if "FLEX" in op.upper() or op == "CUSTOM"]
     got = _litert_run(report.path, feed)
     tolerance.assert_close(*_compared(got, want, mask), terms=(layers + 1) * 64, err_msg=name)
+
+
+@pytest.mark.parametrize("options", [
+    dict(rotary_embedding=RotaryEmbedding(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+         sliding_window=3, num_key_value_heads=2),
+    dict(normalization="rms_norm", use_qk_norm=True, use_sandwich_norm=True, normalize_first=True,
+         use_gated_feedforward=True, activation="silu", sliding_window=4, layer_norm_use_bias=False),
+    dict(rotary_embedding=RotaryEmbedding(), sliding_window=2, normalize_first=False,
+         layer_norm_use_bias=False, use_gated_feedforward=True, activation="gelu_tanh"),
+], ids=["rotary-window-grouped", "gemma-like", "post-norm"])
+def test_block_settings_are_written_as_keras_computes_them(options, tmp_path):
+    """Blocks of these settings alone, on a left- and right-padded batch
+    longer than the window, equal to Keras's (itself checked against
+    transformers per family in tests/convert/)."""
+    x = keras.Input((None, 32), name="x")
+    mask = keras.Input((None,), dtype="int32", name="mask")
+    block = TransformerEncoderBlock(num_heads=4, intermediate_dim=40, name="block", **options)
+    model = keras.Model([x, mask], block(x, padding_mask=keras.ops.not_equal(mask, 0)))
+    randomize(model, seed=3)
+    rng = np.random.default_rng(4)
+    feed = {"x": rng.normal(size=(2, 9, 32)).astype("float32"), "mask": np.ones((2, 9), "int32")}
+    feed["mask"][0, 6:] = 0
+    feed["mask"][1, :3] = 0
+    want = keras.ops.convert_to_numpy(model(feed))
+    onnx = kx.export_onnx(model, tmp_path / "m.onnx", writer="direct")
+    tflite = kx.export_tflite(model, tmp_path / "m.tflite", writer="direct")
+    assert onnx.details["writer"] == tflite.details["writer"] == "direct"
+    session = ort.InferenceSession(onnx.path, providers=["CPUExecutionProvider"])
+    for got in (session.run(None, feed)[0], _litert_run(tflite.path, feed)):
+        tolerance.assert_close(got, want, terms=2 * 64)
 
 
 def _windowed_encoder(rotary, mask_zero=False):
