@@ -12,8 +12,11 @@ this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
 the description by `keras_attn.export.capabilities`. The encoder writers read
 `read_encoder(model)`: a functional Keras model's calls in order, as steps
-(embeddings, Transformer blocks, dense layers, comparisons and indexing, and
-a sentence embedding's pooling, L2 normalization and truncation).
+(embeddings and plain token lookups, standalone norms, additions and scalar
+products, Transformer blocks (their `Layer`s as a decoder's: rotary, windows,
+grouped heads, QK-norm, gated feed-forwards), dense layers, comparisons and
+indexing, and a sentence embedding's pooling, L2 normalization and
+truncation).
 
 Weights are `Weight`s: a variable read when a writer asks for it, as a
 read-only float32 view of the variable's own memory where the backend keeps

@@ -23,9 +23,15 @@ Two op sets, the same arithmetic:
   (the tanh GELU, which is exactly what FastGelu computes).
 
 A block is its attention, the output projection as a `MatMul`, the residual
-LayerNorms (pre-norm: `LayerNormalization` and `Add`) and the feed-forward
-as two `MatMul`s around the activation; the embedding `Gather`s, `Add`s and
-a `LayerNormalization`. A sentence embedding's pooling is masked sums over
+norms (pre-norm: `LayerNormalization` or RMSNorm arithmetic, and `Add`;
+Gemma's sandwich norms after each branch) and the feed-forward as two
+`MatMul`s around the activation (gated: three); the embedding `Gather`s,
+`Add`s and a `LayerNormalization`. A block with rotary positions, a window,
+grouped key/value heads or QK-norm (ModernBERT, EuroBERT, NomicBERT,
+Gemma 3's text encoder) has its attention in standard ops in both op sets
+(`_Writer.grouped_attention`): the rotation's angles computed from the
+positions `0 .. T - 1` as `RotaryEmbedding` computes them, the window the
+symmetric band `|i - j| < window`, one `(T, T)` band per window size. A sentence embedding's pooling is masked sums over
 the tokens (`CumSum` of the mask picks the first and last token),
 its L2 normalization `ReduceSum`, `Sqrt`, `Reciprocal`, its truncation a
 `Slice`. What the writer covers is the capability table's

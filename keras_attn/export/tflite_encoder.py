@@ -24,7 +24,10 @@ LayerNorm as MEAN, SQUARED_DIFFERENCE, MEAN, ADD, RSQRT, SUB, MUL, MUL, ADD
 (what the converter emits for Keras's LayerNormalization); attention as
 TRANSPOSE, BATCH_MATMUL, the masked logits' bias ADD, SOFTMAX, BATCH_MATMUL,
 with query rows that see no key zeroed (as Keras's attention does) rather
-than NaN; GELU as the builtin GELU (`approximate` as the model has it); a
+than NaN (a window: the symmetric band `|i - j| < window`, one per window
+size; rotary positions as `RotaryEmbedding` computes them, from the
+positions `0 .. T - 1`; grouped key/value heads repeated per query head;
+QK-norm before the rotation); GELU as the builtin GELU (`approximate` as the model has it); a
 sentence embedding's pooling as masked sums over the tokens (CUMSUM of the
 mask picks the first and last token), its L2 normalization SUM, RSQRT,
 MINIMUM, MUL, its truncation a SLICE. The
