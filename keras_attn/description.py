@@ -183,11 +183,8 @@ class Attention:
     key_value_source: Optional[int] = None
     unsupported: tuple = ()
 
-    def packed_qkv(self):
-        """`(kernel (in, q + k + v), bias or None)`: the three projections as one."""
-        return self.packed_kernel(), self.packed_bias()
-
     def packed_kernel(self):
+        """`(in, q + k + v)`: the three projections as one."""
         return np.concatenate([d.kernel.read() for d in (self.query, self.key, self.value)], axis=1)
 
     def packed_bias(self):

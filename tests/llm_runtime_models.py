@@ -8,6 +8,8 @@ import numpy as np
 import tokenizers
 
 from keras_attn.generation import DecoderOnlyLM, greedy_search
+from tests import model_zoo
+from tests import tolerance
 
 WORDS = ("the a cat dog sat ran on in under over mat box red blue small big and then it was "
          "very quite happy sad one two three four five six seven eight nine ten day night").split()
@@ -178,15 +180,15 @@ def artifact_greedy(prefill, decode, prompt, max_length):
     return tokens
 
 
-def hf_greedy(hf, prompts, max_length):
-    """transformers' `generate(do_sample=False)` of `prompts` (an unpadded
-    batch), `max_length` tokens per row, no stop token."""
+def hf_greedy(hf, prompts, max_length, mask=None):
+    """transformers' `generate(do_sample=False)` of `prompts` (a batch,
+    unpadded unless `mask` says), `max_length` tokens per row, no stop token."""
     import torch
 
     with torch.no_grad():
         return hf.generate(
             torch.tensor(prompts, dtype=torch.long),
-            attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+            attention_mask=torch.tensor(np.ones(prompts.shape, np.int64) if mask is None else mask),
             do_sample=False, max_length=max_length, pad_token_id=0, eos_token_id=None,
         ).numpy()
 
@@ -214,6 +216,34 @@ def assert_greedy_equals_hf(hf, lm, prompts, max_length):
     got = np.asarray(greedy_search(lm, prompts, max_length=max_length, pad_token_id=0))
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(got[:, prompts.shape[1]:])) > 3, "degenerate generation tests nothing"
+
+
+def assert_left_padded_greedy_equals_hf(hf, lm, vocabulary_size, max_length, **prompts):
+    """Hugging Face's batched generation: prompts left-padded with 0
+    (`model_zoo.left_padded_prompts(vocabulary_size, **prompts)`), positions
+    per row from the attention mask; `greedy_search` takes the same mask."""
+    ids, mask = model_zoo.left_padded_prompts(vocabulary_size, **prompts)
+    got = np.asarray(greedy_search(lm, ids, max_length=max_length, attention_mask=mask))
+    np.testing.assert_array_equal(got, hf_greedy(hf, ids, max_length, mask))
+
+
+def assert_padded_logits_equal_hf(hf, lm, vocabulary_size, err_msg=""):
+    """`lm`'s logits on two rows of 13 tokens, the first right-padded after 9,
+    equal transformers' at the valid positions within float32 rounding of a
+    few blocks of sums per layer over the hidden, head and key sizes
+    (tests/tolerance.py), and are not flat (a flat model tests nothing)."""
+    import torch
+
+    ids = np.random.default_rng(5).integers(3, vocabulary_size, size=(2, 13)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[0, 9:] = 0
+    ids[0, 9:] = 0
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+    got = np.asarray(lm(ids, padding_mask=mask.astype(bool)))
+    valid = mask.astype(bool)
+    tolerance.assert_close(got[valid], want[valid], terms=hf.config.num_hidden_layers * 64, err_msg=err_msg)
+    assert np.abs(want).max() > 1.0, "logits too flat to test anything"
 
 
 @functools.lru_cache(maxsize=None)  # one training per size for the whole run (read-only)

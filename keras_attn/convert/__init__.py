@@ -12,8 +12,9 @@ sentence embedding (`keras_attn.convert.sentence_transformers`).
 
 LoRA adapters convert both ways as Hugging Face PEFT folders
 (`save_peft_adapter`, `from_huggingface(..., adapter=folder)`; see
-`keras_attn.convert.adapters`); `save_huggingface` writes a Llama, Mistral or
-Qwen2 decoder back as a `transformers` folder (`keras_attn.convert.to_huggingface`).
+`keras_attn.convert.adapters`); `save_huggingface` writes a Llama, Mistral,
+Qwen2/3, Gemma (1, 2, 3 text), SmolLM3 or Phi-3 decoder back as a
+`transformers` folder (`keras_attn.convert.to_huggingface`).
 """
 
 from keras_attn.convert.adapters import save_peft_adapter

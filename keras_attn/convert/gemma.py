@@ -33,6 +33,23 @@ class GemmaConverter(llama.LlamaConverter):
         return weight + 1.0
 
 
+class GemmaWriter(llama.LlamaWriter):
+    """A `DecoderOnlyLM` with Gemma's embedding scale as a `GemmaForCausalLM`:
+    norm weights `scale - 1`."""
+
+    architectures = {"gemma": "GemmaForCausalLM"}
+
+    @property
+    def required(self):
+        return {"embedding_scale": float(np.float32(self.options["hidden_dim"] ** 0.5))}
+
+    def family_fields(self):
+        return dict(super().family_fields(), hidden_activation=self.options["activation"])
+
+    def norm_weight(self, scale):
+        return scale - 1.0
+
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `GemmaForCausalLM`
     (`dropout` is not used: the result has none)."""

@@ -110,6 +110,70 @@ class Gemma2Converter(gemma.GemmaConverter):
         set_norms_and_feedforward(self, block, prefix)
 
 
+class Gemma2Writer(gemma.GemmaWriter):
+    """A `DecoderOnlyLM` with sandwich norms as a `Gemma2ForCausalLM` or
+    (`gemma3_text`, with query/key norms and a local rotary base) a
+    `Gemma3ForCausalLM`. The logit scale keras_attn applies, `head_dim ** -0.5`,
+    is Gemma's with `query_pre_attn_scalar = head_dim`: the converter's
+    factor folded into the query kernel (norm) stays there, and reads back as 1."""
+
+    architectures = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+    @property
+    def gemma3(self):
+        return self.model_type == "gemma3_text"
+
+    @property
+    def required(self):
+        return dict(super().required, use_sandwich_norm=True, use_qk_norm=self.gemma3)
+
+    @property
+    def free(self):
+        # Gemma 3's attention does not cap its logits.
+        if self.gemma3:
+            return ("final_logit_soft_cap", "local_rope_max_wavelength")
+        return ("final_logit_soft_cap", "attention_logit_soft_cap")
+
+    def window_fields(self):
+        fields = self.layer_windows()
+        if fields["sliding_window"] is None:
+            # Every layer full: transformers still builds a sliding mask, of any size.
+            fields["sliding_window"] = self.options["sequence_length"]
+        return fields
+
+    def rope_fields(self):
+        if not self.gemma3:
+            return super().rope_fields()
+        options = self.options
+        theta, scaling, local = (options["rope_max_wavelength"], options["rope_scaling"],
+                                 options["local_rope_max_wavelength"])
+        if local is None:
+            if scaling is not None:
+                self.refuse("local_rope_max_wavelength", "must be set when `rope_scaling` is "
+                            "(Gemma 3's sliding layers rotate unscaled)")
+            local = theta
+        return dict(rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        })
+
+    def family_fields(self):
+        options = self.options
+        return dict(super().family_fields(), query_pre_attn_scalar=self.head_dim,
+                    attn_logit_softcapping=options["attention_logit_soft_cap"],
+                    final_logit_softcapping=options["final_logit_soft_cap"])
+
+    def norms(self, block):
+        norms = {"input_layernorm": block.self_attention_layer_norm,
+                 "post_attention_layernorm": block.self_attention_post_norm,
+                 "pre_feedforward_layernorm": block.feedforward_layer_norm,
+                 "post_feedforward_layernorm": block.feedforward_post_norm}
+        if self.gemma3:
+            norms.update({"self_attn.q_norm": block.self_attention.query_norm,
+                          "self_attn.k_norm": block.self_attention.key_norm})
+        return norms
+
+
 class Gemma3EncoderConverter(llama.EncoderConverter, Gemma2Converter):
     """A `Gemma3TextModel` (no head) into a functional encoder of
     `TransformerEncoderBlock`s: bidirectional with

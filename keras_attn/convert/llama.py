@@ -15,7 +15,8 @@ Runtime GenAI model builder writes its families: `check_config`,
 one per layer from `layer_types`), `model_options` (the `DecoderOnlyLM`
 arguments), `norm_scale` (a checkpoint norm weight into an RMSNorm scale),
 `set_attention` (one attention's tensors) and `set_block` (one block's). A family that differs in a piece
-subclasses it and overrides that piece only.
+subclasses it and overrides that piece only. `LlamaWriter` (for
+`save_huggingface`) is the inverse, in pieces too, beside each converter.
 
 | Hugging Face tensor (prefix `model.`)       | keras_attn variable (`DecoderOnlyLM`)                    |
 |---------------------------------------------|----------------------------------------------------------|
@@ -326,7 +327,8 @@ class EncoderConverter:
 
 # --- Back to transformers ------------------------------------------------------
 # `DecoderOnlyLM` options a Llama/Mistral/Qwen2 config has no field for, with
-# the value the model must have.
+# the value the model must have; a family's writer overrides some (`required`)
+# or takes them as config fields (`free`).
 _PLAIN_OPTIONS = dict(
     position="rotary", normalization="rms_norm", use_gated_feedforward=True,
     lm_head_use_bias=False, embedding_scale=None, use_qk_norm=False, use_sandwich_norm=False,
@@ -334,79 +336,163 @@ _PLAIN_OPTIONS = dict(
     rotary_layers=None, partial_rotary_factor=1.0, key_value_sources=None,
     per_layer_input_dim=None, use_value_norm=False, use_output_scale=False,
 )
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def huggingface_config(lm, model_type):
-    """The `transformers` config fields of `lm` as a `model_type` model
-    ("llama", "mistral" or "qwen2"); a ValueError names the option that
-    model type cannot express."""
-    options = lm.get_config()
+class LlamaWriter:
+    """A `DecoderOnlyLM` as a Llama-like `transformers` model: the inverse of
+    `LlamaConverter`, in overridable pieces as it is. `config` gives the
+    config fields (refusing, by option, what the model type cannot express:
+    `check`, `check_biases`, `window_fields`); `tensors` the tensors through
+    the conversion's projection table read back (`projection_tensors`), the
+    norms through `norm_weight` (the inverse of `norm_scale`). Kernels are
+    read as the layers serve them, so LoRA adapters are written merged."""
 
-    def refuse(option, why):
-        raise ValueError(f"Cannot write this model as {model_type!r}: `{option}`="
-                         f"{options.get(option)!r} {why}.")
+    architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    # Options this family needs at another value than `_PLAIN_OPTIONS`'s, and
+    # options its config expresses whatever their value.
+    required = {}
+    free = ()
 
-    for option, plain in _PLAIN_OPTIONS.items():
-        if options.get(option, plain) != plain:
-            refuse(option, f"is not expressed by its config (needs {plain!r})")
-    for option in ("intermediate_dim", "num_key_value_heads", "head_dim", "sliding_window"):
-        if isinstance(options[option], list):
-            refuse(option, "varies per layer")
-    attention_bias = options["attention_use_bias"]
-    output_bias = options["attention_output_use_bias"]
-    output_bias = attention_bias if output_bias is None else output_bias
-    if model_type == "qwen2":
-        if not attention_bias or output_bias or options["feedforward_use_bias"]:
-            refuse("attention_use_bias", "must be True (q/k/v only: no output or feed-forward bias)")
-    elif model_type == "mistral":
-        if attention_bias or output_bias or options["feedforward_use_bias"]:
-            refuse("attention_use_bias", "must be False with no other bias")
-    elif output_bias != attention_bias:
-        refuse("attention_output_use_bias", "must equal `attention_use_bias` (`attention_bias`)")
-    if model_type != "mistral" and options["sliding_window"] is not None:
-        refuse("sliding_window", "is Mistral's only")
-    config = dict(
-        model_type=model_type, architectures=[ARCHITECTURES[model_type]],
-        vocab_size=options["vocabulary_size"], hidden_size=options["hidden_dim"],
-        intermediate_size=options["intermediate_dim"], num_hidden_layers=options["num_layers"],
-        num_attention_heads=options["num_heads"],
-        num_key_value_heads=options["num_key_value_heads"] or options["num_heads"],
-        head_dim=options["head_dim"] or options["hidden_dim"] // options["num_heads"],
-        hidden_act=options["activation"], max_position_embeddings=options["sequence_length"],
-        rms_norm_eps=options["layer_norm_epsilon"], rope_theta=options["rope_max_wavelength"],
-        rope_scaling=options["rope_scaling"], tie_word_embeddings=options["tie_embeddings"],
-        pad_token_id=options["pad_token_id"],
-    )
-    if model_type == "llama":
-        config.update(attention_bias=attention_bias, mlp_bias=options["feedforward_use_bias"])
-    if model_type == "mistral":
-        config.update(sliding_window=options["sliding_window"])
-    return config
+    @property
+    def mlp_bias(self):
+        """Whether the config has `mlp_bias` (feed-forward biases)."""
+        return self.model_type == "llama"
+
+    def __init__(self, lm, model_type):
+        self.lm, self.model_type, self.options = lm, model_type, lm.get_config()
+
+    def refuse(self, option, why):
+        raise ValueError(f"Cannot write this model as {self.model_type!r}: `{option}`="
+                         f"{self.options.get(option)!r} {why}.")
+
+    # -- the pieces a family overrides -------------------------------------
+
+    def check(self):
+        """Refuses, by name, the options the config cannot express."""
+        options = self.options
+        for option, plain in {**_PLAIN_OPTIONS, **self.required}.items():
+            if option not in self.free and options.get(option, plain) != plain:
+                self.refuse(option, f"is not expressed by its config (needs {plain!r})")
+        for option in ("intermediate_dim", "num_key_value_heads", "head_dim"):
+            if isinstance(options[option], list):
+                self.refuse(option, "varies per layer")
+        self.check_biases()
+
+    def check_biases(self):
+        options = self.options
+        attention_bias = options["attention_use_bias"]
+        output_bias = options["attention_output_use_bias"]
+        output_bias = attention_bias if output_bias is None else output_bias
+        if self.model_type == "qwen2":
+            if not attention_bias or output_bias or options["feedforward_use_bias"]:
+                self.refuse("attention_use_bias", "must be True (q/k/v only: no output or feed-forward bias)")
+        elif self.model_type == "mistral":
+            if attention_bias or output_bias or options["feedforward_use_bias"]:
+                self.refuse("attention_use_bias", "must be False with no other bias")
+        elif output_bias != attention_bias:
+            self.refuse("attention_output_use_bias", "must equal `attention_use_bias` (`attention_bias`)")
+        elif options["feedforward_use_bias"] and not self.mlp_bias:
+            self.refuse("feedforward_use_bias", "is not expressed by its config (needs False)")
+
+    def window_fields(self):
+        """The config fields of `sliding_window`: Mistral's one window on
+        every layer; none elsewhere."""
+        window = self.options["sliding_window"]
+        if self.model_type == "mistral":
+            if isinstance(window, list):
+                self.refuse("sliding_window", "varies per layer (Mistral has one window)")
+            return dict(sliding_window=window)
+        if window is not None:
+            self.refuse("sliding_window", "is Mistral's only")
+        return {}
+
+    def layer_windows(self, **flags):
+        """`layer_types` ("sliding_attention" where a layer has the window),
+        `sliding_window` (one for every sliding layer) and `flags`: the
+        converter's `sliding_window` read back (Qwen3, Gemma 2/3, SmolLM3)."""
+        windows = self.options["sliding_window"]
+        if not isinstance(windows, list):
+            windows = [windows] * self.options["num_layers"]
+        sizes = {w for w in windows if w is not None}
+        if len(sizes) > 1:
+            self.refuse("sliding_window", "has several window sizes (the config has one)")
+        return dict(layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
+                    sliding_window=sizes.pop() if sizes else None, **flags)
+
+    def rope_fields(self):
+        options = self.options
+        return dict(rope_theta=options["rope_max_wavelength"], rope_scaling=options["rope_scaling"])
+
+    def family_fields(self):
+        """The fields only this family's config has."""
+        options = self.options
+        if self.mlp_bias:
+            return dict(attention_bias=options["attention_use_bias"], mlp_bias=options["feedforward_use_bias"])
+        if self.model_type in ("qwen2", "mistral"):
+            return {}
+        return dict(attention_bias=options["attention_use_bias"])
+
+    def norm_weight(self, scale):
+        """The checkpoint norm weight of an RMSNorm scale."""
+        return scale
+
+    def projection_tensors(self):
+        """`(name, array)` of the block projections, by `projections`."""
+        for name, layer in projections(self.lm).items():
+            yield from linear_tensors(name, layer)
+
+    # -- the writing --------------------------------------------------------
+
+    def config(self):
+        """The `transformers` config fields."""
+        self.check()
+        options = self.options
+        return dict(
+            model_type=self.model_type, architectures=[self.architectures[self.model_type]],
+            vocab_size=options["vocabulary_size"], hidden_size=options["hidden_dim"],
+            intermediate_size=options["intermediate_dim"], num_hidden_layers=options["num_layers"],
+            num_attention_heads=options["num_heads"],
+            num_key_value_heads=options["num_key_value_heads"] or options["num_heads"],
+            head_dim=self.head_dim, hidden_act=options["activation"],
+            max_position_embeddings=options["sequence_length"], rms_norm_eps=options["layer_norm_epsilon"],
+            tie_word_embeddings=options["tie_embeddings"], pad_token_id=options["pad_token_id"],
+            **self.rope_fields(), **self.window_fields(), **self.family_fields(),
+        )
+
+    @property
+    def head_dim(self):
+        return self.options["head_dim"] or self.options["hidden_dim"] // self.options["num_heads"]
+
+    def norms(self, block):
+        """`{transformers norm name: RMSNorm}` of one block."""
+        return {"input_layernorm": block.self_attention_layer_norm,
+                "post_attention_layernorm": block.feedforward_layer_norm}
+
+    def tensors(self):
+        """`(name, float32 array)` of every `transformers` tensor, one at a time."""
+        lm = self.lm
+        yield "model.embed_tokens.weight", to_numpy(lm.embedding.embeddings)
+        yield from self.projection_tensors()
+        for i, block in enumerate(lm.blocks):
+            for name, norm in self.norms(block).items():
+                yield f"model.layers.{i}.{name}.weight", self.norm_weight(to_numpy(norm.scale))
+        yield "model.norm.weight", self.norm_weight(to_numpy(lm.final_norm.scale))
+        if not lm.tie_embeddings:
+            yield "lm_head.weight", np.ascontiguousarray(to_numpy(lm.lm_head.kernel).T)
 
 
-def huggingface_tensors(lm):
-    """`(name, float32 array)` of every `transformers` tensor of `lm`, one at a
-    time: the projections through `projections` (the conversion's table, read
-    back), their kernels as the layers serve them (LoRA merged)."""
-    yield "model.embed_tokens.weight", _array(lm.embedding.embeddings)
-    for name, layer in projections(lm).items():
-        kernel = _array(layer.kernel)
-        # Ours are `(in, out)` with heads flattened in C order: `(D, H, d)` for
-        # q/k/v, `(H, d, D)` for the output projection.
-        kernel = kernel.reshape(-1, kernel.shape[-1]) if name.endswith("o_proj") else kernel.reshape(kernel.shape[0], -1)
-        yield name + ".weight", np.ascontiguousarray(kernel.T)  # safetensors writes the buffer as it lies
-        if layer.bias is not None:
-            yield name + ".bias", _array(layer.bias).reshape(-1)
-    for i, block in enumerate(lm.blocks):
-        yield f"model.layers.{i}.input_layernorm.weight", _array(block.self_attention_layer_norm.scale)
-        yield f"model.layers.{i}.post_attention_layernorm.weight", _array(block.feedforward_layer_norm.scale)
-    yield "model.norm.weight", _array(lm.final_norm.scale)
-    if not lm.tie_embeddings:
-        yield "lm_head.weight", np.ascontiguousarray(_array(lm.lm_head.kernel).T)
+def linear_tensors(name, layer):
+    """`(name.weight, (out, in))` and `(name.bias, (out,))` of one of our projections."""
+    kernel = to_numpy(layer.kernel)
+    # Ours are `(in, out)` with heads flattened in C order: `(D, H, d)` for
+    # q/k/v, `(H, d, D)` for the output projection.
+    kernel = kernel.reshape(-1, kernel.shape[-1]) if name.endswith("o_proj") else kernel.reshape(kernel.shape[0], -1)
+    yield name + ".weight", np.ascontiguousarray(kernel.T)  # safetensors writes the buffer as it lies
+    if layer.bias is not None:
+        yield name + ".bias", to_numpy(layer.bias).reshape(-1)
 
 
-def _array(x):
+def to_numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x), np.float32)
 
 

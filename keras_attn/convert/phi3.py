@@ -22,6 +22,8 @@
 
 import math
 
+import numpy as np
+
 from keras_attn.convert import common
 from keras_attn.convert import llama
 
@@ -89,6 +91,56 @@ class Phi3Converter(llama.LlamaConverter):
         common.set_dense(block.feedforward_gate_dense, kernel[:, :half], None, name + "[gate]")
         common.set_dense(block.feedforward_intermediate_dense, kernel[:, half:], None, name + "[up]")
         common.set_dense(block.feedforward_output_dense, *self.weights.linear(prefix + "mlp.down_proj"))
+
+
+class Phi3Writer(llama.LlamaWriter):
+    """A `DecoderOnlyLM` (partial rotary, "longrope" allowed) as a
+    `Phi3ForCausalLM`: q/k/v fused into `qkv_proj`, gate and up into
+    `gate_up_proj`."""
+
+    architectures = {"phi3": "Phi3ForCausalLM"}
+    free = ("partial_rotary_factor",)
+
+    def check_biases(self):
+        options = self.options
+        for option in ("attention_use_bias", "attention_output_use_bias", "feedforward_use_bias"):
+            if options[option]:
+                self.refuse(option, "is not expressed by its config (Phi-3 has no biases)")
+
+    def window_fields(self):
+        window = self.options["sliding_window"]
+        if isinstance(window, list):
+            self.refuse("sliding_window", "varies per layer (Phi-3 has one window)")
+        return dict(sliding_window=window)
+
+    def rope_fields(self):
+        options = self.options
+        params = dict(options["rope_scaling"] or {"rope_type": "default"},
+                      rope_theta=options["rope_max_wavelength"],
+                      partial_rotary_factor=options["partial_rotary_factor"])
+        fields = dict(rope_parameters=params, partial_rotary_factor=options["partial_rotary_factor"])
+        if "original_max_position_embeddings" in params:
+            # The model keeps it as a float; the config field is an int.
+            params["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+            fields["original_max_position_embeddings"] = params["original_max_position_embeddings"]
+        return fields
+
+    def family_fields(self):
+        return {}
+
+    def projection_tensors(self):
+        for i, block in enumerate(self.lm.blocks):
+            attention, prefix = block.self_attention, f"model.layers.{i}."
+            qkv = [llama.to_numpy(layer.kernel) for layer in
+                   (attention.query_dense, attention.key_dense, attention.value_dense)]
+            # `(D, H, d)` kernels flattened to `(D, H * d)`, rows of the fused `(out, in)`.
+            fused = np.concatenate([kernel.reshape(kernel.shape[0], -1) for kernel in qkv], axis=1)
+            yield prefix + "self_attn.qkv_proj.weight", np.ascontiguousarray(fused.T)
+            yield from llama.linear_tensors(prefix + "self_attn.o_proj", attention.output_dense)
+            gate_up = np.concatenate([llama.to_numpy(block.feedforward_gate_dense.kernel),
+                                      llama.to_numpy(block.feedforward_intermediate_dense.kernel)], axis=1)
+            yield prefix + "mlp.gate_up_proj.weight", np.ascontiguousarray(gate_up.T)
+            yield from llama.linear_tensors(prefix + "mlp.down_proj", block.feedforward_output_dense)
 
 
 def convert(checkpoint, *, dropout=None):

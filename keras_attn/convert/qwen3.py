@@ -31,6 +31,21 @@ class Qwen3Converter(llama.LlamaConverter):
         self.set_norm(attention.key_norm, prefix + "k_norm")
 
 
+class Qwen3Writer(llama.LlamaWriter):
+    """A `DecoderOnlyLM` with query/key norms as a `Qwen3ForCausalLM`."""
+
+    architectures = {"qwen3": "Qwen3ForCausalLM"}
+    required = {"use_qk_norm": True}
+
+    def window_fields(self):
+        fields = self.layer_windows()
+        return dict(fields, use_sliding_window=fields["sliding_window"] is not None)
+
+    def norms(self, block):
+        return {**super().norms(block), "self_attn.q_norm": block.self_attention.query_norm,
+                "self_attn.k_norm": block.self_attention.key_norm}
+
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `Qwen3ForCausalLM`
     (`dropout` is not used: the result has none)."""

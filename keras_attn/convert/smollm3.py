@@ -24,6 +24,22 @@ class SmolLM3Converter(llama.LlamaConverter):
         return options
 
 
+class SmolLM3Writer(llama.LlamaWriter):
+    """A `DecoderOnlyLM` (layers without rotary allowed) as a `SmolLM3ForCausalLM`."""
+
+    architectures = {"smollm3": "SmolLM3ForCausalLM"}
+    free = ("rotary_layers",)
+    mlp_bias = True
+
+    def window_fields(self):
+        fields = self.layer_windows()
+        return dict(fields, use_sliding_window=fields["sliding_window"] is not None)
+
+    def family_fields(self):
+        uses = self.options["rotary_layers"] or [True] * self.options["num_layers"]
+        return dict(super().family_fields(), no_rope_layers=[int(use) for use in uses])
+
+
 def convert(checkpoint, *, dropout=None):
     """A `DecoderOnlyLM` with the weights and logits of a `SmolLM3ForCausalLM`
     (`dropout` is not used: the result has none)."""

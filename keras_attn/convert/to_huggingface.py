@@ -1,20 +1,29 @@
 """keras_attn decoders back to `transformers` folders (`save_huggingface`).
 
-The Llama family (`llama`, `mistral`, `qwen2`) so far: `llama.huggingface_config`
-says which config fields the model has (refusing, by option, what the model
-type cannot express) and `llama.huggingface_tensors` gives the tensors
-through the conversion's own projection table, read back. Kernels are read
+Every decoder family that converts: Llama, Mistral, Qwen2, Qwen3, Gemma,
+Gemma 2, Gemma 3 (text), SmolLM3 and Phi-3. Each family module has a writer
+(`llama.LlamaWriter` and its subclasses, the inverse of the family's
+converter) whose `config` says which config fields the model has (refusing,
+by option, what the model type cannot express) and whose `tensors` gives
+the tensors through the conversion's own tables, read back. Kernels are read
 as the layers serve them, so LoRA adapters are written merged.
 """
 
 import json
 import os
 
+from keras_attn.convert import gemma
+from keras_attn.convert import gemma2
 from keras_attn.convert import llama
+from keras_attn.convert import phi3
+from keras_attn.convert import qwen3
+from keras_attn.convert import smollm3
 
-# model_type -> (config fields, tensors) of a `DecoderOnlyLM`.
-WRITERS = {model_type: (llama.huggingface_config, llama.huggingface_tensors)
-           for model_type in llama.ARCHITECTURES}
+# model_type -> the writer of a `DecoderOnlyLM` as that model type.
+WRITERS = {model_type: writer
+           for writer in (llama.LlamaWriter, qwen3.Qwen3Writer, gemma.GemmaWriter, gemma2.Gemma2Writer,
+                          smollm3.SmolLM3Writer, phi3.Phi3Writer)
+           for model_type in writer.architectures}
 
 
 def save_huggingface(model, folder, *, model_type=None):
@@ -23,13 +32,14 @@ def save_huggingface(model, folder, *, model_type=None):
     loads with the same logits; LoRA adapters are merged into the kernels.
 
     Args:
-        model: a `DecoderOnlyLM` with a Llama, Mistral or Qwen2 layout
+        model: a `DecoderOnlyLM` with the layout of a model type below
             (RMSNorm, gated feed-forward, rotary positions, the model type's
-            biases).
+            biases, norms, scales and windows), as `from_huggingface` makes.
         folder: the directory to write (created if needed).
-        model_type: `"llama"`, `"mistral"` or `"qwen2"`; None: the one
-            `from_huggingface` named the model after (`"qwen2_keras_attn"`),
-            else `"llama"`.
+        model_type: `"llama"`, `"mistral"`, `"qwen2"`, `"qwen3"`, `"gemma"`,
+            `"gemma2"`, `"gemma3_text"`, `"smollm3"` or `"phi3"`; None: the
+            one `from_huggingface` named the model after
+            (`"qwen2_keras_attn"`), else `"llama"`.
 
     Returns:
         `folder`.
@@ -44,12 +54,12 @@ def save_huggingface(model, folder, *, model_type=None):
     if model_type not in WRITERS:
         raise ValueError("Received an invalid value for argument `model_type`, expected one of "
                          f"{sorted(WRITERS)}. Received: model_type={model_type!r}")
-    config_of, tensors_of = WRITERS[model_type]
-    config = config_of(model, model_type)
+    writer = WRITERS[model_type](model, model_type)
+    config = writer.config()
     from safetensors.numpy import save_file
 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({**config, "torch_dtype": "float32"}, f, indent=2)
-    save_file(dict(tensors_of(model)), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dict(writer.tensors()), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     return folder

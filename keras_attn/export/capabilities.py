@@ -253,6 +253,19 @@ def describe(model, writer):
     return model.describe()
 
 
+def checked(model, writer, max_length=None, options=(), adapters=False):
+    """`writer`'s description of `model` (`describe`) when `writer` covers it
+    (a cache of `max_length`, when given; `adapters`: as `support`) and each
+    of `options`, `(name, value, the values it writes)`; else
+    `NotFusableError` naming the first option or feature it does not cover."""
+    for name, value, written in options:
+        if value not in written:
+            raise NotFusableError(f"{name}={value!r} (the {WRITERS[writer]} writes {list(written)})")
+    description = describe(model, writer)
+    check(description, writer, max_length, adapters)
+    return description
+
+
 def support(description, writer, max_length=None, adapters=False):
     """None when `writer` covers the model `description` (a cache of
     `max_length`, when given; its LoRA adapters kept apart from the weights,

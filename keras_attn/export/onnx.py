@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from keras_attn.export import arguments
 from keras_attn.export import onnx_fused
+from keras_attn.export import onnx_graph
 from keras_attn.export import precision
 from keras_attn.export import report
 from keras_attn.export import samples as model_io
@@ -207,21 +208,6 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
         "writer": "tf2onnx", "direct_writer_skipped": why}
 
 
-def session(model, *, prepack=True):
-    """An onnxruntime CPU session of `model` (a path or the serialized bytes).
-
-    `prepack=False` leaves the MatMul weights as the file has them instead of
-    repacking a second copy for the CPU kernels: same results, one copy of the
-    weights fewer (what the export's verification uses).
-    """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if not prepack:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
 def export_onnx(
     model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp",
     fused=False, writer="auto",
@@ -296,7 +282,9 @@ def export_onnx(
         })
         # tf2onnx's proto holds the weights: not kept beside onnxruntime's copy.
         del model_proto
-        runner = session(tmp, prepack=False)
+        # Without prepacking: the MatMul weights as the file has them, not a
+        # second copy repacked for the CPU kernels (same results).
+        runner = onnx_graph.inference_session(tmp, prepack=False)
         checks = verify.verify_artifact(
             "ONNX", model, samples,
             lambda sample: [np.asarray(x) for x in runner.run(names, sample)],

@@ -68,9 +68,7 @@ def check_fusable_decoder(model, max_length=None, adapters=False):
     cache of `max_length`, when given; its LoRA adapters as graph inputs,
     with `adapters`); else `NotFusableError` naming the first thing it does
     not cover (`keras_attn.export.capabilities`)."""
-    description = capabilities.describe(model, "onnx_genai")
-    capabilities.check(description, "onnx_genai", max_length, adapters)
-    return description
+    return capabilities.checked(model, "onnx_genai", max_length, adapters=adapters)
 
 
 # The projections' node names under `/model/layers.{i}/`, as the GenAI model

@@ -265,20 +265,24 @@ class _Writer(Graph):
                 self.const(np.array([1, 2], np.int64), "axes")], "key_mask"))
             scores = self.node("Where", [keys, scores, lowest], hint + "_masked")
         if causal:
-            def lower_triangle():
-                length = self.node("Shape", [h], "length", start=1, end=2)
-                square = self.node("Concat", [length, length], "square", axis=0)
-                ones = self.node("ConstantOfShape", [square], "ones",
-                                 value=_onnx_tensor(np.ones(1, np.float32)))
-                return self.node("Cast", [self.node("Trilu", [ones], "causal", upper=0)], "causal",
-                                 to=_onnx_type("bool"))
-            scores = self.node("Where", [self.cached("causal", h, lower_triangle), scores, lowest],
-                               hint + "_causal")
+            seen = self.cached("causal", h, lambda: self.node(
+                "Cast", [self._lower_triangle(h)], "causal", to=_onnx_type("bool")))
+            scores = self.node("Where", [seen, scores, lowest], hint + "_causal")
         probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
         context = self.node("Transpose", [self.node("MatMul", [probs, v], hint)], hint, perm=[0, 2, 1, 3])
         context = self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
                             hint + "_context")
         return self._zero_unseeing_rows(context, h, padding, causal, hint)
+
+    def _lower_triangle(self, h):
+        """The float `(T, T)` lower triangle of ones over `h`'s `(B, T, ...)`
+        length: query `t` sees keys `[0, t]`."""
+        def make():
+            length = self.node("Shape", [h], "length", start=1, end=2)
+            square = self.node("Concat", [length, length], "square", axis=0)
+            ones = self.node("ConstantOfShape", [square], "ones", value=_onnx_tensor(np.ones(1, np.float32)))
+            return self.node("Trilu", [ones], "causal", upper=0)
+        return self.cached("lower_triangle", h, make)
 
     def _zero_unseeing_rows(self, context, h, padding, causal, hint):
         """`context` (B, T, W) with the rows of queries that see no key (every
@@ -293,12 +297,7 @@ class _Writer(Graph):
             keys = self.node("Unsqueeze", [keys, self.const(np.array([1], np.int64), "seeing_axis")],
                              "seeing_keys")  # (B, 1, T)
             if causal:  # query t sees keys [0, t]: the mask times the lower triangle
-                length = self.node("Shape", [h], "seeing_length", start=1, end=2)
-                square = self.node("Concat", [length, length], "seeing_square", axis=0)
-                ones = self.node("ConstantOfShape", [square], "seeing_ones",
-                                 value=_onnx_tensor(np.ones(1, np.float32)))
-                keys = self.node("Mul", [keys, self.node("Trilu", [ones], "seeing_causal", upper=0)],
-                                 "seeing_keys")  # (B, T, T)
+                keys = self.node("Mul", [keys, self._lower_triangle(h)], "seeing_keys")  # (B, T, T)
             # (B, 1 or T, 1): 1 where a key is seen. (`axes` is an input from opset 18.)
             if self.opset >= 18:
                 return self.node("ReduceMax", [keys, self.const(np.array([-1], np.int64), "seeing_last")],
@@ -488,10 +487,7 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
     """
     import onnx
 
-    if check_ids not in (None, "clamp"):
-        raise NotFusableError(f"check_ids={check_ids!r} (only None and 'clamp' are fused)")
-    encoder = capabilities.describe(model, "onnx_encoder")
-    capabilities.check(encoder, "onnx_encoder")
+    encoder = capabilities.checked(model, "onnx_encoder", options=[("check_ids", check_ids, (None, "clamp"))])
     w = _Writer(opset, fused, weights_file)
     elements = {"int32": onnx.TensorProto.INT32, "float32": onnx.TensorProto.FLOAT}
     graph_inputs = [onnx.helper.make_tensor_value_info(t.name, elements[t.dtype], _dims(t))

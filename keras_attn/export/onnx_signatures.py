@@ -51,32 +51,18 @@ import numpy as np
 from keras_attn.description import array_of
 from keras_attn.export import capabilities
 from keras_attn.export.onnx_decoder import DecoderGraph
-from keras_attn.export.onnx_fused import NotFusableError
+from keras_attn.ops.masking import MASKED_LOGIT
 
-WRITER = "direct ONNX signature writer"
 OPSETS = (17, 18)
 # The shared external data file, beside prefill.onnx and decode.onnx.
 WEIGHTS_FILE = "signatures.onnx.data"
-# What masked logits become (keras_attn.ops.masking.MASKED_LOGIT).
-_MASKED_LOGIT = -3.0e38
-
-
-def cache_layout(model, max_length):
-    """`(cache_length, ring)`: the stacked cache's slots and whether it is a
-    ring buffer (every layer with one window shorter than `max_length`, as
-    `keras_attn.runtimes.trace.DecoderTrace`)."""
-    return model.describe().stacked_cache(max_length)
 
 
 def check_signature_decoder(model, max_length, opset=17):
     """`model`'s description when this writer covers it (a cache of
     `max_length`, `opset`); else `NotFusableError` naming the first thing
     it does not cover (`keras_attn.export.capabilities`)."""
-    if opset not in OPSETS:
-        raise NotFusableError(f"opset={opset!r} (the {WRITER} writes opsets {list(OPSETS)})")
-    description = capabilities.describe(model, "onnx_signatures")
-    capabilities.check(description, "onnx_signatures", max_length)
-    return description
+    return capabilities.checked(model, "onnx_signatures", max_length, [("opset", opset, OPSETS)])
 
 
 def signature_models(model, *, max_length, checks="flag", opset=17, read_bucket=128,
@@ -544,7 +530,7 @@ class _Signature:
             scores = self.soft_cap(scores, soft_cap, "capped")
         if group > 1:
             mask = self.op("Tile", [mask, self.i64([group, 1])], "group_mask")
-        scores = self.op("Where", [mask, scores, self.f32(_MASKED_LOGIT)], "masked")
+        scores = self.op("Where", [mask, scores, self.f32(MASKED_LOGIT)], "masked")
         probs = self.op("Softmax", [scores], "probs", axis=-1)
         out = self.op("MatMul", [probs, self.op("Transpose", [values], "v_t", perm=[0, 2, 1, 3])], "context")
         out = self.op("Reshape", [out, self.i64([0, kv_heads, group, -1, d])], "context_groups")

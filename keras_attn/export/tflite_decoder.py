@@ -73,7 +73,6 @@ import numpy as np
 
 from keras_attn.description import array_of
 from keras_attn.export import capabilities
-from keras_attn.export.onnx_fused import NotFusableError
 from keras_attn.export.tflite_writer import INT4
 from keras_attn.export.tflite_writer import Graph
 from keras_attn.export.tflite_writer import write_model
@@ -113,13 +112,8 @@ def check_direct_decoder(model, quantization=None, max_length=None, adapters=Fal
     kept apart, with `adapters`); else
     `NotFusableError` naming the first thing it does not cover
     (`keras_attn.export.capabilities`)."""
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(
-            f"quantization={quantization!r} (the direct TFLite writer writes "
-            f"{list(QUANTIZATIONS)})")
-    description = capabilities.describe(model, "litertlm")
-    capabilities.check(description, "litertlm", max_length, adapters)
-    return description
+    return capabilities.checked(model, "litertlm", max_length, [("quantization", quantization, QUANTIZATIONS)],
+                                adapters)
 
 
 def write_decoder_tflite(model, path, *, max_length, prefill_lengths, quantization=None,
@@ -289,10 +283,7 @@ def rotate(g, x, cos, sin):
     rotary_dim = g.shape(cos)[-1]
     passed = None
     if rotary_dim < shape[-1]:  # partial rotary: the last features pass unchanged
-        x, passed = g.op("SPLIT_V", [x, g.const(np.array([rotary_dim, shape[-1] - rotary_dim], np.int32)),
-                                     g.const(np.array(-1, np.int32))],
-                         [shape[:-1] + (rotary_dim,), shape[:-1] + (shape[-1] - rotary_dim,)],
-                         options=g.options("SplitVOptions", numSplits=2), outputs=2)
+        x, passed = g.split(x, [rotary_dim, shape[-1] - rotary_dim])
     x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (rotary_dim // 2,),
                   options=g.options("SplitOptions", numSplits=2), outputs=2)
     out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))
@@ -345,6 +336,7 @@ class DecoderBuilder:
         self.sizes = [(a.num_heads, a.num_key_value_heads, a.head_dim)
                       for a in (layer.attention for layer in description.layers)]
         self.windows = description.windows()
+        self.batch = 1  # the rows of a chunk (`SignatureBuilder`: a batch of them)
         self.rotary_tables = {}  # (id(rotary layer), head_dim) -> (cos, sin) arrays, computed once
 
     # -- weights -------------------------------------------------------
@@ -354,14 +346,11 @@ class DecoderBuilder:
         weight = g.fc_weight(key, make_kernel, name + "/weight", self.quantization, scale)
         return g.fully_connected(x, weight, bias, name, f"{g.name}/{name}")
 
-    def _table_key(self, g):
-        """The key of the token table's weight: the tied head's (stored once,
-        `(V, hidden)`, quantized as the head) or the embedding's."""
-        key, name = ("lm_head", "lm_head/weight") if self.d.tied else ("embedding", "embedding/table")
-        return g.fc_weight(key, lambda: self.d.embedding.read().T, name, self.quantization), key
-
     def embed(self, g, ids):
-        table, key = self._table_key(g)
+        # The token table: the tied head's weight (stored once, `(V, hidden)`,
+        # quantized as the head) or the embedding's.
+        key, name = ("lm_head", "lm_head/weight") if self.d.tied else ("embedding", "embedding/table")
+        table = g.fc_weight(key, lambda: self.d.embedding.read().T, name, self.quantization)
         if g.dtype(table) == INT4:
             # The blockwise kernel dequantizes each row it looks up.
             x = g.op("EMBEDDING_LOOKUP", [ids, table], g.shape(ids) + g.shape(table)[1:])
@@ -399,35 +388,14 @@ class DecoderBuilder:
 
         # Positions p0 + [0, T); rotary rows clamped into the table (a
         # padded chunk's positions past the end land in dropped slots).
-        p0 = g.op("SLICE", [input_pos, g.const(np.array([0], np.int32)),
-                            g.const(np.array([1], np.int32))], (1,), np.int32,
-                  g.options("SliceOptions"))
+        p0 = g.slice(input_pos, [0], [1], (1,))
         positions = g.add(p0, g.const(np.arange(t_len, dtype=np.int32)))
         rotary_rows = g.binary("MINIMUM", positions, g.const(np.array(S - 1, np.int32)))
-        # Slots read: the filled ones rounded up to the bucket, at most S.
+        read = None
         if self.read_bucket is not None and self.read_bucket < S:
-            bucket = int(self.read_bucket)
             last = g.add(p0, g.const(np.array([t_len - 1], np.int32)))
-            blocks = g.binary("FLOOR_DIV", last, g.const(np.array(bucket, np.int32)))
-            blocks = g.add(blocks, g.const(np.array(1, np.int32)))
-            read = g.binary("MINIMUM", g.mul(blocks, g.const(np.array(bucket, np.int32))),
-                            g.const(np.array(S, np.int32)))
-        else:
-            read = None
-        key_slots, read_len = self._key_slots(g, S, read)
-        masks = {}
-
-        def mask(window):
-            # (T, 1, L): key slot j seen by the query at p when j <= p (and p - j < window).
-            if window not in masks:
-                keys = g.reshape(key_slots, (1, 1, -1))
-                query = g.reshape(positions, (t_len, 1, 1))
-                m = g.binary("LESS_EQUAL", keys, query)
-                if window is not None:
-                    low = g.binary("SUB", query, g.const(np.array(window, np.int32)))
-                    m = g.binary("LOGICAL_AND", m, g.binary("GREATER", keys, low))
-                masks[window] = m
-            return masks[window]
+            read = self._read_length(g, last, g.const(np.array(S, np.int32)))
+        key_slots, _ = self._key_slots(g, S, read)
 
         # Cache writes: decode at p0 in place; a chunk through a slot map.
         if t_len == 1:
@@ -442,66 +410,99 @@ class DecoderBuilder:
             rows = g.binary("MAXIMUM", g.binary("MINIMUM", relative, g.const(np.array(t_len - 1, np.int32))),
                             g.const(np.array(0, np.int32)))
 
-        def write(cache, new):
-            _, _, kv, hd = g.shape(cache)
-            new = g.reshape(new, (1, t_len, kv, hd))
+        def write(cache, new):  # new: (1, T, H_kv, D)
             if t_len == 1:
-                return g.op("DYNAMIC_UPDATE_SLICE", [cache, new, start], (1, S, kv, hd),
+                return g.op("DYNAMIC_UPDATE_SLICE", [cache, new, start], g.shape(cache),
                             options=g.options("DynamicUpdateSliceOptions"))
             spread = g.gather(new, rows, axis=1)
-            return g.op("SELECT_V2", [inside, spread, cache], (1, S, kv, hd),
+            return g.op("SELECT_V2", [inside, spread, cache], g.shape(cache),
                         options=g.options("SelectV2Options"))
-
-        read_sizes = {}
 
         def read_slots(cache):
             if read is None:
                 return cache
             _, _, kv, hd = g.shape(cache)
-            if (kv, hd) not in read_sizes:
-                read_sizes[kv, hd] = g.concat([g.const(np.array([1], np.int32)), read,
-                                               g.const(np.array([kv, hd], np.int32))], 0)
-            return g.op("SLICE", [cache, g.const(np.zeros(4, np.int32)), read_sizes[kv, hd]],
-                        (1, None, kv, hd), options=g.options("SliceOptions"))
+            size = g.cached(("read_size", kv, hd), lambda: g.concat(
+                [g.const(np.array([1], np.int32)), read, g.const(np.array([kv, hd], np.int32))], 0))
+            return g.slice(cache, [0, 0, 0, 0], size, (1, None, kv, hd))
 
-        ids = g.reshape(tokens, (t_len,))
-        x = self.embed(g, ids)  # (T, hidden)
         outputs = {}
+
+        def attend(i, k, v):
+            k_cache, v_cache = write(caches[i][0], k), write(caches[i][1], v)
+            outputs[f"kv_cache_k_{i}"], outputs[f"kv_cache_v_{i}"] = k_cache, v_cache
+            if not with_logits and i == d.num_layers - 1:
+                return None  # a prefill outputs only the caches
+            keys = g.transpose(read_slots(k_cache), (0, 2, 3, 1))  # (1, H_kv, D, L)
+            values = g.transpose(read_slots(v_cache), (0, 2, 1, 3))  # (1, H_kv, L, D)
+            return keys, values, self._band(g, key_slots, positions, self.windows[i])
+
+        x = self._layers(g, tokens, t_len, rotary_rows, attend)
+        if with_logits:
+            outputs["logits"] = self._logits(g, x, (1, t_len))
+        return g.finish(inputs, list(outputs.items()))
+
+    def _layers(self, g, ids, t_len, rows, attend):
+        """The decoder blocks over `ids` `(B, T)` at positions `rows` `(T,)`;
+        `attend(i, k, v)` (`(B, T, H_kv, D)` each, `k` rotated) writes layer
+        `i`'s cache and returns `(keys (B, H_kv, D, L), values (B, H_kv, L, D),
+        mask (T, 1, L))`, or None to stop there. Returns the last hidden
+        states `(B T, hidden)`."""
+        B = self.batch
+        x = self.embed(g, g.reshape(ids, (B * t_len,)))  # (B T, hidden)
         neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
-        for i, layer in enumerate(d.layers):
+        for i, layer in enumerate(self.d.layers):
             attention = layer.attention
             heads, kv, hd = self.sizes[i]
             groups = heads // kv
             h = self.rms(g, x, layer.attention_norm.epsilon)
             q, k, v = self._qkv(g, h, layer, i)
-            q, k = g.reshape(q, (t_len, heads, hd)), g.reshape(k, (t_len, kv, hd))
-            q, k = self._positions(g, q, k, attention, rotary_rows)
-            k_cache = write(caches[i][0], k)
-            v_cache = write(caches[i][1], v)
-            outputs[f"kv_cache_k_{i}"], outputs[f"kv_cache_v_{i}"] = k_cache, v_cache
-            if not with_logits and i == d.num_layers - 1:
-                break  # a prefill outputs only the caches
-            keys = g.transpose(read_slots(k_cache), (0, 2, 3, 1))  # (1, H_kv, D, L)
-            values = g.transpose(read_slots(v_cache), (0, 2, 1, 3))  # (1, H_kv, L, D)
-            if t_len == 1:
-                query = g.reshape(q, (1, kv, groups, hd))
-            else:
-                query = g.reshape(q, (t_len, kv, groups, hd))
-                query = g.reshape(g.transpose(query, (1, 0, 2, 3)), (1, kv, t_len * groups, hd))
-            scores = g.op("BATCH_MATMUL", [query, keys], (1, kv, t_len * groups, read_len),
+            q = g.reshape(q, (B, t_len, heads, hd))
+            k = g.reshape(k, (B, t_len, kv, hd))
+            v = g.reshape(v, (B, t_len, kv, hd))
+            q, k = self._positions(g, q, k, attention, rows)
+            attended = attend(i, k, v)
+            if attended is None:
+                break
+            keys, values, seen = attended
+            # query: (B, T, H_kv, G D) -> (B, H_kv, T G, D), rows (t, g).
+            query = g.reshape(q, (B, t_len, kv, groups * hd))
+            if t_len > 1:
+                query = g.transpose(query, (0, 2, 1, 3))
+            query = g.reshape(query, (B, kv, t_len * groups, hd))
+            length = g.shape(keys)[-1]
+            scores = g.op("BATCH_MATMUL", [query, keys], (B, kv, t_len * groups, length),
                           options=g.options("BatchMatMulOptions"))
-            scores = g.reshape(scores, (kv, t_len, groups, -1))  # rows (t, g): the mask broadcasts
-            probs = self._softmax(g, scores, attention, mask(self.windows[i]), neg)
-            probs = g.reshape(probs, (1, kv, t_len * groups, -1))
-            attended = g.op("BATCH_MATMUL", [probs, values], (1, kv, t_len * groups, hd),
+            scores = g.reshape(scores, (B * kv, t_len, groups, -1))  # the mask broadcasts
+            probs = self._softmax(g, scores, attention, seen, neg)
+            probs = g.reshape(probs, (B, kv, t_len * groups, -1))
+            attended = g.op("BATCH_MATMUL", [probs, values], (B, kv, t_len * groups, hd),
                             options=g.options("BatchMatMulOptions"))
             if t_len > 1:
-                attended = g.transpose(g.reshape(attended, (kv, t_len, groups, hd)), (1, 0, 2, 3))
-            x = self._residuals(g, x, g.reshape(attended, (t_len, heads * hd)), layer, i)
-        if with_logits:
-            logits = self.final_logits(g, x, lambda g, h: g.fully_connected(h, self._table_key(g)[0], None, None))
-            outputs["logits"] = g.reshape(logits, (1, 1, d.vocabulary_size))
-        return g.finish(inputs, list(outputs.items()))
+                attended = g.transpose(g.reshape(attended, (B, kv, t_len, groups * hd)), (0, 2, 1, 3))
+            x = self._residuals(g, x, g.reshape(attended, (B * t_len, heads * hd)), layer, i)
+        return x
+
+    def _band(self, g, key_slots, positions, window):
+        """`(T, 1, L)` bool: key slot `j` seen by the query at `p` (`positions`
+        `(T,)`) when `j <= p` (and `p - j < window`)."""
+        def make():
+            keys, query = g.cached("band_axes", lambda: (
+                g.reshape(key_slots, (1, 1, -1)), g.reshape(positions, (g.shape(positions)[0], 1, 1))))
+            seen = g.binary("LESS_EQUAL", keys, query)
+            if window is None:
+                return seen
+            low = g.binary("SUB", query, g.const(np.array(window, np.int32)))
+            return g.binary("LOGICAL_AND", seen, g.binary("GREATER", keys, low))
+        return g.cached(("band", window), make)
+
+    def _read_length(self, g, last, held):
+        """`(1,)` int32: the slots read by queries up to `last`, the filled ones
+        rounded up to `read_bucket` (at least one bucket), at most `held`
+        (`keras_attn.ops.cache.bounded_reads`' rule)."""
+        bucket, one = g.const(np.array(self.read_bucket, np.int32)), g.const(np.array(1, np.int32))
+        blocks = g.binary("MAXIMUM", g.add(g.binary("FLOOR_DIV", last, bucket), one), one)
+        return g.binary("MINIMUM", g.mul(blocks, bucket), held)
 
     def _key_slots(self, g, slots, read):
         """The cache slots attention reads, `(L,)` int32, and `L`: the first
@@ -509,8 +510,7 @@ class DecoderBuilder:
         every = g.const(np.arange(slots, dtype=np.int32))
         if read is None:
             return every, slots
-        return g.op("SLICE", [every, g.const(np.array([0], np.int32)), read], (None,), np.int32,
-                    g.options("SliceOptions")), None
+        return g.slice(every, [0], read, (None,)), None
 
     def _qkv(self, g, h, layer, i):
         """The packed query/key/value projection of layer `i` (norm scale and,
@@ -533,10 +533,7 @@ class DecoderBuilder:
         if packed is not None:
             packed[:sizes[0]] *= scale
         qkv = self.fully_connected(g, h, f"layers.{i}/qkv", kernel, packed, f"layers.{i}/attn/qkv")
-        rows = g.shape(h)[0]
-        q, k, v = g.op("SPLIT_V", [qkv, g.const(np.array(sizes, np.int32)), g.const(np.array(-1, np.int32))],
-                       [(rows, n) for n in sizes], np.float32, g.options("SplitVOptions", numSplits=3),
-                       outputs=3)
+        q, k, v = g.split(qkv, sizes)
         if not self.lora:
             return q, k, v
         # The adapters read the normed input (the norm's scale is folded
@@ -562,10 +559,8 @@ class DecoderBuilder:
         """QK-norm (with the query scale) and the rotation at `rows` over `q`
         and `k` `(..., H, D)`, where the layer has them."""
         if attention.query_norm is not None:
-            q = g.mul(self.rms(g, q, attention.query_norm.epsilon),
-                      g.const(attention.query_norm.scale.read() * np.float32(1.0 / np.sqrt(attention.head_dim))))
-            k = g.mul(self.rms(g, k, attention.key_norm.epsilon),
-                      g.const(np.array(attention.key_norm.scale.read())))
+            q = self._rms_norm(g, q, attention.query_norm, np.float32(1.0 / np.sqrt(attention.head_dim)))
+            k = self._rms_norm(g, k, attention.key_norm)
         if attention.rotary is not None:
             cos, sin = self._rotary(g, attention.rotary, rows)
             q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
@@ -593,25 +588,28 @@ class DecoderBuilder:
 
     def _post_norm(self, g, x, layer):
         """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
-        if layer is None:
-            return x
-        return g.mul(self.rms(g, x, layer.epsilon), g.const(np.array(layer.scale.read())))
+        return x if layer is None else self._rms_norm(g, x, layer)
 
-    def final_logits(self, g, x, tied_head):
-        """The final RMSNorm, the head and the final soft cap over `x`; a tied
-        head's logits are `tied_head(g, h)` (the table as it is stored; the
-        final norm's scale multiplies `h` instead of the head's weight)."""
+    def _rms_norm(self, g, x, norm, factor=np.float32(1.0)):
+        """The RMSNorm `norm` of `x` over its last axis, its scale times `factor`."""
+        return g.mul(self.rms(g, x, norm.epsilon), g.const(norm.scale.read() * factor))
+
+    def _logits(self, g, x, leading):
+        """The final RMSNorm, the head and the final soft cap over `x` `(B T,
+        hidden)`: logits `(*leading, V)`. A tied head reads the table as it is
+        stored (the final norm's scale multiplies `h` instead of the head's weight)."""
         d = self.d
         gamma = np.array(d.final_norm.scale.read())
         h = self.rms(g, x, d.final_norm.epsilon)
         if d.tied:
-            logits = tied_head(g, g.mul(h, g.const(gamma, "final_norm/scale")))
+            logits = self.fully_connected(g, g.mul(h, g.const(gamma, "final_norm/scale")), "lm_head",
+                                          lambda: d.embedding.read().T, None, "lm_head")
         else:
             logits = self.fully_connected(
                 g, h, "lm_head", d.head.kernel.read, d.head.read_bias(), "lm_head", gamma)
         if d.final_logit_soft_cap is not None:
             logits = self._soft_cap(g, logits, d.final_logit_soft_cap)
-        return logits
+        return g.reshape(logits, (*leading, d.vocabulary_size))
 
     def _soft_cap(self, g, x, cap):
         """`cap * tanh(x / cap)`."""

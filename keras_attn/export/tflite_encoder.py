@@ -97,15 +97,10 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
             (the capability table's reason, `keras_attn.export.capabilities`,
             writer "tflite_encoder").
     """
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(f"quantization={quantization!r} (the direct TFLite writer writes "
-                              f"{list(QUANTIZATIONS)})")
-    if check_ids not in ID_CHECKS:
-        raise NotFusableError(f"check_ids={check_ids!r}")
-    encoder = capabilities.describe(model, "tflite_encoder")
+    encoder = capabilities.checked(model, "tflite_encoder", options=[
+        ("quantization", quantization, QUANTIZATIONS), ("check_ids", check_ids, ID_CHECKS)])
     if check_ids == "flag" and saved_model_lib.VALID_OUTPUT in [t.name for t in encoder.outputs]:
         raise NotFusableError(f"check_ids='flag' and an output named {saved_model_lib.VALID_OUTPUT!r}")
-    capabilities.check(encoder, "tflite_encoder")
 
     def build(writer):
         return [_EncoderBuilder(writer, quantization == "dynamic").build(encoder, check_ids)]
@@ -130,10 +125,7 @@ class _EncoderBuilder:
 
     def dims(self, rows):
         """`(B, T)` as `(1,)` int32 tensors, from a `(2,)` shape."""
-        def make():
-            return [self.g.op("SLICE", [rows, self.const([i], np.int32), self.const([1], np.int32)],
-                              (1,), np.int32, "SliceOptions") for i in (0, 1)]
-        return self.g.cached(("dims", rows), make)
+        return self.g.cached(("dims", rows), lambda: [self.g.slice(rows, [i], [1], (1,)) for i in (0, 1)])
 
     def shape_of(self, rows, *parts):
         """An int32 shape vector of `parts`: "B", "T" (from `rows`) or ints."""
@@ -200,8 +192,7 @@ class _EncoderBuilder:
 
     def rows_of(self, ids):
         """The `(2,)` shape `(B, T)` of `(B, T)` ids."""
-        return self.g.cached(("rows", ids), lambda: self.g.op("SHAPE", [ids], (2,), np.int32,
-                                                              "ShapeOptions", outType=2))
+        return self.g.cached(("rows", ids), lambda: self.g.dims(ids))
 
     def embedding(self, step, ids, types_, clamped):
         g = self.g
@@ -211,9 +202,7 @@ class _EncoderBuilder:
         positions = step.positions.table.read()
         _, t = self.dims(rows)
         size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
-        pos = g.op("SLICE", [g.const(positions, step.name + "/positions"),
-                             self.const([0, 0], np.int32), size],
-                   (None, positions.shape[1]), np.float32, "SliceOptions")
+        pos = g.slice(g.const(positions, step.name + "/positions"), [0, 0], size, (None, positions.shape[1]))
         x = g.add(x, pos)
         if step.types is not None:
             table = step.types.read()
@@ -307,11 +296,7 @@ class _EncoderBuilder:
         widths = (width, kv_width, kv_width)
 
         def attention(h):
-            n = g.shape(h)[0]
-            qkv = self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv")
-            q, k, v = g.op("SPLIT_V", [qkv, self.const(widths, np.int32),
-                                       self.const(-1, np.int32)], [(n, w) for w in widths], np.float32,
-                           g.options("SplitVOptions", numSplits=3), outputs=3)
+            q, k, v = g.split(self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv"), list(widths))
             q, k, v = (self.reshape(t, self.shape_of(rows, "B", "T", n, head), (None, None, n, head))
                        for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))  # (B, T, H, d)
             if a.query_norm is not None:  # QK-norm: over each head, before the rotation
@@ -450,9 +435,7 @@ class _EncoderBuilder:
             rows = None
             if len(tensor.shape) == 3 and tensor.dtype == "float32":
                 # Features in: kept as (B * T, D) rows like every sequence.
-                rows = g.op("SLICE", [g.op("SHAPE", [index], (3,), np.int32, "ShapeOptions", outType=2),
-                                      self.const([0], np.int32), self.const([2], np.int32)],
-                            (2,), np.int32, "SliceOptions")
+                rows = g.dims(index, 0, 2)
                 index = g.reshape(index, (-1, tensor.shape[2]))
             elif check_ids and tensor.vocabulary is not None:
                 vocab = tensor.vocabulary
@@ -469,11 +452,7 @@ class _EncoderBuilder:
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
-                batch = g.op("SLICE", [g.op("SHAPE", [first], (len(g.shape(first)),), np.int32,
-                                            "ShapeOptions", outType=2),
-                                       self.const([0], np.int32), self.const([1], np.int32)],
-                             (1,), np.int32, "SliceOptions")
-                valid = g.op("FILL", [batch, self.const(True, np.bool_)], (None,), np.bool_)
+                valid = g.op("FILL", [g.dims(first, 0, 1), self.const(True, np.bool_)], (None,), np.bool_)
             else:
                 valid = g.binary("GREATER", valid, self.const(0, np.int32))
         return dict(sorted(graph_inputs.items())), valid
@@ -535,9 +514,7 @@ class _EncoderBuilder:
         for tensor in encoder.outputs:
             index = self.unflatten(v[tensor.value])
             if index in taken:  # an input or another output: a copy of its own
-                index = self.reshape(index, g.op("SHAPE", [index], (len(g.shape(index)),),
-                                                 np.int32, "ShapeOptions", outType=2),
-                                     g.shape(index))
+                index = self.reshape(index, g.dims(index), g.shape(index))
             taken.add(index)
             outputs.append((tensor.name, index))
         if valid is not None:

@@ -60,19 +60,11 @@ def check_direct_signatures(model, *, max_length, batch_size, prompt_length, qua
     """`model`'s description when the direct writer covers it and the
     options; else `NotFusableError` naming the first thing it does not
     cover (`keras_attn.export.capabilities`)."""
-    if quantization not in QUANTIZATIONS:
-        raise NotFusableError(
-            f"quantization={quantization!r} (the direct signatures writer writes {list(QUANTIZATIONS)})")
-    if cache_dtype != "float32":
-        raise NotFusableError(f"cache_dtype={cache_dtype!r} (the direct writer keeps float32 caches)")
     for name, value in (("batch_size", batch_size), ("prompt_length", prompt_length)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
-    if hasattr(model, "encode"):
-        raise NotFusableError("an encoder-decoder model")
-    description = capabilities.describe(model, "tflite_signatures")
-    capabilities.check(description, "tflite_signatures", max_length)
-    return description
+    return capabilities.checked(model, "tflite_signatures", max_length, [
+        ("quantization", quantization, QUANTIZATIONS), ("cache_dtype", cache_dtype, ("float32",))])
 
 
 def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_length, checks="flag",
@@ -149,13 +141,15 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
                            options=g.options("PadOptions"))
             return new
 
+        caches = []
+
         def attend(i, k, v):
-            new = {"keys": lay(k), "values": lay(v)}
+            caches.extend((lay(k), lay(v)))
             keys = g.transpose(k, (0, 2, 3, 1))  # (B, H_kv, D, P)
             values = g.transpose(v, (0, 2, 1, 3))  # (B, H_kv, P, D)
-            return new, keys, values, mask(self.windows[i])
+            return keys, values, mask(self.windows[i])
 
-        x, caches = self._layers(g, ids, P, rows, attend)
+        x = self._layers(g, ids, P, rows, attend)
         logits = self._logits(g, x, (B, P))
         cache = g.reshape(self._pack(g, caches), (-1, 2, B, S, self.kv, self.hd))
         return self._finish(g, [ids_in], ["token_ids"], logits, cache, conditions)
@@ -175,9 +169,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         index = g.reshape(index_in, (1,))
         # The slots held: S, or the length of the part passed to `decode_step`.
         if step:
-            shape = g.op("SHAPE", [cache_in], (6,), np.int32, g.options("ShapeOptions", outType=2))
-            held = g.op("SLICE", [shape, g.const(np.array([3], np.int32)), g.const(np.array([1], np.int32))],
-                        (1,), np.int32, g.options("SliceOptions"))
+            held = g.dims(cache_in, 3, 1)
         else:
             held = g.const(np.array([S], np.int32))
         if self.flag:
@@ -199,43 +191,30 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         # Slots read: the filled ones rounded up to the bucket (at least one), at most those held;
         # a dynamic count unless every one of S slots is read.
         bounded = self.read_bucket is not None and (step or self.read_bucket < S)
-        if bounded:
-            bucket = np.array(self.read_bucket, np.int32)
-            blocks = g.binary("FLOOR_DIV", index, g.const(bucket))
-            blocks = self._minmax(g, "MAXIMUM", g.add(blocks, g.const(np.array(1, np.int32))), 1)
-            read = g.binary("MINIMUM", g.mul(blocks, g.const(bucket)), held)
-        else:
-            read = held
+        read = self._read_length(g, index, held) if bounded else held
         key_slots, read_len = self._key_slots(g, S, read if step or bounded else None)
-        masks = {}
-
-        def mask(window):  # (1, 1, L): slot j seen when j <= index (and index - j < window)
-            if window not in masks:
-                m = g.binary("LESS_EQUAL", key_slots, index)
-                if window is not None and not self.ring_window:
-                    low = g.binary("SUB", index, g.const(np.array(window, np.int32)))
-                    m = g.binary("LOGICAL_AND", m, g.binary("GREATER", key_slots, low))
-                masks[window] = g.reshape(m, (1, 1, -1))
-            return masks[window]
 
         # The cache as (2 N B, S, H_kv, D): layer i's keys are rows [2 i B, 2 i B + B).
         flat = g.reshape(cache_in, (2 * N * B, -1 if step else S, kv, hd))
         size = g.concat([g.const(np.array([B], np.int32)), read, g.const(np.array([kv, hd], np.int32))], 0)
         start = g.concat([g.const(np.array([0], np.int32)), slot, g.const(np.array([0, 0], np.int32))], 0)
 
+        caches = []
+
         def attend(i, k, v):
+            caches.extend((k, v))
             out = []
             for j, new in enumerate((k, v)):
                 begin = g.const(np.array([(2 * i + j) * B, 0, 0, 0], np.int32))
-                part = g.op("SLICE", [flat, begin, size], (B, read_len, kv, hd),
-                            options=g.options("SliceOptions"))
+                part = g.slice(flat, begin, size, (B, read_len, kv, hd))
                 out.append(g.op("DYNAMIC_UPDATE_SLICE", [part, new, start], (B, read_len, kv, hd),
                                 options=g.options("DynamicUpdateSliceOptions")))
             keys = g.transpose(out[0], (0, 2, 3, 1))  # (B, H_kv, D, L)
             values = g.transpose(out[1], (0, 2, 1, 3))  # (B, H_kv, L, D)
-            return {"keys": k, "values": v}, keys, values, mask(self.windows[i])
+            # A ring holds only the window's slots: every one is seen.
+            return keys, values, self._band(g, key_slots, index, None if self.ring_window else self.windows[i])
 
-        x, caches = self._layers(g, ids, 1, rows, attend)
+        x = self._layers(g, ids, 1, rows, attend)
         logits = self._logits(g, x, (B, 1))
         slots = self._pack(g, caches)  # (2 N, B, 1, H_kv, D)
         if step:
@@ -249,61 +228,14 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
                             logits, cache, conditions)
 
     # -- shared by both ------------------------------------------------------
-    def _layers(self, g, ids, t_len, rows, attend):
-        """The decoder blocks over `ids` `(B, T)` at positions `rows` `(T,)`;
-        `attend(i, k, v)` (`(B, T, H_kv, D)` each) returns `(cache entries,
-        keys (B, H_kv, D, L), values (B, H_kv, L, D), mask (T, 1, L))`.
-        Returns the last hidden states `(B T, hidden)` and the cache entries."""
-        B = self.batch
-        x = self.embed(g, g.reshape(ids, (B * t_len,)))  # (B T, hidden)
-        neg = g.const(np.array(np.finfo(np.float32).min, np.float32))
-        caches = []
-        for i, layer in enumerate(self.d.layers):
-            attention = layer.attention
-            heads, kv, hd = self.sizes[i]
-            groups = heads // kv
-            h = self.rms(g, x, layer.attention_norm.epsilon)
-            q, k, v = self._qkv(g, h, layer, i)
-            q = g.reshape(q, (B, t_len, heads, hd))
-            k = g.reshape(k, (B, t_len, kv, hd))
-            v = g.reshape(v, (B, t_len, kv, hd))
-            q, k = self._positions(g, q, k, attention, rows)
-            entry, keys, values, seen = attend(i, k, v)
-            caches.append(entry)
-            # query: (B, T, H_kv, G D) -> (B, H_kv, T G, D), rows (t, g).
-            query = g.reshape(q, (B, t_len, kv, groups * hd))
-            if t_len > 1:
-                query = g.transpose(query, (0, 2, 1, 3))
-            query = g.reshape(query, (B, kv, t_len * groups, hd))
-            length = g.shape(keys)[-1]
-            scores = g.op("BATCH_MATMUL", [query, keys], (B, kv, t_len * groups, length),
-                          options=g.options("BatchMatMulOptions"))
-            scores = g.reshape(scores, (B * kv, t_len, groups, -1))  # the mask broadcasts
-            probs = self._softmax(g, scores, attention, seen, neg)
-            probs = g.reshape(probs, (B, kv, t_len * groups, -1))
-            attended = g.op("BATCH_MATMUL", [probs, values], (B, kv, t_len * groups, hd),
-                            options=g.options("BatchMatMulOptions"))
-            if t_len > 1:
-                attended = g.transpose(g.reshape(attended, (B, kv, t_len, groups * hd)), (0, 2, 1, 3))
-            x = self._residuals(g, x, g.reshape(attended, (B * t_len, heads * hd)), layer, i)
-        return x, caches
-
-    def _logits(self, g, x, leading):
-        """The final norm and head over `x` `(B T, hidden)`: logits `(B, T, V)`."""
-        table = self.d.embedding
-        logits = self.final_logits(g, x, lambda g, h: self.fully_connected(
-            g, h, "lm_head", lambda: table.read().T, None, "lm_head"))
-        return g.reshape(logits, (*leading, self.d.vocabulary_size))
-
     def _rotary(self, g, described, rows):
         if not self.ring_window:
             return super()._rotary(g, described, rows)
         # A ring's positions pass max_length: the angles from the position.
         return tflite_decoder.rotary_angles(g, described, rows)
 
-    def _pack(self, g, caches):
-        """`[{keys, values}, ...]` `(B, L, H_kv, D)` each -> `(2 N, B, L, H_kv, D)`."""
-        parts = [entry[kind] for entry in caches for kind in ("keys", "values")]
+    def _pack(self, g, parts):
+        """`[keys, values, ...]` `(B, L, H_kv, D)` each, per layer -> `(2 N, B, L, H_kv, D)`."""
         return g.op("PACK", parts, (len(parts), *g.shape(parts[0])),
                     options=g.options("PackOptions", valuesCount=len(parts), axis=0))
 

@@ -395,6 +395,24 @@ class Graph:
         return self.op("CONCATENATION", xs, tuple(out), dtype or self.dtype(xs[0]),
                        self.options("ConcatenationOptions", axis=axis))
 
+    def slice(self, x, begin, size, shape):
+        """`x[begin:begin + size]` of static `shape`; `begin`, `size`: lists of
+        ints (constants) or int32 tensors."""
+        begin, size = (self.const(np.array(v, np.int32)) if isinstance(v, list) else v for v in (begin, size))
+        return self.op("SLICE", [x, begin, size], shape, self.dtype(x), self.options("SliceOptions"))
+
+    def split(self, x, sizes):
+        """`x` split along its last axis into parts of `sizes` (SPLIT_V)."""
+        shape = self.shape(x)
+        return self.op("SPLIT_V", [x, self.const(np.array(sizes, np.int32)), self.const(np.array(-1, np.int32))],
+                       [shape[:-1] + (n,) for n in sizes], self.dtype(x),
+                       self.options("SplitVOptions", numSplits=len(sizes)), outputs=len(sizes))
+
+    def dims(self, x, start=0, count=None):
+        """`x`'s dynamic shape (SHAPE, int32), or `count` of its axes from `start`."""
+        shape = self.op("SHAPE", [x], (len(self.shape(x)),), np.int32, "ShapeOptions", outType=2)
+        return shape if count is None else self.slice(shape, [start], [count], (count,))
+
     def gather(self, table, ids, axis=0, dtype=None):
         t, i = self.shape(table), self.shape(ids)
         axis = axis % len(t)

@@ -620,7 +620,7 @@ def _export_onnx_direct(model, directory, details):
     try:
         names = {"prefill": "prefill.onnx", "decode": "decode.onnx",
                  "weights": onnx_signatures.WEIGHTS_FILE}
-        if not onnx_signatures.cache_layout(model, details["max_length"])[1]:  # not a ring
+        if not model.describe().stacked_cache(details["max_length"])[1]:  # not a ring
             names["decode_step"] = "decode_step.onnx"
         staged_paths = {k: os.path.join(staging, n) for k, n in names.items()}
         shared = {}  # the weights written as the model holds them

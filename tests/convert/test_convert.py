@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from keras_attn.convert import from_huggingface  # noqa: E402
 from keras_attn.generation import greedy_search  # noqa: E402
 from tests import tolerance  # noqa: E402
+from tests.llm_runtime_models import assert_left_padded_greedy_equals_hf  # noqa: E402
 
 VOCAB = 60
 
@@ -197,18 +198,7 @@ def test_gpt2_greedy_tokens_equal_hf_generate(gpt2):
 
 def test_gpt2_left_padded_batch_equals_hf_generate(gpt2):
     hf, lm = gpt2
-    rng = np.random.default_rng(6)
-    ids = np.zeros((3, 5), "int32")
-    mask = np.zeros_like(ids)
-    for row, n in enumerate((2, 5, 4)):
-        ids[row, 5 - n:] = rng.integers(3, VOCAB, size=n)
-        mask[row, 5 - n:] = 1
-    with torch.no_grad():
-        want = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                           do_sample=False, max_length=16, pad_token_id=0,
-                           eos_token_id=None).numpy()
-    got = np.asarray(greedy_search(lm, ids, max_length=16, attention_mask=mask))
-    np.testing.assert_array_equal(got, want)
+    assert_left_padded_greedy_equals_hf(hf, lm, VOCAB, max_length=16, lengths=(2, 5, 4), width=5)
 
 
 def test_gpt2_base_model_converts_to_a_tied_lm():

@@ -19,10 +19,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from keras_attn.convert import from_huggingface  # noqa: E402
-from keras_attn.generation import greedy_search  # noqa: E402
-from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
 from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_family, hf_greedy  # noqa: E402
+from tests.llm_runtime_models import assert_left_padded_greedy_equals_hf, assert_padded_logits_equal_hf  # noqa: E402
 from tests.llm_runtime_models import tflite_signatures  # noqa: E402
 
 VOCAB = 71
@@ -99,18 +98,7 @@ def hf_logits(hf, ids, mask):
 
 def test_logits_with_padding(family):
     name, hf, lm = family
-    rng = np.random.default_rng(5)
-    ids = rng.integers(3, VOCAB, size=(2, 13)).astype("int32")
-    mask = np.ones_like(ids)
-    mask[0, 9:] = 0
-    ids[0, 9:] = 0
-    want = hf_logits(hf, ids, mask)
-    got = np.asarray(lm(ids, padding_mask=mask.astype(bool)))
-    valid = mask.astype(bool)
-    # A few blocks of sums over the hidden, head and key sizes (tests/tolerance.py).
-    layers = hf.config.num_hidden_layers
-    tolerance.assert_close(got[valid], want[valid], terms=layers * 64, err_msg=name)
-    assert np.abs(want).max() > 1.0, "logits too flat to test anything"
+    assert_padded_logits_equal_hf(hf, lm, VOCAB, err_msg=name)
 
 
 def _uncapped(hf, **changes):
@@ -157,22 +145,10 @@ def test_greedy_tokens_equal_hf_generate(family):
     assert_greedy_equals_hf(hf, lm, prompts, max_length=18)
 
 
-def left_padded_prompts():
-    return model_zoo.left_padded_prompts(VOCAB)
-
-
 @pytest.mark.parametrize("family", GREEDY, indirect=True)
 def test_left_padded_batch_equals_hf_generate(family):
-    """Hugging Face's batched generation: left padding, positions per row from
-    the attention mask; ours takes the same `attention_mask`."""
-    name, hf, lm = family
-    ids, mask = left_padded_prompts()
-    with torch.no_grad():
-        want = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                           do_sample=False, max_length=18, pad_token_id=0,
-                           eos_token_id=None).numpy()
-    got = np.asarray(greedy_search(lm, ids, max_length=18, attention_mask=mask))
-    np.testing.assert_array_equal(got, want)
+    _, hf, lm = family
+    assert_left_padded_greedy_equals_hf(hf, lm, VOCAB, max_length=18)
 
 
 def test_windowed_layers_have_ring_caches(family):

@@ -29,10 +29,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from keras_attn.convert import from_huggingface  # noqa: E402
-from keras_attn.generation import greedy_search  # noqa: E402
-from tests import model_zoo  # noqa: E402
 from tests import tolerance  # noqa: E402
 from tests.llm_runtime_models import artifact_greedy, assert_greedy_equals_hf, hf_family, hf_greedy  # noqa: E402
+from tests.llm_runtime_models import assert_left_padded_greedy_equals_hf, assert_padded_logits_equal_hf  # noqa: E402
 from tests.llm_runtime_models import tflite_signatures  # noqa: E402
 
 VOCAB = 71
@@ -118,17 +117,7 @@ def test_the_test_model_has_what_it_claims(converted):
 @pytest.mark.parametrize("variant", ["released", "uniform"])
 def test_logits_with_padding(variant, converted, converted_uniform):
     hf, lm = converted if variant == "released" else converted_uniform
-    rng = np.random.default_rng(5)
-    ids = rng.integers(3, VOCAB, size=(2, 13)).astype("int32")
-    mask = np.ones_like(ids)
-    mask[0, 9:] = 0
-    ids[0, 9:] = 0
-    want = hf_logits(hf, ids, mask)
-    got = np.asarray(lm(ids, padding_mask=mask.astype(bool)))
-    valid = mask.astype(bool)
-    # A few blocks of sums over the hidden, head and key sizes (tests/tolerance.py).
-    tolerance.assert_close(got[valid], want[valid], terms=hf.config.num_hidden_layers * 64)
-    assert np.abs(want).max() > 1.0, "logits too flat to test anything"
+    assert_padded_logits_equal_hf(hf, lm, VOCAB, err_msg=variant)
 
 
 def test_greedy_tokens_equal_hf_generate(converted):
@@ -139,13 +128,7 @@ def test_greedy_tokens_equal_hf_generate(converted):
 
 def test_left_padded_batch_equals_hf_generate(converted):
     hf, lm = converted
-    ids, mask = model_zoo.left_padded_prompts(VOCAB)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                           do_sample=False, max_length=18, pad_token_id=0,
-                           eos_token_id=None).numpy()
-    got = np.asarray(greedy_search(lm, ids, max_length=18, attention_mask=mask))
-    np.testing.assert_array_equal(got, want)
+    assert_left_padded_greedy_equals_hf(hf, lm, VOCAB, max_length=18)
 
 
 def test_released_style_config_file_converts_from_a_folder(converted, tmp_path):

@@ -6,7 +6,9 @@ and output of query, output and feed-forward projections, dropout on the
 adapter's input only); the trainable-parameter count against PEFT's; the
 merged kernel the description and `.keras` files see; and converted tiny
 random Llama/Mistral/Qwen2/Qwen3/Gemma models against
-`peft.PeftModel` with trained (non-zero B) adapters, each direction.
+`peft.PeftModel` with trained (non-zero B) adapters, each direction. Whole
+models back to `transformers` (`save_huggingface`), every decoder family
+that converts, against the `transformers` model loading the folder.
 """
 
 import contextlib
@@ -269,6 +271,17 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=8)),
     "gemma": ("GemmaConfig", dict(head_dim=8)),
+    # query_pre_attn_scalar != head_dim: the converter folds a factor into the
+    # queries; windows shorter than IDS; soft caps that bite.
+    "gemma2": ("Gemma2Config", dict(head_dim=8, query_pre_attn_scalar=16, sliding_window=4,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=8, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0], pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, pad_token_id=0, tie_word_embeddings=False)),
 }
 
 
@@ -280,7 +293,7 @@ def _hf_base(name, folder):
     config_name, extra = FAMILIES[name]
     config = getattr(transformers, config_name)(
         vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, intermediate_size=28,
-        num_attention_heads=6, num_key_value_heads=2, **extra)
+        num_attention_heads=6, num_key_value_heads=2, attn_implementation="eager", **extra)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
@@ -288,7 +301,8 @@ def _hf_base(name, folder):
 
 def _hf_model(folder):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, attn_implementation="eager").eval()
 
 
 def _gradients():
@@ -409,20 +423,56 @@ def test_adapters_that_are_not_plain_lora_are_refused(tmp_path):
 # --- whole models back to transformers ----------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_huggingface_with_merged_lora_gives_our_logits(name, tmp_path):
+    """Converted, adapted (random B: the merge matters), written: transformers
+    loads our logits, and so does converting the written folder again."""
     from keras_attn.convert import from_huggingface
     from keras_attn.convert import save_huggingface
 
     base = _hf_base(name, str(tmp_path / "base"))
     lm = from_huggingface(base)
+    # Every projection, fused ones (Phi-3) and rescaled ones (Gemma 2) too.
     _randomise_b(lm.enable_lora(4, target_names=ALL), scale=0.3)
+    assert len(lora.adapted_layers(lm)) == 2 * len(ALL)
     got = keras.ops.convert_to_numpy(lm(IDS))
     assert np.abs(got - _logits(_hf_model(base), IDS)).max() > 0.1 * np.abs(got).max(), "LoRA changes nothing"
     folder = save_huggingface(lm, str(tmp_path / "written"))
     written = _hf_model(folder)
     assert type(written).__name__ == type(_hf_model(base)).__name__
     tolerance.assert_close(got, _logits(written, IDS), terms=2 * 64)
+    again = from_huggingface(folder)
+    assert again.name == lm.name
+    tolerance.assert_close(keras.ops.convert_to_numpy(again(IDS)), got, terms=2 * 64)
+
+
+_GEMMA = dict(activation="gelu_pytorch_tanh", embedding_scale=float(np.float32(24**0.5)),
+              use_sandwich_norm=True, attention_use_bias=False, feedforward_use_bias=False, head_dim=8)
+
+
+@pytest.mark.parametrize("model_type, options", [
+    ("gemma2", _GEMMA),  # no window: every layer full
+    ("gemma3_text", dict(_GEMMA, use_qk_norm=True)),  # no local base: the full one
+    ("qwen3", dict(use_qk_norm=True, attention_use_bias=False, feedforward_use_bias=False,
+                   sliding_window=[None, 4])),
+    # IDS are longer than the original context: the long factors and the attention factor.
+    ("phi3", dict(attention_use_bias=False, feedforward_use_bias=False, partial_rotary_factor=0.5,
+                  rope_scaling={"rope_type": "longrope", "short_factor": [1.5], "long_factor": [3.0],
+                                "original_max_position_embeddings": 8, "attention_factor": 1.2})),
+])
+def test_save_huggingface_writes_models_built_here(model_type, options, tmp_path):
+    """Models not converted (random weights everywhere, norms included),
+    written with the settings a checkpoint would not show: transformers'
+    logits are ours."""
+    from keras_attn.convert import save_huggingface
+
+    lm = tiny_lm(name=f"{model_type}_keras_attn", vocabulary_size=VOCAB, **options)
+    rng = np.random.default_rng(1)
+    for variable in lm.weights:
+        variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.3)
+    written = _hf_model(save_huggingface(lm, str(tmp_path / "written")))
+    assert written.config.model_type == model_type
+    tolerance.assert_close(keras.ops.convert_to_numpy(lm(IDS)), _logits(written, IDS), terms=2 * 64)
 
 
 def test_save_huggingface_refuses_what_the_config_cannot_say(tmp_path):
@@ -434,3 +484,21 @@ def test_save_huggingface_refuses_what_the_config_cannot_say(tmp_path):
         save_huggingface(tiny_lm(feedforward_use_bias=False), str(tmp_path / "b"), model_type="qwen2")
     with pytest.raises(ValueError, match="model_type"):
         save_huggingface(tiny_lm(), str(tmp_path / "c"), model_type="gpt2")
+    plain = dict(attention_use_bias=False, feedforward_use_bias=False)
+    refused = [
+        ("qwen3", dict(plain), "use_qk_norm"),
+        ("qwen3", dict(plain, use_qk_norm=True, sliding_window=[3, 4]), "sliding_window"),
+        ("gemma", dict(plain, embedding_scale=2.0), "embedding_scale"),
+        ("gemma", dict(plain, feedforward_use_bias=True, embedding_scale=float(np.float32(24**0.5))),
+         "feedforward_use_bias"),
+        ("gemma3_text", dict(_GEMMA, use_qk_norm=True, attention_logit_soft_cap=5.0), "attention_logit_soft_cap"),
+        ("gemma3_text", dict(_GEMMA, use_qk_norm=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+         "local_rope_max_wavelength"),
+        ("gemma2", dict(_GEMMA, use_sandwich_norm=False), "use_sandwich_norm"),
+        ("smollm3", dict(plain, use_qk_norm=True), "use_qk_norm"),
+        ("phi3", dict(plain, attention_use_bias=True), "attention_use_bias"),
+        ("phi3", dict(plain, sliding_window=[3, None]), "sliding_window"),
+    ]
+    for model_type, options, option in refused:
+        with pytest.raises(ValueError, match=f"as {model_type!r}: `{option}`"):
+            save_huggingface(tiny_lm(**options), str(tmp_path / "d"), model_type=model_type)
