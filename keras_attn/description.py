@@ -698,6 +698,8 @@ def _encoder_step(op, node, name):
     if isinstance(op, keras.layers.Embedding):
         if len(args) != 1 or kwargs:
             return "called with extra arguments"
+        if "int" not in str(args[0].dtype):
+            return f"an Embedding of {args[0].dtype} ids (not integers)"
         return LookupStep(op.name, name(args[0]), out, _weight(op, "embeddings"), bool(op.mask_zero))
     if isinstance(op, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
         if len(args) != 1:
