@@ -37,8 +37,10 @@ from tests.model_zoo import randomize  # noqa: E402
 # norm (ModernBERT), mean pooling and every bias (ModernBERT), grouped
 # heads and RMS norms (EuroBERT), token types added to the tokens
 # (NomicBERT), QK-norm, sandwich norms and a scaled embedding with
-# symmetric windows (Gemma 3, bidirectional).
-FAMILIES = ("modernbert_mlm", "modernbert_mean", "eurobert", "nomic_bert", "gemma3_bidirectional")
+# symmetric windows (Gemma 3, bidirectional; causal: the band within the
+# causal triangle).
+FAMILIES = ("modernbert_mlm", "modernbert_mean", "eurobert", "nomic_bert", "gemma3_bidirectional",
+            "gemma3_causal")
 
 
 def _litert_run(path, feed):
