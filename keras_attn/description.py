@@ -12,8 +12,11 @@ this, never the Keras layers, so that a feature of the model is described
 once here and written once per format; what a writer covers is decided over
 the description by `keras_attn.export.capabilities`. The encoder writers read
 `read_encoder(model)`: a functional Keras model's calls in order, as steps
-(embeddings, Transformer blocks, dense layers, comparisons and indexing, and
-a sentence embedding's pooling, L2 normalization and truncation).
+(embeddings and plain token lookups, standalone norms, additions and scalar
+products, Transformer blocks (their `Layer`s as a decoder's: rotary, windows,
+grouped heads, QK-norm, gated feed-forwards), dense layers, comparisons and
+indexing, and a sentence embedding's pooling, L2 normalization and
+truncation).
 
 Weights are `Weight`s: a variable read when a writer asks for it, as a
 read-only float32 view of the variable's own memory where the backend keeps
@@ -517,6 +520,34 @@ class EmbeddingStep(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class LookupStep(Step):
+    """`keras.layers.Embedding` of the ids `input`: `table[ids]` (ModernBERT's,
+    EuroBERT's token embedding; no positions, no norm)."""
+
+    table: Weight
+    mask_zero: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class NormStep(Step):
+    """A norm layer of its own (`LayerNormalization`, with or without its
+    bias, or `RMSNormalization`) over the last axis of `input`."""
+
+    norm: Norm
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticStep(Step):
+    """`input + other` (`op` "add") or `input * other` ("multiply"): `other`
+    the name of a value of the input's shape, or None and `scalar` a float
+    (NomicBERT's token plus type embeddings, Gemma's embedding scale)."""
+
+    op: str
+    other: Optional[str]
+    scalar: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockStep(Step):
     """`TransformerEncoderBlock` (its `layer` as a decoder's): `padding` the
     `(B, T)` mask of valid keys (None: none), `causal`, and with
@@ -664,12 +695,38 @@ def _encoder_step(op, node, name):
             positions=_table_positions(op.position, op, op.sequence_length),
             types=None if table is None else _weight(table, "embeddings"),
             norm=_norm(op.layer_norm), mask_zero=op.mask_zero)
+    if isinstance(op, keras.layers.Embedding):
+        if len(args) != 1 or kwargs:
+            return "called with extra arguments"
+        if "int" not in str(args[0].dtype):
+            return f"an Embedding of {args[0].dtype} ids (not integers)"
+        return LookupStep(op.name, name(args[0]), out, _weight(op, "embeddings"), bool(op.mask_zero))
+    if isinstance(op, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
+        if len(args) != 1:
+            return "called with extra arguments"
+        if isinstance(op, keras.layers.LayerNormalization) and (op.gamma is None or op.rms_scaling):
+            return "a LayerNormalization with scale=False or rms_scaling=True"
+        norm = _norm(op)
+        if not norm.last_axis:
+            return f"a norm over axis={op.axis} (not the last)"
+        return NormStep(op.name, name(args[0]), out, norm)
     if isinstance(op, keras.layers.Dense):
         if len(args) != 1:
             return "called with extra arguments"
         return DenseStep(op.name, name(args[0]), out, _dense(op), *_activation_of(op.activation))
     if isinstance(op, (keras.layers.Dropout, keras.layers.Identity)):
         return Step(op.name, name(args[0]), out)
+    if kind in ("Add", "Multiply") and len(args) == 2 and not kwargs:
+        x, other = args
+        if not isinstance(x, keras.KerasTensor):
+            x, other = other, x
+        if isinstance(other, keras.KerasTensor):
+            if tuple(other.shape) != tuple(x.shape) or other.dtype != x.dtype:
+                return f"{kind} of shapes {tuple(x.shape)} and {tuple(other.shape)} (not one shape and dtype)"
+            return ArithmeticStep(op.name, name(x), out, kind.lower(), name(other), None)
+        if not np.isscalar(other) or x.dtype != "float32":
+            return f"{kind} of a float32 value and a scalar only"
+        return ArithmeticStep(op.name, name(x), out, kind.lower(), None, float(other))
     if kind in ("NotEqual", "Equal") and len(args) == 2:
         x, other = args
         if isinstance(other, keras.KerasTensor) or not np.isscalar(other):
@@ -724,7 +781,8 @@ def read_encoder(model):
                 unsupported.append((op.name, step))
             else:
                 steps.append(step)
-    sizes = [(s.input, s.tokens.shape[0]) for s in steps if isinstance(s, EmbeddingStep)]
+    sizes = [(s.input, s.tokens.shape[0]) for s in steps if isinstance(s, EmbeddingStep)] + [
+        (s.input, s.table.shape[0]) for s in steps if isinstance(s, LookupStep)]
     inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.name,
                           min((n for v, n in sizes if v == t.name), default=None)) for t in model.inputs)
     outputs = tuple(Tensor(n, t.dtype, tuple(t.shape), name(t))

@@ -44,8 +44,8 @@ ACTIVATIONS = {
     "onnx_signatures": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
     "litertlm": ("silu", "gelu", "gelu_tanh", "relu"),
     "tflite_signatures": ("silu", "gelu", "gelu_tanh", "relu"),
-    "onnx_encoder": ("relu", "tanh", "gelu", "gelu_tanh", "linear"),
-    "tflite_encoder": ("relu", "tanh", "gelu", "gelu_tanh", "linear"),
+    "onnx_encoder": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
+    "tflite_encoder": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
 }
 # Writers that keep one cache stacked over the layers (a ring of the window
 # when every layer has the same one): the signature writers.
@@ -111,10 +111,11 @@ def _layer_feature(test, text):
     return lambda d, c: _first(d.layers, test, lambda b: f"{b.name}: {text(b)}")
 
 
-# Layer settings every decoder writer writes and no encoder writer does:
-# (feature, found on a layer, the model's option that sets it).
+# Layer settings every decoder writer writes, and the encoder writers those
+# of `ENCODER_LAYER_SETTINGS`: (feature, found on a layer, the model's option
+# that sets it).
 _DECODER_LAYER_SETTINGS = (
-    ("RMSNorm", lambda b: "rms" in (b.attention_norm.kind, b.feedforward_norm.kind),
+    ("RMSNorm", lambda b: "rms" in (getattr(b.attention_norm, "kind", None), b.feedforward_norm.kind),
      lambda b: "normalization='rms_norm'"),
     ("sandwich norms", lambda b: b.attention_post_norm or b.feedforward_post_norm,
      lambda b: "use_sandwich_norm=True"),
@@ -129,7 +130,12 @@ _DECODER_LAYER_SETTINGS = (
 )
 
 
+# The encoder writers that write each of them too.
+ENCODER_LAYER_SETTINGS = {"RMSNorm": ENCODERS, "rotary positions": ENCODERS, "sliding windows": ENCODERS,
+                          "gated feed-forward": ENCODERS, "grouped-query heads": ENCODERS,
+                          "QK-norm": ENCODERS, "sandwich norms": ENCODERS}
 _EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemStep
+_LOOKUP = description_lib.LookupStep
 _POOLING = description_lib.PoolingStep
 # `SentencePooling` modes the encoder writers have an emitter for (as
 # masked sums: the others need a max or weights over positions).
@@ -153,7 +159,7 @@ FEATURES = (
         lambda t: f"input {t.name} of shape {t.shape} and dtype {t.dtype}"),
         frozenset({"onnx_encoder"}), ENCODERS),
     Feature("embeddings with mask_zero", lambda d, c: _first(
-        d.steps, lambda s: isinstance(s, _EMBEDDING) and s.mask_zero,
+        d.steps, lambda s: isinstance(s, (_EMBEDDING, _LOOKUP)) and s.mask_zero,
         lambda s: f"{s.name}: mask_zero=True (id 0 as padding, a Keras mask)"), frozenset(), ENCODERS),
     Feature("sinusoidal embedding positions", lambda d, c: _first(
         d.steps, lambda s: isinstance(s, _EMBEDDING) and s.positions.kind != "learned",
@@ -182,9 +188,15 @@ FEATURES = (
         f"position={d.positions.kind!r}"), frozenset({"onnx_signatures"}), DECODERS),
     Feature("LayerNorm", lambda d, c: d.normalization == "layer_norm" and (
         "normalization='layer_norm'"), frozenset({"onnx_signatures"}), DECODERS),
-    *(Feature(name, _layer_feature(test, text), DECODERS) for name, test, text in _DECODER_LAYER_SETTINGS),
+    *(Feature(name, _layer_feature(test, text), DECODERS | ENCODER_LAYER_SETTINGS.get(name, frozenset()))
+      for name, test, text in _DECODER_LAYER_SETTINGS),
+    Feature("rotary scaling that depends on the length", lambda d, c: _first(
+        d.layers, lambda l: l.attention.rotary is not None and (
+            l.attention.rotary.layer.rope_scaling or {}).get("rope_type") in ("dynamic", "longrope"),
+        lambda l: f"{l.name}: rope_scaling={l.attention.rotary.layer.rope_scaling!r} (its frequencies "
+                  "depend on the call's length)"), frozenset(), ENCODERS),
     Feature("a norm over another axis than the last", lambda d, c: _first(
-        d.layers, lambda l: not (l.attention_norm.last_axis and l.feedforward_norm.last_axis),
+        d.layers, lambda l: not (getattr(l.attention_norm, "last_axis", True) and l.feedforward_norm.last_axis),
         lambda l: f"{l.name}: a norm over another axis than the last"), frozenset()),
     Feature("dynamic NTK rotary scaling", lambda d, c: (d.positions.rope_scaling or {}).get(
         "rope_type") == "dynamic" and (

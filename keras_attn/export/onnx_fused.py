@@ -23,9 +23,15 @@ Two op sets, the same arithmetic:
   (the tanh GELU, which is exactly what FastGelu computes).
 
 A block is its attention, the output projection as a `MatMul`, the residual
-LayerNorms (pre-norm: `LayerNormalization` and `Add`) and the feed-forward
-as two `MatMul`s around the activation; the embedding `Gather`s, `Add`s and
-a `LayerNormalization`. A sentence embedding's pooling is masked sums over
+norms (pre-norm: `LayerNormalization` or RMSNorm arithmetic, and `Add`;
+Gemma's sandwich norms after each branch) and the feed-forward as two
+`MatMul`s around the activation (gated: three); the embedding `Gather`s,
+`Add`s and a `LayerNormalization`. A block with rotary positions, a window,
+grouped key/value heads or QK-norm (ModernBERT, EuroBERT, NomicBERT,
+Gemma 3's text encoder) has its attention in standard ops in both op sets
+(`_Writer.grouped_attention`): the rotation's angles computed from the
+positions `0 .. T - 1` as `RotaryEmbedding` computes them, the window the
+symmetric band `|i - j| < window`, one `(T, T)` band per window size. A sentence embedding's pooling is masked sums over
 the tokens (`CumSum` of the mask picks the first and last token),
 its L2 normalization `ReduceSum`, `Sqrt`, `Reciprocal`, its truncation a
 `Slice`. What the writer covers is the capability table's
@@ -89,23 +95,143 @@ class _Writer(Graph):
         return self.activation(y, hint, activation, standard=not self.fused)
 
     def layer_norm(self, x, gamma, beta, epsilon, hint):
-        return self.node(
-            "LayerNormalization",
-            [x, self.const(gamma, hint + "_gamma"), self.const(beta, hint + "_beta")],
-            hint, axis=-1, epsilon=float(epsilon),
-        )
+        """LayerNorm over the last axis; `beta` None: no bias."""
+        inputs = [x, self.const(gamma, hint + "_gamma")]
+        if beta is not None:
+            inputs.append(self.const(beta, hint + "_beta"))
+        return self.node("LayerNormalization", inputs, hint, axis=-1, epsilon=float(epsilon))
 
-    def skip_layer_norm(self, x, skip, gamma, beta, bias, epsilon, hint):
-        """LayerNorm(x + skip + bias)."""
-        if not self.fused:
+    def norm(self, x, norm, hint):
+        """A described `Norm` over the last axis: LayerNorm (with or without
+        its bias) or RMSNorm."""
+        if norm.kind == "rms":
+            return self.rms_norm(x, self.const(norm.scale.read(), hint + "_scale"), norm.epsilon, self.opset,
+                                 lambda part: f"{hint}_{part}")
+        beta = None if norm.bias is None else norm.bias.read()
+        return self.layer_norm(x, norm.scale.read(), beta, norm.epsilon, hint)
+
+    def skip_layer_norm(self, x, skip, norm, bias, hint):
+        """`norm(x + skip + bias)` (`bias` None: none); onnxruntime's
+        SkipLayerNormalization when fused and `norm` a LayerNorm with a bias."""
+        if not (self.fused and norm.kind == "layer" and norm.bias is not None):
             y = x if bias is None else self.node("Add", [x, self.const(bias, hint + "_bias")], hint)
-            return self.layer_norm(self.node("Add", [y, skip], hint), gamma, beta, epsilon, hint)
-        inputs = [x, skip, self.const(gamma, hint + "_gamma"), self.const(beta, hint + "_beta")]
+            return self.norm(self.node("Add", [y, skip], hint), norm, hint)
+        inputs = [x, skip, self.const(norm.scale.read(), hint + "_gamma"), self.const(norm.bias.read(), hint + "_beta")]
         if bias is not None:
             inputs.append(self.const(bias, hint + "_bias"))
         return self.node(
-            "SkipLayerNormalization", inputs, hint, domain=MS_DOMAIN, epsilon=float(epsilon)
+            "SkipLayerNormalization", inputs, hint, domain=MS_DOMAIN, epsilon=float(norm.epsilon)
         )
+
+    def positions(self, h):
+        """The int64 positions `0 .. T - 1` of `h` `(B, T, ...)`."""
+        def make():
+            length = self.node("Squeeze", [self.node("Shape", [h], "length", start=1, end=2)], "length")
+            return self.node("Range", [self.const(np.int64(0), "start"), length, self.const(np.int64(1), "delta")],
+                             "positions")
+        return self.once("positions", make)
+
+    def rotary(self, rotary, h):
+        """`(cos, sin)` `(1, T, 1, rotary_dim / 2)` of a described `Rotary` at
+        the positions of `h`, as `RotaryEmbedding.call` computes them (float32
+        angles `position / scaling_factor * frequency`, then cos and sin)."""
+        layer = rotary.layer
+
+        def make():
+            angles = self.node("Cast", [self.positions(h)], "positions_float", to=_onnx_type("float32"))
+            if layer.scaling_factor != 1.0:
+                angles = self.node("Div", [angles, self.const(np.float32(layer.scaling_factor), "scaling")],
+                                   "scaled_positions")
+            frequencies = description_lib.array_of(layer.inverse_frequencies(rotary.head_dim)).reshape(1, -1)
+            angles = self.node("Mul", [self.node("Unsqueeze", [angles, self.const(np.array([1], np.int64), "axis")],
+                                                 "column"), self.const(frequencies, "frequencies")], "angles")
+            factor = (layer.rope_scaling or {}).get("attention_factor", 1.0)
+            axes = self.const(np.array([0, 2], np.int64), "axes")
+            tables = []
+            for op in ("Cos", "Sin"):
+                table = self.node(op, [angles], op)
+                if factor != 1.0:
+                    table = self.node("Mul", [table, self.const(np.float32(factor), "factor")], op)
+                tables.append(self.node("Unsqueeze", [table, axes], op))
+            return tuple(tables)
+
+        return self.cached("rotary", id(layer), make)
+
+    def key_mask(self, padding, h, causal, window):
+        """The bool `(B|1, 1, T|1, T)` mask of the keys each query sees: the
+        `(B, T)` `padding`'s (None: all), within the causal triangle and the
+        symmetric band `|i - j| < window` (one `(T, T)` band per window, shared
+        by the layers); None when every key is seen."""
+        def make():
+            mask = None
+            if causal or window is not None:
+                positions = self.positions(h)
+                query = self.node("Unsqueeze", [positions, self.const(np.array([1], np.int64), "axis")], "query")
+                key = self.node("Unsqueeze", [positions, self.const(np.array([0], np.int64), "axis")], "key")
+                if causal:
+                    mask = self.node("LessOrEqual", [key, query], "causal")
+                if window is not None:
+                    distance = self.node("Abs", [self.node("Sub", [query, key], "distance")], "distance")
+                    near = self.node("Less", [distance, self.const(np.int64(window), "window")], "band")
+                    mask = near if mask is None else self.node("And", [mask, near], "band")
+            if padding is not None:
+                keys = self.node("Unsqueeze", [self.node("Cast", [padding], "mask_bool", to=_onnx_type("bool")),
+                                               self.const(np.array([1, 2], np.int64), "axes")], "key_mask")
+                mask = keys if mask is None else self.node("And", [keys, mask], "key_mask")
+            return mask
+        return self.cached("key_mask", (padding, causal, window), make)
+
+    def grouped_attention(self, h, a, padding, causal, hint):
+        """Self-attention of `h` (B, T, D) as the described `Attention` `a`
+        (grouped heads, rotary positions, a window, biases or none) in
+        standard ops, before the output projection; `padding`: the `(B, T)`
+        key mask or None. Returns `(B, T, H d)`, zero on the rows of queries
+        that see no key (as Keras's attention gives them)."""
+        heads, kv_heads, d = a.num_heads, a.num_key_value_heads, a.head_dim
+        group = heads // kv_heads
+        qkv = self.node("MatMul", [h, self.const(a.packed_kernel(), hint + "_qkv_kernel")], hint + "_qkv")
+        bias = a.packed_bias()
+        if bias is not None:
+            qkv = self.node("Add", [qkv, self.const(bias, hint + "_qkv_bias")], hint + "_qkv")
+        widths = self.const(np.array([heads * d, kv_heads * d, kv_heads * d], np.int64), hint + "_split")
+        q, k, v = self.node("Split", [qkv, widths], hint + "_split", outputs=3, axis=2)
+        q, k, v = (self.node("Reshape", [t, self.const(np.array([0, 0, n, d], np.int64), hint + "_heads")], hint)
+                   for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))  # (B, T, H, d)
+        if a.query_norm is not None:  # QK-norm: over each head, before the rotation
+            q, k = self.norm(q, a.query_norm, hint + "_q_norm"), self.norm(k, a.key_norm, hint + "_k_norm")
+        if a.rotary is not None:
+            cos, sin = self.rotary(a.rotary, h)
+            q, k = (self.rotate_half(t, cos, sin, d, a.rotary.rotary_dim, lambda part: f"{hint}_{part}")
+                    for t in (q, k))
+        q = self.node("Mul", [q, self.const(np.float32(1 / np.sqrt(d)), hint + "_scale")], hint)
+        # (B, T, H_kv, G, d) -> (B, H_kv, G, T, d) -> (B, H_kv, G T, d)
+        q = self.node("Reshape", [q, self.const(np.array([0, 0, kv_heads, group, d], np.int64), hint)], hint)
+        q = self.node("Transpose", [q], hint, perm=[0, 2, 3, 1, 4])
+        q = self.node("Reshape", [q, self.const(np.array([0, kv_heads, -1, d], np.int64), hint)], hint)
+        k = self.node("Transpose", [k], hint, perm=[0, 2, 3, 1])  # (B, H_kv, d, T)
+        scores = self.node("MatMul", [q, k], hint + "_scores")  # (B, H_kv, G T, T)
+        mask = self.key_mask(padding, h, causal, a.window)
+        if mask is not None:
+            rows = mask
+            if group > 1 and (causal or a.window is not None):  # a mask per query row: per group too
+                rows = self.node("Tile", [mask, self.const(np.array([1, 1, group, 1], np.int64), hint)], hint)
+            lowest = self.const(np.float32(np.finfo(np.float32).min), hint + "_lowest")
+            scores = self.node("Where", [rows, scores, lowest], hint + "_masked")
+        probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
+        v = self.node("Transpose", [v], hint, perm=[0, 2, 1, 3])  # (B, H_kv, T, d)
+        out = self.node("MatMul", [probs, v], hint + "_context")  # (B, H_kv, G T, d)
+        out = self.node("Reshape", [out, self.const(np.array([0, kv_heads, group, -1, d], np.int64), hint)], hint)
+        out = self.node("Transpose", [out], hint, perm=[0, 3, 1, 2, 4])  # (B, T, H_kv, G, d)
+        out = self.node("Reshape", [out, self.const(np.array([0, 0, heads * d], np.int64), hint)], hint + "_context")
+        if padding is None:
+            return out  # a query always sees itself
+
+        def seeing():  # (B, T|1, 1): 1 where a query sees a key
+            seen = _reduce(self, "ReduceMax", self.node("Cast", [mask], "seeing", to=_onnx_type("float32")),
+                           -1, 1, "seeing")
+            return self.node("Squeeze", [seen, self.const(np.array([1], np.int64), "axis")], "seeing")
+
+        return self.node("Mul", [out, self.cached("seeing_rows", mask, seeing)], hint + "_seen")
 
     def attention(self, h, kernel, bias, padding, heads, causal, hint):
         """Multi-head self-attention of `h` (B, T, D) with the packed `(D, 3 H d)`
@@ -200,13 +326,17 @@ def _emit_block(w, step, x, padding, rows, hint):
     """
     layer = step.layer
     a, f = layer.attention, layer.feedforward
-    kernel = a.packed_kernel()
-    bias = a.packed_bias()
-    if bias is None:  # both attention forms (`_Writer.attention`) take a bias: zeros
-        bias = np.zeros(kernel.shape[1], np.float32)
+    plain = (a.rotary is None and a.window is None and a.num_key_value_heads == a.num_heads
+             and a.query_norm is None)
 
     def attention(h):
-        out = w.attention(h, kernel, bias, padding, a.num_heads, step.causal, hint + "_attention")
+        if plain:  # BERT's: onnxruntime's fused Attention where fused
+            kernel, bias = a.packed_kernel(), a.packed_bias()
+            if bias is None:  # both attention forms (`_Writer.attention`) take a bias: zeros
+                bias = np.zeros(kernel.shape[1], np.float32)
+            out = w.attention(h, kernel, bias, padding, a.num_heads, step.causal, hint + "_attention")
+        else:
+            out = w.grouped_attention(h, a, padding, step.causal, hint + "_attention")
         if padding is not None and step.mask_padded_queries:
             # As MultiHeadAttention: padded query rows are zeroed before the
             # output projection (they then hold its bias).
@@ -214,33 +344,45 @@ def _emit_block(w, step, x, padding, rows, hint):
         return w.node("MatMul", [out, w.const(a.output.kernel.read(), hint + "_out_kernel")], hint + "_out")
 
     def ffn(h):
+        if f.gate is not None:
+            def dense(x, part, described):  # the down projection's bias joins the residual
+                bias = None if part == "down" else described.read_bias()
+                return w.dense(x, described.kernel.read(), bias, "linear", f"{hint}_ffn_{part}")
+            return w.feedforward(h, f, dense, lambda part: f"{hint}_ffn_{part}", standard=not w.fused)
         h = w.dense(h, f.up.kernel.read(), f.up.read_bias(), f.activation, hint + "_ffn1")
         return w.node("MatMul", [h, w.const(f.down.kernel.read(), hint + "_ffn2_kernel")], hint + "_ffn2")
 
-    branches = ((attention, layer.attention_norm, a.output.read_bias(), "_attn_res", "_ln1"),
-                (ffn, layer.feedforward_norm, f.down.read_bias(), "_ffn_res", "_ln2"))
-    for fn, norm, out_bias, pre, post in branches:
-        gamma, beta, eps = norm.scale.read(), norm.bias.read(), norm.epsilon  # LayerNorm (the table)
-        if step.normalize_first:  # x + f(LN(x)) + bias
-            y = fn(w.layer_norm(x, gamma, beta, eps, hint + pre))
+    branches = ((attention, layer.attention_norm, layer.attention_post_norm, a.output.read_bias(),
+                 "_attn_res", "_ln1"),
+                (ffn, layer.feedforward_norm, layer.feedforward_post_norm, f.down.read_bias(), "_ffn_res", "_ln2"))
+    for fn, norm, post_norm, out_bias, pre, post in branches:
+        if step.normalize_first:  # x + post_norm(f(norm(x)) + bias) (a missing norm: none)
+            y = fn(x if norm is None else w.norm(x, norm, hint + pre))
             if out_bias is not None:
                 y = w.node("Add", [y, w.const(out_bias, hint + pre + "_bias")], hint + pre)
+            if post_norm is not None:  # Gemma's sandwich norm
+                y = w.norm(y, post_norm, hint + pre + "_post")
             x = w.node("Add", [x, y], hint + pre)
-        else:  # LN(f(x) + bias + x)
-            x = w.skip_layer_norm(fn(x), x, gamma, beta, out_bias, eps, hint + post)
+        else:  # norm(f(x) + bias + x)
+            x = w.skip_layer_norm(fn(x), x, norm, out_bias, hint + post)
     return x
+
+
+def _lookup(w, table, index, name, clamp):
+    """Rows of `table` at `index`, clamped into it with `clamp`."""
+    if clamp:
+        index = w.node(
+            "Clip", [index, w.const(np.int32(0), name + "_lo"),
+                     w.const(np.int32(table.shape[0] - 1), name + "_hi")], name,
+        )
+    return w.node("Gather", [w.const(table, name + "_table"), index], name, axis=0)
 
 
 def _emit_embedding(w, step, ids, type_ids, clamp):
     hint = step.name
 
     def lookup(table, index, name):
-        if clamp:
-            index = w.node(
-                "Clip", [index, w.const(np.int32(0), name + "_lo"),
-                         w.const(np.int32(table.shape[0] - 1), name + "_hi")], name,
-            )
-        return w.node("Gather", [w.const(table, name + "_table"), index], name, axis=0)
+        return _lookup(w, table, index, name, clamp)
 
     x = lookup(step.tokens.read(), ids, hint + "_tokens")
     length = w.node("Shape", [ids], hint + "_shape", start=1, end=2)
@@ -257,7 +399,7 @@ def _emit_embedding(w, step, ids, type_ids, clamp):
         else:
             x = w.node("Add", [x, lookup(step.types.read(), type_ids, hint + "_types")], hint + "_sum")
     if step.norm is not None:
-        x = w.layer_norm(x, step.norm.scale.read(), step.norm.bias.read(), step.norm.epsilon, hint + "_ln")
+        x = w.norm(x, step.norm, hint + "_ln")
     return x
 
 
@@ -364,6 +506,13 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
         elif isinstance(step, description_lib.EmbeddingStep):
             v[step.output] = _emit_embedding(w, step, v[step.input], v.get(step.type_ids),
                                              clamp=check_ids == "clamp")
+        elif isinstance(step, description_lib.LookupStep):
+            v[step.output] = _lookup(w, step.table.read(), v[step.input], hint, clamp=check_ids == "clamp")
+        elif isinstance(step, description_lib.ArithmeticStep):
+            other = v[step.other] if step.other is not None else w.const(np.float32(step.scalar), hint + "_scalar")
+            v[step.output] = w.node({"add": "Add", "multiply": "Mul"}[step.op], [v[step.input], other], hint)
+        elif isinstance(step, description_lib.NormStep):
+            v[step.output] = w.norm(v[step.input], step.norm, hint)
         elif isinstance(step, description_lib.DenseStep):
             v[step.output] = w.dense(v[step.input], step.dense.kernel.read(), step.dense.read_bias(),
                                      step.activation, hint)

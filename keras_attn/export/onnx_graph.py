@@ -130,6 +130,36 @@ class Graph:
             h = self.activation(dense(h, "fc1", feedforward.up), name("act"), feedforward.activation, standard)
         return dense(h, "down", feedforward.down)
 
+    def rms_norm(self, x, scale, epsilon, opset, name):
+        """`x * rsqrt(mean(x^2) + epsilon) * scale` over the last axis, as
+        `keras.ops.rms_normalization`, in standard ops of `opset`; `scale` a
+        value's name, `name(hint)` a fresh node or constant name."""
+        square = self.node("Mul", [x, x], name("square"))
+        if opset >= 18:  # `axes` is an input from opset 18
+            axes = self.const(np.array([-1], np.int64), name("axes"))
+            mean = self.node("ReduceMean", [square, axes], name("ReduceMean"), keepdims=1)
+        else:
+            mean = self.node("ReduceMean", [square], name("ReduceMean"), axes=[-1], keepdims=1)
+        mean = self.node("Add", [mean, self.const(np.array(epsilon, np.float32), name("eps"))], name("eps"))
+        x = self.node("Mul", [x, self.node("Reciprocal", [self.node("Sqrt", [mean], name("sqrt"))],
+                                           name("rsqrt"))], name("normalized"))
+        return self.node("Mul", [x, scale], name("scaled"))
+
+    def rotate_half(self, x, cos, sin, head_dim, rotary_dim, name):
+        """keras_attn's `RotaryEmbedding` ("rotate half") of `x` `(..., head_dim)`
+        over its first `rotary_dim` features; `cos`, `sin` broadcast against
+        `(..., rotary_dim / 2)`; `name(hint)` a fresh node or constant name."""
+        half = rotary_dim // 2
+        sizes = [half, half] + ([head_dim - 2 * half] if 2 * half < head_dim else [])
+        parts = self.node("Split", [x, self.const(np.array(sizes, np.int64), name("sizes"))],
+                          name("rotary_split"), outputs=len(sizes), axis=-1)
+        x1, x2 = parts[0], parts[1]
+        first = self.node("Sub", [self.node("Mul", [x1, cos], name("x1cos")),
+                                  self.node("Mul", [x2, sin], name("x2sin"))], name("rot1"))
+        second = self.node("Add", [self.node("Mul", [x2, cos], name("x2cos")),
+                                   self.node("Mul", [x1, sin], name("x1sin"))], name("rot2"))
+        return self.node("Concat", [first, second] + list(parts[2:]), name("rotated"), axis=-1)
+
     def _standard_gelu(self, x, name, kind):
         """`0.5 x (1 + erf(x / sqrt 2))`, or with `tanh(sqrt(2 / pi) (x + 0.044715 x^3))`
         (`keras_attn.activations.gelu_tanh`), in standard ops."""

@@ -308,11 +308,7 @@ class _Signature:
         return self.rms_norm(x, scale, norm.epsilon)
 
     def rms_norm(self, x, scale, epsilon):
-        # x * rsqrt(mean(x^2) + epsilon) * scale, as keras.ops.rms_normalization.
-        mean = self.reduce("ReduceMean", self.op("Mul", [x, x], "square"), [-1])
-        rms = self.op("Sqrt", [self.op("Add", [mean, self.f32(epsilon)], "eps")], "sqrt")
-        x = self.op("Mul", [x, self.op("Reciprocal", [rms], "rsqrt")], "normalized")
-        return self.op("Mul", [x, scale], "scaled")
+        return self.g.rms_norm(x, scale, epsilon, self.opset, self.name)
 
     def dense(self, x, kernel_key, make_kernel, bias, hint):
         weight = self.weights.once(kernel_key, lambda: self.weights.weight(make_kernel(), kernel_key))
@@ -397,14 +393,7 @@ class _Signature:
 
     def rotate(self, x, cos, sin, rotary):
         """keras_attn's RotaryEmbedding ("rotate half") over the first `rotary_dim` features."""
-        d = self.head_dim
-        half = rotary.rotary_dim // 2
-        sizes = [half, half] + ([d - 2 * half] if 2 * half < d else [])
-        parts = self.op("Split", [x, self.i64(sizes)], "rotary_split", outputs=len(sizes), axis=-1)
-        x1, x2 = parts[0], parts[1]
-        first = self.op("Sub", [self.op("Mul", [x1, cos], "x1cos"), self.op("Mul", [x2, sin], "x2sin")], "rot1")
-        second = self.op("Add", [self.op("Mul", [x2, cos], "x2cos"), self.op("Mul", [x1, sin], "x1sin")], "rot2")
-        return self.op("Concat", [first, second] + list(parts[2:]), "rotated", axis=-1)
+        return self.g.rotate_half(x, cos, sin, self.head_dim, rotary.rotary_dim, self.name)
 
     # -- attention ---------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ import tempfile
 
 import numpy as np
 
+from keras_attn.description import array_of
 from keras_attn.export import capabilities
 from keras_attn.export.tflite_writer import INT4
 from keras_attn.export.tflite_writer import Graph
@@ -265,6 +266,57 @@ def written_bytes(write, model, **kwargs):
             return f.read()
 
 
+def rms(g, x, epsilon):
+    """`x * rsqrt(mean(x^2) + eps)` over the last axis (the scale is the caller's)."""
+    square = g.mul(x, x)
+    mean = g.op("MEAN", [square, g.const(np.array([-1], np.int32))], g.shape(x)[:-1] + (1,),
+                np.float32, g.options("ReducerOptions", keepDims=True))
+    mean = g.add(mean, g.const(np.array(epsilon, np.float32)))
+    return g.mul(x, g.op("RSQRT", [mean], g.shape(mean)))
+
+
+def rotate(g, x, cos, sin):
+    """keras_attn's `RotaryEmbedding` of `x` `(..., D)` with `cos` and the
+    signed `sin` (`[-sin, sin]`, as `rotary_angles` gives them) over the
+    first `rotary_dim` features: `x * cos + swap_halves(x) * sin`."""
+    shape = g.shape(x)
+    rotary_dim = g.shape(cos)[-1]
+    passed = None
+    if rotary_dim < shape[-1]:  # partial rotary: the last features pass unchanged
+        x, passed = g.split(x, [rotary_dim, shape[-1] - rotary_dim])
+    x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (rotary_dim // 2,),
+                  options=g.options("SplitOptions", numSplits=2), outputs=2)
+    out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))
+    return out if passed is None else g.concat([out, passed], -1)
+
+
+def rotary_angles(g, described, positions):
+    """`(cos, sin)` `(T, 1, rotary_dim)` of a described `Rotary` at the int32
+    `positions` `(T,)`, as `RotaryEmbedding.call` computes them (float32
+    angles `position / scaling_factor * frequency`, then cos and sin; `sin`
+    signed for `rotate`), once per rotary layer."""
+    rotary, head_dim = described.layer, described.head_dim
+
+    def make():
+        half = described.rotary_dim // 2
+        inverse = array_of(rotary.inverse_frequencies(head_dim))
+        t_len = g.shape(positions)[0]
+        position = g.op("CAST", [positions], (t_len,), np.float32,
+                        g.options("CastOptions", inDataType=2, outDataType=0))
+        position = g.binary("DIV", position, g.const(np.array(rotary.scaling_factor, np.float32)))
+        rows = -1 if t_len is None else t_len  # an encoder's length is the call's
+        angles = g.mul(g.reshape(position, (rows, 1)), g.const(inverse.reshape(1, half)))
+        cos, sin = g.op("COS", [angles], (t_len, half)), g.op("SIN", [angles], (t_len, half))
+        factor = np.float32((rotary.rope_scaling or {}).get("attention_factor", 1.0))
+        minus = g.mul(sin, g.const(np.array(-1.0, np.float32)))
+        cos, sin = g.concat([cos, cos], -1), g.concat([minus, sin], -1)
+        if factor != 1.0:
+            cos, sin = (g.mul(t, g.const(factor)) for t in (cos, sin))
+        return g.reshape(cos, (rows, 1, 2 * half)), g.reshape(sin, (rows, 1, 2 * half))
+
+    return g.cached(("rotary", id(rotary), head_dim), make)
+
+
 class DecoderBuilder:
     """Writes the signatures of a described decoder (`keras_attn.description.Decoder`)."""
 
@@ -313,13 +365,7 @@ class DecoderBuilder:
             x = g.mul(x, g.const(np.array(self.d.embedding_scale, np.float32)))
         return x
 
-    def rms(self, g, x, epsilon):
-        """`x * rsqrt(mean(x^2) + eps)` over the last axis (the scale is folded)."""
-        square = g.mul(x, x)
-        mean = g.op("MEAN", [square, g.const(np.array([-1], np.int32))], g.shape(x)[:-1] + (1,),
-                    np.float32, g.options("ReducerOptions", keepDims=True))
-        mean = g.add(mean, g.const(np.array(epsilon, np.float32)))
-        return g.mul(x, g.op("RSQRT", [mean], g.shape(mean)))
+    rms = staticmethod(rms)
 
     # -- one signature ----------------------------------------------------
     def signature(self, name, length, with_logits):
@@ -587,16 +633,7 @@ class DecoderBuilder:
                       (g.shape(rows)[0], 1, -1))
             for part, table in (("cos", cos_table), ("sin", sin_table))))
 
-    def _rotate(self, g, x, cos, sin):
-        shape = g.shape(x)
-        rotary_dim = g.shape(cos)[-1]
-        passed = None
-        if rotary_dim < shape[-1]:  # partial rotary: the last features pass unchanged
-            x, passed = g.split(x, [rotary_dim, shape[-1] - rotary_dim])
-        x1, x2 = g.op("SPLIT", [g.const(np.array(-1, np.int32)), x], shape[:-1] + (rotary_dim // 2,),
-                      options=g.options("SplitOptions", numSplits=2), outputs=2)
-        out = g.add(g.mul(x, cos), g.mul(g.concat([x2, x1], -1), sin))
-        return out if passed is None else g.concat([out, passed], -1)
+    _rotate = staticmethod(rotate)
 
     def _feedforward(self, g, x, layer, base):
         norm, feedforward = layer.feedforward_norm, layer.feedforward

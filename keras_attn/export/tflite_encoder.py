@@ -24,7 +24,10 @@ LayerNorm as MEAN, SQUARED_DIFFERENCE, MEAN, ADD, RSQRT, SUB, MUL, MUL, ADD
 (what the converter emits for Keras's LayerNormalization); attention as
 TRANSPOSE, BATCH_MATMUL, the masked logits' bias ADD, SOFTMAX, BATCH_MATMUL,
 with query rows that see no key zeroed (as Keras's attention does) rather
-than NaN; GELU as the builtin GELU (`approximate` as the model has it); a
+than NaN (a window: the symmetric band `|i - j| < window`, one per window
+size; rotary positions as `RotaryEmbedding` computes them, from the
+positions `0 .. T - 1`; grouped key/value heads repeated per query head;
+QK-norm before the rotation); GELU as the builtin GELU (`approximate` as the model has it); a
 sentence embedding's pooling as masked sums over the tokens (CUMSUM of the
 mask picks the first and last token), its L2 normalization SUM, RSQRT,
 MINIMUM, MUL, its truncation a SLICE. The
@@ -46,6 +49,7 @@ import numpy as np
 from keras_attn import description as description_lib
 from keras_attn.export import capabilities
 from keras_attn.export import saved_model as saved_model_lib
+from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_writer
 from keras_attn.export.capabilities import NotFusableError
 from keras_attn.export.tflite_writer import quantize_rows
@@ -154,10 +158,13 @@ class _EncoderBuilder:
         """`activation(x @ kernel + bias)` of a description's `Dense`."""
         return self.g.activation(self.fully_connected(x, dense.kernel.read, dense.read_bias(), name), activation)
 
-    def layer_norm(self, x, norm):
-        """`(x - mean) * rsqrt(var + eps) * gamma + beta` over the last axis (a LayerNorm `Norm`)."""
-        gamma, beta, epsilon = norm.scale.read(), norm.bias.read(), norm.epsilon
+    def norm(self, x, norm):
+        """A described `Norm` over the last axis: RMSNorm, or LayerNorm
+        `(x - mean) * rsqrt(var + eps) * gamma (+ beta)`."""
         g = self.g
+        if norm.kind == "rms":
+            return g.mul(tflite_decoder.rms(g, x, norm.epsilon), self.const(norm.scale.read(), np.float32))
+        gamma, epsilon = norm.scale.read(), norm.epsilon
         axis = self.const([-1], np.int32)
         reduced = g.shape(x)[:-1] + (1,)
         mean = g.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
@@ -167,7 +174,7 @@ class _EncoderBuilder:
         scale = g.op("RSQRT", [var], reduced)
         centered = g.binary("SUB", x, mean)
         y = g.mul(g.mul(centered, scale), self.const(gamma, np.float32))
-        return g.add(y, self.const(beta, np.float32))
+        return y if norm.bias is None else g.add(y, self.const(norm.bias.read(), np.float32))
 
     def lookup(self, table, ids, name, wrap, int8=False):
         """Rows of `table` `(V, D)` at `ids`; `wrap`: negative ids count from
@@ -183,9 +190,13 @@ class _EncoderBuilder:
         codes, scales = quantize_rows(table)
         return g.gather_int8(g.const(codes, name + "/codes"), scales, ids, name)
 
+    def rows_of(self, ids):
+        """The `(2,)` shape `(B, T)` of `(B, T)` ids."""
+        return self.g.cached(("rows", ids), lambda: self.g.dims(ids))
+
     def embedding(self, step, ids, types_, clamped):
         g = self.g
-        rows = g.cached(("rows", ids), lambda: g.dims(ids))
+        rows = self.rows_of(ids)
         x = self.lookup(step.tokens.read(), ids, step.name + "/tokens", wrap=not clamped,
                         int8=self.quantization is not None)
         positions = step.positions.table.read()
@@ -201,18 +212,27 @@ class _EncoderBuilder:
                 x = g.add(x, self.lookup(table, types_, step.name + "/types", wrap=True))
         x = g.reshape(x, (-1, positions.shape[1]))
         if step.norm is not None:
-            x = self.layer_norm(x, step.norm)
+            x = self.norm(x, step.norm)
         return types.SimpleNamespace(index=x, rows=rows)
 
-    def attention_masks(self, padding, rows, causal, queries):
+    def positions(self, rows):
+        """The int32 positions `0 .. T - 1` `(T,)`."""
+        def make():
+            _, t = self.dims(rows)
+            return self.g.op("RANGE", [self.const(0, np.int32), self.g.reshape(t, ()), self.const(1, np.int32)],
+                             (None,), np.int32)
+        return self.g.cached(("positions", rows), make)
+
+    def attention_masks(self, padding, rows, causal, queries, window):
         """`(bias, keep)`: the additive logits bias `(B|1, 1, T|1, T)` (0 where
         a key is seen, MASKED_LOGIT elsewhere, 0 on rows that see no key) and
         the float `(B, 1, T|1, 1)` factor zeroing those rows and, with
-        `queries`, the padded query rows (None when nothing is zeroed)."""
-        return self.g.cached(("masks", padding, rows, causal, queries),
-                             lambda: self._attention_masks(padding, rows, causal, queries))
+        `queries`, the padded query rows (None when nothing is zeroed). A
+        window is the symmetric band `|i - j| < window`, one per window."""
+        return self.g.cached(("masks", padding, rows, causal, queries, window),
+                             lambda: self._attention_masks(padding, rows, causal, queries, window))
 
-    def _attention_masks(self, padding, rows, causal, queries):
+    def _attention_masks(self, padding, rows, causal, queries, window):
         g = self.g
         mask = None
         if padding is not None:
@@ -220,14 +240,16 @@ class _EncoderBuilder:
                 zero = self.const(0, g.dtype(padding))
                 padding = g.binary("NOT_EQUAL", padding, zero)
             mask = self.reshape(padding, self.shape_of(rows, "B", 1, 1, "T"), (None, 1, 1, None))
-        if causal:
-            _, t = self.dims(rows)
-            length = g.reshape(t, ())
-            steps = g.op("RANGE", [self.const(0, np.int32), length, self.const(1, np.int32)],
-                         (None,), np.int32)
-            band = g.binary("LESS_EQUAL", g.reshape(steps, (1, 1, 1, -1)),
-                            g.reshape(steps, (1, 1, -1, 1)))
-            mask = band if mask is None else g.binary("LOGICAL_AND", mask, band)
+        if causal or window is not None:
+            steps = self.positions(rows)
+            keys, queries_ = g.reshape(steps, (1, 1, 1, -1)), g.reshape(steps, (1, 1, -1, 1))
+            bands = [g.binary("LESS_EQUAL", keys, queries_)] if causal else []
+            if window is not None:  # |query - key| < window
+                limit = self.const(window, np.int32)
+                bands += [g.binary("LESS", g.binary("SUB", queries_, keys), limit),
+                          g.binary("LESS", g.binary("SUB", keys, queries_), limit)]
+            for band in bands:
+                mask = band if mask is None else g.binary("LOGICAL_AND", mask, band)
         bias = g.op("SELECT_V2", [mask, self.const(0.0, np.float32),
                                   self.const(MASKED_LOGIT, np.float32)],
                     g.shape(mask), np.float32, "SelectV2Options")
@@ -250,10 +272,13 @@ class _EncoderBuilder:
         other tensor of rank 3 in)."""
         g = self.g
         a, f, name = step.layer.attention, step.layer.feedforward, step.name
-        heads, head = a.num_heads, a.head_dim
-        width = heads * head
+        heads, kv_heads, head = a.num_heads, a.num_key_value_heads, a.head_dim
+        width, kv_width = heads * head, kv_heads * head
         rows = x.rows
         scale = np.float32(1.0 / np.sqrt(head))
+        # The query scale is folded into the query weights, or with QK-norm
+        # (which a scale before it would not survive) into the norm's output.
+        after_norm, scale = (scale, np.float32(1.0)) if a.query_norm is not None else (None, scale)
 
         def qkv_kernel():
             kernel = a.packed_kernel()
@@ -262,17 +287,26 @@ class _EncoderBuilder:
 
         qkv_bias = a.packed_bias()
         if qkv_bias is None:  # no biases: a zero one, the graph this writer has always written
-            qkv_bias = np.zeros(3 * width, np.float32)
+            qkv_bias = np.zeros(width + 2 * kv_width, np.float32)
         qkv_bias[:width] *= scale
         bias, keep = None, None
-        if padding is not None or step.causal:
+        if padding is not None or step.causal or a.window is not None:
             bias, keep = self.attention_masks(padding, rows, step.causal,
-                                              padding is not None and step.mask_padded_queries)
-        heads_shape = self.shape_of(rows, "B", "T", heads, head)
+                                              padding is not None and step.mask_padded_queries, a.window)
+        widths = (width, kv_width, kv_width)
 
         def attention(h):
-            q, k, v = g.split(self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv"), [width] * 3)
-            q, k, v = (self.reshape(t, heads_shape, (None, None, heads, head)) for t in (q, k, v))
+            q, k, v = g.split(self.fully_connected(h, qkv_kernel, qkv_bias, f"{name}/qkv"), list(widths))
+            q, k, v = (self.reshape(t, self.shape_of(rows, "B", "T", n, head), (None, None, n, head))
+                       for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))  # (B, T, H, d)
+            if a.query_norm is not None:  # QK-norm: over each head, before the rotation
+                q = g.mul(self.norm(q, a.query_norm), self.const(after_norm, np.float32))
+                k = self.norm(k, a.key_norm)
+            if a.rotary is not None:  # the query scale folded in commutes with the rotation
+                cos, sin = tflite_decoder.rotary_angles(g, a.rotary, self.positions(rows))
+                q, k = (tflite_decoder.rotate(g, t, cos, sin) for t in (q, k))
+            if kv_heads != heads:  # query head i reads key/value head i // group
+                k, v = (self.repeat_heads(t, rows, kv_heads, heads // kv_heads, head) for t in (k, v))
             q = g.transpose(q, (0, 2, 1, 3))  # (B, H, T, d)
             k = g.transpose(k, (0, 2, 3, 1))  # (B, H, d, T)
             v = g.transpose(v, (0, 2, 1, 3))  # (B, H, T, d)
@@ -291,16 +325,30 @@ class _EncoderBuilder:
                                         f"{name}/attention_output")
 
         def feedforward(h):
-            h = self.dense(h, f.up, f.activation, f"{name}/ffn1")
+            if f.gate is not None:
+                h = g.mul(self.dense(h, f.gate, f.activation, f"{name}/gate"), self.dense(h, f.up, "linear", f"{name}/ffn1"))
+            else:
+                h = self.dense(h, f.up, f.activation, f"{name}/ffn1")
             return self.dense(h, f.down, "linear", f"{name}/ffn2")
 
         h = x.index
-        for fn, norm in ((attention, step.layer.attention_norm), (feedforward, step.layer.feedforward_norm)):
-            if step.normalize_first:
-                h = g.add(h, fn(self.layer_norm(h, norm)))
+        layer = step.layer
+        for fn, norm, post_norm in ((attention, layer.attention_norm, layer.attention_post_norm),
+                                    (feedforward, layer.feedforward_norm, layer.feedforward_post_norm)):
+            if step.normalize_first:  # h + post_norm(f(norm(h))), a missing norm none
+                y = fn(h if norm is None else self.norm(h, norm))
+                h = g.add(h, y if post_norm is None else self.norm(y, post_norm))
             else:
-                h = self.layer_norm(g.add(h, fn(h)), norm)
+                h = self.norm(g.add(h, fn(h)), norm)
         return types.SimpleNamespace(index=h, rows=rows)
+
+    def repeat_heads(self, x, rows, kv_heads, group, head):
+        """`(B, T, H_kv, d)` -> `(B, T, H_kv * group, d)`, each head `group` times in a row."""
+        g = self.g
+        x = self.reshape(x, self.shape_of(rows, "B", "T", kv_heads, 1, head), (None, None, kv_heads, 1, head))
+        x = g.concat([x] * group, 3)
+        return self.reshape(x, self.shape_of(rows, "B", "T", kv_heads * group, head),
+                            (None, None, kv_heads * group, head))
 
     def reduce(self, op, x, axis, keepdims):
         """`op` (SUM, REDUCE_MAX) of `x` over `axis`."""
@@ -421,6 +469,19 @@ class _EncoderBuilder:
             elif isinstance(step, description_lib.EmbeddingStep):
                 types_ = None if step.type_ids is None else v[step.type_ids].index
                 result = self.embedding(step, v[step.input].index, types_, step.input in clamped)
+            elif isinstance(step, description_lib.LookupStep):
+                ids = v[step.input].index
+                x = self.lookup(step.table.read(), ids, step.name, wrap=step.input not in clamped,
+                                int8=self.quantization is not None)
+                result = types.SimpleNamespace(index=g.reshape(x, (-1, step.table.shape[1])), rows=self.rows_of(ids))
+            elif isinstance(step, description_lib.ArithmeticStep):
+                x = v[step.input]
+                other = v[step.other].index if step.other is not None else self.const(step.scalar, np.float32)
+                index = g.binary({"add": "ADD", "multiply": "MUL"}[step.op], x.index, other)
+                result = types.SimpleNamespace(index=index, rows=x.rows)
+            elif isinstance(step, description_lib.NormStep):
+                x = v[step.input]
+                result = types.SimpleNamespace(index=self.norm(x.index, step.norm), rows=x.rows)
             elif isinstance(step, description_lib.DenseStep):
                 x = v[step.input]
                 index = self.dense(x.index, step.dense, step.activation, step.name)

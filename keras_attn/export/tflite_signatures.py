@@ -46,7 +46,6 @@ converter with a warning.
 
 import numpy as np
 
-from keras_attn.description import array_of
 from keras_attn.export import capabilities
 from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_writer
@@ -232,27 +231,8 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
     def _rotary(self, g, described, rows):
         if not self.ring_window:
             return super()._rotary(g, described, rows)
-        # A ring's positions pass max_length: the angles from the position, as
-        # `RotaryEmbedding.call` computes them (float32, then cos and sin).
-        rotary, head_dim = described.layer, described.head_dim
-
-        def make():
-            half = described.rotary_dim // 2
-            inverse = array_of(rotary.inverse_frequencies(head_dim))
-            t_len = g.shape(rows)[0]
-            position = g.op("CAST", [rows], (t_len,), np.float32,
-                            g.options("CastOptions", inDataType=2, outDataType=0))
-            position = g.binary("DIV", position, g.const(np.array(rotary.scaling_factor, np.float32)))
-            angles = g.mul(g.reshape(position, (t_len, 1)), g.const(inverse.reshape(1, half)))
-            cos, sin = g.op("COS", [angles], (t_len, half)), g.op("SIN", [angles], (t_len, half))
-            factor = np.float32((rotary.rope_scaling or {}).get("attention_factor", 1.0))
-            minus = g.mul(sin, g.const(np.array(-1.0, np.float32)))
-            cos, sin = g.concat([cos, cos], -1), g.concat([minus, sin], -1)
-            if factor != 1.0:
-                cos, sin = (g.mul(t, g.const(factor)) for t in (cos, sin))
-            return g.reshape(cos, (t_len, 1, 2 * half)), g.reshape(sin, (t_len, 1, 2 * half))
-
-        return g.cached(("rotary", id(rotary), head_dim), make)
+        # A ring's positions pass max_length: the angles from the position.
+        return tflite_decoder.rotary_angles(g, described, rows)
 
     def _pack(self, g, parts):
         """`[keys, values, ...]` `(B, L, H_kv, D)` each, per layer -> `(2 N, B, L, H_kv, D)`."""

@@ -102,7 +102,7 @@ def test_fallback_after_some_weights_were_streamed_leaves_none_of_them(tmp_path)
 
     inputs = keras.Input((None, DIM), name="x")
     first = keras.layers.Dense(8, name="first")
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(first(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="elu")(first(inputs)))
     report = export_onnx(model, tmp_path / "m.onnx")
     assert report.details["writer"] == "tf2onnx"
     names = [i.name for i in onnx.load(str(tmp_path / "m.onnx")).graph.initializer]
@@ -122,14 +122,14 @@ def test_causal_mask_of_the_standard_graph(plain):
 
 def test_uncovered_model_goes_to_tf2onnx_by_default_without_a_warning(tmp_path):
     inputs = keras.Input((None, DIM), name="x")
-    x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalization="rms_norm")(inputs)
+    x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, logit_soft_cap=20.0)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3)(x))
     feed = np.random.default_rng(0).normal(size=(2, 5, DIM)).astype("float32")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report = export_onnx(model, tmp_path / "m.onnx", sample_inputs=feed)
     assert report.details["writer"] == "tf2onnx"
-    assert "normalization" in report.details["direct_writer_skipped"]
+    assert "logit_soft_cap" in report.details["direct_writer_skipped"]
     got = _run(tmp_path / "m.onnx", {"x": feed}, [report.details["outputs"][0]])[0]
     tolerance.assert_close(got, np.asarray(model(feed)), terms=tolerance.LAYER_TERMS)
 
@@ -141,8 +141,8 @@ def test_writer_forced(post_norm, tmp_path):
     report = export_onnx(model, tmp_path / "tf.onnx", writer="traced", sample_inputs=_feed(seed=5))
     assert report.details["writer"] == "tf2onnx" and report.max_abs_error <= 1e-4
     inputs = keras.Input((None, DIM), name="x")
-    uncovered = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
-    with pytest.raises(NotFusableError, match=r"writer='direct'.*silu"):
+    uncovered = keras.Model(inputs, keras.layers.Dense(3, activation="elu")(inputs))
+    with pytest.raises(NotFusableError, match=r"writer='direct'.*elu"):
         export_onnx(uncovered, tmp_path / "d.onnx", writer="direct")
     assert not (tmp_path / "d.onnx").exists()
 
@@ -182,11 +182,11 @@ def test_tf2onnx_past_the_available_memory_is_refused_before_it_starts(tmp_path,
     from keras_attn.export import onnx as onnx_lib
 
     inputs = keras.Input((None, DIM), name="x")
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="elu")(inputs))
     weights = DIM * 3 * 4 + 3 * 4  # float32 kernel and bias
     monkeypatch.setattr(onnx_lib, "available_memory", lambda: onnx_lib.TF2ONNX_MEMORY_FACTOR * weights - 1)
     monkeypatch.setattr(onnx_lib, "convert", lambda *a, **k: pytest.fail("tf2onnx was started"))
-    with pytest.raises(ExportError, match=r"needs tf2onnx.*silu.*available.*writer='traced'"):
+    with pytest.raises(ExportError, match=r"needs tf2onnx.*elu.*available.*writer='traced'"):
         export_onnx(model, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
 
@@ -265,21 +265,20 @@ def test_queries_that_see_no_key_give_keras_zeros(which, graph, request):
 
 def test_unsupported_layer_falls_back_to_tf2onnx_with_a_warning(tmp_path):
     inputs = keras.Input((None, DIM), name="x")
-    x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, normalization="rms_norm")(inputs)
+    x = TransformerEncoderBlock(num_heads=HEADS, intermediate_dim=FFN, logit_soft_cap=20.0)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3)(x))
     feed = np.random.default_rng(0).normal(size=(2, 5, DIM)).astype("float32")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = export_onnx(model, tmp_path / "m.onnx", fused=True, sample_inputs=feed)
     messages = [str(w.message) for w in caught if "fused=True" in str(w.message)]
-    assert messages and "normalization" in messages[0], messages
+    assert messages and "logit_soft_cap" in messages[0], messages
     assert "Attention" not in report.ops and report.details["fused"]["Attention"] == 0
     got = _run(tmp_path / "m.onnx", {"x": feed}, [report.details["outputs"][0]])[0]
     tolerance.assert_close(got, np.asarray(model(feed)), terms=tolerance.LAYER_TERMS)
 
 
-@pytest.mark.parametrize("option", [dict(use_qk_norm=True), dict(use_sandwich_norm=True),
-                                    dict(logit_soft_cap=2.0)])
+@pytest.mark.parametrize("option", [dict(logit_soft_cap=2.0)])
 def test_block_options_the_fused_kernels_lack_are_refused_by_name(option):
     from keras_attn.export.capabilities import NotFusableError
     from keras_attn.export.onnx_fused import fused_model_proto

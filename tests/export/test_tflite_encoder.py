@@ -226,7 +226,7 @@ def test_uncovered_encoder_falls_back_with_a_warning_and_direct_refuses(tmp_path
 def test_other_models_and_quantizations_go_to_the_converter_quietly(tmp_path, monkeypatch):
     monkeypatch.setattr(tflite_encoder, "MEANT_FOR_PARAMETERS", 1)
     inputs = keras.Input((None, 8), name="x")
-    plain = keras.Model(inputs, keras.layers.Dense(3, activation="silu")(inputs))
+    plain = keras.Model(inputs, keras.layers.Dense(3, activation="elu")(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         report = export_tflite(plain, tmp_path / "plain.tflite",
