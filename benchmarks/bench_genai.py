@@ -47,21 +47,13 @@ import numpy as np  # noqa: E402
 
 def trained_tokenizer(vocab_size):
     """A byte-level BPE tokenizer trained on generated English-like text."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from keras_attn.runtimes import bpe_tokenizer
 
     rng = np.random.default_rng(0)
     syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"]
     words = ["".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(5000)]
     corpus = [" ".join(rng.choice(words, 12)) for _ in range(4000)]
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return bpe_tokenizer(corpus, vocab_size=vocab_size)
 
 
 def build_hf(folder, args):

@@ -47,21 +47,15 @@ def pretrain_base(folder, train, *, epochs, hidden_size=64, num_layers=2, seed=0
     """A Llama-shaped model and byte-level BPE tokenizer trained on date texts,
     saved as a Hugging Face folder (what `--hf-dir` would hold)."""
     import keras
-    import tokenizers
     import torch
     import transformers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from keras_attn.convert import from_huggingface
     from keras_attn.data import causal_lm_dataset
+    from keras_attn.runtimes import bpe_tokenizer
 
     texts = [f"{human}. {FORMS['iso'](iso)}. {FORMS['us'](iso)}." for human, iso in train]
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<pad>", "<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = bpe_tokenizer(texts, vocab_size=600)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
                                                      pad_token="<pad>")
     config = transformers.LlamaConfig(

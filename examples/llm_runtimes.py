@@ -36,20 +36,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 def tiny_llama(folder):
     """A random-init Llama and a byte-level BPE tokenizer, saved like a checkpoint."""
     import numpy as np
-    import tokenizers
     import torch
     import transformers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from keras_attn.runtimes import bpe_tokenizer
 
     rng = np.random.default_rng(0)
     words = "the a cat dog sat ran on in under mat box red blue small big and then".split()
     corpus = [" ".join(rng.choice(words, 8)) for _ in range(500)]
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<pad>", "<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = bpe_tokenizer(corpus, vocab_size=400)
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

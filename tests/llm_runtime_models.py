@@ -5,9 +5,9 @@ tokens as the reference."""
 
 import functools
 import numpy as np
-import tokenizers
 
 from keras_attn.generation import DecoderOnlyLM, greedy_search
+from keras_attn.runtimes.tokenizers import bpe_tokenizer
 from tests import model_zoo
 from tests import tolerance
 
@@ -21,18 +21,9 @@ def word_tokenizer():
     """A GPT-2-style byte-level BPE tokenizer.json, trained offline here on
     sentences of `WORDS` (ONNX Runtime GenAI's tokenizer reads BPE, WordPiece
     and Unigram models; not WordLevel)."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     rng = np.random.default_rng(0)
     corpus = [" ".join(rng.choice(WORDS, 8)) for _ in range(400)]
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return bpe_tokenizer(corpus, vocab_size=320)
 
 
 VOCAB = 320

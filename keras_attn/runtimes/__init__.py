@@ -29,7 +29,8 @@ from keras_attn.runtimes.signatures import (
     signature_functions,
     tflite_bytes,
 )
-from keras_attn.runtimes.tokenizers import character_tokenizer, word_tokenizer, write_tokenizer
+from keras_attn.runtimes.tokenizers import (
+    bpe_tokenizer, character_tokenizer, word_tokenizer, write_tokenizer)
 from keras_attn.runtimes.trace import DecoderTrace
 from keras_attn.runtimes.verification import SignatureReport
 
@@ -37,6 +38,7 @@ __all__ = [
     "DecoderTrace",
     "LitertLmReport",
     "SignatureReport",
+    "bpe_tokenizer",
     "character_tokenizer",
     "export_litertlm",
     "export_onnx",

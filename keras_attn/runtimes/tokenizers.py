@@ -89,6 +89,36 @@ def character_tokenizer(characters, special_tokens=("<pad>", "<eos>")):
     return tok
 
 
+def bpe_tokenizer(texts, vocab_size, special_tokens=("<pad>", "<eos>")):
+    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2's kind) trained on `texts`.
+
+    Args:
+        texts: an iterable of strings to learn the merges from.
+        vocab_size: the vocabulary size to train to (special tokens and the
+            256 byte tokens included).
+        special_tokens: tokens with the first ids (e.g. padding 0, end 1).
+
+    Returns:
+        The trained tokenizer; every text is encodable (the byte alphabet is
+        always in the vocabulary) and `decode` inverts `encode`.
+
+    Example:
+
+        tok = bpe_tokenizer(["the cat sat", "the dog ran"] * 50, vocab_size=300)
+        tok.decode(tok.encode("the cat ran").ids)   # "the cat ran"
+    """
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return tok
+
+
 # TextVectorization's default `standardize="lower_and_strip_punctuation"`.
 _PUNCTUATION = r'[!"#$%&()\*\+,\-\./:;<=>?@\[\\\]^_`{|}~\']'
 
