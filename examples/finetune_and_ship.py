@@ -50,7 +50,7 @@ def pretrain_base(folder, train, *, epochs, hidden_size=64, num_layers=2, seed=0
     import torch
     import transformers
 
-    from keras_attn.convert import from_huggingface
+    from keras_attn.convert import from_huggingface, save_huggingface
     from keras_attn.data import causal_lm_dataset
     from keras_attn.runtimes import bpe_tokenizer
 
@@ -74,8 +74,6 @@ def pretrain_base(folder, train, *, epochs, hidden_size=64, num_layers=2, seed=0
     keras.utils.set_random_seed(seed)
     lm.fit(causal_lm_dataset(texts, tokenizer, 64, 32, eos_token_id=EOS, shuffle=True,
                              seed=seed), epochs=epochs, verbose=2)
-    from keras_attn.convert import save_huggingface
-
     save_huggingface(lm, folder)
 
 
@@ -178,19 +176,18 @@ def main(argv=None):
             "keras": exact_match(tokenizer, answers, references[form])}
         print(f"adapter {form!r}: exact match in Keras {summary['adapters'][form]['keras']:.2f}")
 
-    ok = ship(args, base_dir, tokenizer, test_prompts, references, adapters, summary)
+    ok = ship(args, base_dir, test_prompts, references, adapters, summary)
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return 0 if ok else 1
 
 
-def ship(args, base_dir, tokenizer, test_prompts, references, adapters, summary):
+def ship(args, base_dir, test_prompts, references, adapters, summary):
     """Each fine-tune in each runtime: its exact match and whether its answers
     are Keras's. One base serves both adapters in each runtime."""
     ok = True
     for runtime, run in (("onnxruntime_genai", ship_genai), ("litert_lm", ship_litertlm)):
-        for form, (texts, keras_texts) in run(args, base_dir, tokenizer, test_prompts,
-                                              adapters).items():
+        for form, (texts, keras_texts) in run(args, base_dir, test_prompts, adapters).items():
             equal = sum(t == k for t, k in zip(texts, keras_texts))
             result = {
                 "exact_match": sum(t.strip() == r for t, r in zip(texts, references[form]))
@@ -203,7 +200,7 @@ def ship(args, base_dir, tokenizer, test_prompts, references, adapters, summary)
     return ok
 
 
-def ship_genai(args, base_dir, tokenizer, test_prompts, adapters, max_new_tokens=12):
+def ship_genai(args, base_dir, test_prompts, adapters, max_new_tokens=12):
     """An ONNX Runtime GenAI folder holding the base once, and one
     `.onnx_adapter` file per fine-tune, activated per generator."""
     import numpy as np
@@ -243,7 +240,7 @@ def ship_genai(args, base_dir, tokenizer, test_prompts, adapters, max_new_tokens
                    [og_tokenizer.decode(a) for a in adapters[form][1]]) for form in forms}
 
 
-def ship_litertlm(args, base_dir, tokenizer, test_prompts, adapters, max_new_tokens=12):
+def ship_litertlm(args, base_dir, test_prompts, adapters, max_new_tokens=12):
     """One `.litertlm` bundle whose decode and prefill take LoRA weights as
     inputs, and one LiteRT-LM LoRA file per fine-tune, given per session."""
     import litert_lm
