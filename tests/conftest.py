@@ -127,6 +127,7 @@ RUN_FIRST = (
     "export/test_export_examples.py", "export/test_export_model_kinds.py",
     "project/test_mobile_example.py", "project/test_pretrained_example.py",
     "project/test_finetune_example.py", "training/test_lm_distributed.py",
+    "training/test_lm_resume.py",
     # Minutes too (exports of quantized models and of while loops, the docs'
     # commands): early, so that the files a worker gets last are short ones
     # (test_traced_structure.py, alphabetically near the end, came last).

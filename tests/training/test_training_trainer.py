@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_attn.generation import DecoderOnlyLM
 from keras_attn.training import Trainer
 from tests import tolerance
 
@@ -161,8 +162,34 @@ def test_restores_checkpoint_without_random_state(tmp_path):
     fresh = _dropout_model()
     trainer = Trainer(fresh, keras.optimizers.Adam(0.01), "mse", global_batch_size=16,
                       checkpoint_dir=str(tmp_path))
-    with pytest.warns(UserWarning, match="no random state"):
+    with pytest.warns(UserWarning, match="no random_state"):
         assert trainer.restore() == 3
     for a, b in zip(fresh.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert all(np.asarray(v)[1] == 0 for v in trainer._random_state)
+
+
+def test_checkpoint_holds_every_weight_of_a_lora_decoder_lm(tmp_path):
+    # A DecoderOnlyLM keeps its blocks in a list, which `tf.train.Checkpoint`
+    # does not follow from the model: the checkpoint must still hold every
+    # block's frozen kernels and LoRA factors, and the optimizer's moments.
+    def make(seed):
+        keras.utils.set_random_seed(seed)
+        lm = DecoderOnlyLM(6, 4, 8, num_layers=2, num_heads=2, intermediate_dim=8)
+        lm(np.zeros((1, 4), "int32"))
+        lm.enable_lora(2, target_names=("q_proj", "v_proj"))
+        return lm, Trainer(lm, keras.optimizers.Adam(1e-2),
+                           keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           global_batch_size=4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+
+    x = np.random.default_rng(0).integers(0, 6, (8, 4)).astype("int32")
+    lm, trainer = make(0)
+    trainer.fit(lambda context: tf.data.Dataset.from_tensor_slices((x, x)).repeat().batch(4),
+                steps=4, verbose=False)
+    fresh, restored = make(1)  # other initial weights, A included
+    assert restored.restore() == 4
+    assert any("decoder_1" in v.path and "lora_kernel_b" in v.path for v in fresh.weights)
+    for got, want in zip(fresh.weights, lm.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=want.path)
+    for got, want in zip(restored.optimizer.variables, trainer.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=want.path)
