@@ -175,8 +175,8 @@ class Trainer:
         # checkpoint of a `DecoderOnlyLM` holds its embeddings, final norm
         # and head, and nothing of its blocks.
         self._weights = list(model.weights)
-        self._checkpoint_objects = dict(model=model, optimizer=self.optimizer, step=self.step,
-                                        weights=self._weights)
+        self._checkpoint_objects = {"model": model, "optimizer": self.optimizer,
+                                    "step": self.step, "weights": self._weights}
         if self._random_state:
             self._checkpoint_objects["random_state"] = self._random_state
         self.checkpoint = tf.train.Checkpoint(**self._checkpoint_objects)
