@@ -98,16 +98,18 @@ PEER_RECIPE = "dynamic_wi8_afp32"
 # The prompt lengths: 1, a few lengths inside each range, and each side of every
 # signature length (and of its multiples) found in the swept bundles.
 # (The sweep starts at 2: a 1-token prompt measured no prefill time.)
-SWEEP_BASE_LENGTHS = (2, 16, 48, 80, 96, 107, 113, 119, 300, 422, 700, 1000)
+SWEEP_BASE_LENGTHS = (2, 16, 48, 64, 80, 96, 97, 107, 113, 119, 300, 422, 700, 1000)
 
 
 def sweep_lengths(signature_lengths, largest=SWEEP_MAX_LENGTH - 8):
     """Prompt lengths from 2 to `largest`: SWEEP_BASE_LENGTHS and T - 1, T, T + 1
-    for every signature length T, and for every multiple of the largest one."""
+    for every signature length T, and for every multiple of each one from 128 up
+    (where a bundle's calls change)."""
     lengths = {n for n in SWEEP_BASE_LENGTHS if n <= largest}
     edges = set(signature_lengths)
-    top = max(signature_lengths)
-    edges.update(range(top, largest + 1, top))
+    for top in signature_lengths:
+        if top >= 128:
+            edges.update(range(top, largest + 1, top))
     for t in edges:
         lengths.update(n for n in (t - 1, t, t + 1) if 2 <= n <= largest)
     return sorted(lengths)
