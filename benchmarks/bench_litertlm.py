@@ -28,7 +28,8 @@ prefills the longest prompt. Bundles are kept under `--work` and reused.
 
     python benchmarks/bench_litertlm.py --sweep --real-size qwen2.5-0.5b,llama-3.2-1b \
         --write-results litertlm_prefill_sweep
-    python benchmarks/bench_litertlm.py --sweep --real-size qwen2.5-0.5b --ours-prefill 32,128 --ours-prefill 128
+    python benchmarks/bench_litertlm.py --sweep --real-size qwen2.5-0.5b --ours-prefill 128 \
+        --ours-prefill 32,128 --ours-prefill 128,256,512
 
 Needs `litert-lm-api` and `litert-lm-builder` (the `llm-runtimes` extra);
 the peer column is skipped when PEER_PYTHON (default
@@ -98,16 +99,18 @@ PEER_RECIPE = "dynamic_wi8_afp32"
 # The prompt lengths: 1, a few lengths inside each range, and each side of every
 # signature length (and of its multiples) found in the swept bundles.
 # (The sweep starts at 2: a 1-token prompt measured no prefill time.)
-SWEEP_BASE_LENGTHS = (2, 16, 48, 80, 96, 107, 113, 119, 300, 422, 700, 1000)
+SWEEP_BASE_LENGTHS = (2, 16, 48, 64, 80, 96, 97, 107, 113, 119, 300, 422, 700, 1000)
 
 
 def sweep_lengths(signature_lengths, largest=SWEEP_MAX_LENGTH - 8):
     """Prompt lengths from 2 to `largest`: SWEEP_BASE_LENGTHS and T - 1, T, T + 1
-    for every signature length T, and for every multiple of the largest one."""
+    for every signature length T, and for every multiple of each one from 128 up
+    (where a bundle's calls change)."""
     lengths = {n for n in SWEEP_BASE_LENGTHS if n <= largest}
     edges = set(signature_lengths)
-    top = max(signature_lengths)
-    edges.update(range(top, largest + 1, top))
+    for top in signature_lengths:
+        if top >= 128:
+            edges.update(range(top, largest + 1, top))
     for t in edges:
         lengths.update(n for n in (t - 1, t, t + 1) if 2 <= n <= largest)
     return sorted(lengths)
@@ -196,13 +199,14 @@ def _sweep_bundles(model, args, ours_sets):
         bundles[f"ours [{', '.join(map(str, lengths))}]"] = path
     peer_dir = bench_real_size._peer_folder(paths, "int8")
     found = glob.glob(os.path.join(peer_dir, "**", "*.litertlm"), recursive=True)
-    if not found:
+    if not found and not args.no_peer:
         print(f"exporting litert-torch {model} ...", flush=True)
         path, why = peer_export(folder, peer_dir, PEER_PREFILL, SWEEP_MAX_LENGTH, PEER_RECIPE)
         if path is None:
             raise RuntimeError(f"litert-torch export failed: {why}")
         found = [path]
-    bundles[f"litert-torch [{PEER_PREFILL}]"] = found[0]
+    if not args.no_peer:
+        bundles[f"litert-torch [{PEER_PREFILL}]"] = found[0]
     tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     return bundles, tok
 
@@ -225,7 +229,10 @@ def sweep_model(model, args, ours_sets):
     signature_lengths = sorted({t for n in bundles for t in _signature_lengths(n)})
     lengths = args.lengths or sweep_lengths(signature_lengths)
     texts = {n: prompt_ids(tok, n) for n in lengths}
-    peer = next(n for n in bundles if n.startswith("litert-torch"))
+    # The reference of the ratios: litert-torch's bundle, or with --no-peer the
+    # first of ours (with one signature of 128 it makes litert-torch's calls).
+    peer = next((n for n in bundles if n.startswith("litert-torch")), next(iter(bundles)))
+    reference = peer.split(" [")[0] if peer.startswith("litert-torch") else peer
     loads = [os.getloadavg()[0]]
     engines = {n: litert_lm.Engine(p, backend=litert_lm.Backend.CPU(), enable_benchmark=True)
                for n, p in bundles.items()}
@@ -264,9 +271,9 @@ def sweep_model(model, args, ours_sets):
     say(f"Int8 weights, cache {SWEEP_MAX_LENGTH}, `litert_lm.Engine` 0.18.1 CPU, the engine's "
           f"prefill counter; medians of {args.rounds} alternating rounds, all bundles loaded in one "
           f"process; load average {min(loads):.1f}-{max(loads):.1f} during the sweep. "
-          f"Ratios: ours / litert-torch tokens/s (> 1 is faster).\n")
+          f"Ratios: ours / {reference} tokens/s (> 1 is faster).\n")
     say("| prompt tokens | " + " | ".join(f"{n} tok/s" for n in bundles) + " | "
-          + " | ".join(f"{n} / litert-torch" for n in ours) + " |")
+          + " | ".join(f"{n} / {reference}" for n in ours) + " |")
     say("|---" * (1 + len(bundles) + len(ours)) + "|")
     for row in rows:
         say(f"| {row['prompt']} | " + " | ".join(f"{row['tps'][n]:.0f}" for n in bundles) + " | "
@@ -297,9 +304,10 @@ def sweep_main(args):
     # replaces sys.stdout, so results_file.recording would miss them).
     intro = (f"Prompt-length sweep (issue 54): ours = `export_litertlm(max_length={SWEEP_MAX_LENGTH}, "
               f"quantization=\"dynamic\", prefill_lengths=...)`, the signature lengths in brackets; "
-              f"litert-torch 0.10 = `export_hf --prefill_lengths=[{PEER_PREFILL}] --cache_length="
-              f"{SWEEP_MAX_LENGTH} --quantization_recipe={PEER_RECIPE}`; random bfloat16 weights in "
-              f"the published shapes (bench_real_size.py).")
+              + ("" if args.no_peer else
+                 f"litert-torch 0.10 = `export_hf --prefill_lengths=[{PEER_PREFILL}] --cache_length="
+                 f"{SWEEP_MAX_LENGTH} --quantization_recipe={PEER_RECIPE}`; ")
+              + "random bfloat16 weights in the published shapes (bench_real_size.py).")
     print(intro)
     for model in args.real_size.split(","):
         results[model] = sweep_model(model, args, ours_sets)
@@ -327,6 +335,8 @@ def main():
     parser.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",")],
                         help="--sweep: prompt lengths (default: 1-1016 around every signature length)")
     parser.add_argument("--no-rss", action="store_true", help="--sweep: skip the size/RSS table")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="--sweep: ours only, ratios against the first --ours-prefill set")
     parser.add_argument("--export-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
     results_file.add_argument(parser, "litertlm")

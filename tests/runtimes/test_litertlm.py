@@ -118,6 +118,29 @@ def test_prefill_chunks_refuse_what_the_cache_cannot_hold():
         litertlm.prefill_chunks((128,), 1000, capacity=900)
 
 
+@pytest.mark.parametrize("max_length", [256, 1024])
+def test_default_prefill_never_costs_more_than_one_signature_of_128(max_length):
+    # Every call streams all the weights and computes its padded length, so
+    # a prompt is never slower than in a bundle with the one signature of 128
+    # (litert-torch's) when it makes no more calls and pads no more slots:
+    # ceil(n / 128) calls and 128 ceil(n / 128) slots.
+    def calls_and_slots(lengths, n):
+        chunks = litertlm.prefill_chunks(lengths, n, max_length)
+        return len(chunks), sum(t for t, _ in chunks)
+
+    def peer(n):
+        return -(-n // 128), 128 * -(-n // 128)
+
+    default = litertlm._prefill_lengths(None, max_length)
+    assert [n for n in range(1, max_length + 1)
+            if any(a > b for a, b in zip(calls_and_slots(default, n), peer(n)))] == []
+    # (32, 128) pads as many slots at 97-127 tokens (and 128 more) in more calls.
+    worse = [n for n in range(1, max_length + 1)
+             if calls_and_slots((32, 128), n)[0] > peer(n)[0]
+             and calls_and_slots((32, 128), n)[1] >= peer(n)[1]]
+    assert worse == [n for n in range(1, max_length + 1) if 97 <= n % 128 <= 127]
+
+
 def test_default_prefill_is_one_signature_of_128_capped_at_max_length():
     assert litertlm.DEFAULT_PREFILL_LENGTHS == (128,)
     lm = scaled_lm(position="rotary")
