@@ -15,8 +15,7 @@ import keras_attn as ka
 from keras_attn.export import bounds, verify
 from keras_attn.export import onnx as onnx_lib
 from keras_attn.export import report as report_lib
-
-EPS32 = float(np.finfo(np.float32).eps)
+from tests import tolerance
 
 
 def _encoder(blocks, dim, out_scale, seed):
@@ -45,10 +44,7 @@ def _samples():
 
 
 def _expected_bound(model, samples):
-    """The documented formula, from the model's outputs computed here."""
-    scale = max(float(np.max(np.abs(model.predict(s, verbose=0)))) for s in samples)
-    matrices = sum(1 for w in model.weights if len(w.shape) >= 2)
-    return 64 * EPS32 * math.sqrt(8 * matrices) * scale
+    return tolerance.export_bound(model, [model.predict(s, verbose=0) for s in samples])
 
 
 def _perturbing(monkeypatch, relative):
