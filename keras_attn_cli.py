@@ -101,7 +101,9 @@ def _add_export_arguments(parser):
     parser.add_argument("--model-name", default=None, help="TF Serving model name")
     parser.add_argument("--version", type=int, default=1, help="TF Serving version")
     parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
-    parser.add_argument("--atol", type=float, default=None, help="parity tolerance")
+    parser.add_argument("--atol", type=float, default=None,
+                        help="parity tolerance, an absolute bound (default: float32 rounding "
+                             "at the magnitude of the outputs, see keras_attn/export/bounds.py)")
     parser.add_argument("--min-agreement", type=float, default=None,
                         help="quantized TFLite: smallest fraction of argmax positions equal "
                              "to Keras's (default 0.99 float16, 0.95 dynamic and int16x8, "

@@ -47,12 +47,16 @@ Stages (`STAGES`, one entry each; later stages are added there):
   transformers model (`BertModel`, `ModernBertModel`, ...)
   `.from_pretrained(folder, float32)` and `torch.onnx.export`
   (TorchScript exporter, dynamic batch and sequence axes) on the same
-  folder; its export is timed like ours. `tflite` writes encoders with the
+  folder; its export is timed like ours. The peer `optimum_onnx`:
+  `optimum-cli export onnx --task feature-extraction` on the same folder
+  (its own venv, OPTIMUM_PYTHON; its run, validation included, is the
+  stage). `tflite` writes encoders with the
   direct writer (`export_tflite`'s default); `tflite_converter` forces
   TensorFlow's converter, `tflite_dynamic` is int8 weights.
 - `latency`: batch-1 latency at 32, 128 and 512 tokens of the files the
-  `onnx`, `tflite` and `torch_onnx` stages left in `--work` (onnxruntime
-  and LiteRT, 2 threads, interleaved, `--rounds` rounds).
+  `onnx`, `tflite`, `torch_onnx` and `optimum_onnx` stages left in `--work`
+  and of the transformers model in torch eager (onnxruntime, LiteRT and
+  torch, 2 threads, interleaved, `--rounds` rounds).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
@@ -838,6 +842,21 @@ def stage_torch_onnx(name, spec, paths, args):
             "artifact_bytes": _dir_bytes(path)}
 
 
+OPTIMUM_PYTHON = os.environ.get("OPTIMUM_PYTHON", "/work/venv-optimum/bin/python")
+
+
+def _optimum_command(name, paths):
+    """The peer: Optimum's ONNX export of the same folder (`optimum-cli
+    export onnx --task feature-extraction`, float32, its validation against
+    transformers included), from its own venv (OPTIMUM_PYTHON, made by
+    install_peers.sh; it pins its own transformers)."""
+    folder = os.path.join(paths["work"], "optimum_onnx")
+    shutil.rmtree(folder, ignore_errors=True)
+    cli = os.path.join(os.path.dirname(OPTIMUM_PYTHON), "optimum-cli")
+    return folder, ["env", "HF_HUB_OFFLINE=1", cli, "export", "onnx", "-m", paths["checkpoint"],
+                    "--task", "feature-extraction", folder]
+
+
 LATENCY_LENGTHS = (32, 128, 512)
 LATENCY_THREADS = 2
 
@@ -849,19 +868,41 @@ def _feed_value(input_name, ids, mask):
 
     if "mask" in input_name:
         return mask
+    if "position" in input_name:
+        return np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     return np.zeros_like(ids) if "type" in input_name or "segment" in input_name else ids
 
 
-def _latency_runners(paths):
-    """The artifacts the `onnx`, `tflite` and `torch_onnx` stages left in
-    the work folder (those present), each as `run(ids, mask) -> output`."""
+def _torch_eager_runner(spec, paths):
+    """The transformers model (float32, its default attention, 2 threads)
+    as `run(ids, mask) -> last_hidden_state`: the peer without an export."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(LATENCY_THREADS)
+    model = getattr(transformers, spec["architecture"]).from_pretrained(
+        paths["checkpoint"], dtype=torch.float32, **spec.get("torch_kwargs", {})).eval()
+    names = list(spec.get("inputs", BERT_INPUTS))
+
+    def run(ids, mask):
+        with torch.inference_mode():
+            feeds = {n: torch.from_numpy(_feed_value(n, ids, mask).astype("int64")) for n in names}
+            return model(**feeds).last_hidden_state.numpy()
+    return run
+
+
+def _latency_runners(spec, paths):
+    """The artifacts the `onnx`, `tflite`, `torch_onnx` and `optimum_onnx`
+    stages left in the work folder (those present), and the transformers
+    model in torch eager, each as `run(ids, mask) -> output`."""
     import numpy as np
 
     from bench_onnx_fused import _session
 
     runners = {}
     for label, path in (("ours ONNX", ("export_onnx", "bert.onnx")),
-                        ("peer ONNX (torch.onnx.export)", ("torch_onnx", "model.onnx"))):
+                        ("peer ONNX (torch.onnx.export)", ("torch_onnx", "model.onnx")),
+                        ("peer ONNX (Optimum)", ("optimum_onnx", "model.onnx"))):
         path = os.path.join(paths["work"], *path)
         if not os.path.exists(path):
             continue
@@ -891,18 +932,19 @@ def _latency_runners(paths):
             interpreter.invoke()
             return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
         runners["ours TFLite"] = run_tflite
+    runners["peer torch eager (transformers)"] = _torch_eager_runner(spec, paths)
     return runners
 
 
 def stage_latency(name, spec, paths, args):
-    """Batch-1 latency of the exports the `onnx`, `tflite` and `torch_onnx`
-    stages wrote, at each of LATENCY_LENGTHS tokens (random ids, no
+    """Batch-1 latency of the exports the `onnx`, `tflite`, `torch_onnx` and
+    `optimum_onnx` stages wrote, and of torch eager, at each of LATENCY_LENGTHS tokens (random ids, no
     padding), interleaved (`_common.interleaved`, `--rounds` rounds of 2
     calls after 2 warm-up calls); onnxruntime and LiteRT with 2 threads.
     The TFLite interpreter is resized once per length, before its warm-up."""
     import numpy as np
 
-    runners = _latency_runners(paths)
+    runners = _latency_runners(spec, paths)
     if not runners:
         raise FileNotFoundError(f"no export of {name} in {paths['work']}: run onnx, tflite, torch_onnx first")
     rng = np.random.default_rng(0)
@@ -992,7 +1034,10 @@ STAGES = {
     "cli": Stage(None, "keras-attn export model.keras --format all", command=_cli_command,
                  needs="keras_file"),
     "torch_onnx": Stage(stage_torch_onnx, "transformers model + torch.onnx.export (peer)", ours=False),
-    "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, tflite and torch_onnx exports"),
+    "optimum_onnx": Stage(None, "optimum-cli export onnx --task feature-extraction (peer)", ours=False,
+                          command=_optimum_command),
+    "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, tflite, torch_onnx and "
+                                    "optimum_onnx exports and of torch eager"),
 }
 
 
@@ -1107,13 +1152,17 @@ def table(results):
     latency = [r for r in results if "latency_ms" in r]
     if latency:
         labels = list(dict.fromkeys(label for r in latency for by in r["latency_ms"].values() for label in by))
+        # Each peer's time over ours ONNX's: > 1 means ours is faster.
+        peers = [label for label in labels if label.startswith("peer")]
         rows = [[r["model"], length] + [f"{by[label]:.1f}" if label in by else "" for label in labels]
+                + [f"{by[p] / by['ours ONNX']:.2f}" if p in by and "ours ONNX" in by else "" for p in peers]
                 + [f"{r['max_abs_difference'][length]:.2g} (outputs up to {r['scale']:.2g})",
                    "/".join(f"{x:.1f}" for x in r["load"])]
                 for r in latency for length, by in r["latency_ms"].items()]
-        text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime and LiteRT, 2 threads):\n\n"
+        text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime, LiteRT and torch, 2 threads):\n\n"
         text += _common.markdown_table(
-            ["model", "tokens"] + labels + ["max abs difference between the exports", "load average after"], rows)
+            ["model", "tokens"] + labels + [f"{p} / ours ONNX" for p in peers]
+            + ["max abs difference between the exports", "load average after"], rows)
         text += "".join(f"\n- {r['model']}, {label} failed at {why}\n"
                         for r in latency for label, why in r.get("failed", {}).items())
     return text

@@ -107,3 +107,24 @@ def assert_outputs_and_grads(got, want, *, n_out=1, ulps=64, terms=1, dtype="flo
     if len(got) > n_out:
         assert_all_close(got[n_out:], want[n_out:], ulps=ulps, terms=terms, dtype=dtype,
                          err_msg=f"{err_msg} gradient")
+
+
+def export_bound(model, outputs):
+    """The exporters' default parity bound (keras_attn/export/bounds.py),
+    recomputed from its documented formula: `bound` with 64 ulps and 8
+    roundings per weight matrix (variable of rank >= 2) of `model`, at the
+    largest |value| of the Keras `outputs` (nested structures allowed)."""
+    matrices = sum(1 for w in model.weights if len(w.shape) >= 2)
+    flat = [np.asarray(o) for o in _flatten(outputs)]
+    return bound(magnitude(*flat), ulps=64, terms=8 * matrices)
+
+
+def _flatten(x):
+    if isinstance(x, dict):
+        for value in x.values():
+            yield from _flatten(value)
+    elif isinstance(x, (list, tuple)):
+        for value in x:
+            yield from _flatten(value)
+    else:
+        yield x

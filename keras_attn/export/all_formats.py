@@ -67,11 +67,13 @@ def export_all(
         formats: a non-empty subset of ("saved_model", "tflite", "onnx").
         tflite_quantizations: TFLite variants, each None (float32),
             "float16", "dynamic", "int8" or "int16x8".
-        atol: None (each exporter's default: 1e-4 for float32; quantized
+        atol: None (each exporter's default: for float32, float32 rounding
+            at the magnitude of the outputs, `bounds.Float32Bound`; quantized
             TFLite variants report their max logit error and are checked by
             argmax agreement instead), a number for every export, or a dict
             keyed by report key ("saved_model", "tflite", "tflite_dynamic",
-            "onnx", ...) whose missing keys use the defaults.
+            "onnx", ...) whose missing keys use the defaults. A number is an
+            absolute bound.
         min_agreement: for the quantized TFLite variants, the smallest
             fraction of argmax positions equal to Keras's (see
             `export_tflite`): None (defaults per quantization), a number, or

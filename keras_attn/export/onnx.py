@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_attn.export import arguments
+from keras_attn.export import bounds
 from keras_attn.export import onnx_fused
 from keras_attn.export import onnx_graph
 from keras_attn.export import precision
@@ -209,7 +210,7 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
 
 
 def export_onnx(
-    model, path, *, opset=17, sample_inputs=None, atol=1e-4, overwrite=True, check_ids="clamp",
+    model, path, *, opset=17, sample_inputs=None, atol=None, overwrite=True, check_ids="clamp",
     fused=False, writer="auto",
 ):
     """Exports `model` to ONNX and verifies it in onnxruntime.
@@ -229,7 +230,11 @@ def export_onnx(
         path: the `.onnx` file to write.
         opset: ONNX opset, 17 or 18.
         sample_inputs: inputs to verify with (see `export_saved_model`).
-        atol: max abs difference allowed between onnxruntime and Keras.
+        atol: max abs difference allowed between onnxruntime and Keras (an absolute
+            bound); None (default) derives it from float32 rounding: the
+            magnitude of the Keras outputs and the model's size
+            (`bounds.Float32Bound`; the report's `details["atol_from"]`
+            says how).
         overwrite: replace an existing file.
         check_ids: an integer input fed into an embedding layer, given an id
             outside `[0, vocabulary_size)`: "clamp" (default) clips it into
@@ -264,7 +269,7 @@ def export_onnx(
     model_io.input_specs(model)
     names = model_io.output_names(model)
     writer = _check_writer(fused, writer)
-    atol = arguments.resolve_atol(atol, 1e-4)
+    atol = arguments.resolve_atol(atol, bounds.DEFAULT)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:

@@ -35,7 +35,9 @@ class ExportReport:
         size_bytes: total size of the artifact on disk.
         max_abs_error: largest |artifact - keras| over every sample and output.
         atol: the tolerance it was checked against (None: reported, not
-            checked; quantized exports are checked by `agreement`).
+            checked; quantized exports are checked by `agreement`). The
+            default is derived from float32 rounding per export
+            (`bounds.Float32Bound`); `details["atol_from"]` then says how.
         ops: the op types in the artifact (TFLite builtins, ONNX ops, TF ops).
         checks: one entry per sample set: input shapes and max abs error.
         details: format-specific facts (signature, quantization, opset ...).
@@ -99,7 +101,9 @@ def make_report(fmt, path, checks, *, size_bytes, atol, ops, details, float32_no
         path: where the artifact was written (made absolute).
         checks: what `verify.verify_artifact` returned for it; the report's
             `max_abs_error` is the largest of theirs.
-        size_bytes, atol, ops: as in `ExportReport`.
+        size_bytes, atol, ops: as in `ExportReport`; `atol` may be the
+            `bounds.Float32Bound` given to `verify_artifact`: the report
+            holds the value it resolved to, and how (`details["atol_from"]`).
         details: the format's facts; `float32_note` (from
             `precision.model_for_export`), when not None, is added as
             `details["float32_copy"]`.
@@ -110,6 +114,9 @@ def make_report(fmt, path, checks, *, size_bytes, atol, ops, details, float32_no
             outputs. None for an export checked by `atol` alone.
     """
     details = dict(details)
+    if any("atol" in c for c in checks):
+        atol, details["atol_from"] = checks[0]["atol"], checks[0]["atol_from"]
+        checks = [{k: v for k, v in c.items() if k not in ("atol", "atol_from")} for c in checks]
     if float32_note is not None:
         details["float32_copy"] = float32_note
     quality, agreement, min_agreement = {}, None, None

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_attn.export import arguments
+from keras_attn.export import bounds
 from keras_attn.export import precision
 from keras_attn.export import report
 from keras_attn.export import samples as model_io
@@ -224,7 +225,7 @@ def export_saved_model(
     model_name=None,
     version=1,
     sample_inputs=None,
-    atol=1e-4,
+    atol=None,
     overwrite=True,
     check_ids=True,
 ):
@@ -244,7 +245,11 @@ def export_saved_model(
         sample_inputs: inputs to verify with (array, list, dict by input name,
             or a list of dicts); None generates two sets with different batch
             sizes and sequence lengths from the model's input specs.
-        atol: max abs difference allowed between SavedModel and Keras.
+        atol: max abs difference allowed between SavedModel and Keras (an absolute
+            bound); None (default) derives it from float32 rounding: the
+            magnitude of the Keras outputs and the model's size
+            (`bounds.Float32Bound`; the report's `details["atol_from"]`
+            says how).
         overwrite: replace an existing version directory.
         check_ids: what an integer input fed straight into an embedding
             layer does with an id outside `[0, vocabulary_size)`. True (or
@@ -274,7 +279,7 @@ def export_saved_model(
     model_name = arguments.check_name(
         "model_name", model.name if model_name is None else model_name, "name"
     )
-    atol = arguments.resolve_atol(atol, 1e-4)
+    atol = arguments.resolve_atol(atol, bounds.DEFAULT)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     path = os.path.join(os.fspath(export_dir), model_name, str(version))

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_attn.export import arguments
+from keras_attn.export import bounds
 from keras_attn.export import precision
 from keras_attn.export import report
 from keras_attn.export import samples as model_io
@@ -23,7 +24,7 @@ CALIBRATED = ("int8", "int16x8")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
-# float32 must match Keras to 1e-4. A quantized model's outputs move with
+# float32 must match Keras within float32 rounding (`bounds.Float32Bound`). A quantized model's outputs move with
 # its weights' rounding, so it is checked by what each output means (see
 # quality.MEASURES, chosen per output by quality.auto_measures): argmax agreement
 # for logits/scores, per-row cosine for embeddings and hidden states, relative
@@ -32,7 +33,7 @@ TFLITE_ID_CHECKS = (None, "clamp", "flag")
 # sentence encoder (all-MiniLM-L6-v2, benchmarks/RESULTS.md) and on the
 # trained examples; `min_agreement` (the argmax threshold) predates them
 # and overrides DEFAULT_THRESHOLDS[...]["argmax"].
-DEFAULT_ATOL = {None: 1e-4, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
+DEFAULT_ATOL = {None: bounds.DEFAULT, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
 DEFAULT_THRESHOLDS = {
     None: {},
     "float16": {"argmax": 0.99, "cosine": 0.999, "relative_error": 0.05},
@@ -396,8 +397,10 @@ def export_tflite(
             pretrained model's activations on random ids are not its
             activations on text.
         sample_inputs: inputs to verify with (see `export_saved_model`).
-        atol: max abs difference allowed; None uses 1e-4 for float32 and
-            does not check the quantized variants' error (reported as
+        atol: max abs difference allowed (an absolute bound); None derives
+            float32's from float32 rounding (the magnitude of the Keras
+            outputs and the model's size, `bounds.Float32Bound`; the
+            report's `details["atol_from"]` says how) and does not check the quantized variants' error (reported as
             `max_abs_error`), which are checked by `measure`.
         min_agreement: quantized variants only: the threshold of the
             outputs measured by argmax agreement (kept from before

@@ -16,8 +16,8 @@ import warnings
 
 import numpy as np
 
+from keras_attn.export import bounds, report
 from keras_attn.export import quality as quality_lib
-from keras_attn.export import report
 from keras_attn.export.samples import keras_outputs, output_names, shapes_of
 
 
@@ -48,7 +48,10 @@ def verify_artifact(fmt, model, samples, run, atol, path, measures=None, thresho
 
     Returns the checks: one `{"shapes", "max_abs_error", "argmax_matches"}`
     entry per sample set (what `report.make_report` reports). Raises
-    ParityError beyond `atol` (None: not checked).
+    ParityError beyond `atol`: a number (an absolute bound), a
+    `bounds.Float32Bound` (the exporters' default: resolved from the
+    magnitude of the Keras outputs and the model's size, and then recorded
+    in every check as `"atol"` and `"atol_from"`), or None (not checked).
 
     Given `measures` (`{output name: measure}`, see `quality.MEASURES`) and
     their `thresholds`, each check also holds `"quality"` stats per output,
@@ -57,8 +60,11 @@ def verify_artifact(fmt, model, samples, run, atol, path, measures=None, thresho
     """
     names = output_names(model)
     checks = []
+    scale = float(np.finfo(np.float32).tiny)
     for sample in samples:
         reference, got = keras_outputs(model, sample), run(sample)
+        scale = max([scale] + [float(np.max(np.abs(np.asarray(r, np.float64))))
+                               for r in reference if np.size(r)])
         err = compare(reference, got, names, fmt)
         check = {"shapes": shapes_of(sample), "max_abs_error": err,
                  "argmax_matches": list(quality_lib.argmax_matches(reference, got))}
@@ -71,21 +77,32 @@ def verify_artifact(fmt, model, samples, run, atol, path, measures=None, thresho
                                            if measures[n] == "argmax")
                                        for k in ("matched", "total")]
         checks.append(check)
+    how = None
+    if isinstance(atol, bounds.Float32Bound):
+        atol, how = atol.resolve(model, scale)
+        for check in checks:
+            check.update(atol=atol, atol_from=how)
     if atol is not None:
-        check_parity(fmt, checks, atol, path)
+        check_parity(fmt, checks, atol, path, how)
     if measures is not None:
         worst = max(c["max_abs_error"] for c in checks)
         check_quality(fmt, quality_lib.quality_of(checks, measures, thresholds), worst, path)
     return checks
 
 
-def check_parity(fmt, checks, atol, path):
+def check_parity(fmt, checks, atol, path, how=None):
+    """ParityError when an output differs by more than `atol`; `how` says how
+    a default bound was derived (None: `atol` was given)."""
     worst = max(c["max_abs_error"] for c in checks)
     if not worst <= atol:
+        where = ("the default bound of " + how if how is not None
+                 else "the absolute bound given")
+        shown = [{k: v for k, v in c.items() if k not in ("atol", "atol_from")} for c in checks]
         raise report.ParityError(
             f"The {fmt} export does not match the Keras model: max |export - keras| "
-            f"= {worst:.3g} > atol={atol:g} ({checks}). Nothing was written to "
-            f"{path}. Raise `atol` if this error is expected (quantisation)."
+            f"= {worst:.3g} > atol={atol:.3g} ({where}; {shown}). Nothing was written to "
+            f"{path}. Pass `atol=` (an absolute bound) if this error is expected "
+            "(quantisation, or float32 rounding in a model the default bound underrates)."
         )
     return worst
 
