@@ -24,7 +24,10 @@ convert is listed with the reason.
 instead (the folder converted with its modules: output `sentence_embedding`,
 pooled and normalized), written by the direct writers only (TFLite float32
 and "dynamic"; ONNX standard ops and onnxruntime's fused kernels, each
-float32 and with keras_attn's 7-bit int8 MatMul weights): size, batch-1
+float32, with `quantize_matmul_weights`' defaults (7-bit int8 MatMul
+weights, the first token's activations quantized apart, the feed-forward
+down projections float32) and with every projection int8 under one
+activation scale per tensor (the defaults before): size, batch-1
 latency and the embedding's cosine against Keras on every sentence below,
 one sentence per call.
 
@@ -302,7 +305,11 @@ def sentence_embedding_variants(model):
             variants[label] = (TFLiteRunner(content), len(content))
     for label, fused in (("ONNX", False), ("ONNX fused", True)):
         proto = onnx_fused.direct_model_proto(model, fused=fused)
-        for suffix, graph in (("float32", proto), ("int8 (7-bit MatMul weights)", quantize_matmul_weights(proto))):
+        for suffix, graph in (
+                ("float32", proto),
+                ("int8 (defaults: first token apart, FFN down float32)", quantize_matmul_weights(proto)),
+                ("int8 (every projection, one scale per tensor)",
+                 quantize_matmul_weights(proto, first_token_apart=False, float_after_activation=False))):
             content = graph.SerializeToString()
             variants[f"{label} {suffix}"] = (OnnxRunner(content), len(content))
     return variants

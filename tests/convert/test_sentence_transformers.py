@@ -517,9 +517,10 @@ def test_real_minilm_direct_writers(minilm, minilm_batch, tmp_path):
 
 def test_real_minilm_int8_quality(minilm, minilm_batch, tmp_path):
     """int8 weights (ONNX: keras_attn's 7-bit MatMul weights on the direct
-    standard-op graph, every projection; TFLite: the direct writer's
-    "dynamic") against float32 over 30 real sentences; the issue's target is
-    cosine >= 0.99."""
+    standard-op graph, every projection but the feed-forward down ones, the
+    first token's activations quantized apart; TFLite: the direct writer's "dynamic") against float32
+    over 30 real sentences in one padded batch: the issue's target, cosine
+    >= 0.99 for every sentence."""
     import onnx
 
     from keras_attn import export as kx
@@ -529,17 +530,25 @@ def test_real_minilm_int8_quality(minilm, minilm_batch, tmp_path):
     sample, keras_out, _ = minilm_batch
     onx = export_direct(model, tmp_path / "m.onnx", sample, kx.export_onnx)
     int8 = onnx_quantize.quantize_matmul_weights(onnx.load(onx.path))
-    assert sum(node.op_type == "DynamicQuantizeMatMul" or node.op_type == "MatMulInteger"
-               for node in int8.graph.node) >= 6 * 4
+    # two integer MatMuls (first token, other tokens) per projection but the
+    # feed-forward down one, which stays float32
+    ops = [node.op_type for node in int8.graph.node]
+    assert ops.count("MatMulInteger") == 2 * 6 * 3 and ops.count("MatMul") >= 6
     onnx_cos = cosines(run_onnx(int8, sample), keras_out)
+    # Every projection int8 with one activation scale per tensor, which the
+    # first token's outliers set: the shortfall the defaults remove.
+    per_tensor = onnx_quantize.quantize_matmul_weights(onnx.load(onx.path), first_token_apart=False,
+                                                       float_after_activation=False)
+    per_tensor_cos = cosines(run_onnx(per_tensor, sample), keras_out)
     tfl = export_direct(model, tmp_path / "q.tflite", sample, kx.export_tflite, quantization="dynamic")
     tflite_cos = cosines(run_tflite(tfl.path, sample), keras_out)
     print(f"\nint8 sentence_embedding cosine vs float32 over {len(keras_out)} sentences: "
           f"ONNX min {onnx_cos.min():.4f} mean {onnx_cos.mean():.4f}; "
-          f"TFLite min {tflite_cos.min():.4f} mean {tflite_cos.mean():.4f}")
-    # Measured: ONNX 0.981 / 0.992 (7-bit weights), TFLite 0.996 / 0.999.
+          f"TFLite min {tflite_cos.min():.4f} mean {tflite_cos.mean():.4f}; "
+          f"ONNX every projection, one scale per activation tensor min {per_tensor_cos.min():.4f}")
     assert tflite_cos.min() >= 0.99
-    assert onnx_cos.mean() >= 0.99 and onnx_cos.min() >= 0.97
+    assert onnx_cos.min() >= 0.99
+    assert onnx_cos.min() > per_tensor_cos.min()
     assert onnx_cos.min() < 1.0 and tflite_cos.min() < 1.0  # the weights are int8
 
 

@@ -48,6 +48,8 @@ def _data():
         # signs aligned with the first output column: every pair adds up
         "aligned": np.sign(w[:, 0])[None, :] * 5.0 * np.ones((M, K)),
         "random": rng.standard_normal((M, K)),
+        # an encoder's first token: outliers 30 times the other rows'
+        "first_token_outliers": rng.standard_normal((M, K)) * np.where(np.arange(M) == 0, 30.0, 1.0)[:, None],
     }
     return w.astype(np.float32), {k: v.astype(np.float32) for k, v in inputs.items()}
 
@@ -139,6 +141,12 @@ def _onnx_activation_step(x):
     return np.full(len(x), step)
 
 
+def _first_token_apart_step(x):
+    # `quantize_matmul_weights`: row 0 (the first token) with its own scale,
+    # the other rows with theirs.
+    return np.concatenate([_onnx_activation_step(x[:1]), _onnx_activation_step(x[1:])])
+
+
 @pytest.fixture(scope="module")
 def onnx_artifacts(tmp_path_factory):
     from keras_attn.export.onnx_quantize import matmul_nbits, quantize_matmul_weights
@@ -174,7 +182,7 @@ def _nbits_activation_step(x):
 
 # artifact -> (weight step, activation step)
 SCHEMES = {
-    "ours.onnx": (lambda w: _per_column_step(w, 7), _onnx_activation_step),
+    "ours.onnx": (lambda w: _per_column_step(w, 7), _first_token_apart_step),
     "unsafe.onnx": (lambda w: _per_column_step(w, 8), _onnx_activation_step),
     "nbits8.onnx": (lambda w: _per_block_step(w, 8), _nbits_activation_step),
     "nbits4.onnx": (lambda w: _per_block_step(w, 4), _nbits_activation_step),
