@@ -7,8 +7,9 @@ through every export variant: TFLite float32, float16, dynamic (int8
 weights), int8 (calibrated on real sentences), int8 with
 `float_ops="transformer"`, int16x8, ONNX float32 and ONNX int8 dynamic
 (`onnxruntime.quantization.quantize_dynamic` with full-range int8 weights,
-and keras_attn's 7-bit `reduce_range` weights that give the same answers on
-every CPU), and, when `ai-edge-quantizer`
+keras_attn's 7-bit `reduce_range` weights that give the same answers on
+every CPU, on every projection with one activation scale per tensor, and
+`quantize_matmul_weights`' defaults), and, when `ai-edge-quantizer`
 is installed, its static int8 and int16-activation recipes
 (`static_wi8_ai8`, `static_wi8_ai16`) applied to the float32 model with the
 same calibration sentences. For each it prints the size,
@@ -218,14 +219,19 @@ def build_variants(model, calibration, skip=()):
 
     from keras_attn.export.onnx_quantize import quantize_matmul_weights
 
-    # The MatMul weights as int8 per channel, both ways: "full range" saturates
-    # int16 sums on x86 CPUs without VNNI; "reduce_range" (7 bits) is what
-    # keras_attn writes (keras_attn.export.onnx_quantize), the same on every CPU.
+    # The MatMul weights as int8 per channel: "full range" saturates int16
+    # sums on x86 CPUs without VNNI; "reduce_range" (7 bits), the same on
+    # every CPU, with one activation scale per tensor on every projection, and
+    # as keras_attn writes it by default (keras_attn.export.onnx_quantize: the
+    # first token's activations quantized apart, the feed-forward down
+    # projections float32).
     schemes = {
         "ONNX int8 dynamic (full range)": lambda src, dst: quantize_dynamic(
             src, dst, op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
             extra_options={"MatMulConstBOnly": True}),
-        "ONNX int8 dynamic (reduce_range)": lambda src, dst: onnx.save(quantize_matmul_weights(onnx.load(src)), dst),
+        "ONNX int8 dynamic (reduce_range)": lambda src, dst: onnx.save(quantize_matmul_weights(
+            onnx.load(src), first_token_apart=False, float_after_activation=False), dst),
+        "ONNX int8 (keras_attn defaults)": lambda src, dst: onnx.save(quantize_matmul_weights(onnx.load(src)), dst),
     }
     for name, write in schemes.items():
         try:

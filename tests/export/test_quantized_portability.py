@@ -218,6 +218,57 @@ def test_onnx_int8_weights_cannot_saturate_int16_pair_sums(onnx_artifacts):
         assert (max(pair_sums) <= 32767) == safe, (name, pair_sums)
 
 
+def _ffn_proto(activation):
+    """x @ w1, an activation in ONNX arithmetic, @ w2: a feed-forward block."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    w1 = rng.standard_normal((K, 2 * N)).astype(np.float32)
+    w2 = rng.standard_normal((2 * N, N)).astype(np.float32)
+    consts = [numpy_helper.from_array(np.array(v, np.float32), n)
+              for n, v in (("half", 0.5), ("one", 1.0), ("root2", np.sqrt(2.0)))]
+    if activation == "gelu":  # x * 0.5 * (1 + erf(x / sqrt 2)), as the direct writer writes it
+        nodes = [helper.make_node("Div", ["h", "root2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+                 helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "half"], ["hh"]),
+                 helper.make_node("Mul", ["hh", "e1"], ["a"])]
+    else:  # silu: x * sigmoid(x)
+        nodes = [helper.make_node("Sigmoid", ["h"], ["s"]), helper.make_node("Mul", ["h", "s"], ["a"])]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="up"), *nodes,
+         helper.make_node("MatMul", ["a", "w2"], ["y"], name="down")], "ffn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, N])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), *consts])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w1, w2
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_onnx_int8_keeps_activation_fed_matmuls_float(activation):
+    """The default: the MatMul reading the activation's output keeps its
+    float32 weight; the other's becomes int8 (7-bit), the first token's row
+    quantized apart. Without the option, both are int8."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from keras_attn.export.onnx_quantize import quantize_matmul_weights
+
+    proto, w1, w2 = _ffn_proto(activation)
+    quantized = quantize_matmul_weights(proto)
+    ops = [node.op_type for node in quantized.graph.node]
+    assert ops.count("MatMulInteger") + ops.count("DynamicQuantizeMatMul") == 2  # first token, the rest
+    (down,) = [node for node in quantized.graph.node if node.op_type == "MatMul"]
+    weights = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    np.testing.assert_array_equal(weights[down.input[1]], w2)
+    every = quantize_matmul_weights(proto, float_after_activation=False, first_token_apart=False)
+    assert [node.op_type for node in every.graph.node].count("MatMul") == 0
+    # One token: the rows after the first are empty, which onnxruntime runs.
+    x = np.random.default_rng(2).standard_normal((2, 1, K)).astype(np.float32)
+    y = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert y.shape == (2, 1, N) and np.isfinite(y).all()
+    with pytest.raises(TypeError, match="first_token_apart"):
+        quantize_matmul_weights(proto, first_token_apart="yes")
+
+
 SAFE = ("ours.onnx", "nbits8.onnx", "nbits4.onnx")
 
 
