@@ -29,21 +29,17 @@ cosine to 0.988 (per-tensor activations alone: 0.992; 7-bit weights alone:
 0.997). `quantize_matmul_weights` therefore quantizes the first token's row
 apart from the rest by default (`first_token_apart`): two integer MatMuls on
 one int8 weight, their own activation scales, the rows concatenated back.
-That leaves other tokens' outliers (delimiters, in a batch other sentences'
-tokens): one sentence of 30 in a padded batch stayed at 0.9900. The MatMul
-that reads an activation function's output (a feed-forward block's down
-projection, whose GELU output has the longest tail; quantizing its input
-alone costs more than any other's: 0.9956 against 0.997 and more) keeps its
-float32 weight by default (`float_after_activation`): on all-MiniLM-L6-v2
-that takes the worst sentence of a padded batch of 40 to 0.995 (0.992
-without the first token apart), at the cost of a third of the int8 MACs
-(benchmarks/RESULTS.md, "quantization_sentence_embedding").
-
-`matmul_nbits` writes onnxruntime's weight-only `MatMulNBits` (8 or 4 bits
-in blocks along the input axis) instead. With `accuracy_level=4` the CPU
-quantizes the activations to int8 per block where it has AVX2/AVX-512/ARM
-dot-product kernels and computes in float32 elsewhere (SSE-only CPUs), so
-its answers move with the CPU within the quantization error.
+On all-MiniLM-L6-v2 (one sentence per call, 40 sentences) that takes the
+lowest cosine to 0.993 (benchmarks/RESULTS.md,
+"quantization_sentence_embedding") and costs no measurable time: one
+thread's CPU time per call at T=128 was 16.4 ms against 17.2 ms with one
+scale per tensor and 33.0 ms for the float32 graph. Other tokens' outliers remain (the
+delimiters, and in a padded batch every sentence's other tokens share one
+scale): one short sentence of 30 in a padded batch stays at 0.990. `float_after_activation=True` keeps the MatMuls that read an
+activation function's output (a feed-forward block's down projection, whose
+GELU output has the longest tail: quantizing its input alone costs more than
+any other's) in float32: 0.995 at batch 1 and 0.992 in that batch, at a
+third of the int8 MACs (22.5 ms of CPU time in the measure above).
 """
 
 import concurrent.futures
@@ -58,7 +54,7 @@ UINT8_MAX = 255
 SAFE_INT8_WEIGHT = INT16_MAX // (2 * UINT8_MAX)  # 64
 
 
-def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activation=True):
+def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activation=False):
     """int8 weights (per output channel, 7-bit range) for every `MatMul` of
     `proto` whose weight is a constant; activations are quantized at run time.
 
@@ -72,10 +68,11 @@ def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activa
             each row; it costs a `Slice` pair and a `Concat` per MatMul.
             False: one scale per activation tensor (a decoder's
             token-by-token steps, whose first row is no such token).
-        float_after_activation: a `MatMul` whose input is an activation
-            function's output (GELU, SiLU: the `Erf`, `Tanh` or `Sigmoid`
-            arithmetic, or onnxruntime's `Gelu`, `BiasGelu`, `FastGelu`,
-            `QuickGelu`) keeps its float32 weight (see the module docstring).
+        float_after_activation: True: a `MatMul` whose input is an
+            activation function's output (GELU, SiLU: the `Erf`, `Tanh` or
+            `Sigmoid` arithmetic, or onnxruntime's `Gelu`, `BiasGelu`,
+            `FastGelu`, `QuickGelu`) keeps its float32 weight: closer to
+            float32, slower (see the module docstring).
 
     Returns:
         The quantized `ModelProto` (checked with `check_no_int8_saturation`).

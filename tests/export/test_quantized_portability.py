@@ -243,27 +243,27 @@ def _ffn_proto(activation):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
-def test_onnx_int8_keeps_activation_fed_matmuls_float(activation):
-    """The default: the MatMul reading the activation's output keeps its
-    float32 weight; the other's becomes int8 (7-bit), the first token's row
-    quantized apart. Without the option, both are int8."""
+def test_onnx_int8_float_after_activation(activation):
+    """`float_after_activation=True`: the MatMul reading the activation's
+    output keeps its float32 weight, the other's becomes int8, its first
+    token's row quantized apart. By default both are int8."""
     import onnxruntime as ort
     from onnx import numpy_helper
 
     from keras_attn.export.onnx_quantize import quantize_matmul_weights
 
-    proto, w1, w2 = _ffn_proto(activation)
-    quantized = quantize_matmul_weights(proto)
+    proto, _, w2 = _ffn_proto(activation)
+    quantized = quantize_matmul_weights(proto, float_after_activation=True)
     ops = [node.op_type for node in quantized.graph.node]
     assert ops.count("MatMulInteger") + ops.count("DynamicQuantizeMatMul") == 2  # first token, the rest
     (down,) = [node for node in quantized.graph.node if node.op_type == "MatMul"]
     weights = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
     np.testing.assert_array_equal(weights[down.input[1]], w2)
-    every = quantize_matmul_weights(proto, float_after_activation=False, first_token_apart=False)
-    assert [node.op_type for node in every.graph.node].count("MatMul") == 0
+    default = quantize_matmul_weights(proto)
+    assert [node.op_type for node in default.graph.node].count("MatMul") == 0
     # One token: the rows after the first are empty, which onnxruntime runs.
     x = np.random.default_rng(2).standard_normal((2, 1, K)).astype(np.float32)
-    y = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    y = ort.InferenceSession(default.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert y.shape == (2, 1, N) and np.isfinite(y).all()
     with pytest.raises(TypeError, match="first_token_apart"):
         quantize_matmul_weights(proto, first_token_apart="yes")
