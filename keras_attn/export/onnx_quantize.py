@@ -33,13 +33,20 @@ On all-MiniLM-L6-v2 (one sentence per call, 40 sentences) that takes the
 lowest cosine to 0.993 (benchmarks/RESULTS.md,
 "quantization_sentence_embedding") and costs no measurable time: one
 thread's CPU time per call at T=128 was 16.4 ms against 17.2 ms with one
-scale per tensor and 33.0 ms for the float32 graph. Other tokens' outliers remain (the
-delimiters, and in a padded batch every sentence's other tokens share one
-scale): one short sentence of 30 in a padded batch stays at 0.990. `float_after_activation=True` keeps the MatMuls that read an
+scale per tensor and 33.0 ms for the float32 graph. Other tokens'
+outliers remain (the delimiters, and in a padded batch every sentence's
+other tokens share one scale): one short sentence of 30 in a padded batch
+stays at 0.990. `float_after_activation=True` keeps the MatMuls that read an
 activation function's output (a feed-forward block's down projection, whose
 GELU output has the longest tail: quantizing its input alone costs more than
 any other's) in float32: 0.995 at batch 1 and 0.992 in that batch, at a
 third of the int8 MACs (22.5 ms of CPU time in the measure above).
+
+`matmul_nbits` writes onnxruntime's weight-only `MatMulNBits` (8 or 4 bits
+in blocks along the input axis) instead. With `accuracy_level=4` the CPU
+quantizes the activations to int8 per block where it has AVX2/AVX-512/ARM
+dot-product kernels and computes in float32 elsewhere (SSE-only CPUs), so
+its answers move with the CPU within the quantization error.
 """
 
 import concurrent.futures
