@@ -7,8 +7,9 @@ through every export variant: TFLite float32, float16, dynamic (int8
 weights), int8 (calibrated on real sentences), int8 with
 `float_ops="transformer"`, int16x8, ONNX float32 and ONNX int8 dynamic
 (`onnxruntime.quantization.quantize_dynamic` with full-range int8 weights,
-and keras_attn's 7-bit `reduce_range` weights that give the same answers on
-every CPU), and, when `ai-edge-quantizer`
+keras_attn's 7-bit `reduce_range` weights that give the same answers on
+every CPU, on every projection with one activation scale per tensor, and
+`quantize_matmul_weights`' defaults), and, when `ai-edge-quantizer`
 is installed, its static int8 and int16-activation recipes
 (`static_wi8_ai8`, `static_wi8_ai16`) applied to the float32 model with the
 same calibration sentences. For each it prints the size,
@@ -24,7 +25,10 @@ convert is listed with the reason.
 instead (the folder converted with its modules: output `sentence_embedding`,
 pooled and normalized), written by the direct writers only (TFLite float32
 and "dynamic"; ONNX standard ops and onnxruntime's fused kernels, each
-float32 and with keras_attn's 7-bit int8 MatMul weights): size, batch-1
+float32, with `quantize_matmul_weights`' defaults (7-bit int8 MatMul
+weights, the first token's activations quantized apart), with the
+feed-forward down projections float32 besides (`float_after_activation`),
+and with one activation scale per tensor (the defaults before): size, batch-1
 latency and the embedding's cosine against Keras on every sentence below,
 one sentence per call.
 
@@ -147,6 +151,11 @@ class OnnxRunner:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 2
         options.inter_op_num_threads = 1
+        # No spin-waiting between ops: on a machine other jobs share, the
+        # spinning thread competes with them (all-MiniLM-L6-v2 float32, load
+        # about 8 on 2 cores: 196 ms spinning, 79 ms not, 112 ms for LiteRT,
+        # whose one-thread CPU time, 31.7 ms, is onnxruntime's, 34.2 ms).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(content, options, providers=["CPUExecutionProvider"])
         self.names = [o.name for o in self.session.get_outputs()]
 
@@ -215,14 +224,21 @@ def build_variants(model, calibration, skip=()):
 
     from keras_attn.export.onnx_quantize import quantize_matmul_weights
 
-    # The MatMul weights as int8 per channel, both ways: "full range" saturates
-    # int16 sums on x86 CPUs without VNNI; "reduce_range" (7 bits) is what
-    # keras_attn writes (keras_attn.export.onnx_quantize), the same on every CPU.
+    # The MatMul weights as int8 per channel: "full range" saturates int16
+    # sums on x86 CPUs without VNNI; "reduce_range" (7 bits), the same on
+    # every CPU, with one activation scale per tensor, and as keras_attn
+    # writes it by default (keras_attn.export.onnx_quantize: the first token's
+    # activations quantized apart), also with the feed-forward down
+    # projections float32.
     schemes = {
         "ONNX int8 dynamic (full range)": lambda src, dst: quantize_dynamic(
             src, dst, op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
             extra_options={"MatMulConstBOnly": True}),
-        "ONNX int8 dynamic (reduce_range)": lambda src, dst: onnx.save(quantize_matmul_weights(onnx.load(src)), dst),
+        "ONNX int8 dynamic (reduce_range)": lambda src, dst: onnx.save(quantize_matmul_weights(
+            onnx.load(src), first_token_apart=False, float_after_activation=False), dst),
+        "ONNX int8 (keras_attn defaults)": lambda src, dst: onnx.save(quantize_matmul_weights(onnx.load(src)), dst),
+        "ONNX int8 (defaults, FFN down float32)": lambda src, dst: onnx.save(quantize_matmul_weights(
+            onnx.load(src), float_after_activation=True), dst),
     }
     for name, write in schemes.items():
         try:
@@ -302,7 +318,13 @@ def sentence_embedding_variants(model):
             variants[label] = (TFLiteRunner(content), len(content))
     for label, fused in (("ONNX", False), ("ONNX fused", True)):
         proto = onnx_fused.direct_model_proto(model, fused=fused)
-        for suffix, graph in (("float32", proto), ("int8 (7-bit MatMul weights)", quantize_matmul_weights(proto))):
+        for suffix, graph in (
+                ("float32", proto),
+                ("int8 (defaults: first token apart)", quantize_matmul_weights(proto)),
+                ("int8 (first token apart, FFN down float32)",
+                 quantize_matmul_weights(proto, float_after_activation=True)),
+                ("int8 (every projection, one scale per tensor)",
+                 quantize_matmul_weights(proto, first_token_apart=False, float_after_activation=False))):
             content = graph.SerializeToString()
             variants[f"{label} {suffix}"] = (OnnxRunner(content), len(content))
     return variants
@@ -329,11 +351,16 @@ def run_sentence_embedding(model_dir, length, repeats, calls):
         c = cosines(got, want)
         row = {"variant": label, "size_mb": size / 1e6, "latency_ms": latency[label] * 1e3,
                "ratio": latency[label] / latency["TFLite float32"],
+               # the int8 target is a speed-up over the same graph in float32
+               "speedup": latency[label.split(" int8")[0].removesuffix(" float32") + " float32"] / latency[label]
+               if label.startswith("ONNX") else None,
                "cos_min": float(c.min()), "cos_mean": float(c.mean())}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    header = ["variant", "size MB", "latency ms", "vs TFLite float32", "sentence_embedding cos min / mean"]
+    header = ["variant", "size MB", "latency ms", "vs TFLite float32", "speed-up over its ONNX float32",
+              "sentence_embedding cos min / mean"]
     body = [[r["variant"], f"{r['size_mb']:.1f}", f"{r['latency_ms']:.1f}", f"{r['ratio']:.2f}x",
+             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
              f"{r['cos_min']:.4f} / {r['cos_mean']:.4f}"] for r in rows]
     return (f"The sentence-transformers model ({int(model.count_params()):,} weights: encoder, pooling, "
             f"Normalize), written by the direct writers; batch 1, T={length}, 2 threads; the "

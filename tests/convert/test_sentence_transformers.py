@@ -516,10 +516,14 @@ def test_real_minilm_direct_writers(minilm, minilm_batch, tmp_path):
 
 
 def test_real_minilm_int8_quality(minilm, minilm_batch, tmp_path):
-    """int8 weights (ONNX: keras_attn's 7-bit MatMul weights on the direct
-    standard-op graph, every projection; TFLite: the direct writer's
-    "dynamic") against float32 over 30 real sentences; the issue's target is
-    cosine >= 0.99."""
+    """int8 weights against float32 over 30 real sentences: ONNX with
+    `quantize_matmul_weights`' defaults (7-bit MatMul weights on the direct
+    standard-op graph, every projection, the first token's activations
+    quantized apart) has every cosine >= 0.99 (the issue's target) one
+    sentence per call, as does TFLite's "dynamic" in one padded batch; in
+    that batch the ONNX defaults beat one activation scale per tensor, and
+    `float_after_activation=True` (the feed-forward down projections float32)
+    has every cosine >= 0.99."""
     import onnx
 
     from keras_attn import export as kx
@@ -528,19 +532,32 @@ def test_real_minilm_int8_quality(minilm, minilm_batch, tmp_path):
     _, model, _ = minilm
     sample, keras_out, _ = minilm_batch
     onx = export_direct(model, tmp_path / "m.onnx", sample, kx.export_onnx)
-    int8 = onnx_quantize.quantize_matmul_weights(onnx.load(onx.path))
-    assert sum(node.op_type == "DynamicQuantizeMatMul" or node.op_type == "MatMulInteger"
-               for node in int8.graph.node) >= 6 * 4
-    onnx_cos = cosines(run_onnx(int8, sample), keras_out)
+    proto = onnx.load(onx.path)
+    int8 = onnx_quantize.quantize_matmul_weights(proto)
+    # two integer MatMuls (first token, other tokens) per projection
+    assert [node.op_type for node in int8.graph.node].count("MatMulInteger") == 2 * 6 * 4
+    lengths = sample["attention_mask"].sum(1)
+    alone = np.concatenate([run_onnx(int8, {k: v[i:i + 1, :n] for k, v in sample.items()})
+                            for i, n in enumerate(lengths)])
+    alone_cos = cosines(alone, keras_out)
+    batch_cos = cosines(run_onnx(int8, sample), keras_out)
+    # One activation scale per tensor, which the first token's outliers set.
+    per_tensor = onnx_quantize.quantize_matmul_weights(proto, first_token_apart=False)
+    per_tensor_cos = cosines(run_onnx(per_tensor, sample), keras_out)
+    float_down = onnx_quantize.quantize_matmul_weights(proto, float_after_activation=True)
+    float_down_cos = cosines(run_onnx(float_down, sample), keras_out)
     tfl = export_direct(model, tmp_path / "q.tflite", sample, kx.export_tflite, quantization="dynamic")
     tflite_cos = cosines(run_tflite(tfl.path, sample), keras_out)
-    print(f"\nint8 sentence_embedding cosine vs float32 over {len(keras_out)} sentences: "
-          f"ONNX min {onnx_cos.min():.4f} mean {onnx_cos.mean():.4f}; "
-          f"TFLite min {tflite_cos.min():.4f} mean {tflite_cos.mean():.4f}")
-    # Measured: ONNX 0.981 / 0.992 (7-bit weights), TFLite 0.996 / 0.999.
+    print(f"\nint8 sentence_embedding cosine vs float32 over {len(keras_out)} sentences, min / mean: "
+          f"ONNX one per call {alone_cos.min():.4f} / {alone_cos.mean():.4f}, padded batch "
+          f"{batch_cos.min():.4f} / {batch_cos.mean():.4f}, with one scale per tensor "
+          f"{per_tensor_cos.min():.4f}, FFN down float32 {float_down_cos.min():.4f}; "
+          f"TFLite {tflite_cos.min():.4f} / {tflite_cos.mean():.4f}")
     assert tflite_cos.min() >= 0.99
-    assert onnx_cos.mean() >= 0.99 and onnx_cos.min() >= 0.97
-    assert onnx_cos.min() < 1.0 and tflite_cos.min() < 1.0  # the weights are int8
+    assert alone_cos.min() >= 0.99
+    assert batch_cos.min() > per_tensor_cos.min()
+    assert float_down_cos.min() >= 0.99
+    assert alone_cos.min() < 1.0 and tflite_cos.min() < 1.0  # the weights are int8
 
 
 @pytest.mark.parametrize("pooling, padding_side", [

@@ -48,6 +48,8 @@ def _data():
         # signs aligned with the first output column: every pair adds up
         "aligned": np.sign(w[:, 0])[None, :] * 5.0 * np.ones((M, K)),
         "random": rng.standard_normal((M, K)),
+        # an encoder's first token: outliers 30 times the other rows'
+        "first_token_outliers": rng.standard_normal((M, K)) * np.where(np.arange(M) == 0, 30.0, 1.0)[:, None],
     }
     return w.astype(np.float32), {k: v.astype(np.float32) for k, v in inputs.items()}
 
@@ -139,6 +141,12 @@ def _onnx_activation_step(x):
     return np.full(len(x), step)
 
 
+def _first_token_apart_step(x):
+    # `quantize_matmul_weights`: row 0 (the first token) with its own scale,
+    # the other rows with theirs.
+    return np.concatenate([_onnx_activation_step(x[:1]), _onnx_activation_step(x[1:])])
+
+
 @pytest.fixture(scope="module")
 def onnx_artifacts(tmp_path_factory):
     from keras_attn.export.onnx_quantize import matmul_nbits, quantize_matmul_weights
@@ -174,7 +182,7 @@ def _nbits_activation_step(x):
 
 # artifact -> (weight step, activation step)
 SCHEMES = {
-    "ours.onnx": (lambda w: _per_column_step(w, 7), _onnx_activation_step),
+    "ours.onnx": (lambda w: _per_column_step(w, 7), _first_token_apart_step),
     "unsafe.onnx": (lambda w: _per_column_step(w, 8), _onnx_activation_step),
     "nbits8.onnx": (lambda w: _per_block_step(w, 8), _nbits_activation_step),
     "nbits4.onnx": (lambda w: _per_block_step(w, 4), _nbits_activation_step),
@@ -208,6 +216,57 @@ def test_onnx_int8_weights_cannot_saturate_int16_pair_sums(onnx_artifacts):
                 pair_sums.append(int((255 * (q[0::2] + q[1::2])).max()))
         assert pair_sums, f"{name}: no integer matmul"
         assert (max(pair_sums) <= 32767) == safe, (name, pair_sums)
+
+
+def _ffn_proto(activation):
+    """x @ w1, an activation in ONNX arithmetic, @ w2: a feed-forward block."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    w1 = rng.standard_normal((K, 2 * N)).astype(np.float32)
+    w2 = rng.standard_normal((2 * N, N)).astype(np.float32)
+    consts = [numpy_helper.from_array(np.array(v, np.float32), n)
+              for n, v in (("half", 0.5), ("one", 1.0), ("root2", np.sqrt(2.0)))]
+    if activation == "gelu":  # x * 0.5 * (1 + erf(x / sqrt 2)), as the direct writer writes it
+        nodes = [helper.make_node("Div", ["h", "root2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+                 helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "half"], ["hh"]),
+                 helper.make_node("Mul", ["hh", "e1"], ["a"])]
+    else:  # silu: x * sigmoid(x)
+        nodes = [helper.make_node("Sigmoid", ["h"], ["s"]), helper.make_node("Mul", ["h", "s"], ["a"])]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="up"), *nodes,
+         helper.make_node("MatMul", ["a", "w2"], ["y"], name="down")], "ffn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, N])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), *consts])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w1, w2
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_onnx_int8_float_after_activation(activation):
+    """`float_after_activation=True`: the MatMul reading the activation's
+    output keeps its float32 weight, the other's becomes int8, its first
+    token's row quantized apart. By default both are int8."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from keras_attn.export.onnx_quantize import quantize_matmul_weights
+
+    proto, _, w2 = _ffn_proto(activation)
+    quantized = quantize_matmul_weights(proto, float_after_activation=True)
+    ops = [node.op_type for node in quantized.graph.node]
+    assert ops.count("MatMulInteger") + ops.count("DynamicQuantizeMatMul") == 2  # first token, the rest
+    (down,) = [node for node in quantized.graph.node if node.op_type == "MatMul"]
+    weights = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    np.testing.assert_array_equal(weights[down.input[1]], w2)
+    default = quantize_matmul_weights(proto)
+    assert [node.op_type for node in default.graph.node].count("MatMul") == 0
+    # One token: the rows after the first are empty, which onnxruntime runs.
+    x = np.random.default_rng(2).standard_normal((2, 1, K)).astype(np.float32)
+    y = ort.InferenceSession(default.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert y.shape == (2, 1, N) and np.isfinite(y).all()
+    with pytest.raises(TypeError, match="first_token_apart"):
+        quantize_matmul_weights(proto, first_token_apart="yes")
 
 
 SAFE = ("ours.onnx", "nbits8.onnx", "nbits4.onnx")
