@@ -49,14 +49,14 @@ def _random_state_variables(model):
     return [v for v in model.variables if id(v) not in weights]
 
 
-def _has_random_state(checkpoint_path):
-    """Whether the checkpoint's root object has the `random_state` child."""
+def _root_children(checkpoint_path):
+    """Names of the checkpoint's root object's children (`model`, `weights`, ...)."""
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
     reader = tf.train.load_checkpoint(checkpoint_path)
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
-    return any(child.local_name == "random_state" for child in graph.nodes[0].children)
+    return {child.local_name for child in graph.nodes[0].children}
 
 
 def _is_chief(strategy):
@@ -168,16 +168,18 @@ class Trainer:
         # run would restart every dropout RNG from its seed and replay the masks
         # of the first steps.
         self._random_state = _random_state_variables(model)
-        self._legacy_checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=self.optimizer, step=self.step
-        )
+        # `model.weights` as a list of its own: `tf.train.Checkpoint` finds a
+        # model's variables through the attributes it tracks, and a Keras
+        # layer kept in a Python list (`DecoderOnlyLM.blocks`, so every
+        # decoder block) is not one of them: through `model` alone a
+        # checkpoint of a `DecoderOnlyLM` holds its embeddings, final norm
+        # and head, and nothing of its blocks.
+        self._weights = list(model.weights)
+        self._checkpoint_objects = dict(model=model, optimizer=self.optimizer, step=self.step,
+                                        weights=self._weights)
         if self._random_state:
-            self.checkpoint = tf.train.Checkpoint(
-                model=model, optimizer=self.optimizer, step=self.step,
-                random_state=self._random_state,
-            )
-        else:
-            self.checkpoint = self._legacy_checkpoint
+            self._checkpoint_objects["random_state"] = self._random_state
+        self.checkpoint = tf.train.Checkpoint(**self._checkpoint_objects)
         self.checkpoint_dir = checkpoint_dir
         self._scratch_dir = None
         self.manager = None
@@ -216,15 +218,22 @@ class Trainer:
         latest = tf.train.latest_checkpoint(self.checkpoint_dir)
         if not latest:
             return int(self.step.numpy())
-        if self._random_state and not _has_random_state(latest):
-            # Written before the trainer saved the random state: restore the
-            # rest; the dropout RNGs start again from their seeds.
-            self._legacy_checkpoint.restore(latest).assert_existing_objects_matched()
+        saved = _root_children(latest)
+        missing = sorted(set(self._checkpoint_objects) - saved)
+        if missing:
+            # Written by an earlier version of this trainer: restore what it has.
+            objects = {k: v for k, v in self._checkpoint_objects.items() if k in saved}
+            tf.train.Checkpoint(**objects).restore(latest).assert_existing_objects_matched()
+            consequences = {
+                "weights": "the weights of layers the model keeps in lists (a DecoderOnlyLM's "
+                           "blocks) were not saved and keep their current values",
+                "random_state": "the layers' dropout RNGs restart from their seeds",
+            }
             warnings.warn(
-                f"The checkpoint {latest} has no random state (it predates "
-                "random-state checkpointing): the model's weights, optimizer and "
-                "step are restored, but the layers' dropout RNGs restart from "
-                "their seeds, so the resumed run differs from an uninterrupted one.",
+                f"The checkpoint {latest} has no {' and no '.join(missing)} (it predates "
+                "their checkpointing): what it has is restored, but "
+                + "; ".join(consequences[name] for name in missing)
+                + ", so the resumed run differs from an uninterrupted one.",
                 stacklevel=2,
             )
         else:

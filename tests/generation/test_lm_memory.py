@@ -38,13 +38,15 @@ def _dataset():
                              packing=False, eos_token_id=1)
 
 
-def _model(tie, soft_cap=None):
+def _model(tie, soft_cap=None, lora=True):
     keras.utils.set_random_seed(5)
     lm = DecoderOnlyLM(VOCAB, LENGTH, 16, num_layers=2, num_heads=4, intermediate_dim=32,
                        num_key_value_heads=2, position="rotary", normalization="rms_norm",
                        use_gated_feedforward=True, tie_embeddings=tie, lm_head_use_bias=not tie,
                        final_logit_soft_cap=soft_cap)
     lm(np.zeros((1, 4), "int32"))
+    if not lora:
+        return lm
     lm.enable_lora(4, target_names=("q_proj", "v_proj", "down_proj"))
     # B away from zero, so that A's gradients are not zero too.
     rng = np.random.default_rng(0)
@@ -85,6 +87,19 @@ def test_savers_give_the_plain_loss_and_lora_gradients(plain_steps, tie, soft_ca
     got_loss, got = _one_step(_model(tie, soft_cap), CausalLMLoss(chunk_size=chunk_size), remat)
     scale = tolerance.magnitude(want)
     assert scale > 1e-3  # the gradients are not all zero
+    for g, w in zip(got, want):
+        tolerance.assert_close(g, w, scale=scale, terms=tolerance.LAYER_TERMS)
+    tolerance.assert_close(got_loss, want_loss, terms=LENGTH)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_trainable_head_gets_the_plain_gradients(tie):
+    """Full fine-tuning: the head's own weights train too (the rematerialised
+    chunks rather than the frozen head's forward-pass gradient)."""
+    plain = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    want_loss, want = _one_step(_model(tie, lora=False), plain)
+    got_loss, got = _one_step(_model(tie, lora=False), CausalLMLoss(chunk_size=5))
+    scale = tolerance.magnitude(want)
     for g, w in zip(got, want):
         tolerance.assert_close(g, w, scale=scale, terms=tolerance.LAYER_TERMS)
     tolerance.assert_close(got_loss, want_loss, terms=LENGTH)
