@@ -189,6 +189,13 @@ def table(results):
     return "\n".join(rows)
 
 
+def _conditions(args, machine):
+    return (f"Conditions: {machine}; float32 weights and compute; LoRA rank {args.rank}; "
+            f"{args.warmup} warm-up + {args.steps} timed steps; savers: CausalLMLoss(chunk_size="
+            f"{args.chunk}) + set_block_remat(True); "
+            f"ours on KERAS_BACKEND={os.environ.get('KERAS_BACKEND', 'tensorflow')}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen2.5-0.5b", help="comma-separated, from bench_real_size.MODELS")
@@ -210,6 +217,8 @@ def main(argv=None):
                         help="tiny-llama, 2x16, our two sides, in a temporary --work (no peers needed)")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--from-log", help="no run: the table of the result lines (one JSON object "
+                        "each, as every run prints to stderr per child) in this file, e.g. of a run cut short")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -221,8 +230,14 @@ def main(argv=None):
         print(json.dumps(run_child_side(args)))
         return
     results_file.start(args)
+    if args.from_log:
+        with open(args.from_log) as f:
+            results = [json.loads(line) for line in f if line.startswith('{"model"')]
+        _common.emit("\n".join([_conditions(args, "from the result lines of a run"), "", table(results)]),
+                     args, results=results)
+        return
     if args.quick:
-        args.models, args.targets, args.shapes = "tiny-llama", "qv,all", "2x16"
+        args.models, args.targets, args.shapes = "tiny-llama", "qv", "2x16"
         args.sides, args.steps, args.warmup = "keras_attn,keras_attn+savers", 1, 1
         args.chunk = 8
         args.work = tempfile.mkdtemp(prefix="finetune_")
@@ -259,11 +274,7 @@ def main(argv=None):
             import shutil
 
             shutil.rmtree(args.work, ignore_errors=True)
-    conditions = (f"Conditions: {_common.conditions()}; float32 weights and compute; LoRA rank {args.rank}; "
-                  f"{args.warmup} warm-up + {args.steps} timed steps; savers: CausalLMLoss(chunk_size="
-                  f"{args.chunk}) + set_block_remat(True); "
-                  f"ours on KERAS_BACKEND={os.environ.get('KERAS_BACKEND', 'tensorflow')}")
-    lines = [conditions, "", table(results)]
+    lines = [_conditions(args, _common.conditions()), "", table(results)]
     _common.emit("\n".join(lines), args, results=results)
     if any("error" in r for r in results):
         sys.exit(1)
