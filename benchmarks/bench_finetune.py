@@ -19,11 +19,11 @@ Each configuration runs in a fresh process (`--lock FILE`: under `flock
 FILE`, for machines where big jobs take turns). The batches are random ids,
 every token a target. tokens/s counts `batch x length` per step over
 `--steps` steps after `--warmup` steps (tracing and first allocations).
-Peak RSS is the child's `ru_maxrss` (from `wait4`); `loaded` is its RSS once
-the model is built and adapted, before the first step, so `peak - loaded` is
-what training adds (activations, logits, gradients, optimizer state), and
-`train peak` is the peak RSS during the steps alone (VmHWM restarted after
-loading), which loading's transient peak does not hide.
+Peak RSS is the child's `ru_maxrss` (from `wait4`), loading included;
+`loaded` is its RSS once the model is built and adapted (free heap pages
+handed back), before the first step; `train peak` is the peak RSS during the
+steps alone (VmHWM restarted after loading), so `train peak - loaded` is what
+training adds (activations, logits, gradients, optimizer state).
 
     python benchmarks/bench_finetune.py --models qwen2.5-0.5b --lock /tmp/bigmem.lock
     python benchmarks/bench_finetune.py --quick
@@ -61,8 +61,12 @@ def _rss_bytes():
 
 
 def _reset_peak():
-    """Restarts the kernel's peak-RSS count (VmHWM) from the current RSS, so
-    the peak read after the steps is training's alone, not loading's."""
+    """Hands the heap's free pages back (loading's temporaries) and restarts
+    the kernel's peak-RSS count (VmHWM) from the current RSS, so the peak
+    read after the steps is training's alone, not loading's."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -89,12 +93,11 @@ def child_keras(args, folder, vocab):
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     lm.compile(keras.optimizers.AdamW(1e-4), loss=loss)
     x, y, w = _batch(vocab, args.batch, args.length)
-    loaded = _rss_bytes()
 
     def step():
         return float(lm.train_on_batch(x, y, sample_weight=w))
 
-    return loaded, step
+    return step
 
 
 def child_peft(args, folder, vocab):
@@ -108,7 +111,6 @@ def child_peft(args, folder, vocab):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     x, _, _ = _batch(vocab, args.batch, args.length)
     ids = torch.tensor(x, dtype=torch.long)
-    loaded = _rss_bytes()
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -117,7 +119,7 @@ def child_peft(args, folder, vocab):
         optimizer.step()
         return float(loss)
 
-    return loaded, step
+    return step
 
 
 def run_child_side(args):
@@ -125,9 +127,10 @@ def run_child_side(args):
     folder = bench_real_size._paths(args, name)["checkpoint"]
     vocab = bench_real_size.MODELS[name]["config"]["vocab_size"]
     start = time.perf_counter()
-    loaded, step = (child_peft if args.side == "peft" else child_keras)(args, folder, vocab)
+    step = (child_peft if args.side == "peft" else child_keras)(args, folder, vocab)
     load_seconds = time.perf_counter() - start
     _reset_peak()
+    loaded = _rss_bytes()
     losses = [step() for _ in range(args.warmup)]
     start = time.perf_counter()
     losses += [step() for _ in range(args.steps)]
@@ -169,7 +172,7 @@ def _ratio(a, b):
 
 def table(results):
     rows = [("| model | LoRA targets | batch x length | side | tokens/s | peak RSS GB | loaded GB | train peak GB "
-             "| tokens/s ours/PEFT | peak ours/PEFT |"),
+             "| speed ours / PEFT | peak ours / PEFT |"),
             "|---|---|---|---|---|---|---|---|---|---|"]
     peers = {(r["model"], r["targets"], r["batch"], r["length"]): r for r in results
              if r["side"] == "peft" and "error" not in r}
