@@ -31,6 +31,7 @@ BACKEND_AGNOSTIC_FILES = {
     "export/test_encoder_description.py",
     "export/test_onnx_decoder.py",
     "export/test_onnx_signatures.py",
+    "generation/test_lm_memory.py",
     "generation/test_lora_peft.py",
     "layers/test_attention_layers.py",
     "layers/test_blocks.py",

@@ -23,6 +23,7 @@ from keras_attn import checks as _checks
 from keras_attn import description
 from keras_attn.generation import cache as cache_lib
 from keras_attn.generation import layout
+from keras_attn.generation import lm_loss
 from keras_attn.generation import lora
 from keras_attn.layers import activations
 from keras_attn.layers.relative_position_bias import RelativePositionBias
@@ -489,6 +490,19 @@ class _LMBase(keras.Model):
         return config
 
 
+def _remat_block(block, x, options):
+    """`block(x, **options)` rematerialised. Tensor options are arguments of
+    the rematerialised function, not closures: TensorFlow's `recompute_grad`
+    gives gradients to its arguments and variables only."""
+    names = [k for k, v in options.items() if v is not None and not isinstance(v, (bool, int, float))]
+    fixed = {k: v for k, v in options.items() if k not in names}
+
+    def run(x, *tensors):
+        return block(x, **fixed, **dict(zip(names, tensors)))
+
+    return keras.remat(run)(x, *(options[k] for k in names))
+
+
 def _per_layer(value, num_layers):
     """A per-layer option as a list of one value per layer."""
     return list(value) if isinstance(value, list) else [value] * num_layers
@@ -648,6 +662,48 @@ class DecoderOnlyLM(_LMBase):
         self.blocks = self._decoder_blocks()
         self.final_norm = self._norm("final_norm")
         self.lm_head = self._head()
+        self.remat_blocks = False
+
+    def set_block_remat(self, enabled=True):
+        """Rematerialise each decoder block in training (`keras.remat`).
+
+        While training, the backward pass then keeps each block's input
+        only and recomputes the block's activations from it (one block's at
+        a time) instead of holding every block's attention and feed-forward
+        intermediates: less memory for about one more forward pass. Off by
+        default; the values computed are the same. Inference and cached
+        decoding are never rematerialised.
+        """
+        self.remat_blocks = _checks.check_bool("enabled", enabled)
+        lora._reset_traces(self)
+        return self
+
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        if self._chunked_loss() is not None and (kwargs.get("metrics") or kwargs.get("weighted_metrics")):
+            raise ValueError(
+                "A chunked CausalLMLoss trains on hidden states (the logits are never whole), "
+                "so compiled metrics would see no logits. Compile without `metrics` and "
+                "`weighted_metrics`, or with CausalLMLoss(chunk_size=None). Received: "
+                f"metrics={kwargs.get('metrics')!r}, weighted_metrics={kwargs.get('weighted_metrics')!r}"
+            )
+        lora._reset_traces(self)
+
+    def _chunked_loss(self):
+        loss = getattr(self, "loss", None)
+        if isinstance(loss, lm_loss.CausalLMLoss) and loss.chunk_size is not None:
+            return loss
+        return None
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = self._chunked_loss()
+        if loss is None or not training:
+            return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        # `call(training=True)` gave the final hidden states (see CausalLMLoss).
+        total = loss.from_hidden(self, y_pred, y, sample_weight)
+        for extra in self.losses:
+            total = total + self._aggregate_additional_loss(extra)
+        return total
 
     def _check_key_value_sources(self, sources):
         if sources is None:
@@ -730,7 +786,11 @@ class DecoderOnlyLM(_LMBase):
                 options["cache_index"] = cache_index
             if i in needed:
                 options["return_key_value"] = True
-            out = block(x, **options)
+            if self.remat_blocks and kwargs.get("training") and cache is None \
+                    and source is None and i not in needed:
+                out = _remat_block(block, x, options)
+            else:
+                out = block(x, **options)
             out = list(out) if isinstance(out, (tuple, list)) else [out]
             if i in needed:
                 key_values[i] = out.pop()
@@ -750,6 +810,8 @@ class DecoderOnlyLM(_LMBase):
             x, per_layer_inputs, decoder_padding_mask=padding_mask, decoder_attention_bias=bias,
             training=training,
         )
+        if training and self._chunked_loss() is not None:
+            return self.final_norm(x)  # the loss applies the head chunk by chunk
         return self._logits(self.embedding, self.final_norm(x))
 
     def call_with_cache(self, token_ids, cache, cache_index, padding_mask=None):

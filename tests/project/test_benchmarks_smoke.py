@@ -24,6 +24,7 @@ CASES = {
     "gpu_check": ["gpu_check.py", "--allow-cpu", "--repeats", "1"],
     "int8_schemes": ["bench_int8_schemes.py", "--quick"],
     "real_size": ["bench_real_size.py", "--quick"],
+    "finetune": ["bench_finetune.py", "--quick"],
     "input": ["bench_input.py", "--examples", "48", "--batch-size", "8", "--rounds", "1",
               "--modes", "graph"],
 }
