@@ -48,9 +48,10 @@ def export_all(
     Writes, under `output_dir`:
     `saved_model/<name>/<version>/` (TF Serving layout), `<name>.tflite`
     (float32) and `<name>_<quantization>.tflite` for each quantized variant,
-    `<name>.onnx` (float32) and `<name>_<quantization>.onnx` likewise. Each exporter runs its artifact on the same sample
-    inputs and compares with the Keras model (see `export_saved_model`,
-    `export_tflite`, `export_onnx`).
+    `<name>.onnx` (float32) and `<name>_<quantization>.onnx` likewise.
+    Each exporter runs its artifact on the same sample inputs and compares
+    with the Keras model (see `export_saved_model`, `export_tflite`,
+    `export_onnx`).
 
     A model whose layers compute in float16/bfloat16 is exported as a float32
     copy (one warning; each report's `details["float32_copy"]` says how far
@@ -76,8 +77,8 @@ def export_all(
             TFLite variants report their max logit error and are checked by
             argmax agreement instead), a number for every export, or a dict
             keyed by report key ("saved_model", "tflite", "tflite_dynamic",
-            "onnx", "onnx_dynamic", ...) whose missing keys use the defaults. A number is an
-            absolute bound.
+            "onnx", "onnx_dynamic", ...) whose missing keys use the
+            defaults. A number is an absolute bound.
         min_agreement: for the quantized TFLite variants, the smallest
             fraction of argmax positions equal to Keras's (see
             `export_tflite`): None (defaults per quantization), a number, or

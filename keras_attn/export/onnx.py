@@ -288,7 +288,6 @@ def export_onnx(
             ("tf2onnx", deprecated, is "traced"). The report's
             `details["writer"]` says which wrote the file ("direct" or
             "tf2onnx").
-
         quantization: None (float32) or "dynamic": int8 weights for every
             MatMul with a constant weight, the activations quantized to
             uint8 at run time (`quantized_proto`: 7-bit weights per output
@@ -299,9 +298,9 @@ def export_onnx(
             Attention ops stay float32), in standard ONNX ops
             (`DynamicQuantizeLinear`, `MatMulInteger`): its MatMul weights
             take a quarter of their float32 bytes, embedding tables stay
-            float32. Checked like a quantized TFLite
-            export (`export_tflite`): by `measure` and `threshold`, not by
-            the float32 bound; `atol` is then checked only when given. The
+            float32. Checked like a quantized TFLite export
+            (`export_tflite`): by `measure` and `threshold`, not by the
+            float32 bound; `atol` is then checked only when given. The
             report's `details["quantization"]` names it and
             `details["float32_bytes"]` is the float32 graph's size.
         measure: "dynamic" only: how each float output is compared with
