@@ -98,6 +98,10 @@ def _add_export_arguments(parser):
     parser.add_argument("--quantize", nargs="+", default=["none"],
                         choices=("none", "float16", "dynamic", "int8", "int16x8"),
                         help="TFLite variants to write (several allowed, e.g. none dynamic)")
+    parser.add_argument("--onnx-quantize", nargs="+", default=["none"],
+                        choices=("none", "dynamic"),
+                        help="ONNX variants to write (several allowed, e.g. none dynamic: "
+                             "int8 weights, activations quantized at run time)")
     parser.add_argument("--model-name", default=None, help="TF Serving model name")
     parser.add_argument("--version", type=int, default=1, help="TF Serving version")
     parser.add_argument("--opset", type=int, default=17, choices=(17, 18))
@@ -110,11 +114,11 @@ def _add_export_arguments(parser):
                              "0.9 int8)")
     parser.add_argument("--measure", default="auto",
                         choices=("auto", "argmax", "cosine", "relative_error"),
-                        help="quantized TFLite: how every output is compared with Keras "
+                        help="quantized TFLite and ONNX: how every output is compared with Keras "
                              "(auto: argmax for logits/scores, per-row cosine for "
                              "embeddings and hidden states, relative error otherwise)")
     parser.add_argument("--threshold", type=float, default=None,
-                        help="quantized TFLite: the minimum argmax agreement or cosine, or "
+                        help="quantized TFLite and ONNX: the minimum argmax agreement or cosine, or "
                              "the maximum relative error (default per quantization)")
     parser.add_argument("--check-ids", default=None, choices=("clamp", "flag"),
                         help="an out-of-range token id: by default SavedModel rejects the "

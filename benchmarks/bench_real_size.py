@@ -52,11 +52,17 @@ Stages (`STAGES`, one entry each; later stages are added there):
   (its own venv, OPTIMUM_PYTHON; its run, validation included, is the
   stage). `tflite` writes encoders with the
   direct writer (`export_tflite`'s default); `tflite_converter` forces
-  TensorFlow's converter, `tflite_dynamic` is int8 weights.
+  TensorFlow's converter, `tflite_dynamic` is int8 weights
+  (`quantization="dynamic"`), as is `onnx_int8` (`export_onnx(quantization=
+  "dynamic")`: int8 MatMul weights, activations quantized at run time).
 - `latency`: batch-1 latency at 32, 128 and 512 tokens of the files the
-  `onnx`, `tflite`, `torch_onnx` and `optimum_onnx` stages left in `--work`
-  and of the transformers model in torch eager (onnxruntime, LiteRT and
-  torch, 2 threads, interleaved, `--rounds` rounds).
+  `onnx`, `onnx_int8`, `tflite`, `tflite_dynamic`, `torch_onnx` and
+  `optimum_onnx` stages left in `--work` and of the transformers model in
+  torch eager (onnxruntime, LiteRT and torch, 2 threads, interleaved,
+  `--rounds` rounds). The int8 exports' outputs are compared with our
+  float32 ONNX export's: the cosine of each token's hidden state, its mean
+  over the tokens and its minimum (random weights: their outliers are not a
+  trained model's, see `QUANTIZED_LATENCY`).
 
 Each stage runs in a fresh subprocess. The parent samples the child's RSS
 with psutil every 20 ms and reads its `ru_maxrss` from `wait4`; the child
@@ -696,6 +702,9 @@ def _export_phases(sampler):
         for attribute in ("write_graph", "direct_model_proto"):
             _wrap(module, attribute, before=lambda: mark("write ONNX graph"),
                   after=lambda: mark("serialize ONNX"))
+    # export_onnx(quantization=...): the float32 graph in memory, then int8.
+    _wrap(onnx_lib, "quantized_proto", before=lambda: mark("quantize int8"),
+          after=lambda: mark("serialize ONNX"))
     _wrap(verify, "verify_artifact", before=lambda: mark("verify"))
     try:  # the direct TFLite writer of encoders (absent before it was written)
         from keras_attn.export import tflite_encoder
@@ -901,6 +910,7 @@ def _latency_runners(spec, paths):
 
     runners = {}
     for label, path in (("ours ONNX", ("export_onnx", "bert.onnx")),
+                        ("ours ONNX int8", ("export_onnx_int8", "bert.onnx")),
                         ("peer ONNX (torch.onnx.export)", ("torch_onnx", "model.onnx")),
                         ("peer ONNX (Optimum)", ("optimum_onnx", "model.onnx"))):
         path = os.path.join(paths["work"], *path)
@@ -912,43 +922,71 @@ def _latency_runners(spec, paths):
         def run(ids, mask, session=session, inputs=inputs):
             return session.run(None, {n: _feed_value(n, ids, mask).astype(t) for n, t in inputs})[0]
         runners[label] = run
-    path = os.path.join(paths["work"], "export_tflite", "bert.tflite")
-    if os.path.exists(path):
-        from ai_edge_litert import interpreter as litert
-
-        interpreter = litert.Interpreter(model_path=path, num_threads=LATENCY_THREADS)
-        details = interpreter.get_input_details()
-
-        shape = [None]
-
-        def run_tflite(ids, mask):
-            if shape[0] != ids.shape:
-                for d in details:
-                    interpreter.resize_tensor_input(d["index"], ids.shape)
-                interpreter.allocate_tensors()
-                shape[0] = ids.shape
-            for d in details:
-                interpreter.set_tensor(d["index"], _feed_value(d["name"], ids, mask).astype(d["dtype"]))
-            interpreter.invoke()
-            return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
-        runners["ours TFLite"] = run_tflite
+    for label, folder in (("ours TFLite", "export_tflite"), ("ours TFLite dynamic", "export_tflite_dynamic")):
+        path = os.path.join(paths["work"], folder, "bert.tflite")
+        if os.path.exists(path):
+            runners[label] = _tflite_runner(path)
     runners["peer torch eager (transformers)"] = _torch_eager_runner(spec, paths)
     return runners
 
 
+def _tflite_runner(path):
+    """A `.tflite` file in LiteRT (2 threads) as `run(ids, mask) -> output`,
+    resized when the shape changes."""
+    from ai_edge_litert import interpreter as litert
+
+    interpreter = litert.Interpreter(model_path=path, num_threads=LATENCY_THREADS)
+    details = interpreter.get_input_details()
+    shape = [None]
+
+    def run_tflite(ids, mask):
+        if shape[0] != ids.shape:
+            for d in details:
+                interpreter.resize_tensor_input(d["index"], ids.shape)
+            interpreter.allocate_tensors()
+            shape[0] = ids.shape
+        for d in details:
+            interpreter.set_tensor(d["index"], _feed_value(d["name"], ids, mask).astype(d["dtype"]))
+        interpreter.invoke()
+        return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+    return run_tflite
+
+
+# The int8 exports (int8 weights, activations quantized at run time), whose
+# outputs are measured against our float32 ONNX export's by cosine rather
+# than counted in the float exports' max abs difference. On random weights
+# their activations have none of a trained model's outliers (the first
+# token's "massive activations"): the data-dependent loss is measured on the
+# real all-MiniLM-L6-v2 (tests/export/test_onnx_quantization.py,
+# bench_quantization.py).
+QUANTIZED_LATENCY = ("ours ONNX int8", "ours TFLite dynamic")
+
+
+def _token_cosines(got, want):
+    """The cosine of each token's vector (last axis) of `got` to `want`'s."""
+    import numpy as np
+
+    a = np.asarray(got, np.float64).reshape(-1, np.shape(want)[-1])
+    b = np.asarray(want, np.float64).reshape(-1, np.shape(want)[-1])
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
 def stage_latency(name, spec, paths, args):
-    """Batch-1 latency of the exports the `onnx`, `tflite`, `torch_onnx` and
-    `optimum_onnx` stages wrote, and of torch eager, at each of LATENCY_LENGTHS tokens (random ids, no
+    """Batch-1 latency of the exports the `onnx`, `onnx_int8`, `tflite`,
+    `tflite_dynamic`, `torch_onnx` and `optimum_onnx` stages wrote, and of
+    torch eager, at each of LATENCY_LENGTHS tokens (random ids, no
     padding), interleaved (`_common.interleaved`, `--rounds` rounds of 2
     calls after 2 warm-up calls); onnxruntime and LiteRT with 2 threads.
-    The TFLite interpreter is resized once per length, before its warm-up."""
+    The TFLite interpreter is resized once per length, before its warm-up.
+    The int8 exports (`QUANTIZED_LATENCY`): the per-token cosine of their
+    output to our float32 ONNX export's, mean and min."""
     import numpy as np
 
     runners = _latency_runners(spec, paths)
     if not runners:
         raise FileNotFoundError(f"no export of {name} in {paths['work']}: run onnx, tflite, torch_onnx first")
     rng = np.random.default_rng(0)
-    latency, agreement, failed = {}, {}, {}
+    latency, agreement, cosine, failed = {}, {}, {}, {}
     for length in LATENCY_LENGTHS:
         if length > spec["config"].get("max_position_embeddings", length):
             continue
@@ -966,11 +1004,19 @@ def stage_latency(name, spec, paths, args):
         fns = {label: (lambda run=run: run(ids, mask)) for label, run in runners.items()}
         medians = _common.interleaved(fns, repeats=args.rounds, calls=2)
         latency[str(length)] = {label: seconds * 1e3 for label, seconds in medians.items()}
-        # The exports agree (a trace that froze the example's length would not).
+        # The float exports agree (a trace that froze the example's length
+        # would not); the int8 ones are measured by cosine to our float32 ONNX.
         outputs = {label: np.asarray(run(ids, mask), np.float64) for label, run in runners.items()}
-        first = next(iter(outputs.values()))
-        agreement[str(length)] = max(float(np.max(np.abs(o - first))) for o in outputs.values())
+        floats = {label: o for label, o in outputs.items() if label not in QUANTIZED_LATENCY}
+        first = next(iter(floats.values()))
+        agreement[str(length)] = max(float(np.max(np.abs(o - first))) for o in floats.values())
+        if "ours ONNX" in outputs:
+            cosine[str(length)] = {
+                label: [float(c.mean()), float(c.min())]
+                for label in QUANTIZED_LATENCY if label in outputs
+                for c in [_token_cosines(outputs[label], outputs["ours ONNX"])]}
     return {"latency_ms": latency, "load": list(os.getloadavg()), "max_abs_difference": agreement,
+            "int8_cosine": cosine,
             "scale": float(np.max(np.abs(first))) if latency else None, "failed": failed}
 
 
@@ -1023,10 +1069,15 @@ STAGES = {
     "tflite": Stage(_export_stage("tflite"), "convert + export_tflite (float32)"),
     "tflite_converter": Stage(_export_stage("tflite_converter", writer="traced"),
                               "convert + export_tflite(writer='traced') (float32)"),
-    "tflite_dynamic": Stage(_export_stage("tflite_dynamic", quantization="dynamic"),
-                            "convert + export_tflite(quantization='dynamic')"),
+    # The int8 stages check nothing (`threshold=0`): on random weights an
+    # int8 export can fall below the default cosine threshold (EmbeddingGemma's
+    # did), and the latency stage measures its cosine to the float32 export.
+    "tflite_dynamic": Stage(_export_stage("tflite_dynamic", quantization="dynamic", threshold=0.0),
+                            "convert + export_tflite(quantization='dynamic', threshold=0)"),
     "onnx": Stage(_export_stage("onnx"), "convert + export_onnx (default)"),
     "onnx_fused": Stage(_export_stage("onnx_fused", fused=True), "convert + export_onnx(fused=True)"),
+    "onnx_int8": Stage(_export_stage("onnx_int8", quantization="dynamic", threshold=0.0),
+                       "convert + export_onnx(quantization='dynamic', threshold=0)"),
     "export_all": Stage(_export_stage("export_all"), "convert + export_all (SavedModel, TFLite, ONNX)"),
     "sig_onnx": Stage(stage_sig_onnx, "convert + runtimes.signatures.export_onnx, max_length 1024"),
     "keras_file": Stage(stage_keras_file, "convert + model.save(.keras) (CLI input, not ours)",
@@ -1036,8 +1087,8 @@ STAGES = {
     "torch_onnx": Stage(stage_torch_onnx, "transformers model + torch.onnx.export (peer)", ours=False),
     "optimum_onnx": Stage(None, "optimum-cli export onnx --task feature-extraction (peer)", ours=False,
                           command=_optimum_command),
-    "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, tflite, torch_onnx and "
-                                    "optimum_onnx exports and of torch eager"),
+    "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, onnx_int8, tflite, tflite_dynamic, "
+                                    "torch_onnx and optimum_onnx exports and of torch eager"),
 }
 
 
@@ -1154,15 +1205,20 @@ def table(results):
         labels = list(dict.fromkeys(label for r in latency for by in r["latency_ms"].values() for label in by))
         # Each peer's time over ours ONNX's: > 1 means ours is faster.
         peers = [label for label in labels if label.startswith("peer")]
+        quantized = [label for label in QUANTIZED_LATENCY if label in labels]
         rows = [[r["model"], length] + [f"{by[label]:.1f}" if label in by else "" for label in labels]
                 + [f"{by[p] / by['ours ONNX']:.2f}" if p in by and "ours ONNX" in by else "" for p in peers]
-                + [f"{r['max_abs_difference'][length]:.2g} (outputs up to {r['scale']:.2g})",
-                   "/".join(f"{x:.1f}" for x in r["load"])]
+                + [f"{r['max_abs_difference'][length]:.2g} (outputs up to {r['scale']:.2g})"]
+                + ["{:.4f} / {:.4f}".format(*r.get("int8_cosine", {}).get(length, {})[q])
+                   if q in r.get("int8_cosine", {}).get(length, {}) else "" for q in quantized]
+                + ["/".join(f"{x:.1f}" for x in r["load"])]
                 for r in latency for length, by in r["latency_ms"].items()]
         text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime, LiteRT and torch, 2 threads):\n\n"
         text += _common.markdown_table(
             ["model", "tokens"] + labels + [f"{p} / ours ONNX" for p in peers]
-            + ["max abs difference between the exports", "load average after"], rows)
+            + ["max abs difference between the float32 exports"]
+            + [f"{q}: per-token cosine to ours ONNX float32, mean / min" for q in quantized]
+            + ["load average after"], rows)
         text += "".join(f"\n- {r['model']}, {label} failed at {why}\n"
                         for r in latency for label, why in r.get("failed", {}).items())
     return text

@@ -31,6 +31,7 @@ def export_all(
     name=None,
     formats=FORMATS,
     tflite_quantizations=(None,),
+    onnx_quantizations=(None,),
     atol=None,
     min_agreement=None,
     measure="auto",
@@ -47,9 +48,10 @@ def export_all(
     Writes, under `output_dir`:
     `saved_model/<name>/<version>/` (TF Serving layout), `<name>.tflite`
     (float32) and `<name>_<quantization>.tflite` for each quantized variant,
-    and `<name>.onnx`. Each exporter runs its artifact on the same sample
-    inputs and compares with the Keras model (see `export_saved_model`,
-    `export_tflite`, `export_onnx`).
+    `<name>.onnx` (float32) and `<name>_<quantization>.onnx` likewise.
+    Each exporter runs its artifact on the same sample inputs and compares
+    with the Keras model (see `export_saved_model`, `export_tflite`,
+    `export_onnx`).
 
     A model whose layers compute in float16/bfloat16 is exported as a float32
     copy (one warning; each report's `details["float32_copy"]` says how far
@@ -67,19 +69,22 @@ def export_all(
         formats: a non-empty subset of ("saved_model", "tflite", "onnx").
         tflite_quantizations: TFLite variants, each None (float32),
             "float16", "dynamic", "int8" or "int16x8".
+        onnx_quantizations: ONNX variants, each None (float32) or "dynamic"
+            (int8 weights, activations quantized at run time; see
+            `export_onnx`).
         atol: None (each exporter's default: for float32, float32 rounding
             at the magnitude of the outputs, `bounds.Float32Bound`; quantized
             TFLite variants report their max logit error and are checked by
             argmax agreement instead), a number for every export, or a dict
             keyed by report key ("saved_model", "tflite", "tflite_dynamic",
-            "onnx", ...) whose missing keys use the defaults. A number is an
-            absolute bound.
+            "onnx", "onnx_dynamic", ...) whose missing keys use the
+            defaults. A number is an absolute bound.
         min_agreement: for the quantized TFLite variants, the smallest
             fraction of argmax positions equal to Keras's (see
             `export_tflite`): None (defaults per quantization), a number, or
             a dict keyed by report key ("tflite_dynamic", ...).
-        measure, threshold: for the quantized TFLite variants, how each
-            output is compared with Keras and the threshold (see
+        measure, threshold: for the quantized TFLite and ONNX variants, how
+            each output is compared with Keras and the threshold (see
             `export_tflite`); the same for every variant.
         representative_dataset: calibration inputs of the "int8" and
             "int16x8" variants (see `export_tflite`); a generator is read
@@ -112,13 +117,16 @@ def export_all(
         saved_model_lib.resolve_check_ids(check_ids, (None, "clamp", "flag"))
     arguments.check_members("tflite_quantizations", tflite_quantizations,
                             tflite_lib.QUANTIZATIONS, kind="sequence")
+    arguments.check_members("onnx_quantizations", onnx_quantizations,
+                            onnx_lib.QUANTIZATIONS, kind="sequence")
     arguments.check_choice("on_error", on_error, ("raise", "continue"))
     name = arguments.check_name("name", model.name if name is None else name, "file name")
     jobs = []
     for fmt in FORMATS:
         if fmt not in formats:
             continue
-        for quantization in tflite_quantizations if fmt == "tflite" else (None,):
+        variants = {"tflite": tflite_quantizations, "onnx": onnx_quantizations}.get(fmt, (None,))
+        for quantization in variants:
             jobs.append((fmt, quantization))
     keys = [_key(f, q) for f, q in jobs]
     if not isinstance(atol, dict):
@@ -126,7 +134,7 @@ def export_all(
     atols = arguments.by_key("atol", atol, keys)
     if not isinstance(min_agreement, dict):
         min_agreement = arguments.resolve_min_agreement(min_agreement, None)
-    quantized_keys = [_key(f, q) for f, q in jobs if q is not None]
+    quantized_keys = [_key(f, q) for f, q in jobs if f == "tflite" and q is not None]
     agreements = arguments.by_key("min_agreement", min_agreement, quantized_keys)
     samples = model_io.normalize_samples(model, sample_inputs)
     # Once for every format (one warning); the exporters then get a float32 model.
@@ -170,8 +178,12 @@ def export_all(
                     quantization=quantization, **kwargs,
                 )
             else:
+                if quantization is not None:
+                    kwargs.update(measure=measure, threshold=threshold)
+                suffix = "" if quantization is None else f"_{quantization}"
                 written = onnx_lib.export_onnx(
-                    model, os.path.join(output_dir, f"{name}.onnx"), opset=opset, **kwargs
+                    model, os.path.join(output_dir, f"{name}{suffix}.onnx"), opset=opset,
+                    quantization=quantization, **kwargs
                 )
         except Exception as error:  # noqa: BLE001  re-raised unless on_error="continue"
             if on_error == "raise":

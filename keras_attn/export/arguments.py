@@ -23,6 +23,7 @@ __all__ = [
     "resolve_atol",
     "resolve_measures",
     "resolve_min_agreement",
+    "resolve_quality",
     "resolve_thresholds",
 ]
 
@@ -135,3 +136,23 @@ def resolve_thresholds(measures, threshold, defaults, min_agreement=None):
                 f"threshold={threshold!r}"
             )
     return out
+
+
+def resolve_quality(model, quantization, measure, threshold, defaults, min_agreement=None):
+    """`(measures, thresholds)` that check a quantized export (see
+    `quality.MEASURES`), or `(None, None)` for a float32 one, which is
+    checked with `atol` and refuses `measure`, `threshold` and
+    `min_agreement`. `defaults`: the thresholds by measure."""
+    if quantization is None:
+        for arg, value, default in (("min_agreement", min_agreement, None),
+                                    ("measure", measure, "auto"),
+                                    ("threshold", threshold, None)):
+            if value != default:
+                raise ValueError(
+                    f"`{arg}` checks quantized exports; a float32 export is checked "
+                    f"with `atol`. Received: quantization=None, {arg}={value!r}"
+                )
+        return None, None
+    min_agreement = resolve_min_agreement(min_agreement, None)
+    measures = resolve_measures(model, measure)
+    return measures, resolve_thresholds(measures, threshold, defaults, min_agreement)

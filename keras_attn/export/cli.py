@@ -28,17 +28,20 @@ def run(args):
         return 2
     name = args.model_name or os.path.splitext(os.path.basename(args.model))[0]
     formats = FORMATS if args.format == "all" else (args.format,)
-    quantizations = [None if q == "none" else q for q in args.quantize]
+    quantizations = {"tflite": [None if q == "none" else q for q in args.quantize],
+                     "onnx": [None if q == "none" else q for q in args.onnx_quantize]}
     failed = 0
     for fmt in formats:
-        for quant in quantizations if fmt == "tflite" else (None,):
+        for quant in quantizations.get(fmt, (None,)):
             print(f"exporting {fmt}{f' ({quant})' if quant else ''} ...", flush=True)
             if quant in ("int8", "int16x8"):
                 print(f"  {quant}: calibrating on random inputs from the input specs; "
                       "use export_tflite(representative_dataset=...) with real data")
             try:
                 reports = export.export_all(
-                    model, args.out, name=name, formats=(fmt,), tflite_quantizations=(quant,),
+                    model, args.out, name=name, formats=(fmt,),
+                    tflite_quantizations=(quant if fmt == "tflite" else None,),
+                    onnx_quantizations=(quant if fmt == "onnx" else None,),
                     atol=args.atol, min_agreement=args.min_agreement, measure=args.measure,
                     threshold=args.threshold, version=args.version, opset=args.opset, verbose=False,
                     check_ids=args.check_ids,

@@ -6,6 +6,11 @@ it covers (Transformer encoders such as a converted BERT), and tf2onnx for
 any other model. tf2onnx holds many copies of the weights while it converts
 (`TF2ONNX_MEMORY_FACTOR`); a model it would not fit in the memory available
 is refused before it starts.
+
+`quantization="dynamic"` writes int8 weights, the activations quantized at
+run time (`keras_attn.export.onnx_quantize.quantize_matmul_weights` on
+either writer's float32 graph), checked like a quantized TFLite export: by
+each output's quality measure against Keras (`keras_attn.export.quality`).
 """
 
 import os
@@ -18,6 +23,7 @@ from keras_attn.export import bounds
 from keras_attn.export import onnx_fused
 from keras_attn.export import onnx_graph
 from keras_attn.export import precision
+from keras_attn.export import quality
 from keras_attn.export import report
 from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
@@ -26,6 +32,10 @@ from keras_attn.export import verify
 from keras_attn.export import writers
 
 OPSETS = (17, 18)
+QUANTIZATIONS = (None, "dynamic")
+# `quantize_dynamic` reads and writes the quantized graph as one protobuf,
+# which cannot pass 2 GB.
+QUANTIZABLE_WEIGHT_BYTES = 2**31 - 1
 # tf2onnx's peak memory over the model's weight bytes, beyond what the
 # process held before: it freezes the variables into a GraphDef, optimizes
 # it with grappler, then rewrites it op by op in Python. Measured on 2-layer
@@ -209,9 +219,33 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
         "writer": "tf2onnx", "direct_writer_skipped": why}
 
 
+def _check_quantizable(model, quantization):
+    if quantization is not None and weight_bytes(model) > QUANTIZABLE_WEIGHT_BYTES:
+        raise report.ExportError(
+            f"quantization={quantization!r} rewrites the ONNX graph as one protobuf, which "
+            f"holds at most 2 GB: `{model.name}` has {weight_bytes(model) / 1e9:.2f} GB of "
+            "float32 weights. Export it in float32 (quantization=None), or write int8 weights "
+            "with keras_attn.export.onnx_quantize.matmul_nbits on a graph saved with external data."
+        )
+
+
+def quantized_proto(model_proto, quantization):
+    """`model_proto` (float32) quantized as `export_onnx(quantization=...)`
+    writes it: "dynamic" is `onnx_quantize.quantize_matmul_weights` with its
+    defaults (int8 MatMul weights per output channel in a 7-bit range, so
+    the integer arithmetic is the same on every CPU; activations quantized
+    per tensor at run time, the first token's row with its own scale)."""
+    from keras_attn.export import onnx_quantize
+
+    arguments.check_choice("quantization", quantization, QUANTIZATIONS)
+    if quantization is None:
+        return model_proto
+    return onnx_quantize.quantize_matmul_weights(model_proto)
+
+
 def export_onnx(
     model, path, *, opset=17, sample_inputs=None, atol=None, overwrite=True, check_ids="clamp",
-    fused=False, writer="auto",
+    fused=False, writer="auto", quantization=None, measure="auto", threshold=None,
 ):
     """Exports `model` to ONNX and verifies it in onnxruntime.
 
@@ -254,14 +288,43 @@ def export_onnx(
             ("tf2onnx", deprecated, is "traced"). The report's
             `details["writer"]` says which wrote the file ("direct" or
             "tf2onnx").
+        quantization: None (float32) or "dynamic": int8 weights for every
+            MatMul with a constant weight, the activations quantized to
+            uint8 at run time (`quantized_proto`: 7-bit weights per output
+            channel, whose integer sums cannot saturate on any CPU, and the
+            first token's activations with their own scale; see
+            `keras_attn.export.onnx_quantize`), from either writer's
+            float32 graph (with `fused=True` the weights inside the fused
+            Attention ops stay float32), in standard ONNX ops
+            (`DynamicQuantizeLinear`, `MatMulInteger`): its MatMul weights
+            take a quarter of their float32 bytes, embedding tables stay
+            float32. Checked like a quantized TFLite export
+            (`export_tflite`): by `measure` and `threshold`, not by the
+            float32 bound; `atol` is then checked only when given. The
+            report's `details["quantization"]` names it and
+            `details["float32_bytes"]` is the float32 graph's size.
+        measure: "dynamic" only: how each float output is compared with
+            Keras (`keras_attn.export.quality.MEASURES`, see
+            `export_tflite`): "auto" (default) picks argmax agreement for
+            logits/scores, per-row cosine for embeddings and hidden
+            states, relative error for one number per row.
+        threshold: "dynamic" only: the minimum argmax agreement or cosine,
+            or the maximum relative error; a number or a dict by output
+            name. None uses `quality.DEFAULT_THRESHOLDS["dynamic"]`
+            (argmax 0.95, cosine 0.98, relative error 0.2). Each output's
+            measure, value, mean and threshold are in `report.quality`.
 
     Returns:
         An `ExportReport` with the ONNX op types used.
 
     Raises:
         UnsupportedOpsError: tf2onnx cannot convert some TF op.
-        ParityError: onnxruntime differs from Keras beyond `atol`.
-        ExportError: tf2onnx would need more memory than is available.
+        ParityError: onnxruntime differs from Keras beyond `atol`, or (a
+            quantized export) an output's measure is worse than its
+            threshold.
+        ExportError: tf2onnx would need more memory than is available, or
+            `quantization` is given for a model of more than 2 GB of
+            weights.
         NotFusableError: `writer="direct"` and the direct writer does not
             cover the model.
     """
@@ -269,16 +332,27 @@ def export_onnx(
     model_io.input_specs(model)
     names = model_io.output_names(model)
     writer = _check_writer(fused, writer)
-    atol = arguments.resolve_atol(atol, bounds.DEFAULT)
+    arguments.check_choice("quantization", quantization, QUANTIZATIONS)
+    atol = arguments.resolve_atol(atol, bounds.DEFAULT if quantization is None else None)
+    measures, thresholds = arguments.resolve_quality(
+        model, quantization, measure, threshold, quality.DEFAULT_THRESHOLDS[quantization])
+    _check_quantizable(model, quantization)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:
         with open(tmp, "wb") as f:
+            # float32: the direct writer streams its weights to the file; the
+            # quantizer needs the whole graph in memory.
             model_proto, details = model_proto_of(
-                model, opset=opset, check_ids=check_ids, fused=fused, writer=writer, weights_file=f)
+                model, opset=opset, check_ids=check_ids, fused=fused, writer=writer,
+                weights_file=f if quantization is None else None)
+            if quantization is not None:
+                details["float32_bytes"] = model_proto.ByteSize()
+                model_proto = quantized_proto(model_proto, quantization)
             f.write(model_proto.SerializeToString())
         ops = sorted({node.op_type for node in model_proto.graph.node})
         details.update({
+            "quantization": quantization or "none",
             "opset": opset,
             "check_ids": check_ids,
             "fused": onnx_fused.fused_op_counts(model_proto) if fused else None,
@@ -293,11 +367,14 @@ def export_onnx(
         checks = verify.verify_artifact(
             "ONNX", model, samples,
             lambda sample: [np.asarray(x) for x in runner.run(names, sample)],
-            atol, os.path.abspath(path),
+            atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
         del runner
+        if measures == {} and atol is None:  # no float output to measure
+            atol = quality.FALLBACK_ATOL[quantization]
+            verify.check_parity("ONNX", checks, atol, os.path.abspath(path))
         size = os.path.getsize(tmp)
     return report.make_report(
         "onnx", path, checks, size_bytes=size, atol=atol, ops=ops, details=details,
-        float32_note=float32_note,
+        float32_note=float32_note, measures=measures, thresholds=thresholds,
     )

@@ -29,6 +29,23 @@ Rows at padded positions (zeros of an input named like "attention_mask",
 see `padding_rows`) are left out of every measure.
 """
 
+# Each quantization's default thresholds by measure (the minimum argmax
+# agreement or cosine, the maximum relative error). "dynamic" is int8 weights
+# with activations quantized at run time, in TFLite and ONNX alike. From
+# measurements on a pretrained sentence encoder (all-MiniLM-L6-v2,
+# benchmarks/RESULTS.md) and on the trained examples.
+DEFAULT_THRESHOLDS = {
+    None: {},
+    "float16": {"argmax": 0.99, "cosine": 0.999, "relative_error": 0.05},
+    "dynamic": {"argmax": 0.95, "cosine": 0.98, "relative_error": 0.2},
+    "int8": {"argmax": 0.9, "cosine": 0.98, "relative_error": 0.2},
+    "int16x8": {"argmax": 0.95, "cosine": 0.98, "relative_error": 0.2},
+}
+
+# A quantized model with no float output (nothing to measure) is checked
+# with these absolute bounds instead.
+FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0, "int16x8": 0.25}
+
 # Output names that say the last axis indexes classes or tokens.
 _SCORE_NAME_PARTS = ("logit", "score", "prob", "class", "label")
 

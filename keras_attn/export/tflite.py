@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras_attn.export import arguments
 from keras_attn.export import bounds
 from keras_attn.export import precision
+from keras_attn.export import quality
 from keras_attn.export import report
 from keras_attn.export import samples as model_io
 from keras_attn.export import saved_model as saved_model_lib
@@ -34,13 +35,7 @@ TFLITE_ID_CHECKS = (None, "clamp", "flag")
 # trained examples; `min_agreement` (the argmax threshold) predates them
 # and overrides DEFAULT_THRESHOLDS[...]["argmax"].
 DEFAULT_ATOL = {None: bounds.DEFAULT, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
-DEFAULT_THRESHOLDS = {
-    None: {},
-    "float16": {"argmax": 0.99, "cosine": 0.999, "relative_error": 0.05},
-    "dynamic": {"argmax": 0.95, "cosine": 0.98, "relative_error": 0.2},
-    "int8": {"argmax": 0.9, "cosine": 0.98, "relative_error": 0.2},
-    "int16x8": {"argmax": 0.95, "cosine": 0.98, "relative_error": 0.2},
-}
+DEFAULT_THRESHOLDS = quality.DEFAULT_THRESHOLDS
 # What int8 keeps in float with `float_ops="transformer"`: everything but the
 # weight matmuls and lookups (FULLY_CONNECTED, GATHER): softmax, the
 # normalizations (MEAN / SQUARED_DIFFERENCE / RSQRT ...), GELU, the residual
@@ -48,8 +43,7 @@ DEFAULT_THRESHOLDS = {
 # on a trained transformer (benchmarks/RESULTS.md, "Quantization").
 TRANSFORMER_FLOAT_OPS = ("SOFTMAX", "MEAN", "SQUARED_DIFFERENCE", "RSQRT", "SUB", "ADD",
                          "MUL", "DIV", "GELU", "TANH", "LOGISTIC", "BATCH_MATMUL")
-# A model with no float output (nothing to measure) falls back to these.
-FALLBACK_ATOL = {"float16": 1e-2, "dynamic": 0.25, "int8": 1.0, "int16x8": 0.25}
+FALLBACK_ATOL = quality.FALLBACK_ATOL
 
 
 def _interpreter(model_content=None, model_path=None, delegates=True):
@@ -469,21 +463,8 @@ def export_tflite(
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
     writer = writers.check_writer(writer, ("converter",), stacklevel=3)
     atol = arguments.resolve_atol(atol, DEFAULT_ATOL[quantization])
-    if quantization is None:
-        for arg, value, default in (("min_agreement", min_agreement, None),
-                                    ("measure", measure, "auto"),
-                                    ("threshold", threshold, None)):
-            if value != default:
-                raise ValueError(
-                    f"`{arg}` checks quantized exports; a float32 export is checked "
-                    f"with `atol`. Received: quantization=None, {arg}={value!r}"
-                )
-    min_agreement = arguments.resolve_min_agreement(min_agreement, None)
-    measures = thresholds = None
-    if quantization is not None:
-        measures = arguments.resolve_measures(model, measure)
-        thresholds = arguments.resolve_thresholds(
-            measures, threshold, DEFAULT_THRESHOLDS[quantization], min_agreement)
+    measures, thresholds = arguments.resolve_quality(
+        model, quantization, measure, threshold, DEFAULT_THRESHOLDS[quantization], min_agreement)
     samples = model_io.normalize_samples(model, sample_inputs)
     model, float32_note = precision.model_for_export(model, samples)
     with staging.staged(path, "path", overwrite) as tmp:

