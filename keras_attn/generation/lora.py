@@ -126,7 +126,7 @@ def merge_lora(model):
     layers = adapted_layers(model)
     for layer in layers:
         layer._merge(1)
-    _reset_traces(model)
+    reset_traces(model)
     return layers
 
 
@@ -135,7 +135,7 @@ def unmerge_lora(model):
     layers = adapted_layers(model)
     for layer in layers:
         layer._merge(-1)
-    _reset_traces(model)
+    reset_traces(model)
     return layers
 
 
@@ -166,10 +166,11 @@ def _freeze_all_but(model, targets):
         layer.trainable = False
     for layer in targets:
         layer.trainable = True
-    _reset_traces(model)
+    reset_traces(model)
 
 
-def _reset_traces(model):
+def reset_traces(model):
+    """Drops `model`'s traced `fit`/`evaluate`/`predict` steps, so the next call retraces."""
     # Keras's own traced `fit`/`evaluate`/`predict` steps hold the model as it
     # was traced, without the adapters (Keras resets them after `quantize`,
     # not after `enable_lora`).

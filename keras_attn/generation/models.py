@@ -675,7 +675,7 @@ class DecoderOnlyLM(_LMBase):
         decoding are never rematerialised.
         """
         self.remat_blocks = _checks.check_bool("enabled", enabled)
-        lora._reset_traces(self)
+        lora.reset_traces(self)
         return self
 
     def compile(self, *args, **kwargs):
@@ -687,7 +687,7 @@ class DecoderOnlyLM(_LMBase):
                 "`weighted_metrics`, or with CausalLMLoss(chunk_size=None). Received: "
                 f"metrics={kwargs.get('metrics')!r}, weighted_metrics={kwargs.get('weighted_metrics')!r}"
             )
-        lora._reset_traces(self)
+        lora.reset_traces(self)
 
     def _chunked_loss(self):
         loss = getattr(self, "loss", None)
