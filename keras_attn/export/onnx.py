@@ -370,9 +370,8 @@ def export_onnx(
             atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
         del runner
-        if measures == {} and atol is None:  # no float output to measure
-            atol = quality.FALLBACK_ATOL[quantization]
-            verify.check_parity("ONNX", checks, atol, os.path.abspath(path))
+        atol = verify.check_unmeasured("ONNX", checks, atol, measures, quantization,
+                                       os.path.abspath(path))
         size = os.path.getsize(tmp)
     return report.make_report(
         "onnx", path, checks, size_bytes=size, atol=atol, ops=ops, details=details,

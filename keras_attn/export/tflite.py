@@ -486,9 +486,8 @@ def export_tflite(
             atol, os.path.abspath(path), measures=measures, thresholds=thresholds,
         )
         del runner, interpreter
-        if measures == {} and atol is None:  # no float output to measure
-            atol = FALLBACK_ATOL[quantization]
-            verify.check_parity("TFLite", checks, atol, os.path.abspath(path))
+        atol = verify.check_unmeasured("TFLite", checks, atol, measures, quantization,
+                                       os.path.abspath(path))
         ops = tflite_op_names(model_path=tmp)
     details.update({"inputs": [s.name for s in specs], "outputs": names})
     return report.make_report(

@@ -90,6 +90,16 @@ def verify_artifact(fmt, model, samples, run, atol, path, measures=None, thresho
     return checks
 
 
+def check_unmeasured(fmt, checks, atol, measures, quantization, path):
+    """A quantized export with no float output to measure (`measures == {}`)
+    and no `atol` given is held to `quality.FALLBACK_ATOL[quantization]`;
+    returns the `atol` that was checked (None: none)."""
+    if measures == {} and atol is None:
+        atol = quality_lib.FALLBACK_ATOL[quantization]
+        check_parity(fmt, checks, atol, path)
+    return atol
+
+
 def check_parity(fmt, checks, atol, path, how=None):
     """ParityError when an output differs by more than `atol`; `how` says how
     a default bound was derived (None: `atol` was given)."""
