@@ -162,6 +162,14 @@ def time_self_attention(layer, x, mode, repeats, **call_kwargs):
     return float(np.median(times[1:]))
 
 
+def check_known(parser, choices):
+    """`parser.error` for the first `(values, known, flag)` with a value not in `known`."""
+    for values, known, flag in choices:
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; expected some of {list(known)}")
+
+
 def add_llm_size_args(parser, *, prompt=128, new=128, rounds=5):
     """The LLM runtime benchmarks' model and run sizes (`--quick`: a small model).
 

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # first: it sets the environment
 import results_file  # noqa: E402
 
 import bench_real_size  # noqa: E402
@@ -253,11 +253,8 @@ def main(argv=None):
     rows = [(name, target, tuple(int(v) for v in shape.split("x"))) for name, target, shape in rows]
     models = list(dict.fromkeys(name for name, _, _ in rows))
     targets = list(dict.fromkeys(target for _, target, _ in rows))
-    for value, known, flag in ((models, bench_real_size.MODELS, "--models"), (targets, TARGETS, "--targets"),
-                               (sides, SIDES, "--sides")):
-        unknown = [v for v in value if v not in known]
-        if unknown:
-            parser.error(f"{flag}: unknown {unknown}; expected some of {list(known)}")
+    _common.check_known(parser, ((models, bench_real_size.MODELS, "--models"),
+                                 (targets, TARGETS, "--targets"), (sides, SIDES, "--sides")))
     results = []
     try:
         for name in models:

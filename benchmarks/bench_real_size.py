@@ -90,7 +90,7 @@ import tempfile
 import threading
 import time
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # first: it sets the environment
 import results_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1258,10 +1258,7 @@ def main(argv=None):
         args.work = tempfile.mkdtemp(prefix="real_size_")
     else:
         stages = args.stages.split(",")
-    for value, known, flag in ((models, MODELS, "--models"), (stages, STAGES, "--stages")):
-        unknown = [v for v in value if v not in known]
-        if unknown:
-            parser.error(f"{flag}: unknown {unknown}; expected some of {list(known)}")
+    _common.check_known(parser, ((models, MODELS, "--models"), (stages, STAGES, "--stages")))
     results = []
     try:
         for name in models:
