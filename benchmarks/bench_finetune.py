@@ -2,16 +2,19 @@
 transformers/torch, tokens/s and peak memory per training configuration.
 
 Both sides train the same random-bfloat16 checkpoint folder in a published
-configuration (bench_real_size.py writes it; `--work` reuses it), as float32:
+configuration (bench_real_size.py writes it; `--work` reuses it), with the
+weights and compute in each `--dtypes` entry (float32, or bfloat16 with
+float32 adapters on both sides), ours on each `--backends` entry:
 
-- ours: `keras_attn.convert.from_huggingface(folder)`, `enable_lora(rank,
+- ours: `keras_attn.convert.from_huggingface(folder, dtype=)`, `enable_lora(rank,
   target_names)`, `compile(AdamW(1e-4), SparseCategoricalCrossentropy(
   from_logits=True))`, `train_on_batch` (what `fit` runs per step); with
   `+savers`, `CausalLMLoss(chunk_size=--chunk)` (the head applied chunk by
   chunk, rematerialised) and `set_block_remat(True)` (each decoder block
   rematerialised);
-- PEFT: `AutoModelForCausalLM.from_pretrained(folder, dtype=float32)`,
-  `get_peft_model(LoraConfig(r=rank, target_modules=...))`,
+- PEFT: `AutoModelForCausalLM.from_pretrained(folder, dtype=)`,
+  `get_peft_model(LoraConfig(r=rank, target_modules=...))` (adapters in
+  float32 over a bfloat16 model: PEFT's `autocast_adapter_dtype`),
   `torch.optim.AdamW(lr=1e-4)`, `model(input_ids, labels=input_ids).loss`,
   backward, step.
 
@@ -50,6 +53,8 @@ TARGETS = {
 }
 SHAPES = ((2, 256), (4, 512), (1, 2048))
 SIDES = ("keras_attn", "keras_attn+savers", "peft")
+DTYPES = ("float32", "bfloat16")
+BACKENDS = ("tensorflow", "jax", "torch")
 
 
 def _rss_bytes():
@@ -84,7 +89,7 @@ def child_keras(args, folder, vocab):
     from keras_attn.convert import from_huggingface
     from keras_attn.generation.lm_loss import CausalLMLoss
 
-    lm = from_huggingface(folder)
+    lm = from_huggingface(folder, dtype=args.dtypes)
     lm.enable_lora(args.rank, target_names=TARGETS[args.targets])
     if args.side == "keras_attn+savers":
         loss = CausalLMLoss(chunk_size=args.chunk)
@@ -105,7 +110,7 @@ def child_peft(args, folder, vocab):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtypes))
     model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, target_modules=list(TARGETS[args.targets])))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -140,17 +145,18 @@ def run_child_side(args):
             "loss": losses[-1], "train_peak": _common.peak_rss_kib() * 1024}
 
 
-def run_child(args, name, side, targets, batch, length):
+def run_child(args, name, side, targets, batch, length, dtype, backend):
     """One configuration in a fresh process; its result with the child's ru_maxrss."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--models", name,
            "--work", args.work, "--targets", targets, "--batch", str(batch), "--length", str(length),
            "--rank", str(args.rank), "--chunk", str(args.chunk), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup), "--dtypes", dtype]
     if args.lock:
         cmd = ["flock", args.lock] + cmd
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    result = {"model": name, "side": side, "targets": targets, "batch": batch, "length": length}
+    result = {"model": name, "side": side, "targets": targets, "batch": batch, "length": length,
+              "dtype": dtype, "backend": backend}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE, env=env)
         _, status, usage = os.wait4(child.pid, 0)
@@ -171,21 +177,26 @@ def _ratio(a, b):
 
 
 def table(results):
-    rows = [("| model | LoRA targets | batch x length | side | tokens/s | peak RSS GB | loaded GB | train peak GB "
-             "| speed ours / PEFT | peak ours / PEFT |"),
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    peers = {(r["model"], r["targets"], r["batch"], r["length"]): r for r in results
-             if r["side"] == "peft" and "error" not in r}
+    """One row per run; ours beside PEFT's run of the same model, targets,
+    shape and dtype. Lines of older runs (no dtype or backend) were float32
+    on TensorFlow."""
+    rows = [("| model | LoRA targets | batch x length | dtype | side | backend | tokens/s | peak RSS GB "
+             "| loaded GB | train peak GB | speed ours / PEFT | peak ours / PEFT |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def key(r):
+        return r["model"], r["targets"], r["batch"], r["length"], r.get("dtype", "float32")
+
+    peers = {key(r): r for r in results if r["side"] == "peft" and "error" not in r}
     for r in results:
-        key = (r["model"], r["targets"], r["batch"], r["length"])
-        shape = f"{r['batch']}x{r['length']}"
+        head = (f"| {r['model']} | {r['targets']} | {r['batch']}x{r['length']} | {key(r)[-1]} | {r['side']} "
+                f"| {'torch' if r['side'] == 'peft' else r.get('backend', 'tensorflow')} ")
         if "error" in r:
-            rows.append(f"| {r['model']} | {r['targets']} | {shape} | {r['side']} | error: "
-                        f"{r['error']} | {r['ru_maxrss'] / GB:.2f} | | | | |")
+            rows.append(f"{head}| error: {r['error']} | {r['ru_maxrss'] / GB:.2f} | | | | |")
             continue
-        peer = peers.get(key) if r["side"] != "peft" else None
+        peer = peers.get(key(r)) if r["side"] != "peft" else None
         rows.append(
-            f"| {r['model']} | {r['targets']} | {shape} | {r['side']} | {r['tokens_per_s']:.0f} "
+            f"{head}| {r['tokens_per_s']:.0f} "
             f"| {r['ru_maxrss'] / GB:.2f} | {r['loaded'] / GB:.2f} | {r['train_peak'] / GB:.2f} "
             f"| {_ratio(r['tokens_per_s'], peer and peer['tokens_per_s'])} "
             f"| {_ratio(r['ru_maxrss'], peer and peer['ru_maxrss'])} |")
@@ -193,10 +204,10 @@ def table(results):
 
 
 def _conditions(args, machine):
-    return (f"Conditions: {machine}; float32 weights and compute; LoRA rank {args.rank}; "
+    return (f"Conditions: {machine}; bfloat16 rows: weights and compute in bfloat16, LoRA adapters "
+            f"float32 (both sides); LoRA rank {args.rank}; "
             f"{args.warmup} warm-up + {args.steps} timed steps; savers: CausalLMLoss(chunk_size="
-            f"{args.chunk}) + set_block_remat(True); "
-            f"ours on KERAS_BACKEND={os.environ.get('KERAS_BACKEND', 'tensorflow')}")
+            f"{args.chunk}) + set_block_remat(True)")
 
 
 def main(argv=None):
@@ -208,6 +219,9 @@ def main(argv=None):
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {list(SIDES)}")
     parser.add_argument("--rows", help="instead of --models x --targets x --shapes: comma-separated "
                         "MODEL:TARGETS:BxT, run in this order")
+    parser.add_argument("--dtypes", default="float32", help=f"comma-separated, of {list(DTYPES)}")
+    parser.add_argument("--backends", default="tensorflow",
+                        help=f"our sides' Keras backends, comma-separated, of {list(BACKENDS)}")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=128, help="CausalLMLoss chunk_size (+savers)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
@@ -253,8 +267,10 @@ def main(argv=None):
     rows = [(name, target, tuple(int(v) for v in shape.split("x"))) for name, target, shape in rows]
     models = list(dict.fromkeys(name for name, _, _ in rows))
     targets = list(dict.fromkeys(target for _, target, _ in rows))
+    dtypes, backends = args.dtypes.split(","), args.backends.split(",")
     _common.check_known(parser, ((models, bench_real_size.MODELS, "--models"),
-                                 (targets, TARGETS, "--targets"), (sides, SIDES, "--sides")))
+                                 (targets, TARGETS, "--targets"), (sides, SIDES, "--sides"),
+                                 (dtypes, DTYPES, "--dtypes"), (backends, BACKENDS, "--backends")))
     results = []
     try:
         for name in models:
@@ -267,8 +283,10 @@ def main(argv=None):
                 if "error" in made:
                     parser.error(f"writing the {name} checkpoint failed: {made['error']}")
         for name, target, (batch, length) in rows:
-            for side in sides:
-                results.append(run_child(args, name, side, target, batch, length))
+            for dtype in dtypes:
+                for side in sides:
+                    for backend in (["torch"] if side == "peft" else backends):
+                        results.append(run_child(args, name, side, target, batch, length, dtype, backend))
     finally:
         if args.quick:
             import shutil
