@@ -50,14 +50,15 @@ Stages (`STAGES`, one entry each; later stages are added there):
   folder; its export is timed like ours. The peer `optimum_onnx`:
   `optimum-cli export onnx --task feature-extraction` on the same folder
   (its own venv, OPTIMUM_PYTHON; its run, validation included, is the
-  stage). `tflite` writes encoders with the
+  stage); `optimum_onnx_int8`: onnxruntime's `quantize_dynamic` of that
+  export (the peer's int8). `tflite` writes encoders with the
   direct writer (`export_tflite`'s default); `tflite_converter` forces
   TensorFlow's converter, `tflite_dynamic` is int8 weights
   (`quantization="dynamic"`), as is `onnx_int8` (`export_onnx(quantization=
   "dynamic")`: int8 MatMul weights, activations quantized at run time).
 - `latency`: batch-1 latency at 32, 128 and 512 tokens of the files the
-  `onnx`, `onnx_int8`, `tflite`, `tflite_dynamic`, `torch_onnx` and
-  `optimum_onnx` stages left in `--work` and of the transformers model in
+  `onnx`, `onnx_int8`, `tflite`, `tflite_dynamic`, `torch_onnx`,
+  `optimum_onnx` and `optimum_onnx_int8` stages left in `--work` and of the transformers model in
   torch eager (onnxruntime, LiteRT and torch, 2 threads, interleaved,
   `--rounds` rounds). The int8 exports' outputs are compared with our
   float32 ONNX export's: the cosine of each token's hidden state, its mean
@@ -866,6 +867,27 @@ def _optimum_command(name, paths):
                     "--task", "feature-extraction", folder]
 
 
+def stage_optimum_onnx_int8(name, spec, paths, args):
+    """The peer's int8: onnxruntime's `quantize_dynamic` (int8 weights,
+    activations quantized at run time, Optimum's `onnxruntime quantize`
+    default) of the `optimum_onnx` export, timed; the latency stage measures
+    its cosine like ours, so a loss of signal that both int8 exports show is
+    the weights', not our writer's."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    source = os.path.join(paths["work"], "optimum_onnx", "model.onnx")
+    out = os.path.join(paths["work"], "optimum_onnx_int8")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    sampler = Sampler()
+    sampler.mark("export")
+    start = time.perf_counter()
+    quantize_dynamic(source, os.path.join(out, "model.onnx"), weight_type=QuantType.QInt8)
+    seconds = time.perf_counter() - start
+    sampler.mark(None)
+    return {"seconds": seconds, "phases": sampler.phases, "artifact_bytes": _dir_bytes(out)}
+
+
 LATENCY_LENGTHS = (32, 128, 512)
 LATENCY_THREADS = 2
 
@@ -912,7 +934,8 @@ def _latency_runners(spec, paths):
     for label, path in (("ours ONNX", ("export_onnx", "bert.onnx")),
                         ("ours ONNX int8", ("export_onnx_int8", "bert.onnx")),
                         ("peer ONNX (torch.onnx.export)", ("torch_onnx", "model.onnx")),
-                        ("peer ONNX (Optimum)", ("optimum_onnx", "model.onnx"))):
+                        ("peer ONNX (Optimum)", ("optimum_onnx", "model.onnx")),
+                        ("peer ONNX int8 (Optimum + quantize_dynamic)", ("optimum_onnx_int8", "model.onnx"))):
         path = os.path.join(paths["work"], *path)
         if not os.path.exists(path):
             continue
@@ -959,7 +982,7 @@ def _tflite_runner(path):
 # token's "massive activations"): the data-dependent loss is measured on the
 # real all-MiniLM-L6-v2 (tests/export/test_onnx_quantization.py,
 # bench_quantization.py).
-QUANTIZED_LATENCY = ("ours ONNX int8", "ours TFLite dynamic")
+QUANTIZED_LATENCY = ("ours ONNX int8", "ours TFLite dynamic", "peer ONNX int8 (Optimum + quantize_dynamic)")
 
 
 def _token_cosines(got, want):
@@ -1087,6 +1110,8 @@ STAGES = {
     "torch_onnx": Stage(stage_torch_onnx, "transformers model + torch.onnx.export (peer)", ours=False),
     "optimum_onnx": Stage(None, "optimum-cli export onnx --task feature-extraction (peer)", ours=False,
                           command=_optimum_command),
+    "optimum_onnx_int8": Stage(stage_optimum_onnx_int8, "onnxruntime quantize_dynamic of optimum_onnx (peer)",
+                               ours=False, needs="optimum_onnx"),
     "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, onnx_int8, tflite, tflite_dynamic, "
                                     "torch_onnx and optimum_onnx exports and of torch eager"),
 }
@@ -1102,7 +1127,8 @@ def _paths(args, name):
 
 
 def _needed_path(args, name, stage):
-    return os.path.join(_paths(args, name)["work"], {"keras_file": "model.keras"}[stage])
+    return os.path.join(_paths(args, name)["work"],
+                        {"keras_file": "model.keras", "optimum_onnx": "optimum_onnx/model.onnx"}[stage])
 
 
 def run_child(args, name, stage):

@@ -1,5 +1,7 @@
 """Incremental decoding: KV caches, cached search and prefill/decode export."""
 
+from typing import TYPE_CHECKING
+
 from keras_attn.generation.cache import empty_cache, stack_cache, unstack_cache
 from keras_attn.generation.lm_loss import CausalLMLoss
 from keras_attn.generation.models import DecoderOnlyLM, Seq2SeqLM
@@ -8,6 +10,9 @@ from keras_attn.generation.models import DecoderOnlyLM, Seq2SeqLM
 # built, converted or trained on JAX or torch does not load TensorFlow
 # (about 0.45 GB of resident memory).
 _SEARCH_NAMES = ("beam_search", "filter_logits", "greedy_search", "random_sampling")
+
+if TYPE_CHECKING:  # what readers and the API docs resolve the names to
+    from keras_attn.generation.search import beam_search, filter_logits, greedy_search, random_sampling
 
 
 def __getattr__(name):

@@ -20,6 +20,16 @@ Two styles:
   stay trainable. Kept for models adapted before PEFT's meaning was the
   default.
 
+A base quantized with Keras's `model.quantize("int8")` first (int8 kernels,
+per-output-channel scales; KerasHub's "QLoRA") takes PEFT-style adapters
+too: the frozen product is taken with the kernel dequantized in the compute
+dtype (weight-only, as QLoRA does; Keras's own int8 inference also
+quantizes the activations), its gradient recomputing the dequantized
+kernel rather than keeping it, so a step holds one layer's float kernel at
+a time. Such adapters cannot be merged into the int8 kernel (it would be
+requantized); save them with `keras_attn.convert.save_peft_adapter` or
+`keras_attn.training.FitCheckpoint`.
+
 Either way the layer's `kernel` is served merged (`W + (alpha / r) * A @ B`,
 as Keras does for its own LoRA), so the model description, every export and
 `.keras` saving see the adapted kernel; `.keras` and `.weights.h5` files
@@ -152,9 +162,9 @@ def _check_adaptable(layer):
         raise ValueError(f"Cannot adapt `{layer.path}`: build it first.")
     if getattr(layer, "lora_enabled", False):
         raise ValueError(f"LoRA is already enabled on `{layer.path}`: enable it once per layer.")
-    if layer.quantization_mode is not None:
-        raise ValueError(f"Cannot adapt `{layer.path}`: PEFT-style LoRA on a quantized "
-                         f"({layer.quantization_mode}) kernel is not supported; use style='keras'.")
+    if layer.quantization_mode not in (None, "int8"):
+        raise ValueError(f"Cannot adapt `{layer.path}`: PEFT-style LoRA takes a float or an int8 "
+                         f"(`model.quantize('int8')`) kernel, not a {layer.quantization_mode} one.")
     if layer.kernel_constraint is not None:
         raise ValueError(f"Cannot adapt `{layer.path}`: LoRA is incompatible with its `kernel_constraint`.")
 
@@ -213,6 +223,9 @@ class LoRALayer:
             name="lora_kernel_b", shape=(rank, out_size), dtype="float32", initializer="zeros",
         )
         self._lora_seed = keras.random.SeedGenerator() if dropout else None
+        # Keras binds `quantize` to each layer when it is made, so a class
+        # switch does not reach it.
+        self.quantize = self._refuse_quantize
         self._tracker.lock()
         self._kernel.trainable = False
         if self.bias is not None:
@@ -263,6 +276,59 @@ class LoRALayer:
         b = ops.reshape(self.lora_kernel_b, (self.lora_rank,) + tuple(shape[i] for i in self._lora_out_axes))
         return a, b
 
+    def _float_kernel(self):
+        """The frozen kernel in the compute dtype: an int8 one dequantized."""
+        if self.quantization_mode is None:
+            return ops.cast(self._kernel, self.compute_dtype)
+        return self._dequantize(self._kernel, self.kernel_scale, self.compute_dtype)
+
+    def _dequantize(self, kernel, scale, dtype):
+        if isinstance(self, keras.layers.EinsumDense):
+            scale = self._adjust_scale_for_dequant(scale)  # Keras's own layout for it
+        return ops.divide(ops.cast(kernel, dtype), ops.cast(scale, dtype))
+
+    def _frozen_product(self, inputs):
+        """`inputs` times the frozen kernel, without bias or adapter."""
+        dense = self._lora_equations is None
+        if self.quantization_mode is None:
+            return ops.matmul(inputs, self._kernel) if dense else ops.einsum(self.equation, inputs, self._kernel)
+        layer = self
+
+        @ops.custom_gradient
+        def product(x, kernel, scale):
+            # Only tensors inside (TensorFlow's custom gradients treat a
+            # variable read here as an input); the dequantized kernel is
+            # rebuilt in the backward pass, not kept.
+            def grad(*args, upstream=None):
+                if upstream is None:
+                    (upstream,) = args
+                w = layer._dequantize(kernel, scale, upstream.dtype)
+                if dense:
+                    return ops.matmul(upstream, ops.transpose(w)), None, None
+                return ops.einsum(layer._custom_gradient_equation, upstream, w), None, None
+
+            w = layer._dequantize(kernel, scale, x.dtype)
+            return (ops.matmul(x, w) if dense else ops.einsum(layer.equation, x, w)), grad
+
+        return product(inputs, ops.convert_to_tensor(self._kernel), ops.convert_to_tensor(self.kernel_scale))
+
+    def quantized_call(self, *args, **kwargs):
+        # Keras routes a quantized layer's calls here, not to `call`.
+        return self.call(*args, **kwargs)
+
+    def _refuse_quantize(self, mode=None, **kwargs):
+        raise ValueError(f"Cannot quantize `{self.path}`: it has LoRA adapters. Quantize the model "
+                         "first (`model.quantize('int8')`), then call `enable_lora`.")
+
+    def _get_kernel_with_merged_lora(self):
+        # What Keras saves in `.keras`/`.weights.h5`: the merged kernel.
+        if self.quantization_mode is not None:
+            raise ValueError(
+                f"Cannot save `{self.path}` to a Keras file: its adapters cannot be merged into "
+                "its int8 kernel. Save them with `keras_attn.convert.save_peft_adapter`, or the "
+                "whole training state with `keras_attn.training.FitCheckpoint`.")
+        return super()._get_kernel_with_merged_lora()
+
     def lora_delta(self):
         """`(alpha / r) * A @ B` in the kernel's shape (float32)."""
         a, b = self._lora_factors()
@@ -272,24 +338,24 @@ class LoRALayer:
 
     @property
     def kernel(self):
-        kernel = self._kernel
         if self.lora_merged:
-            return kernel
-        merged = ops.add(ops.cast(kernel, "float32"), self.lora_delta())
+            return self._kernel
+        merged = ops.add(ops.cast(self._float_kernel(), "float32"), self.lora_delta())
         return ops.cast(merged, self.compute_dtype)
 
     def _merge(self, sign):
         if self.lora_merged == (sign > 0):
             return
+        if self.quantization_mode is not None:
+            raise ValueError(f"Cannot merge the adapters of `{self.path}` into its int8 kernel "
+                             "(it would be requantized): keep them unmerged, or save them with "
+                             "`keras_attn.convert.save_peft_adapter`.")
         value = ops.add(ops.cast(self._kernel, "float32"), sign * self.lora_delta())
         self._kernel.assign(ops.cast(value, self._kernel.dtype))
         self.lora_merged = sign > 0
 
     def call(self, inputs, training=None):
-        if isinstance(self, keras.layers.Dense):
-            y = ops.matmul(inputs, self._kernel)
-        else:
-            y = ops.einsum(self.equation, inputs, self._kernel)
+        y = self._frozen_product(inputs)
         if not self.lora_merged:
             x = inputs
             if training and self.lora_dropout:

@@ -1,8 +1,13 @@
 """Training across devices and machines: a strategy-aware `Trainer`, checkpoints
 that resume `model.fit` exactly, and model recipes."""
 
+from typing import TYPE_CHECKING
+
 from keras_attn.training.fit_checkpoint import FitCheckpoint
 from keras_attn.training.recipes import seq2seq_transformer, transformer_classifier
+
+if TYPE_CHECKING:  # what readers and the API docs resolve the name to
+    from keras_attn.training.trainer import Trainer
 
 
 def __getattr__(name):

@@ -14,6 +14,7 @@ that converts, against the `transformers` model loading the folder.
 import contextlib
 import json
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -209,6 +210,104 @@ def test_mixed_precision_keeps_float32_adapters():
     want = keras.ops.convert_to_numpy(want_query(x))
     tolerance.assert_close(keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")), want,
                            ulps=4, terms=24, dtype="bfloat16")
+
+
+def _int8_weight(layer, float_kernel):
+    """`layer`'s int8 kernel dequantized in NumPy, `(in, out)`, checked to be
+    `float_kernel` (the kernel before `quantize`) rounded per output channel:
+    within half a quantization step of it."""
+    k = np.asarray(layer._kernel.numpy(), np.float64)
+    in_size = int(np.prod([k.shape[i] for i in layer._lora_in_axes]))
+    scale = np.asarray(layer.kernel_scale.numpy(), np.float64).reshape(-1)
+    w = k.reshape(in_size, -1) / scale
+    assert np.all(np.abs(w - np.asarray(float_kernel, np.float64).reshape(in_size, -1)) <= 0.5001 / scale)
+    return w
+
+
+def test_int8_base_dequantizes_per_channel_and_matches_numpy():
+    """`quantize("int8")` then `enable_lora`: each layer computes
+    `act(x @ (K / s) + alpha/r * x @ A @ B + b)` with the int8 kernel `K` and
+    its per-output-channel scales `s` (weight-only; the activations are not
+    quantized), in float64 NumPy; the int8 kernels stay frozen."""
+    lm = tiny_lm()
+    block = lm.blocks[0]
+    query, output = block.self_attention.query_dense, block.self_attention.output_dense
+    gate = block.feedforward_gate_dense
+    floats = {id(layer): layer.kernel.numpy() for layer in (query, output, gate)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras names each layer it cannot quantize
+        lm.quantize("int8")
+    layers = lm.enable_lora(3, target_names=("q_proj", "o_proj", "feedforward_gate_dense"), lora_alpha=6)
+    assert {layer.quantization_mode for layer in layers} == {"int8"}
+    assert not any(v.trainable for layer in layers for v in (layer._kernel, layer.kernel_scale))
+    _randomise_b(layers)
+    rng = np.random.default_rng(1)
+    for layer, x in ((query, rng.standard_normal((2, 5, 24))), (output, rng.standard_normal((2, 5, 6, 4))),
+                     (gate, rng.standard_normal((2, 5, 24)))):
+        x = x.astype("float32")
+        w = _int8_weight(layer, floats[id(layer)])
+        a, b = (np.asarray(v.numpy(), np.float64) for v in (layer.lora_kernel_a, layer.lora_kernel_b))
+        flat_x = x.reshape(2, 5, w.shape[0]).astype(np.float64)
+        want = flat_x @ w + 2.0 * flat_x @ a @ b + np.asarray(layer.bias.numpy()).reshape(-1)
+        if layer is gate:
+            want = want / (1 + np.exp(-want))  # silu
+        got = keras.ops.convert_to_numpy(layer(x)).reshape(want.shape)
+        tolerance.assert_close(got, want, terms=w.shape[0], err_msg=layer.name)
+
+
+def test_int8_base_gradients_match_numpy():
+    """One SGD step (learning rate 1) on `sum(y * G)` through two adapted
+    int8 layers: A and B of both move by their gradients, the first layer's
+    through the second's input gradient (the custom gradient that rebuilds
+    the dequantized kernel), against the chain rule in float64 NumPy."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, name="first"),
+                              keras.layers.EinsumDense("ab,bcd->acd", (2, 3), bias_axes="cd", name="second")])
+    floats = [layer.kernel.numpy() for layer in model.layers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.quantize("int8")
+    first, second = lora.adapt(model, model.layers, rank=2, alpha=4)
+    _randomise_b([first, second], seed=4)
+    w1, w2 = (_int8_weight(layer, f) for layer, f in zip((first, second), floats))
+    a1, b1, a2, b2 = (np.asarray(v.numpy(), np.float64) for v in (
+        first.lora_kernel_a, first.lora_kernel_b, second.lora_kernel_a, second.lora_kernel_b))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 6)).astype("float32")
+    g = rng.standard_normal((4, 2, 3)).astype("float32")
+    model.compile(keras.optimizers.SGD(1.0), loss=lambda _, y: keras.ops.sum(y * keras.ops.convert_to_tensor(g)))
+    with _gradients():
+        model.train_on_batch(x, g)
+    s, x64, dy = 2.0, x.astype(np.float64), g.reshape(4, 6).astype(np.float64)
+    h = x64 @ w1 + s * x64 @ a1 @ b1 + np.asarray(first.bias.numpy(), np.float64)
+    dh = dy @ w2.T + s * dy @ b2.T @ a2.T
+    want = {"a2": a2 - s * h.T @ (dy @ b2.T), "b2": b2 - s * (h @ a2).T @ dy,
+            "a1": a1 - s * x64.T @ (dh @ b1.T), "b1": b1 - s * (x64 @ a1).T @ dh}
+    got = {"a1": first.lora_kernel_a, "b1": first.lora_kernel_b,
+           "a2": second.lora_kernel_a, "b2": second.lora_kernel_b}
+    for name, variable in got.items():
+        tolerance.assert_close(variable.numpy(), want[name], terms=4 * 6 * 3, err_msg=name)
+
+
+def test_int8_base_refuses_what_would_requantize(tmp_path):
+    """Merging into an int8 kernel, saving a Keras file (which holds merged
+    kernels) and quantizing after `enable_lora` each raise, naming the way
+    out; the adapters themselves still save (PEFT folder tested below)."""
+    lm = tiny_lm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm.quantize("int8")
+    lm.enable_lora(2, target_names=("q_proj", "v_proj"))
+    with pytest.raises(ValueError, match="merge.*int8.*save_peft_adapter"):
+        lm.merge_lora()
+    with pytest.raises(ValueError, match="int8 kernel.*save_peft_adapter.*FitCheckpoint"):
+        lm.save_weights(str(tmp_path / "lm.weights.h5"))
+    with pytest.raises(ValueError, match="Quantize the model first"):
+        lm.blocks[0].self_attention.query_dense.quantize("int8")
+    plain = tiny_lm()
+    plain.enable_lora(2)
+    with pytest.raises(ValueError, match="Quantize the model first"):
+        plain.quantize("int8")
 
 
 @pytest.mark.tensorflow_only
