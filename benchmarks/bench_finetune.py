@@ -53,7 +53,10 @@ TARGETS = {
 }
 SHAPES = ((2, 256), (4, 512), (1, 2048))
 SIDES = ("keras_attn", "keras_attn+savers", "peft")
-DTYPES = ("float32", "bfloat16")
+# int8: ours converts in float32, `quantize("int8")`, then adapts (a frozen
+# int8 base, float32 compute); PEFT has no int8 base on a CPU (bitsandbytes'
+# is for GPUs), so those rows stand beside PEFT's float32 run.
+DTYPES = ("float32", "bfloat16", "int8")
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
@@ -89,7 +92,13 @@ def child_keras(args, folder, vocab):
     from keras_attn.convert import from_huggingface
     from keras_attn.generation.lm_loss import CausalLMLoss
 
-    lm = from_huggingface(folder, dtype=args.dtypes)
+    lm = from_huggingface(folder, dtype="float32" if args.dtypes == "int8" else args.dtypes)
+    if args.dtypes == "int8":
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras names each layer it cannot quantize
+            lm.quantize("int8")
     lm.enable_lora(args.rank, target_names=TARGETS[args.targets])
     if args.side == "keras_attn+savers":
         loss = CausalLMLoss(chunk_size=args.chunk)
@@ -185,11 +194,13 @@ def table(results):
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def key(r):
-        return r["model"], r["targets"], r["batch"], r["length"], r.get("dtype", "float32")
+        dtype = r.get("dtype", "float32")
+        return r["model"], r["targets"], r["batch"], r["length"], "float32" if dtype == "int8" else dtype
 
     peers = {key(r): r for r in results if r["side"] == "peft" and "error" not in r}
     for r in results:
-        head = (f"| {r['model']} | {r['targets']} | {r['batch']}x{r['length']} | {key(r)[-1]} | {r['side']} "
+        head = (f"| {r['model']} | {r['targets']} | {r['batch']}x{r['length']} | {r.get('dtype', 'float32')} "
+                f"| {r['side']} "
                 f"| {'torch' if r['side'] == 'peft' else r.get('backend', 'tensorflow')} ")
         if "error" in r:
             rows.append(f"{head}| error: {r['error']} | {r['ru_maxrss'] / GB:.2f} | | | | |")
@@ -205,7 +216,8 @@ def table(results):
 
 def _conditions(args, machine):
     return (f"Conditions: {machine}; bfloat16 rows: weights and compute in bfloat16, LoRA adapters "
-            f"float32 (both sides); LoRA rank {args.rank}; "
+            f"float32 (both sides); int8 rows: ours `quantize('int8')` before `enable_lora` (int8 frozen "
+            f"kernels, float32 compute and adapters), beside PEFT's float32 run; LoRA rank {args.rank}; "
             f"{args.warmup} warm-up + {args.steps} timed steps; savers: CausalLMLoss(chunk_size="
             f"{args.chunk}) + set_block_remat(True)")
 
@@ -250,7 +262,7 @@ def main(argv=None):
     if args.from_log:
         with open(args.from_log) as f:
             results = [json.loads(line) for line in f if line.startswith('{"model"')]
-        _common.emit("\n".join([_conditions(args, "from the result lines of a run"), "", table(results)]),
+        _common.emit("\n".join([_conditions(args, "from the result lines of runs (each configuration a fresh process)"), "", table(results)]),
                      args, results=results)
         return
     if args.quick:
@@ -285,6 +297,8 @@ def main(argv=None):
         for name, target, (batch, length) in rows:
             for dtype in dtypes:
                 for side in sides:
+                    if side == "peft" and dtype == "int8":
+                        continue
                     for backend in (["torch"] if side == "peft" else backends):
                         results.append(run_child(args, name, side, target, batch, length, dtype, backend))
     finally:

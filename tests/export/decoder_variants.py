@@ -65,6 +65,11 @@ VARIANTS = {
     # Not gated, ReLU, biased everywhere (the head too).
     "plain_ffn": (dict(use_gated_feedforward=False, activation="relu", feedforward_use_bias=True,
                        attention_use_bias=True, attention_output_use_bias=True, lm_head_use_bias=True), ALL),
+    # PEFT-style adapters (non-zero B) on attention and feed-forward
+    # projections: every writer serves the merged kernels, so each runtime's
+    # logits are the adapted model's.
+    "lora": (dict(num_heads=6, num_key_value_heads=2, attention_use_bias=True,
+                  lora_targets=("q_proj", "v_proj", "o_proj", "down_proj")), ALL),
     # Sizes GroupQueryAttention does not take.
     "head_dim_24": (dict(head_dim=24), NOT_GENAI),
     "rotary_8_of_16": (dict(partial_rotary_factor=0.5), NOT_GENAI),
@@ -97,11 +102,13 @@ def make_lm(name):
 def build_lm(**options):
     """A `DecoderOnlyLM` of `BASE` with `options`, built, with weights spread
     so that attention is sharp (logits of order 10) and biases and norm
-    scales are visible."""
+    scales are visible; `lora_targets`: rank-2 adapters with random B on
+    those projections."""
     from keras_attn.generation import DecoderOnlyLM
 
     keras.utils.set_random_seed(0)
     options = {**BASE, **options}
+    lora_targets = options.pop("lora_targets", None)
     if options["position"] == "rotary":
         options.setdefault("rope_max_wavelength", 500.0)
     lm = DecoderOnlyLM(**options)
@@ -114,4 +121,7 @@ def build_lm(**options):
         if "bias" in w.path or "scale" in w.path or "gamma" in w.path or "beta" in w.path:
             value = value + rng.standard_normal(value.shape).astype("float32") * 0.3
         w.assign(value)
+    if lora_targets:
+        for layer in lm.enable_lora(2, target_names=lora_targets, lora_alpha=4):
+            layer.lora_kernel_b.assign(rng.standard_normal(layer.lora_kernel_b.shape).astype("float32"))
     return lm
