@@ -262,8 +262,8 @@ def main(argv=None):
     if args.from_log:
         with open(args.from_log) as f:
             results = [json.loads(line) for line in f if line.startswith('{"model"')]
-        _common.emit("\n".join([_conditions(args, "from the result lines of runs (each configuration a fresh process)"), "", table(results)]),
-                     args, results=results)
+        machine = "from the result lines of runs (each configuration a fresh process)"
+        _common.emit("\n".join([_conditions(args, machine), "", table(results)]), args, results=results)
         return
     if args.quick:
         args.models, args.targets, args.shapes = "tiny-llama", "qv", "2x16"

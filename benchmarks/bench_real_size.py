@@ -1113,7 +1113,7 @@ STAGES = {
     "optimum_onnx_int8": Stage(stage_optimum_onnx_int8, "onnxruntime quantize_dynamic of optimum_onnx (peer)",
                                ours=False, needs="optimum_onnx"),
     "latency": Stage(stage_latency, "batch-1 latency (ms) of the onnx, onnx_int8, tflite, tflite_dynamic, "
-                                    "torch_onnx and optimum_onnx exports and of torch eager"),
+                                    "torch_onnx, optimum_onnx and optimum_onnx_int8 exports and of torch eager"),
 }
 
 

@@ -24,9 +24,11 @@ A base quantized with Keras's `model.quantize("int8")` first (int8 kernels,
 per-output-channel scales; KerasHub's "QLoRA") takes PEFT-style adapters
 too: the frozen product is taken with the kernel dequantized in the compute
 dtype (weight-only, as QLoRA does; Keras's own int8 inference also
-quantizes the activations), its gradient recomputing the dequantized
-kernel rather than keeping it, so a step holds one layer's float kernel at
-a time. Such adapters cannot be merged into the int8 kernel (it would be
+quantizes the activations), its gradient rebuilding the dequantized kernel
+from the int8 one rather than saving it. (The step's peak memory is not
+lower for it yet: benchmarks/bench_finetune.py measured a TensorFlow step
+of an int8 base holding about every projection's float kernel at once.)
+Such adapters cannot be merged into the int8 kernel (it would be
 requantized); save them with `keras_attn.convert.save_peft_adapter` or
 `keras_attn.training.FitCheckpoint`.
 
@@ -276,11 +278,11 @@ class LoRALayer:
         b = ops.reshape(self.lora_kernel_b, (self.lora_rank,) + tuple(shape[i] for i in self._lora_out_axes))
         return a, b
 
-    def _float_kernel(self):
-        """The frozen kernel in the compute dtype: an int8 one dequantized."""
+    def _float_kernel(self, dtype):
+        """The frozen kernel in `dtype`: an int8 one dequantized."""
         if self.quantization_mode is None:
-            return ops.cast(self._kernel, self.compute_dtype)
-        return self._dequantize(self._kernel, self.kernel_scale, self.compute_dtype)
+            return ops.cast(self._kernel, dtype)
+        return self._dequantize(self._kernel, self.kernel_scale, dtype)
 
     def _dequantize(self, kernel, scale, dtype):
         if isinstance(self, keras.layers.EinsumDense):
@@ -292,7 +294,6 @@ class LoRALayer:
         dense = self._lora_equations is None
         if self.quantization_mode is None:
             return ops.matmul(inputs, self._kernel) if dense else ops.einsum(self.equation, inputs, self._kernel)
-        layer = self
 
         @ops.custom_gradient
         def product(x, kernel, scale):
@@ -302,13 +303,13 @@ class LoRALayer:
             def grad(*args, upstream=None):
                 if upstream is None:
                     (upstream,) = args
-                w = layer._dequantize(kernel, scale, upstream.dtype)
+                w = self._dequantize(kernel, scale, upstream.dtype)
                 if dense:
                     return ops.matmul(upstream, ops.transpose(w)), None, None
-                return ops.einsum(layer._custom_gradient_equation, upstream, w), None, None
+                return ops.einsum(self._custom_gradient_equation, upstream, w), None, None
 
-            w = layer._dequantize(kernel, scale, x.dtype)
-            return (ops.matmul(x, w) if dense else ops.einsum(layer.equation, x, w)), grad
+            w = self._dequantize(kernel, scale, x.dtype)
+            return (ops.matmul(x, w) if dense else ops.einsum(self.equation, x, w)), grad
 
         return product(inputs, ops.convert_to_tensor(self._kernel), ops.convert_to_tensor(self.kernel_scale))
 
@@ -340,7 +341,7 @@ class LoRALayer:
     def kernel(self):
         if self.lora_merged:
             return self._kernel
-        merged = ops.add(ops.cast(self._float_kernel(), "float32"), self.lora_delta())
+        merged = ops.add(self._float_kernel("float32"), self.lora_delta())
         return ops.cast(merged, self.compute_dtype)
 
     def _merge(self, sign):
