@@ -256,10 +256,15 @@ def test_int8_base_dequantizes_per_channel_and_matches_numpy():
 
 
 def test_int8_base_gradients_match_numpy():
-    """One SGD step (learning rate 1) on `sum(y * G)` through two adapted
-    int8 layers: A and B of both move by their gradients, the first layer's
-    through the second's input gradient (the custom gradient that rebuilds
-    the dequantized kernel), against the chain rule in float64 NumPy."""
+    """One SGD step (learning rate 1) on `sum((y - t)^2) / 2` through two
+    adapted int8 layers: A and B of both move by their gradients, the first
+    layer's through the second's input gradient (the custom gradient that
+    rebuilds the dequantized kernel), against the chain rule in float64 NumPy.
+
+    The loss depends on `y` on purpose: with one linear in `y` no gradient
+    needs the forward pass, and TensorFlow's graph optimizer (its dependency
+    optimization) may then read a variable after the step has updated it.
+    """
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, name="first"),
                               keras.layers.EinsumDense("ab,bcd->acd", (2, 3), bias_axes="cd", name="second")])
@@ -272,14 +277,16 @@ def test_int8_base_gradients_match_numpy():
     w1, w2 = (_int8_weight(layer, f) for layer, f in zip((first, second), floats))
     a1, b1, a2, b2 = (np.asarray(v.numpy(), np.float64) for v in (
         first.lora_kernel_a, first.lora_kernel_b, second.lora_kernel_a, second.lora_kernel_b))
+    bias1, bias2 = (np.asarray(layer.bias.numpy(), np.float64).reshape(-1) for layer in (first, second))
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 6)).astype("float32")
-    g = rng.standard_normal((4, 2, 3)).astype("float32")
-    model.compile(keras.optimizers.SGD(1.0), loss=lambda _, y: keras.ops.sum(y * keras.ops.convert_to_tensor(g)))
+    t = rng.standard_normal((4, 2, 3)).astype("float32")
+    model.compile(keras.optimizers.SGD(1.0), loss=lambda t, y: keras.ops.sum(keras.ops.square(y - t)) / 2)
     with _gradients():
-        model.train_on_batch(x, g)
-    s, x64, dy = 2.0, x.astype(np.float64), g.reshape(4, 6).astype(np.float64)
-    h = x64 @ w1 + s * x64 @ a1 @ b1 + np.asarray(first.bias.numpy(), np.float64)
+        model.train_on_batch(x, t)
+    s, x64 = 2.0, x.astype(np.float64)
+    h = x64 @ w1 + s * x64 @ a1 @ b1 + bias1
+    dy = h @ w2 + s * h @ a2 @ b2 + bias2 - t.reshape(4, 6)
     dh = dy @ w2.T + s * dy @ b2.T @ a2.T
     want = {"a2": a2 - s * h.T @ (dy @ b2.T), "b2": b2 - s * (h @ a2).T @ dy,
             "a1": a1 - s * x64.T @ (dh @ b1.T), "b1": b1 - s * (x64 @ a1).T @ dh}
