@@ -231,7 +231,7 @@ def _check_quantizable(model, quantization):
 
 def quantized_proto(model_proto, quantization):
     """`model_proto` (float32) quantized as `export_onnx(quantization=...)`
-    writes it: "dynamic" is `onnx_quantize.quantize_matmul_weights` with its
+    writes it, rewritten in place: "dynamic" is `onnx_quantize.quantize_matmul_weights` with its
     defaults (int8 MatMul weights per output channel in a 7-bit range, so
     the integer arithmetic is the same on every CPU; activations quantized
     per tensor at run time, the first token's row with its own scale)."""
@@ -240,7 +240,7 @@ def quantized_proto(model_proto, quantization):
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
     if quantization is None:
         return model_proto
-    return onnx_quantize.quantize_matmul_weights(model_proto)
+    return onnx_quantize.quantize_matmul_weights(model_proto, inplace=True)
 
 
 def export_onnx(
@@ -342,7 +342,7 @@ def export_onnx(
     with staging.staged(path, "path", overwrite) as tmp:
         with open(tmp, "wb") as f:
             # float32: the direct writer streams its weights to the file; the
-            # quantizer needs the whole graph in memory.
+            # quantizer rewrites the whole graph in memory, in place.
             model_proto, details = model_proto_of(
                 model, opset=opset, check_ids=check_ids, fused=fused, writer=writer,
                 weights_file=f if quantization is None else None)

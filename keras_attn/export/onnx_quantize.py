@@ -61,12 +61,22 @@ UINT8_MAX = 255
 SAFE_INT8_WEIGHT = INT16_MAX // (2 * UINT8_MAX)  # 64
 
 
-def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activation=False):
+def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activation=False, inplace=False):
     """int8 weights (per output channel, 7-bit range) for every `MatMul` of
-    `proto` whose weight is a constant; activations are quantized at run time.
+    `proto` whose weight is a constant 2-D float32 tensor; activations are
+    quantized at run time.
+
+    The graph is what onnxruntime's `quantize_dynamic(per_channel=True,
+    reduce_range=True, weight_type=QInt8, MatMulConstBOnly)` writes
+    (`DynamicQuantizeLinear`, `MatMulInteger`, `Cast`, two `Mul`s, which
+    onnxruntime fuses when it loads the model), written here weight by
+    weight: each float32 weight is let go as soon as its int8 copy exists,
+    so the peak holds the graph once, not the three copies the quantizer's
+    protobuf round trips made (tests/export/test_onnx_quantization.py checks
+    the weights and the answers against `quantize_dynamic`'s).
 
     Args:
-        proto: an ONNX `ModelProto` in float32 (left unchanged).
+        proto: an ONNX `ModelProto` in float32.
         first_token_apart: quantize the activations of the first token (row
             0 along the second-to-last axis: the token axis of a `(batch,
             tokens, features)` input) with their own scale, apart from the
@@ -80,36 +90,101 @@ def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activa
             `Sigmoid` arithmetic, or onnxruntime's `Gelu`, `BiasGelu`,
             `FastGelu`, `QuickGelu`) keeps its float32 weight: closer to
             float32, slower (see the module docstring).
+        inplace: rewrite `proto` itself (its float32 weights are freed as
+            they are quantized) rather than a copy of it.
 
     Returns:
         The quantized `ModelProto` (checked with `check_no_int8_saturation`).
     """
-    import os
-    import tempfile
-
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     for name, value in (("first_token_apart", first_token_apart),
-                        ("float_after_activation", float_after_activation)):
+                        ("float_after_activation", float_after_activation), ("inplace", inplace)):
         if value not in (True, False):
             raise TypeError(f"Received an invalid value for argument `{name}`, expected True or "
                             f"False. Received: {name}={value!r}")
+    if not inplace:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        proto = copy
     keep = _activation_fed_matmuls(proto) if float_after_activation else set()
     if first_token_apart:
-        proto = _first_token_apart(proto, skip=keep)
-    with tempfile.TemporaryDirectory(prefix="keras_attn_int8_") as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        quantize_dynamic(proto, path, op_types_to_quantize=["MatMul"], per_channel=True,
-                         reduce_range=True, weight_type=QuantType.QInt8,
-                         nodes_to_exclude=sorted(keep),
-                         # Shape inference stops at contrib ops (GroupQueryAttention):
-                         # the MatMuls after them are float32 all the same.
-                         extra_options={"MatMulConstBOnly": True,
-                                        "DefaultTensorType": onnx.TensorProto.FLOAT})
-        quantized = onnx.load(path)
-    check_no_int8_saturation(quantized)
-    return quantized
+        _first_token_apart(proto, skip=keep)
+    _integer_matmuls(proto, skip=keep)
+    check_no_int8_saturation(proto)
+    return proto
+
+
+def _int8_per_column(weight):
+    """`(codes, scales)`: `weight` (K, N) as int8 codes in [-64, 64], one
+    scale per column = max |w| / 64, rounded half to even, as onnxruntime's
+    per-channel symmetric `reduce_range` quantizer computes them (an
+    all-zero column gets the scale 1)."""
+    top = np.float32(SAFE_INT8_WEIGHT)
+    absmax = np.maximum(weight.max(0), -weight.min(0)).astype(np.float32)
+    # onnxruntime's (rmax - rmin) / (qmax - qmin): 2 |w|max / 128, the same
+    # float32 number as |w|max / 64.
+    scales = (np.float32(2) * absmax) / np.float32(2 * SAFE_INT8_WEIGHT)
+    scales = np.where(scales < np.finfo(np.float32).tiny, np.float32(1), scales).astype(np.float32)
+    codes = np.rint(weight / scales)
+    np.clip(codes, -top, top, out=codes)
+    return codes.astype(np.int8), scales
+
+
+def _integer_matmuls(proto, skip=()):
+    """Every `MatMul` of `proto` with a constant 2-D float32 weight (but
+    those named in `skip`) rewritten in place as onnxruntime's dynamic
+    quantizer writes it, with its node and tensor names; each float32
+    weight is emptied once quantized and removed at the end."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = proto.graph
+    positions = {t.name: i for i, t in enumerate(graph.initializer)}
+    quantized, activations, emptied, nodes = set(), set(), [], []
+    added = []
+    for node in graph.node:
+        position = positions.get(node.input[1]) if node.op_type == "MatMul" and node.name not in skip else None
+        tensor = graph.initializer[position] if position is not None else None
+        if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
+            nodes.append(node)
+            continue
+        x, w = node.input
+        (y,) = node.output
+        if w not in quantized:
+            codes, scales = _int8_per_column(numpy_helper.to_array(tensor))
+            added += [numpy_helper.from_array(codes, f"{w}_quantized"),
+                      numpy_helper.from_array(scales, f"{w}_scale"),
+                      numpy_helper.from_array(np.zeros(scales.shape, np.int8), f"{w}_zero_point")]
+            del codes
+            tensor.ClearField("raw_data")
+            tensor.ClearField("float_data")
+            emptied.append(position)
+            quantized.add(w)
+        if x not in activations:
+            nodes.append(helper.make_node("DynamicQuantizeLinear", [x],
+                                          [f"{x}_quantized", f"{x}_scale", f"{x}_zero_point"],
+                                          name=f"{x}_QuantizeLinear"))
+            activations.add(x)
+        base = node.name
+        nodes += [
+            helper.make_node("Mul", [f"{x}_scale", f"{w}_scale"], [f"{base}_quant_scales_mul:0"],
+                             name=f"{base}_quant_scales_mul"),
+            helper.make_node("MatMulInteger",
+                             [f"{x}_quantized", f"{w}_quantized", f"{x}_zero_point", f"{w}_zero_point"],
+                             [f"{y}_output_quantized"], name=f"{base}_quant"),
+            helper.make_node("Cast", [f"{y}_output_quantized"], [f"{y}_output_quantized_cast_output"],
+                             name=f"{y}_output_quantized_cast", to=TensorProto.FLOAT),
+            helper.make_node("Mul", [f"{y}_output_quantized_cast_output", f"{base}_quant_scales_mul:0"],
+                             [y], name=f"{base}_quant_output_scale_mul"),
+        ]
+    still_read = {name for node in nodes for name in node.input}
+    for position in sorted(emptied, reverse=True):
+        if graph.initializer[position].name not in still_read:
+            del graph.initializer[position]
+    graph.initializer.extend(added)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return proto
 
 
 # Where an activation function's output is computed: its own op, or the
@@ -141,16 +216,14 @@ def _activation_fed_matmuls(proto):
 
 
 def _first_token_apart(proto, skip=()):
-    """A copy of `proto` where each `MatMul` with a constant weight runs as
-    two on the same weight, row 0 of the second-to-last axis and the rows
-    after it, concatenated back (`quantize_dynamic` then gives each its own
-    activation scale and stores the weight once). An input of one token
-    leaves the second MatMul empty, which onnxruntime runs. The MatMuls
-    named in `skip` are left as they are."""
-    import onnx
+    """`proto` changed in place so that each `MatMul` with a constant weight
+    runs as two on the same weight, row 0 of the second-to-last axis and the
+    rows after it, concatenated back (the integer rewrite then gives each
+    its own activation scale and stores the weight once). An input of one
+    token leaves the second MatMul empty, which onnxruntime runs. The
+    MatMuls named in `skip` are left as they are."""
     from onnx import helper, numpy_helper
 
-    proto = onnx.ModelProto.FromString(proto.SerializeToString())
     graph = proto.graph
     weights = {t.name for t in graph.initializer}
     used = {t.name for t in graph.initializer} | {v.name for v in graph.input}

@@ -204,7 +204,8 @@ def genai_model_proto(model, *, max_length, quantization=None, writer="auto", ac
         # The scheme bench_int8_schemes.py measured on decoders: every
         # projection int8, one activation scale per tensor (a decoding
         # step's rows are new tokens, not an encoder's first token).
-        proto = quantize_matmul_weights(proto, first_token_apart=False, float_after_activation=False)
+        proto = quantize_matmul_weights(proto, first_token_apart=False, float_after_activation=False,
+                                       inplace=True)
     return proto
 
 

@@ -223,3 +223,64 @@ def test_real_minilm_sentence_embeddings(tmp_path):
           f"{report.quality['sentence_embedding']}")
     assert cos.min() >= 0.99
     assert cos.min() < 1.0  # the weights are int8
+
+
+@pytest.mark.parametrize("which", ["tf2onnx", "direct"])
+@pytest.mark.parametrize("options", [{"first_token_apart": False}, {}, {"float_after_activation": True}])
+def test_integer_rewrite_is_onnxruntimes_quantize_dynamic(request, tmp_path, which, options):
+    """`quantize_matmul_weights` writes, weight by weight, the graph
+    onnxruntime's `quantize_dynamic` (per channel, reduce_range, int8
+    weights, constant B only) writes from the same float32 graph: the same
+    int8 weights, scales and zero points bit for bit, the same integer ops,
+    and the same answers in onnxruntime up to float32 rounding (the peer
+    sorts the nodes anew, and onnxruntime's fusions of the float scaling
+    around the integer products follow the node order). The first-token
+    split is a graph rewrite before it: the peer quantizes the split graph.
+    `inplace=False` leaves the float32 graph as it was."""
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from keras_attn.export import onnx_quantize
+
+    if which == "direct":  # the direct writer's graph of an embedding model
+        model, sample = request.getfixturevalue("sentence_model")
+        samples = [sample]
+    else:  # tf2onnx's graph of a classifier (token ids with a Keras mask)
+        model, samples = request.getfixturevalue("classifier"), request.getfixturevalue("classifier_samples")
+    proto, details = onnx_lib.model_proto_of(model)
+    assert details["writer"] == which
+    before = proto.SerializeToString()
+    ours = onnx_quantize.quantize_matmul_weights(proto, **options)
+    assert proto.SerializeToString() == before
+
+    split = onnx.ModelProto()
+    split.CopyFrom(proto)
+    keep = onnx_quantize._activation_fed_matmuls(split) if options.get("float_after_activation") else set()
+    if options.get("first_token_apart", True):
+        onnx_quantize._first_token_apart(split, skip=keep)
+    quantize_dynamic(split, str(tmp_path / "peer.onnx"), op_types_to_quantize=["MatMul"], per_channel=True,
+                     reduce_range=True, weight_type=QuantType.QInt8, nodes_to_exclude=sorted(keep),
+                     extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
+    peer = onnx.load(str(tmp_path / "peer.onnx"))
+
+    def integer_tensors(model):
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+                if t.name.endswith(("_quantized", "_scale", "_zero_point"))}
+
+    want, got = integer_tensors(peer), integer_tensors(ours)
+    assert want and sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and np.array_equal(got[name], value), name
+
+    def op_counts(model):
+        return sorted((op, [n.op_type for n in model.graph.node].count(op))
+                      for op in {n.op_type for n in model.graph.node})
+
+    assert op_counts(ours) == op_counts(peer)
+    assert len(ours.graph.initializer) == len(peer.graph.initializer)
+    onnx.save(ours, str(tmp_path / "ours.onnx"))
+    for sample in samples:
+        expected = run_onnx(tmp_path / "peer.onnx", sample)
+        for name, value in run_onnx(tmp_path / "ours.onnx", sample).items():
+            tolerance.assert_close(value, expected[name], err_msg=name)
