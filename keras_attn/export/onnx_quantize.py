@@ -135,19 +135,33 @@ def _integer_matmuls(proto, skip=()):
     """Every `MatMul` of `proto` with a constant 2-D float32 weight (but
     those named in `skip`) rewritten in place as onnxruntime's dynamic
     quantizer writes it, with its node and tensor names; each float32
-    weight is emptied once quantized and removed at the end."""
+    weight no other node reads is emptied once quantized and removed at
+    the end."""
     from onnx import TensorProto, helper, numpy_helper
 
     graph = proto.graph
     positions = {t.name: i for i, t in enumerate(graph.initializer)}
-    quantized, activations, emptied, nodes = set(), set(), [], []
-    added = []
-    for node in graph.node:
+
+    def rewritten(node):
         position = positions.get(node.input[1]) if node.op_type == "MatMul" and node.name not in skip else None
         tensor = graph.initializer[position] if position is not None else None
         if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
+            return None
+        return position
+
+    # A float32 weight that some other node or a graph output also reads
+    # stays as it is beside its int8 copy.
+    also_read = {name for node in graph.node if rewritten(node) is None for name in node.input}
+    also_read |= {node.input[0] for node in graph.node if rewritten(node) is not None}
+    also_read |= {output.name for output in graph.output}
+    quantized, activations, emptied, nodes = set(), set(), [], []
+    added = []
+    for node in graph.node:
+        position = rewritten(node)
+        if position is None:
             nodes.append(node)
             continue
+        tensor = graph.initializer[position]
         x, w = node.input
         (y,) = node.output
         if w not in quantized:
@@ -156,9 +170,10 @@ def _integer_matmuls(proto, skip=()):
                       numpy_helper.from_array(scales, f"{w}_scale"),
                       numpy_helper.from_array(np.zeros(scales.shape, np.int8), f"{w}_zero_point")]
             del codes
-            tensor.ClearField("raw_data")
-            tensor.ClearField("float_data")
-            emptied.append(position)
+            if w not in also_read:
+                tensor.ClearField("raw_data")
+                tensor.ClearField("float_data")
+                emptied.append(position)
             quantized.add(w)
         if x not in activations:
             nodes.append(helper.make_node("DynamicQuantizeLinear", [x],
@@ -177,10 +192,8 @@ def _integer_matmuls(proto, skip=()):
             helper.make_node("Mul", [f"{y}_output_quantized_cast_output", f"{base}_quant_scales_mul:0"],
                              [y], name=f"{base}_quant_output_scale_mul"),
         ]
-    still_read = {name for node in nodes for name in node.input}
     for position in sorted(emptied, reverse=True):
-        if graph.initializer[position].name not in still_read:
-            del graph.initializer[position]
+        del graph.initializer[position]
     graph.initializer.extend(added)
     del graph.node[:]
     graph.node.extend(nodes)

@@ -284,3 +284,40 @@ def test_integer_rewrite_is_onnxruntimes_quantize_dynamic(request, tmp_path, whi
         expected = run_onnx(tmp_path / "peer.onnx", sample)
         for name, value in run_onnx(tmp_path / "ours.onnx", sample).items():
             tolerance.assert_close(value, expected[name], err_msg=name)
+
+
+def test_integer_rewrite_keeps_a_weight_another_node_reads(tmp_path):
+    """A MatMul weight that a `Gather` also reads (a tied embedding) keeps
+    its float32 values for the `Gather` beside its int8 copy, as
+    `quantize_dynamic` does; the weight only the MatMul reads is dropped."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from keras_attn.export import onnx_quantize
+
+    rng = np.random.default_rng(0)
+    tied, alone = (rng.standard_normal((8, 8)).astype("float32") for _ in range(2))
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["tied", "ids"], ["rows"], name="gather"),
+         helper.make_node("MatMul", ["rows", "tied"], ["h"], name="head"),
+         helper.make_node("MatMul", ["h", "alone"], ["y"], name="out")],
+        "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["t"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["t", 8]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["t", 8])],
+        [numpy_helper.from_array(tied, "tied"), numpy_helper.from_array(alone, "alone")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(proto, str(tmp_path / "float.onnx"))
+    quantize_dynamic(str(tmp_path / "float.onnx"), str(tmp_path / "peer.onnx"), op_types_to_quantize=["MatMul"],
+                     per_channel=True, reduce_range=True, weight_type=QuantType.QInt8,
+                     extra_options={"MatMulConstBOnly": True})
+    ours = onnx_quantize.quantize_matmul_weights(proto, first_token_apart=False, inplace=True)
+    names = {t.name for t in ours.graph.initializer}
+    assert "tied" in names and "alone" not in names and {"tied_quantized", "alone_quantized"} <= names
+    np.testing.assert_array_equal(
+        numpy_helper.to_array(next(t for t in ours.graph.initializer if t.name == "tied")), tied)
+    onnx.save(ours, str(tmp_path / "ours.onnx"))
+    ids = {"ids": np.array([3, 0, 7], np.int64)}
+    got, want = run_onnx(tmp_path / "ours.onnx", ids), run_onnx(tmp_path / "peer.onnx", ids)
+    np.testing.assert_array_equal(got["rows"], tied[[3, 0, 7]])
+    tolerance.assert_close(got["y"], want["y"], err_msg="y")
