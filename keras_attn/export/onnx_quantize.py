@@ -31,9 +31,15 @@ apart from the rest by default (`first_token_apart`): two integer MatMuls on
 one int8 weight, their own activation scales, the rows concatenated back.
 On all-MiniLM-L6-v2 (one sentence per call, 40 sentences) that takes the
 lowest cosine to 0.993 (benchmarks/RESULTS.md,
-"quantization_sentence_embedding") and costs no measurable time: one
+"quantization_sentence_embedding") and cost no measurable time there: one
 thread's CPU time per call at T=128 was 16.4 ms against 17.2 ms with one
-scale per tensor and 33.0 ms for the float32 graph. Other tokens'
+scale per tensor and 33.0 ms for the float32 graph. On a larger encoder
+with two threads it does cost time: in onnxruntime's per-node profile of
+ModernBERT-base at batch 1 and 128 tokens, the split's `Slice` and
+`Concat` took about a seventh of the int8 graph's kernel time, enough to
+keep the int8 graph from running at twice float32's speed
+(`first_token_apart=False` when speed matters more than the first
+token's outliers). Other tokens'
 outliers remain (the delimiters, and in a padded batch every sentence's
 other tokens share one scale): one short sentence of 30 in a padded batch
 stays at 0.990. `float_after_activation=True` keeps the MatMuls that read an
