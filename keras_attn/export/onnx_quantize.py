@@ -36,8 +36,7 @@ thread's CPU time per call at T=128 was 16.4 ms against 17.2 ms with one
 scale per tensor and 33.0 ms for the float32 graph. On a larger encoder
 with two threads it does cost time: in onnxruntime's per-node profile of
 ModernBERT-base at batch 1 and 128 tokens, the split's `Slice` and
-`Concat` took about a seventh of the int8 graph's kernel time, enough to
-keep the int8 graph from running at twice float32's speed
+`Concat` took about a seventh of the int8 graph's kernel time
 (`first_token_apart=False` when speed matters more than the first
 token's outliers). Other tokens'
 outliers remain (the delimiters, and in a padded batch every sentence's
