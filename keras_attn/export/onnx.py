@@ -231,10 +231,11 @@ def _check_quantizable(model, quantization):
 
 def quantized_proto(model_proto, quantization):
     """`model_proto` (float32) quantized as `export_onnx(quantization=...)`
-    writes it, rewritten in place: "dynamic" is `onnx_quantize.quantize_matmul_weights` with its
-    defaults (int8 MatMul weights per output channel in a 7-bit range, so
-    the integer arithmetic is the same on every CPU; activations quantized
-    per tensor at run time, the first token's row with its own scale)."""
+    writes it, rewritten in place: "dynamic" is
+    `onnx_quantize.quantize_matmul_weights` with its defaults (int8 MatMul
+    weights per output channel in a 7-bit range, so the integer arithmetic
+    is the same on every CPU; activations quantized per tensor at run time,
+    the first token's row with its own scale)."""
     from keras_attn.export import onnx_quantize
 
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)

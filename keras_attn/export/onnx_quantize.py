@@ -148,21 +148,23 @@ def _integer_matmuls(proto, skip=()):
     positions = {t.name: i for i, t in enumerate(graph.initializer)}
 
     def rewritten(node):
+        """The position of `node`'s weight among the initializers if it is
+        rewritten, else None."""
         position = positions.get(node.input[1]) if node.op_type == "MatMul" and node.name not in skip else None
         tensor = graph.initializer[position] if position is not None else None
         if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
             return None
         return position
 
+    targets = [rewritten(node) for node in graph.node]
     # A float32 weight that some other node or a graph output also reads
     # stays as it is beside its int8 copy.
-    also_read = {name for node in graph.node if rewritten(node) is None for name in node.input}
-    also_read |= {node.input[0] for node in graph.node if rewritten(node) is not None}
-    also_read |= {output.name for output in graph.output}
+    also_read = {output.name for output in graph.output}
+    for node, position in zip(graph.node, targets):
+        also_read.update(node.input if position is None else node.input[:1])
     quantized, activations, emptied, nodes = set(), set(), [], []
     added = []
-    for node in graph.node:
-        position = rewritten(node)
+    for node, position in zip(graph.node, targets):
         if position is None:
             nodes.append(node)
             continue
