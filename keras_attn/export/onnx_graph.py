@@ -134,15 +134,16 @@ class Graph:
         """`x * rsqrt(mean(x^2) + epsilon) * scale` over the last axis, as
         `keras.ops.rms_normalization`, in standard ops of `opset`; `scale` a
         value's name, `name(hint)` a fresh node or constant name."""
-        square = self.node("Mul", [x, x], name("square"))
+        # Pow and Div rather than Mul(x, x) and a Reciprocal: the form
+        # onnxruntime fuses into one SimplifiedLayerNormalization at load.
+        square = self.node("Pow", [x, self.const(np.float32(2), name("two"))], name("square"))
         if opset >= 18:  # `axes` is an input from opset 18
             axes = self.const(np.array([-1], np.int64), name("axes"))
             mean = self.node("ReduceMean", [square, axes], name("ReduceMean"), keepdims=1)
         else:
             mean = self.node("ReduceMean", [square], name("ReduceMean"), axes=[-1], keepdims=1)
         mean = self.node("Add", [mean, self.const(np.array(epsilon, np.float32), name("eps"))], name("eps"))
-        x = self.node("Mul", [x, self.node("Reciprocal", [self.node("Sqrt", [mean], name("sqrt"))],
-                                           name("rsqrt"))], name("normalized"))
+        x = self.node("Div", [x, self.node("Sqrt", [mean], name("sqrt"))], name("normalized"))
         return self.node("Mul", [x, scale], name("scaled"))
 
     def rotate_half(self, x, cos, sin, head_dim, rotary_dim, name):
@@ -162,13 +163,14 @@ class Graph:
 
     def _standard_gelu(self, x, name, kind):
         """`0.5 x (1 + erf(x / sqrt 2))`, or with `tanh(sqrt(2 / pi) (x + 0.044715 x^3))`
-        (`keras_attn.activations.gelu_tanh`), in standard ops."""
+        (`keras_attn.activations.gelu_tanh`), in standard ops, in the forms
+        onnxruntime fuses into one `Gelu` / `FastGelu` at load (a Div by
+        sqrt 2, not a Mul by its inverse; `Pow(x, 3)`, not `x * x * x`)."""
         if kind == "gelu":
-            inner = self.node("Mul", [x, self.const(np.float32(1 / np.sqrt(2)), name + "/rsqrt2")],
-                              name + "/Mul_rsqrt2")
+            inner = self.node("Div", [x, self.const(np.float32(np.sqrt(2)), name + "/sqrt2")], name + "/Div_sqrt2")
             curve = self.node("Erf", [inner], name + "/Erf")
         else:
-            cube = self.node("Mul", [self.node("Mul", [x, x], name + "/Mul_square"), x], name + "/Mul_cube")
+            cube = self.node("Pow", [x, self.const(np.float32(3), name + "/three")], name + "/Pow_cube")
             cube = self.node("Mul", [cube, self.const(np.float32(0.044715), name + "/c")], name + "/Mul_c")
             inner = self.node("Mul", [self.node("Add", [x, cube], name + "/Add_cube"),
                                       self.const(np.float32(np.sqrt(2 / np.pi)), name + "/k")],

@@ -75,6 +75,23 @@ def test_onnx_direct_equals_transformers(family, tmp_path, fused):
     tolerance.assert_close(*_compared(got, want, mask), terms=(layers + 1) * 64, err_msg=name)
 
 
+def test_standard_onnx_is_fused_by_onnxruntime(family, tmp_path):
+    """The standard-op file's GELUs and RMS norms are written in the forms
+    onnxruntime fuses at load (one `Gelu`, `FastGelu` or
+    `SimplifiedLayerNormalization` kernel each, not five to seven
+    elementwise ops): none of their arithmetic is left after its optimizer."""
+    name, model, feed, mask, want, layers = family
+    report = kx.export_onnx(model, tmp_path / "m.onnx", writer="direct", fused=False)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(report.path, options, providers=["CPUExecutionProvider"])
+    import onnx
+
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert not {"Erf", "Tanh", "Pow", "Reciprocal"} & set(ops), (name, sorted(set(ops)))
+    assert {"Gelu", "FastGelu", "QuickGelu", "SimplifiedLayerNormalization"} & set(ops), (name, sorted(set(ops)))
+
+
 def test_tflite_direct_equals_transformers(family, tmp_path):
     name, model, feed, mask, want, layers = family
     assert capabilities.support(read_encoder(model), "tflite_encoder") is None
