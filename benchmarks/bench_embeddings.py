@@ -30,7 +30,7 @@ import re
 import sys
 import time
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # noqa: E402  (sets the environment first)
 import results_file  # noqa: E402
 from bench_quantization import cosines, default_model_dir  # noqa: E402
 
@@ -55,7 +55,6 @@ def sentences(tokenizer, count, long_fraction, seed=0):
 
 def run(model_dir, count, long_fraction, batch_size, repeats):
     import numpy as np
-    import onnxruntime as ort
     import transformers
 
     from keras_attn.convert import from_huggingface
@@ -70,10 +69,7 @@ def run(model_dir, count, long_fraction, batch_size, repeats):
     features = {name: tokens[name] for name in ("input_ids", "attention_mask", "token_type_ids")}
     lengths = np.array([len(ids) for ids in features["input_ids"]])
     model = from_huggingface(model_dir)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    session = ort.InferenceSession(onnx_fused.direct_model_proto(model, fused=True).SerializeToString(),
-                                   options, providers=["CPUExecutionProvider"])
+    session = _common.ort_session(onnx_fused.direct_model_proto(model, fused=True).SerializeToString())
     runtimes = {"Keras": st_convert.runner(model)[1], "onnxruntime (fused ONNX)": st_convert.runner(session)[1]}
     rows = []
     for runtime, call in runtimes.items():

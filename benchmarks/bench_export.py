@@ -19,7 +19,7 @@ import json
 import sys
 import time
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # noqa: E402  (sets the environment first)
 import results_file  # noqa: E402
 
 VOCAB, LENGTH, DIM, HEADS, FFN, LAYERS = 1000, 64, 128, 4, 256, 2
@@ -75,12 +75,7 @@ class _TFLiteRunner:
 
 class _OnnxRunner:
     def __init__(self, content):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
-        options.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(content, options, providers=["CPUExecutionProvider"])
+        self.session = _common.ort_session(content)
         self.name = self.session.get_inputs()[0].name
 
     def __call__(self, tokens):

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # noqa: E402  (sets the environment first)
 import results_file  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,12 +39,7 @@ HEADS, HIDDEN = 12, 384
 
 
 def _session(path, threads):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return _common.ort_session(path, threads)
 
 
 def _feed(session, ids, mask, types):

@@ -43,7 +43,7 @@ import os
 import sys
 import time
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # noqa: E402  (sets the environment first)
 import results_file  # noqa: E402
 
 SENTENCES = [
@@ -146,17 +146,7 @@ class TFLiteRunner:
 
 class OnnxRunner:
     def __init__(self, content):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
-        options.inter_op_num_threads = 1
-        # No spin-waiting between ops: on a machine other jobs share, the
-        # spinning thread competes with them (all-MiniLM-L6-v2 float32, load
-        # about 8 on 2 cores: 196 ms spinning, 79 ms not, 112 ms for LiteRT,
-        # whose one-thread CPU time, 31.7 ms, is onnxruntime's, 34.2 ms).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(content, options, providers=["CPUExecutionProvider"])
+        self.session = _common.ort_session(content)
         self.names = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, feed):
