@@ -1232,8 +1232,13 @@ def table(results):
         # Each peer's time over ours ONNX's: > 1 means ours is faster.
         peers = [label for label in labels if label.startswith("peer")]
         quantized = [label for label in QUANTIZED_LATENCY if label in labels]
+        # Each int8 export's speed-up over its own float32 export.
+        speedups = [(f, q) for f, q in (("ours ONNX", "ours ONNX int8"), ("ours TFLite", "ours TFLite dynamic"),
+                                        ("peer ONNX (Optimum)", "peer ONNX int8 (Optimum + quantize_dynamic)"))
+                    if f in labels and q in labels]
         rows = [[r["model"], length] + [f"{by[label]:.1f}" if label in by else "" for label in labels]
                 + [f"{by[p] / by['ours ONNX']:.2f}" if p in by and "ours ONNX" in by else "" for p in peers]
+                + [f"{by[f] / by[q]:.2f}" if f in by and q in by else "" for f, q in speedups]
                 + [f"{r['max_abs_difference'][length]:.2g} (outputs up to {r['scale']:.2g})"]
                 + ["{:.4f} / {:.4f}".format(*r.get("int8_cosine", {}).get(length, {})[q])
                    if q in r.get("int8_cosine", {}).get(length, {}) else "" for q in quantized]
@@ -1242,6 +1247,7 @@ def table(results):
         text += "\nBatch-1 latency, ms (median of the rounds; onnxruntime, LiteRT and torch, 2 threads):\n\n"
         text += _common.markdown_table(
             ["model", "tokens"] + labels + [f"{p} / ours ONNX" for p in peers]
+            + [f"{f} / {q}" for f, q in speedups]
             + ["max abs difference between the float32 exports"]
             + [f"{q}: per-token cosine to ours ONNX float32, mean / min" for q in quantized]
             + ["load average after"], rows)

@@ -31,12 +31,10 @@ apart from the rest by default (`first_token_apart`): two integer MatMuls on
 one int8 weight, their own activation scales, the rows concatenated back.
 On all-MiniLM-L6-v2 (one sentence per call, 40 sentences) that takes the
 lowest cosine to 0.993 (benchmarks/RESULTS.md,
-"quantization_sentence_embedding") and cost no measurable time there: one
-thread's CPU time per call at T=128 was 16.4 ms against 17.2 ms with one
-scale per tensor and 33.0 ms for the float32 graph. On a larger encoder
-with two threads it does cost time: in onnxruntime's per-node profile of
-ModernBERT-base at batch 1 and 128 tokens, the split's `Slice` and
-`Concat` took about a seventh of the int8 graph's kernel time
+"quantization_sentence_embedding"). It costs time: each split MatMul reads
+its whole weight once more for the one row, which shows most on short
+inputs (the same table, and "encoder_modern" at 32 tokens), and its
+`Slice`s and `Concat` add three nodes
 (`first_token_apart=False` when speed matters more than the first
 token's outliers). Other tokens'
 outliers remain (the delimiters, and in a padded batch every sentence's
@@ -45,7 +43,7 @@ stays at 0.990. `float_after_activation=True` keeps the MatMuls that read an
 activation function's output (a feed-forward block's down projection, whose
 GELU output has the longest tail: quantizing its input alone costs more than
 any other's) in float32: 0.995 at batch 1 and 0.992 in that batch, at a
-third of the int8 MACs (22.5 ms of CPU time in the measure above).
+third of the int8 MACs (its time is in the same table).
 
 `matmul_nbits` writes onnxruntime's weight-only `MatMulNBits` (8 or 4 bits
 in blocks along the input axis) instead. With `accuracy_level=4` the CPU
