@@ -216,7 +216,8 @@ def _activation_fed_matmuls(proto):
     """Names of the `MatMul`s with a constant weight whose input is an
     activation function's output: an activation op, or elementwise
     arithmetic (`x * 0.5 * (1 + erf(x / sqrt 2))`, `x * sigmoid(x)`) with
-    one within two steps."""
+    one within three steps (a gated feed-forward block multiplies GELU's
+    `x * 0.5 * (1 + erf(...))` by the up projection)."""
     weights = {t.name for t in proto.graph.initializer}
     producers = {name: node for node in proto.graph.node for name in node.output}
 
@@ -230,7 +231,7 @@ def _activation_fed_matmuls(proto):
                 and any(activation(x, depth - 1) for x in node.input))
 
     return {node.name for node in proto.graph.node
-            if node.op_type == "MatMul" and node.input[1] in weights and activation(node.input[0], 2)}
+            if node.op_type == "MatMul" and node.input[1] in weights and activation(node.input[0], 3)}
 
 
 def _first_token_apart(proto, skip=()):

@@ -218,8 +218,9 @@ def test_onnx_int8_weights_cannot_saturate_int16_pair_sums(onnx_artifacts):
         assert (max(pair_sums) <= 32767) == safe, (name, pair_sums)
 
 
-def _ffn_proto(activation):
-    """x @ w1, an activation in ONNX arithmetic, @ w2: a feed-forward block."""
+def _ffn_proto(activation, gated=False):
+    """x @ w1, an activation in ONNX arithmetic, @ w2: a feed-forward block;
+    `gated`: the activation times x @ w3 (GeGLU, SwiGLU) before w2."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(1)
@@ -233,6 +234,12 @@ def _ffn_proto(activation):
                  helper.make_node("Mul", ["hh", "e1"], ["a"])]
     else:  # silu: x * sigmoid(x)
         nodes = [helper.make_node("Sigmoid", ["h"], ["s"]), helper.make_node("Mul", ["h", "s"], ["a"])]
+    if gated:
+        w3 = rng.standard_normal((K, 2 * N)).astype(np.float32)
+        consts.append(numpy_helper.from_array(w3, "w3"))
+        nodes[-1].output[0] = "g"
+        nodes += [helper.make_node("MatMul", ["x", "w3"], ["u"], name="gate_up"),
+                  helper.make_node("Mul", ["g", "u"], ["a"])]
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w1"], ["h"], name="up"), *nodes,
          helper.make_node("MatMul", ["a", "w2"], ["y"], name="down")], "ffn",
@@ -242,20 +249,23 @@ def _ffn_proto(activation):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w1, w2
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
-def test_onnx_int8_float_after_activation(activation):
+def test_onnx_int8_float_after_activation(activation, gated):
     """`float_after_activation=True`: the MatMul reading the activation's
-    output keeps its float32 weight, the other's becomes int8, its first
-    token's row quantized apart. By default both are int8."""
+    output (times the up projection's, gated) keeps its float32 weight, the
+    others' become int8, each first token's row quantized apart. By default
+    all are int8."""
     import onnxruntime as ort
     from onnx import numpy_helper
 
     from keras_attn.export.onnx_quantize import quantize_matmul_weights
 
-    proto, _, w2 = _ffn_proto(activation)
+    proto, _, w2 = _ffn_proto(activation, gated)
     quantized = quantize_matmul_weights(proto, float_after_activation=True)
     ops = [node.op_type for node in quantized.graph.node]
-    assert ops.count("MatMulInteger") + ops.count("DynamicQuantizeMatMul") == 2  # first token, the rest
+    # first token and the rest, of each projection before the activation
+    assert ops.count("MatMulInteger") + ops.count("DynamicQuantizeMatMul") == (4 if gated else 2)
     (down,) = [node for node in quantized.graph.node if node.op_type == "MatMul"]
     weights = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
     np.testing.assert_array_equal(weights[down.input[1]], w2)
