@@ -38,10 +38,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HEADS, HIDDEN = 12, 384
 
 
-def _session(path, threads):
-    return _common.ort_session(path, threads)
-
-
 def _feed(session, ids, mask, types):
     import numpy as np
 
@@ -135,7 +131,7 @@ def run(folder, lengths, repeats, calls, threads, optimum_python):
     with tempfile.TemporaryDirectory() as workdir:
         model, hf, paths = build_artifacts(folder, workdir, optimum_python)
         counts = {name: onnx_fused.fused_op_counts(onnx.load(p)) for name, p in paths.items()}
-        sessions = {name: _session(p, threads) for name, p in paths.items()}
+        sessions = {name: _common.ort_session(p, threads) for name, p in paths.items()}
         rng = np.random.default_rng(0)
         for length in lengths:
             ids = rng.integers(1000, hf.config.vocab_size, size=(1, length)).astype(np.int64)

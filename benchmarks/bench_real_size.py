@@ -928,8 +928,6 @@ def _latency_runners(spec, paths):
     model in torch eager, each as `run(ids, mask) -> output`."""
     import numpy as np
 
-    from bench_onnx_fused import _session
-
     runners = {}
     for label, path in (("ours ONNX", ("export_onnx", "bert.onnx")),
                         ("ours ONNX int8", ("export_onnx_int8", "bert.onnx")),
@@ -939,7 +937,7 @@ def _latency_runners(spec, paths):
         path = os.path.join(paths["work"], *path)
         if not os.path.exists(path):
             continue
-        session = _session(path, LATENCY_THREADS)
+        session = _common.ort_session(path, LATENCY_THREADS)
         inputs = [(i.name, np.int64 if "int64" in i.type else np.int32) for i in session.get_inputs()]
 
         def run(ids, mask, session=session, inputs=inputs):
