@@ -64,7 +64,8 @@ UINT8_MAX = 255
 SAFE_INT8_WEIGHT = INT16_MAX // (2 * UINT8_MAX)  # 64
 
 
-def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activation=False, inplace=False):
+def quantize_matmul_weights(proto, *, calibration=None, first_token_apart=None, float_after_activation=False,
+                            inplace=False):
     """int8 weights (per output channel, 7-bit range) for every `MatMul` of
     `proto` whose weight is a constant 2-D float32 tensor; activations are
     quantized at run time.
@@ -101,16 +102,23 @@ def quantize_matmul_weights(proto, *, first_token_apart=True, float_after_activa
     """
     import onnx
 
-    for name, value in (("first_token_apart", first_token_apart),
-                        ("float_after_activation", float_after_activation), ("inplace", inplace)):
+    for name, value in (("float_after_activation", float_after_activation), ("inplace", inplace)):
         if value not in (True, False):
             raise TypeError(f"Received an invalid value for argument `{name}`, expected True or "
                             f"False. Received: {name}={value!r}")
+    if first_token_apart not in (None, True, False):
+        raise TypeError("Received an invalid value for argument `first_token_apart`, expected None, True "
+                        f"or False. Received: first_token_apart={first_token_apart!r}")
+    calibration = _calibration_sets(calibration)
+    if first_token_apart is None:
+        first_token_apart = calibration is None
     if not inplace:
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)
         proto = copy
     keep = _activation_fed_matmuls(proto) if float_after_activation else set()
+    if calibration is not None:
+        _smooth(proto, activation_ranges(proto, calibration), skip=keep)
     if first_token_apart:
         _first_token_apart(proto, skip=keep)
     _integer_matmuls(proto, skip=keep)
@@ -203,6 +211,165 @@ def _integer_matmuls(proto, skip=()):
     del graph.node[:]
     graph.node.extend(nodes)
     return proto
+
+
+# An input is smoothed when one of its channels reaches this many times the
+# largest |value| of a typical row (the median row).
+OUTLIER_RATIO = 1.0
+# SmoothQuant's migration strength: how much of a channel's range moves
+# into the weight's row.
+SMOOTHING = 0.8
+_NORMS = {"LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,),
+          "SkipLayerNormalization": (2, 3), "SkipSimplifiedLayerNormalization": (2,)}
+
+
+def _calibration_sets(calibration):
+    """`calibration` as a non-empty list of `{input name: array}` dicts, or None."""
+    if calibration is None:
+        return None
+    sets = [calibration] if isinstance(calibration, dict) else calibration
+    if not isinstance(sets, (list, tuple)) or not sets or not all(isinstance(s, dict) for s in sets):
+        raise TypeError("Received an invalid value for argument `calibration`, expected None, a dict "
+                        "of input arrays or a non-empty list of such dicts. Received: "
+                        f"calibration of type {type(calibration).__name__}")
+    return list(sets)
+
+
+def _weighted_matmuls(proto):
+    """The `MatMul` nodes of `proto` whose weight (input 1) is a constant
+    2-D float32 tensor."""
+    from onnx import TensorProto
+
+    tensors = {t.name: t for t in proto.graph.initializer}
+    return [node for node in proto.graph.node if node.op_type == "MatMul" and node.input[1] in tensors
+            and tensors[node.input[1]].data_type == TensorProto.FLOAT and len(tensors[node.input[1]].dims) == 2]
+
+
+def activation_ranges(proto, calibration):
+    """`{input: (channel_max, typical)}` for each input of a `MatMul` with a
+    constant weight in the float32 graph `proto`, run in onnxruntime on the
+    `calibration` sets: the largest |value| of each channel (last axis)
+    over every row of every set, and the median over the rows (all-zero
+    rows, such as a padded query's, left out) of each row's largest |value|."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = proto.graph
+    wanted = list(dict.fromkeys(node.input[0] for node in _weighted_matmuls(proto)))
+    outputs = len(graph.output)
+    graph.output.extend(helper.make_tensor_value_info(x, TensorProto.FLOAT, None) for x in wanted)
+    try:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    finally:
+        del graph.output[outputs:]
+    names = {i.name for i in session.get_inputs()}
+    channel_max, row_max = {}, {x: [] for x in wanted}
+    for feeds in calibration:
+        missing = sorted(names - set(feeds))
+        if missing:
+            raise ValueError(f"Received an invalid `calibration`: each set must hold the graph's inputs "
+                             f"{sorted(names)}. Received a set with keys {sorted(feeds)} (missing {missing})")
+        values = session.run(wanted, {k: np.asarray(v) for k, v in feeds.items() if k in names})
+        for x, value in zip(wanted, values):
+            rows = np.abs(np.asarray(value, np.float32)).reshape(-1, value.shape[-1])
+            top = rows.max(0) if rows.size else np.zeros(rows.shape[-1], np.float32)
+            channel_max[x] = np.maximum(channel_max.get(x, top), top)
+            row_max[x].append(rows.max(1) if rows.size else np.zeros(0, np.float32))
+    ranges = {}
+    for x in wanted:
+        rows = np.concatenate(row_max[x])
+        rows = rows[rows > 0]
+        ranges[x] = (channel_max[x], float(np.median(rows)) if rows.size else 0.0)
+    return ranges
+
+
+def _smooth(proto, ranges, skip=()):
+    """SmoothQuant (Xiao et al., 2023) on `proto`, in place: where a
+    `MatMul` input's channels reach past `OUTLIER_RATIO` times its typical
+    row maximum, the channels above the median are divided by `s = max|x_c|
+    ^ SMOOTHING / max|W_c| ^ (1 - SMOOTHING)` (over the median of s) and the
+    weights' rows multiplied by it: the same product in exact arithmetic,
+    and the outliers' range moved into the per-column weight scales, so the
+    one activation scale of a tensor fits its other values. The division is
+    folded into the normalization (or the constant `Mul`) that makes the
+    input where nothing else reads it, else written as a `Mul` node.
+    Returns the inputs smoothed."""
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    tensors = {t.name: t for t in graph.initializer}
+    readers, producers = {}, {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+        for name in node.output:
+            producers[name] = node
+    outputs = {o.name for o in graph.output}
+    consumers = {}
+    for node in _weighted_matmuls(proto):
+        if node.name not in skip:
+            consumers.setdefault(node.input[0], []).append(node)
+    inserted, smoothed = {}, []
+    for x, nodes in consumers.items():
+        channel_max, typical = ranges.get(x, (None, 0.0))
+        if channel_max is None or not channel_max.max() > OUTLIER_RATIO * typical:
+            continue
+        weights = list(dict.fromkeys(node.input[1] for node in nodes))
+        mine = {id(node) for node in nodes}
+        if any(w in outputs or any(id(r) not in mine for r in readers[w]) for w in weights):
+            continue  # a weight some other node reads (a tied table) keeps its values
+        arrays = [numpy_helper.to_array(tensors[w]) for w in weights]
+        weight_max = np.max([np.abs(a).max(1) for a in arrays], axis=0)
+        s = (np.maximum(channel_max, 1e-6) ** SMOOTHING / np.maximum(weight_max, 1e-6) ** (1 - SMOOTHING))
+        s = np.maximum(s / np.median(s), 1.0).astype(np.float32)
+        for w, array in zip(weights, arrays):
+            tensors[w].CopyFrom(numpy_helper.from_array((array * s[:, None]).astype(np.float32), w))
+        if not _fold_division(x, s, producers.get(x), readers[x], mine, outputs, tensors, readers):
+            name = f"{x}_smoothed"
+            graph.initializer.append(numpy_helper.from_array((1 / s).astype(np.float32), name + "_divisor"))
+            inserted[nodes[0].name] = helper.make_node("Mul", [x, name + "_divisor"], [name], name=name)
+            for node in nodes:
+                node.input[0] = name
+        smoothed.append(x)
+    if inserted:
+        ordered = []
+        for node in graph.node:
+            if node.name in inserted:
+                ordered.append(inserted[node.name])
+            ordered.append(node)
+        del graph.node[:]
+        graph.node.extend(ordered)
+    return smoothed
+
+
+def _fold_division(x, s, producer, x_readers, matmuls, outputs, tensors, readers):
+    """Divides `x` by `s` inside its producer, a normalization with constant
+    scale (and bias) or a `Mul` by a constant vector, when only the nodes
+    whose ids are `matmuls` read `x` and only the producer reads those constants. Returns whether
+    it did."""
+    from onnx import numpy_helper
+
+    if producer is None or x in outputs or any(id(r) not in matmuls for r in x_readers) or producer.output[0] != x:
+        return False
+    if producer.op_type in _NORMS:
+        slots = [i for i in _NORMS[producer.op_type] if i < len(producer.input) and producer.input[i]]
+    elif producer.op_type == "Mul":
+        slots = [i for i in (0, 1) if producer.input[i] in tensors]
+        slots = slots if len(slots) == 1 else []
+    else:
+        slots = []
+    names = [producer.input[i] for i in slots]
+    if not names or any(n not in tensors or len(readers[n]) != 1 for n in names):
+        return False
+    arrays = [numpy_helper.to_array(tensors[n]) for n in names]
+    if any(a.size != s.size or a.shape[-1] != s.size for a in arrays):
+        return False
+    for n, a in zip(names, arrays):
+        tensors[n].CopyFrom(numpy_helper.from_array((a / s.reshape(a.shape)).astype(a.dtype), n))
+    return True
 
 
 # Where an activation function's output is computed: its own op, or the

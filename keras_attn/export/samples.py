@@ -201,15 +201,35 @@ def keras_outputs(model, sample):
 # Sample inputs
 
 
+def _vocabulary(layer):
+    for attr in ("vocabulary_size", "input_dim"):
+        value = getattr(layer, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
+
+
 def _token_range(model):
     """Smallest vocabulary of the embedding layers in `model` (ids < it)."""
-    sizes = []
-    for layer in model._flatten_layers(include_self=False):
-        for attr in ("vocabulary_size", "input_dim"):
-            value = getattr(layer, attr, None)
-            if isinstance(value, int) and value > 1:
-                sizes.append(value)
+    sizes = [v for v in map(_vocabulary, model._flatten_layers(include_self=False)) if v]
     return min(sizes) if sizes else 2
+
+
+def _id_ranges(model):
+    """`{input name: ids < it}` for the inputs of a functional model that a
+    layer with a vocabulary reads directly (its own vocabulary: a token
+    table's, not the smallest table's of the model, which for a BERT is
+    the two token types')."""
+    inputs = {id(t): t.name for t in getattr(model, "inputs", None) or ()}
+    ranges = {}
+    for layer in model._flatten_layers(include_self=False, recursive=False):
+        size = _vocabulary(layer)
+        for node in getattr(layer, "_inbound_nodes", ()) if size else ():
+            for tensor in keras.tree.flatten((node.arguments.args, node.arguments.kwargs)):
+                name = inputs.get(id(tensor))
+                if name is not None:
+                    ranges[name] = min(ranges.get(name, size), size)
+    return ranges
 
 
 def _max_length(model):
@@ -229,12 +249,15 @@ def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
 
     Each `(batch, length)` in `shapes` gives one `{name: array}` set; dynamic
     non-batch axes get `length` (capped by any learned position table).
-    Integer inputs get token ids in `[1, vocab)` with trailing zeros (padding)
-    in every other row, so `mask_zero=True` paths are exercised.
+    Integer inputs get token ids in `[1, vocab)` (the vocabulary of the layer
+    that reads them), masks (inputs named `*mask*`) ones and token types
+    (`*type*`, `*segment*`) ids of the smallest table, with trailing zeros
+    (padding) in every other row, so `mask_zero=True` paths are exercised.
     """
     specs = input_specs(model)
     rng = np.random.default_rng(seed)
     vocab = _token_range(model)
+    id_ranges = _id_ranges(model)
     cap = _max_length(model)
     samples = []
     for batch, length in shapes:
@@ -244,7 +267,14 @@ def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
         for spec in specs:
             shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
             if "int" in spec.dtype:
-                x = rng.integers(1, max(vocab, 2), size=shape)
+                # A mask input: ones; token type or segment ids: the smallest
+                # table's; token ids: the table that reads them.
+                if "mask" in spec.name:
+                    x = np.ones(shape, np.int64)
+                elif "type" in spec.name or "segment" in spec.name:
+                    x = rng.integers(0, max(vocab, 2), size=shape)
+                else:
+                    x = rng.integers(1, max(id_ranges.get(spec.name, vocab), 2), size=shape)
                 if len(shape) >= 2 and shape[1] > 1:
                     for row in range(1, batch, 2):
                         x[row, max(1, shape[1] // 2 + row % 3) :] = 0
