@@ -20,30 +20,39 @@ onnxruntime's fastest int8 kernels (VNNI where the CPU has it).
 
 The activations are quantized with one uint8 scale per tensor
 (`DynamicQuantizeLinear`), which a few large values set for all the others.
-In BERT-style encoders those are at the first token ([CLS], the "massive
-activations" of an attention sink): in all-MiniLM-L6-v2 the largest |input|
-of the first feed-forward MatMul is 28 at token 0 against a median row
-maximum of 3 over the other tokens, so every other token got a tenth of the
-resolution; that, more than the 7-bit weights, took its sentence-embedding
-cosine to 0.988 (per-tensor activations alone: 0.992; 7-bit weights alone:
-0.997). `quantize_matmul_weights` therefore quantizes the first token's row
-apart from the rest by default (`first_token_apart`): two integer MatMuls on
-one int8 weight, their own activation scales, the rows concatenated back.
-On all-MiniLM-L6-v2 (one sentence per call, 40 sentences) that takes the
-lowest cosine to 0.993 (benchmarks/RESULTS.md,
-"quantization_sentence_embedding"). It costs time: each split MatMul reads
-its whole weight once more for the one row, which shows most on short
-inputs (the same table, and "encoder_modern" at 32 tokens), and its
-`Slice`s and `Concat` add three nodes
-(`first_token_apart=False` when speed matters more than the first
-token's outliers). Other tokens'
-outliers remain (the delimiters, and in a padded batch every sentence's
-other tokens share one scale): one short sentence of 30 in a padded batch
-stays at 0.990. `float_after_activation=True` keeps the MatMuls that read an
-activation function's output (a feed-forward block's down projection, whose
-GELU output has the longest tail: quantizing its input alone costs more than
-any other's) in float32: 0.995 at batch 1 and 0.992 in that batch, at a
-third of the int8 MACs (its time is in the same table).
+In BERT-style encoders those are the first token's ([CLS], the "massive
+activations" of an attention sink) and the delimiters', and they sit in a
+few fixed channels: in all-MiniLM-L6-v2 the largest |input| of the
+feed-forward up projections of layers 0-4 is 22-30, in channel 99, at
+token 0, against a median row maximum of 4-8 over the other tokens (40 real
+sentences), so every other
+token got a fraction of the resolution; that, more than the 7-bit weights,
+took its sentence-embedding cosine to 0.988 (per-tensor activations alone:
+0.992; 7-bit weights alone: 0.997).
+
+With `calibration` (what `export_onnx(quantization="dynamic")` passes: the
+user's sample inputs, else random token ids), `quantize_matmul_weights`
+runs the float32 graph on it and applies SmoothQuant (Xiao et al., 2023) to
+each MatMul input whose channels reach past its typical row: the outlier
+channels are divided by a factor and the weight's rows multiplied by it (the
+same product; per-column weight scales absorb it), folded into the norm
+that makes the input where nothing else reads it (pre-norm blocks: no extra
+op), else one `Mul`. On all-MiniLM-L6-v2 (post-norm: 24 `Mul`s) that takes
+the lowest cosine to 0.994 one sentence per call and in a padded batch, at
+about the speed of one scale per tensor (benchmarks/RESULTS.md,
+"quantization_sentence_embedding").
+
+Without calibration the default (`first_token_apart`) quantizes the first
+token's row apart from the rest: two integer MatMuls on one int8 weight,
+their own activation scales, the rows concatenated back (lowest cosine
+0.993 one sentence per call, 0.991 in a padded batch, where the other
+sentences' delimiters still share one scale). It costs time: each split
+MatMul reads its whole weight once more for the one row, which shows most
+on short inputs, and its `Slice`s and `Concat` add three nodes.
+`float_after_activation=True` keeps the MatMuls that read an activation
+function's output (a feed-forward block's down projection, whose GELU
+output has the longest tail) in float32: closer to float32, at a third of
+the int8 MACs.
 
 `matmul_nbits` writes onnxruntime's weight-only `MatMulNBits` (8 or 4 bits
 in blocks along the input axis) instead. With `accuracy_level=4` the CPU
@@ -81,14 +90,21 @@ def quantize_matmul_weights(proto, *, calibration=None, first_token_apart=None, 
 
     Args:
         proto: an ONNX `ModelProto` in float32.
+        calibration: None, or input sets (a `{graph input name: array}`
+            dict or a list of them) to run the float32 graph on: each
+            MatMul input whose channels reach past `OUTLIER_RATIO` times
+            its typical row maximum is smoothed (see the module docstring).
+            Inputs like the ones served (token ids of the served lengths)
+            calibrate best.
         first_token_apart: quantize the activations of the first token (row
             0 along the second-to-last axis: the token axis of a `(batch,
             tokens, features)` input) with their own scale, apart from the
             other tokens' (see the module docstring: the outliers of an
             encoder's first token). The answer is the same arithmetic on
             each row; it costs a `Slice` pair and a `Concat` per MatMul.
-            False: one scale per activation tensor (a decoder's
-            token-by-token steps, whose first row is no such token).
+            None (default): when no `calibration` is given. False: one scale
+            per activation tensor (a decoder's token-by-token steps, whose
+            first row is no such token).
         float_after_activation: True: a `MatMul` whose input is an
             activation function's output (GELU, SiLU: the `Erf`, `Tanh` or
             `Sigmoid` arithmetic, or onnxruntime's `Gelu`, `BiasGelu`,

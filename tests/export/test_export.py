@@ -490,3 +490,22 @@ def test_mixed_precision_model_that_cannot_be_rebuilt(tmp_path):
         kx.export_all(model, tmp_path / "all", verbose=False)
     assert kx.export_all(model, tmp_path / "all", verbose=False, on_error="continue") == {}
     assert not os.path.exists(tmp_path / "all") or os.listdir(tmp_path / "all") == []
+
+
+def test_make_samples_draws_ids_from_the_table_that_reads_them():
+    """A BERT-shaped model (token ids into a 1000-row table, token types into
+    a 2-row one, an attention mask): the generated ids span the token table,
+    not the smallest table's ids 0-1 (which gave a sequence of one repeated
+    token), types stay within their table, and the mask is ones with the
+    padding zeros of every other row."""
+    ids = keras.Input((None,), dtype="int32", name="input_ids")
+    types = keras.Input((None,), dtype="int32", name="token_type_ids")
+    mask = keras.Input((None,), dtype="int32", name="attention_mask")
+    x = keras.layers.Embedding(1000, 8)(ids) + keras.layers.Embedding(2, 8)(types)
+    x = x * keras.ops.expand_dims(keras.ops.cast(mask, "float32"), -1)
+    model = keras.Model([ids, types, mask], x)
+    sample = make_samples(model, shapes=((4, 64),), seed=0)[0]
+    assert sample["input_ids"].max() > 100 and sample["input_ids"].max() < 1000
+    assert set(np.unique(sample["token_type_ids"])) == {0, 1}
+    assert set(np.unique(sample["attention_mask"])) == {0, 1}
+    assert (sample["attention_mask"][0] == 1).all() and (sample["attention_mask"][1, -1] == 0)
