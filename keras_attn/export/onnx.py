@@ -229,25 +229,19 @@ def _check_quantizable(model, quantization):
         )
 
 
-# What "dynamic" calibrates on without the user's samples: random token ids,
-# long enough for a BERT's position-0 and delimiter outliers to show (the
-# verification samples are a few tokens long).
-CALIBRATION_SHAPES = ((4, 128),)
-
-
-def quantized_proto(model_proto, quantization, calibration=None):
+def quantized_proto(model_proto, quantization):
     """`model_proto` (float32) quantized as `export_onnx(quantization=...)`
     writes it, rewritten in place: "dynamic" is
-    `onnx_quantize.quantize_matmul_weights` (int8 MatMul weights per output
-    channel in a 7-bit range, so the integer arithmetic is the same on every
-    CPU; activations quantized per tensor at run time), smoothed on the
-    `calibration` input sets where given."""
+    `onnx_quantize.quantize_matmul_weights` with its defaults (int8 MatMul
+    weights per output channel in a 7-bit range, so the integer arithmetic
+    is the same on every CPU; activations quantized per tensor at run time,
+    the first token's row with its own scale)."""
     from keras_attn.export import onnx_quantize
 
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
     if quantization is None:
         return model_proto
-    return onnx_quantize.quantize_matmul_weights(model_proto, calibration=calibration, inplace=True)
+    return onnx_quantize.quantize_matmul_weights(model_proto, inplace=True)
 
 
 def export_onnx(
@@ -298,10 +292,8 @@ def export_onnx(
         quantization: None (float32) or "dynamic": int8 weights for every
             MatMul with a constant weight, the activations quantized to
             uint8 at run time (`quantized_proto`: 7-bit weights per output
-            channel, whose integer sums cannot saturate on any CPU, with
-            the activations' outlier channels moved into the weights
-            (SmoothQuant), calibrated on `sample_inputs` when given, else
-            on random token ids, 4 x 128; see
+            channel, whose integer sums cannot saturate on any CPU, and the
+            first token's activations with their own scale; see
             `keras_attn.export.onnx_quantize`), from either writer's
             float32 graph (with `fused=True` the weights inside the fused
             Attention ops stay float32), in standard ONNX ops
@@ -357,9 +349,7 @@ def export_onnx(
                 weights_file=f if quantization is None else None)
             if quantization is not None:
                 details["float32_bytes"] = model_proto.ByteSize()
-                calibration = (samples if sample_inputs is not None else
-                               model_io.make_samples(model, shapes=CALIBRATION_SHAPES, seed=1))
-                model_proto = quantized_proto(model_proto, quantization, calibration)
+                model_proto = quantized_proto(model_proto, quantization)
             f.write(model_proto.SerializeToString())
         ops = sorted({node.op_type for node in model_proto.graph.node})
         details.update({

@@ -30,25 +30,27 @@ token got a fraction of the resolution; that, more than the 7-bit weights,
 took its sentence-embedding cosine to 0.988 (per-tensor activations alone:
 0.992; 7-bit weights alone: 0.997).
 
-With `calibration` (what `export_onnx(quantization="dynamic")` passes: the
-user's sample inputs, else random token ids), `quantize_matmul_weights`
-runs the float32 graph on it and applies SmoothQuant (Xiao et al., 2023) to
-each MatMul input whose channels reach past its typical row: the outlier
-channels are divided by a factor and the weight's rows multiplied by it (the
-same product; per-column weight scales absorb it), folded into the norm
-that makes the input where nothing else reads it (pre-norm blocks: no extra
-op), else one `Mul`. On all-MiniLM-L6-v2 (post-norm: 24 `Mul`s) that takes
-the lowest cosine to 0.994 one sentence per call and in a padded batch, at
-about the speed of one scale per tensor (benchmarks/RESULTS.md,
-"quantization_sentence_embedding").
+By default `quantize_matmul_weights` (and `export_onnx(quantization=
+"dynamic")`) quantizes the first token's row apart from the rest
+(`first_token_apart`): two integer MatMuls on one int8 weight, their own
+activation scales, the rows concatenated back. On all-MiniLM-L6-v2 the
+lowest cosine is then 0.993 one sentence per call (0.992 on the shortest,
+four-token sentences); in a padded batch the other sentences' delimiters
+still share one scale (0.990-0.991). It costs time: each split MatMul reads
+its whole weight once more for the one row, which shows most on short
+inputs, and its `Slice`s and `Concat` add three nodes.
 
-Without calibration the default (`first_token_apart`) quantizes the first
-token's row apart from the rest: two integer MatMuls on one int8 weight,
-their own activation scales, the rows concatenated back (lowest cosine
-0.993 one sentence per call, 0.991 in a padded batch, where the other
-sentences' delimiters still share one scale). It costs time: each split
-MatMul reads its whole weight once more for the one row, which shows most
-on short inputs, and its `Slice`s and `Concat` add three nodes.
+With `calibration` (input sets to run the float32 graph on) it applies
+SmoothQuant (Xiao et al., 2023) instead: each MatMul input whose channels
+reach past its typical row gets its outlier channels divided by a factor
+and the weight's rows multiplied by it (the same product; per-column weight
+scales absorb it), folded into the norm that makes the input where nothing
+else reads it (pre-norm blocks: no extra op), else one `Mul`. Each
+projection stays one integer MatMul, at about the speed of one scale per
+tensor, closer than the split in padded batches; but calibrated on random
+token ids, a four-token sentence (half of it [CLS] and [SEP]) stays at
+0.988 (benchmarks/RESULTS.md, "quantization_sentence_embedding", and
+tests/convert/test_sentence_transformers.py).
 `float_after_activation=True` keeps the MatMuls that read an activation
 function's output (a feed-forward block's down projection, whose GELU
 output has the longest tail) in float32: closer to float32, at a third of
