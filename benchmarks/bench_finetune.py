@@ -11,7 +11,9 @@ float32 adapters on both sides), ours on each `--backends` entry:
   from_logits=True))`, `train_on_batch` (what `fit` runs per step); with
   `+savers`, `CausalLMLoss(chunk_size=--chunk)` (the head applied chunk by
   chunk, rematerialised) and `set_block_remat(True)` (each decoder block
-  rematerialised);
+  rematerialised); with `+chunked`, the chunked loss and the first
+  `--remat-blocks` blocks rematerialised (none by default: the logits'
+  memory saved without a second forward pass);
 - PEFT: `AutoModelForCausalLM.from_pretrained(folder, dtype=)`,
   `get_peft_model(LoraConfig(r=rank, target_modules=...))` (adapters in
   float32 over a bfloat16 model: PEFT's `autocast_adapter_dtype`),
@@ -52,7 +54,7 @@ TARGETS = {
     "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 }
 SHAPES = ((2, 256), (4, 512), (1, 2048))
-SIDES = ("keras_attn", "keras_attn+savers", "peft")
+SIDES = ("keras_attn", "keras_attn+savers", "keras_attn+chunked", "peft")
 # int8: ours converts in float32, `quantize("int8")`, then adapts (a frozen
 # int8 base, float32 compute); PEFT has no int8 base on a CPU (bitsandbytes'
 # is for GPUs), so those rows stand beside PEFT's float32 run.
@@ -100,9 +102,9 @@ def child_keras(args, folder, vocab):
             warnings.simplefilter("ignore")  # Keras names each layer it cannot quantize
             lm.quantize("int8")
     lm.enable_lora(args.rank, target_names=TARGETS[args.targets])
-    if args.side == "keras_attn+savers":
+    if args.side in ("keras_attn+savers", "keras_attn+chunked"):
         loss = CausalLMLoss(chunk_size=args.chunk)
-        lm.set_block_remat(True)
+        lm.set_block_remat(True if args.side == "keras_attn+savers" else args.remat_blocks)
     else:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     lm.compile(keras.optimizers.AdamW(1e-4), loss=loss)
@@ -159,13 +161,15 @@ def run_child(args, name, side, targets, batch, length, dtype, backend):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--models", name,
            "--work", args.work, "--targets", targets, "--batch", str(batch), "--length", str(length),
            "--rank", str(args.rank), "--chunk", str(args.chunk), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--dtypes", dtype]
+           "--warmup", str(args.warmup), "--dtypes", dtype, "--remat-blocks", str(args.remat_blocks)]
     if args.lock:
         cmd = ["flock", args.lock] + cmd
     env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     result = {"model": name, "side": side, "targets": targets, "batch": batch, "length": length,
               "dtype": dtype, "backend": backend}
+    if side == "keras_attn+chunked" and args.remat_blocks:
+        result["remat_blocks"] = args.remat_blocks
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE, env=env)
         _, status, usage = os.wait4(child.pid, 0)
@@ -181,14 +185,20 @@ def run_child(args, name, side, targets, batch, length, dtype, backend):
     return result
 
 
+def _side(r):
+    """The side, with how many blocks its run rematerialised where not all or none."""
+    return r["side"] + (f" (first {r['remat_blocks']} blocks remat)" if r.get("remat_blocks") else "")
+
+
 def _ratio(a, b):
     return f"{a / b:.2f}" if a and b else ""
 
 
 def table(results):
     """One row per run; ours beside PEFT's run of the same model, targets,
-    shape and dtype. Lines of older runs (no dtype or backend) were float32
-    on TensorFlow."""
+    shape and dtype that follows it (an invocation writes ours, then
+    PEFT's), else the last one before it. Lines of older runs (no dtype or
+    backend) were float32 on TensorFlow."""
     rows = [("| model | LoRA targets | batch x length | dtype | side | backend | tokens/s | peak RSS GB "
              "| loaded GB | train peak GB | speed ours / PEFT | peak ours / PEFT |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -197,15 +207,23 @@ def table(results):
         dtype = r.get("dtype", "float32")
         return r["model"], r["targets"], r["batch"], r["length"], "float32" if dtype == "int8" else dtype
 
-    peers = {key(r): r for r in results if r["side"] == "peft" and "error" not in r}
-    for r in results:
+    peft = [(i, r) for i, r in enumerate(results) if r["side"] == "peft" and "error" not in r]
+
+    def peer_of(i, r):
+        """PEFT's run of the same configuration next after this one (a run
+        writes ours, then PEFT's), else the last before it."""
+        same = [(j, p) for j, p in peft if key(p) == key(r)]
+        after = [p for j, p in same if j > i]
+        return after[0] if after else (same[-1][1] if same else None)
+
+    for i, r in enumerate(results):
         head = (f"| {r['model']} | {r['targets']} | {r['batch']}x{r['length']} | {r.get('dtype', 'float32')} "
-                f"| {r['side']} "
+                f"| {_side(r)} "
                 f"| {'torch' if r['side'] == 'peft' else r.get('backend', 'tensorflow')} ")
         if "error" in r:
             rows.append(f"{head}| error: {r['error']} | {r['ru_maxrss'] / GB:.2f} | | | | |")
             continue
-        peer = peers.get(key(r)) if r["side"] != "peft" else None
+        peer = peer_of(i, r) if r["side"] != "peft" else None
         rows.append(
             f"{head}| {r['tokens_per_s']:.0f} "
             f"| {r['ru_maxrss'] / GB:.2f} | {r['loaded'] / GB:.2f} | {r['train_peak'] / GB:.2f} "
@@ -219,7 +237,8 @@ def _conditions(args, machine):
             f"float32 (both sides); int8 rows: ours `quantize('int8')` before `enable_lora` (int8 frozen "
             f"kernels, float32 compute and adapters), beside PEFT's float32 run; LoRA rank {args.rank}; "
             f"{args.warmup} warm-up + {args.steps} timed steps; savers: CausalLMLoss(chunk_size="
-            f"{args.chunk}) + set_block_remat(True)")
+            f"{args.chunk}) + set_block_remat(True); chunked: CausalLMLoss(chunk_size={args.chunk}), and "
+            "set_block_remat(n) where the side names n blocks")
 
 
 def main(argv=None):
@@ -236,6 +255,8 @@ def main(argv=None):
                         help=f"our sides' Keras backends, comma-separated, of {list(BACKENDS)}")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=128, help="CausalLMLoss chunk_size (+savers)")
+    parser.add_argument("--remat-blocks", type=int, default=0,
+                        help="+chunked: how many blocks (the first) are rematerialised")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "keras_attn_real_size"),

@@ -348,15 +348,15 @@ def _smooth(proto, ranges, skip=()):
         if not _fold_division(x, s, producers.get(x), readers[x], mine, outputs, tensors, readers):
             name = f"{x}_smoothed"
             graph.initializer.append(numpy_helper.from_array((1 / s).astype(np.float32), name + "_divisor"))
-            inserted[nodes[0].name] = helper.make_node("Mul", [x, name + "_divisor"], [name], name=name)
+            inserted[id(nodes[0])] = helper.make_node("Mul", [x, name + "_divisor"], [name], name=name)
             for node in nodes:
                 node.input[0] = name
         smoothed.append(x)
     if inserted:
         ordered = []
         for node in graph.node:
-            if node.name in inserted:
-                ordered.append(inserted[node.name])
+            if id(node) in inserted:
+                ordered.append(inserted[id(node)])
             ordered.append(node)
         del graph.node[:]
         graph.node.extend(ordered)
@@ -366,8 +366,8 @@ def _smooth(proto, ranges, skip=()):
 def _fold_division(x, s, producer, x_readers, matmuls, outputs, tensors, readers):
     """Divides `x` by `s` inside its producer, a normalization with constant
     scale (and bias) or a `Mul` by a constant vector, when only the nodes
-    whose ids are `matmuls` read `x` and only the producer reads those constants. Returns whether
-    it did."""
+    whose ids are `matmuls` read `x` and only the producer reads those
+    constants. Returns whether it did."""
     from onnx import numpy_helper
 
     if producer is None or x in outputs or any(id(r) not in matmuls for r in x_readers) or producer.output[0] != x:

@@ -662,19 +662,34 @@ class DecoderOnlyLM(_LMBase):
         self.blocks = self._decoder_blocks()
         self.final_norm = self._norm("final_norm")
         self.lm_head = self._head()
-        self.remat_blocks = False
+        self.remat_blocks = 0  # the first `remat_blocks` blocks are rematerialised
 
     def set_block_remat(self, enabled=True):
-        """Rematerialise each decoder block in training (`keras.remat`).
+        """Rematerialise decoder blocks in training (`keras.remat`).
 
-        While training, the backward pass then keeps each block's input
-        only and recomputes the block's activations from it (one block's at
-        a time) instead of holding every block's attention and feed-forward
-        intermediates: less memory for about one more forward pass. Off by
-        default; the values computed are the same. Inference and cached
-        decoding are never rematerialised.
+        While training, the backward pass then keeps a rematerialised
+        block's input only and recomputes its activations from it (one
+        block's at a time) instead of holding its attention and feed-forward
+        intermediates: less memory for about one more forward pass through
+        it. Off by default; the values computed are the same. Inference and
+        cached decoding are never rematerialised.
+
+        Args:
+            enabled: True (every block), False (none) or an int `n`: the
+                first `n` blocks only, each saving one block's activations
+                for one block's recomputation (the peak falls by about
+                `n / num_layers` of what all of them save, and the time by
+                as much of what all of them cost).
         """
-        self.remat_blocks = _checks.check_bool("enabled", enabled)
+        if isinstance(enabled, bool):
+            count = len(self.blocks) if enabled else 0
+        elif isinstance(enabled, (int, np.integer)) and 0 <= enabled <= len(self.blocks):
+            count = int(enabled)
+        else:
+            raise TypeError(
+                "Received an invalid value for argument `enabled`, expected True, False or a number of "
+                f"blocks from 0 to {len(self.blocks)}. Received: enabled={enabled!r}")
+        self.remat_blocks = count
         lora.reset_traces(self)
         return self
 
@@ -786,7 +801,7 @@ class DecoderOnlyLM(_LMBase):
                 options["cache_index"] = cache_index
             if i in needed:
                 options["return_key_value"] = True
-            if self.remat_blocks and kwargs.get("training") and cache is None \
+            if i < self.remat_blocks and kwargs.get("training") and cache is None \
                     and source is None and i not in needed:
                 out = _remat_block(block, x, options)
             else:

@@ -81,7 +81,9 @@ def plain_steps():
     (True, None, None, True),       # block remat alone
     (False, 3.0, LENGTH, False),    # one chunk
     (False, 3.0, 3, True),          # both savers
-], ids=["tied-chunk5", "tied-remat", "untied-capped-chunk16", "untied-capped-chunk3-remat"])
+    (True, None, 5, 1),             # the first of the two blocks rematerialised
+], ids=["tied-chunk5", "tied-remat", "untied-capped-chunk16", "untied-capped-chunk3-remat",
+        "tied-chunk5-remat-first-block"])
 def test_savers_give_the_plain_loss_and_lora_gradients(plain_steps, tie, soft_cap, chunk_size, remat):
     want_loss, want = plain_steps[(tie, soft_cap)]
     got_loss, got = _one_step(_model(tie, soft_cap), CausalLMLoss(chunk_size=chunk_size), remat)
@@ -142,8 +144,9 @@ def test_errors_name_the_argument():
     lm = _model(tie=True)
     with pytest.raises(ValueError, match="metrics"):
         lm.compile("sgd", loss=CausalLMLoss(chunk_size=4), metrics=["accuracy"])
-    with pytest.raises(TypeError, match="enabled"):
-        lm.set_block_remat("yes")
+    for bad in ("yes", 3, -1, 1.0):  # the model has two blocks
+        with pytest.raises(TypeError, match="enabled"):
+            lm.set_block_remat(bad)
 
 
 def test_loss_config_round_trips():
