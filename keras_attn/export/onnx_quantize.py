@@ -25,8 +25,8 @@ activations" of an attention sink) and the delimiters', and they sit in a
 few fixed channels: in all-MiniLM-L6-v2 the largest |input| of the
 feed-forward up projections of layers 0-4 is 22-30, in channel 99, at
 token 0, against a median row maximum of 4-8 over the other tokens (40 real
-sentences), so every other
-token got a fraction of the resolution; that, more than the 7-bit weights,
+sentences), so every other token got a fraction of the resolution; that,
+more than the 7-bit weights,
 took its sentence-embedding cosine to 0.988 (per-tensor activations alone:
 0.992; 7-bit weights alone: 0.997).
 
@@ -43,8 +43,9 @@ inputs, and its `Slice`s and `Concat` add three nodes.
 With `calibration` (input sets to run the float32 graph on) it applies
 SmoothQuant (Xiao et al., 2023) instead: each MatMul input whose channels
 reach past its typical row gets its outlier channels divided by a factor
-and the weight's rows multiplied by it (the same product; per-column weight
-scales absorb it), folded into the norm that makes the input where nothing
+and the weight's rows multiplied by it (the same product, with the range
+carried by the weights' per-column scales), folded into the norm that makes
+the input where nothing
 else reads it (pre-norm blocks: no extra op), else one `Mul`. Each
 projection stays one integer MatMul, at about the speed of one scale per
 tensor, closer than the split in padded batches; but calibrated on random
