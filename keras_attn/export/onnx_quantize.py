@@ -26,9 +26,8 @@ few fixed channels: in all-MiniLM-L6-v2 the largest |input| of the
 feed-forward up projections of layers 0-4 is 22-30, in channel 99, at
 token 0, against a median row maximum of 4-8 over the other tokens (40 real
 sentences), so every other token got a fraction of the resolution; that,
-more than the 7-bit weights,
-took its sentence-embedding cosine to 0.988 (per-tensor activations alone:
-0.992; 7-bit weights alone: 0.997).
+more than the 7-bit weights, took its sentence-embedding cosine to 0.988
+(per-tensor activations alone: 0.992; 7-bit weights alone: 0.997).
 
 By default `quantize_matmul_weights` (and `export_onnx(quantization=
 "dynamic")`) quantizes the first token's row apart from the rest
