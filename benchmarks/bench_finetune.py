@@ -13,7 +13,9 @@ float32 adapters on both sides), ours on each `--backends` entry:
   chunk, rematerialised) and `set_block_remat(True)` (each decoder block
   rematerialised); with `+chunked`, the chunked loss and the first
   `--remat-blocks` blocks rematerialised (none by default: the logits'
-  memory saved without a second forward pass);
+  memory saved without a second forward pass); `--attention blocked` runs
+  ours on the blocked attention kernel (`keras_attn.ops.chunked`, whose
+  backward pass recomputes score blocks instead of holding T x T tensors);
 - PEFT: `AutoModelForCausalLM.from_pretrained(folder, dtype=)`,
   `get_peft_model(LoraConfig(r=rank, target_modules=...))` (adapters in
   float32 over a bfloat16 model: PEFT's `autocast_adapter_dtype`),
@@ -166,10 +168,14 @@ def run_child(args, name, side, targets, batch, length, dtype, backend):
         cmd = ["flock", args.lock] + cmd
     env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    if args.attention != "auto" and side != "peft":
+        env["KERAS_ATTN_ATTENTION_IMPLEMENTATION"] = args.attention
     result = {"model": name, "side": side, "targets": targets, "batch": batch, "length": length,
               "dtype": dtype, "backend": backend}
     if side == "keras_attn+chunked" and args.remat_blocks:
         result["remat_blocks"] = args.remat_blocks
+    if args.attention != "auto" and side != "peft":
+        result["attention"] = args.attention
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE, env=env)
         _, status, usage = os.wait4(child.pid, 0)
@@ -186,8 +192,11 @@ def run_child(args, name, side, targets, batch, length, dtype, backend):
 
 
 def _side(r):
-    """The side, with how many blocks its run rematerialised where not all or none."""
-    return r["side"] + (f" (first {r['remat_blocks']} blocks remat)" if r.get("remat_blocks") else "")
+    """The side, with how many blocks its run rematerialised where not all
+    or none, and its attention kernel where forced."""
+    notes = ([f"first {r['remat_blocks']} blocks remat"] if r.get("remat_blocks") else []) + (
+        [f"{r['attention']} attention"] if r.get("attention") else [])
+    return r["side"] + (f" ({', '.join(notes)})" if notes else "")
 
 
 def _ratio(a, b):
@@ -257,6 +266,9 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=128, help="CausalLMLoss chunk_size (+savers)")
     parser.add_argument("--remat-blocks", type=int, default=0,
                         help="+chunked: how many blocks (the first) are rematerialised")
+    parser.add_argument("--attention", default="auto",
+                        help="ours: the attention kernel, of keras_attn.config.IMPLEMENTATIONS ('blocked' "
+                             "keeps no T x T tensor for the backward pass)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "keras_attn_real_size"),
@@ -301,9 +313,12 @@ def main(argv=None):
     models = list(dict.fromkeys(name for name, _, _ in rows))
     targets = list(dict.fromkeys(target for _, target, _ in rows))
     dtypes, backends = args.dtypes.split(","), args.backends.split(",")
+    from keras_attn import config
+
     _common.check_known(parser, ((models, bench_real_size.MODELS, "--models"),
                                  (targets, TARGETS, "--targets"), (sides, SIDES, "--sides"),
-                                 (dtypes, DTYPES, "--dtypes"), (backends, BACKENDS, "--backends")))
+                                 (dtypes, DTYPES, "--dtypes"), (backends, BACKENDS, "--backends"),
+                                 ([args.attention], config.IMPLEMENTATIONS, "--attention")))
     results = []
     try:
         for name in models:
