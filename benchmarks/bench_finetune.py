@@ -168,14 +168,12 @@ def run_child(args, name, side, targets, batch, length, dtype, backend):
         cmd = ["flock", args.lock] + cmd
     env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    if args.attention != "auto" and side != "peft":
-        env["KERAS_ATTN_ATTENTION_IMPLEMENTATION"] = args.attention
     result = {"model": name, "side": side, "targets": targets, "batch": batch, "length": length,
               "dtype": dtype, "backend": backend}
     if side == "keras_attn+chunked" and args.remat_blocks:
         result["remat_blocks"] = args.remat_blocks
     if args.attention != "auto" and side != "peft":
-        result["attention"] = args.attention
+        env["KERAS_ATTN_ATTENTION_IMPLEMENTATION"] = result["attention"] = args.attention
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=HERE, env=env)
         _, status, usage = os.wait4(child.pid, 0)

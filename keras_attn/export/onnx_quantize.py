@@ -44,12 +44,11 @@ SmoothQuant (Xiao et al., 2023) instead: each MatMul input whose channels
 reach past its typical row gets its outlier channels divided by a factor
 and the weight's rows multiplied by it (the same product, with the range
 carried by the weights' per-column scales), folded into the norm that makes
-the input where nothing
-else reads it (pre-norm blocks: no extra op), else one `Mul`. Each
-projection stays one integer MatMul, at about the speed of one scale per
-tensor, closer than the split in padded batches; but calibrated on random
-token ids, a four-token sentence (half of it [CLS] and [SEP]) stays at
-0.988 (benchmarks/RESULTS.md, "quantization_sentence_embedding", and
+the input where nothing else reads it (pre-norm blocks: no extra op), else
+one `Mul`. Each projection stays one integer MatMul, at about the speed of
+one scale per tensor, closer than the split in padded batches; but
+calibrated on random token ids, a four-token sentence (half of it [CLS]
+and [SEP]) stays at 0.988 (benchmarks/RESULTS.md, "quantization_sentence_embedding", and
 tests/convert/test_sentence_transformers.py).
 `float_after_activation=True` keeps the MatMuls that read an activation
 function's output (a feed-forward block's down projection, whose GELU
@@ -170,17 +169,9 @@ def _integer_matmuls(proto, skip=()):
 
     graph = proto.graph
     positions = {t.name: i for i, t in enumerate(graph.initializer)}
-
-    def rewritten(node):
-        """The position of `node`'s weight among the initializers if it is
-        rewritten, else None."""
-        position = positions.get(node.input[1]) if node.op_type == "MatMul" and node.name not in skip else None
-        tensor = graph.initializer[position] if position is not None else None
-        if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
-            return None
-        return position
-
-    targets = [rewritten(node) for node in graph.node]
+    # The position of each node's weight among the initializers if it is rewritten, else None.
+    rewritten = {i for i in _weighted_matmuls(proto) if graph.node[i].name not in skip}
+    targets = [positions[node.input[1]] if i in rewritten else None for i, node in enumerate(graph.node)]
     # A float32 weight that some other node or a graph output also reads
     # stays as it is beside its int8 copy.
     also_read = {output.name for output in graph.output}
@@ -254,12 +245,12 @@ def _calibration_sets(calibration):
 
 
 def _weighted_matmuls(proto):
-    """The `MatMul` nodes of `proto` whose weight (input 1) is a constant
-    2-D float32 tensor."""
+    """The positions in `proto.graph.node` of the `MatMul`s whose weight
+    (input 1) is a constant 2-D float32 tensor."""
     from onnx import TensorProto
 
     tensors = {t.name: t for t in proto.graph.initializer}
-    return [node for node in proto.graph.node if node.op_type == "MatMul" and node.input[1] in tensors
+    return [i for i, node in enumerate(proto.graph.node) if node.op_type == "MatMul" and node.input[1] in tensors
             and tensors[node.input[1]].data_type == TensorProto.FLOAT and len(tensors[node.input[1]].dims) == 2]
 
 
@@ -273,7 +264,7 @@ def activation_ranges(proto, calibration):
     from onnx import TensorProto, helper
 
     graph = proto.graph
-    wanted = list(dict.fromkeys(node.input[0] for node in _weighted_matmuls(proto)))
+    wanted = list(dict.fromkeys(graph.node[i].input[0] for i in _weighted_matmuls(proto)))
     outputs = len(graph.output)
     graph.output.extend(helper.make_tensor_value_info(x, TensorProto.FLOAT, None) for x in wanted)
     try:
@@ -319,25 +310,26 @@ def _smooth(proto, ranges, skip=()):
 
     graph = proto.graph
     tensors = {t.name: t for t in graph.initializer}
+    # Nodes by their position in `graph.node`.
     readers, producers = {}, {}
-    for node in graph.node:
+    for i, node in enumerate(graph.node):
         for name in node.input:
-            readers.setdefault(name, []).append(node)
+            readers.setdefault(name, []).append(i)
         for name in node.output:
-            producers[name] = node
+            producers[name] = i
     outputs = {o.name for o in graph.output}
     consumers = {}
-    for node in _weighted_matmuls(proto):
-        if node.name not in skip:
-            consumers.setdefault(node.input[0], []).append(node)
+    for i in _weighted_matmuls(proto):
+        if graph.node[i].name not in skip:
+            consumers.setdefault(graph.node[i].input[0], []).append(i)
     inserted, smoothed = {}, []
-    for x, nodes in consumers.items():
+    for x, mine in consumers.items():
         channel_max, typical = ranges.get(x, (None, 0.0))
         if channel_max is None or not channel_max.max() > OUTLIER_RATIO * typical:
             continue
+        nodes = [graph.node[i] for i in mine]
         weights = list(dict.fromkeys(node.input[1] for node in nodes))
-        mine = {id(node) for node in nodes}
-        if any(w in outputs or any(id(r) not in mine for r in readers[w]) for w in weights):
+        if any(w in outputs or any(r not in mine for r in readers[w]) for w in weights):
             continue  # a weight some other node reads (a tied table) keeps its values
         arrays = [numpy_helper.to_array(tensors[w]) for w in weights]
         weight_max = np.max([np.abs(a).max(1) for a in arrays], axis=0)
@@ -345,18 +337,19 @@ def _smooth(proto, ranges, skip=()):
         s = np.maximum(s / np.median(s), 1.0).astype(np.float32)
         for w, array in zip(weights, arrays):
             tensors[w].CopyFrom(numpy_helper.from_array((array * s[:, None]).astype(np.float32), w))
-        if not _fold_division(x, s, producers.get(x), readers[x], mine, outputs, tensors, readers):
+        producer = graph.node[producers[x]] if x in producers else None
+        if not _fold_division(x, s, producer, readers[x], mine, outputs, tensors, readers):
             name = f"{x}_smoothed"
             graph.initializer.append(numpy_helper.from_array((1 / s).astype(np.float32), name + "_divisor"))
-            inserted[id(nodes[0])] = helper.make_node("Mul", [x, name + "_divisor"], [name], name=name)
+            inserted[mine[0]] = helper.make_node("Mul", [x, name + "_divisor"], [name], name=name)
             for node in nodes:
                 node.input[0] = name
         smoothed.append(x)
     if inserted:
         ordered = []
-        for node in graph.node:
-            if id(node) in inserted:
-                ordered.append(inserted[id(node)])
+        for i, node in enumerate(graph.node):
+            if i in inserted:
+                ordered.append(inserted[i])
             ordered.append(node)
         del graph.node[:]
         graph.node.extend(ordered)
@@ -366,11 +359,12 @@ def _smooth(proto, ranges, skip=()):
 def _fold_division(x, s, producer, x_readers, matmuls, outputs, tensors, readers):
     """Divides `x` by `s` inside its producer, a normalization with constant
     scale (and bias) or a `Mul` by a constant vector, when only the nodes
-    whose ids are `matmuls` read `x` and only the producer reads those
-    constants. Returns whether it did."""
+    at the positions `matmuls` read `x` (`x_readers`: the positions of its
+    readers) and only the producer reads those constants. Returns whether
+    it did."""
     from onnx import numpy_helper
 
-    if producer is None or x in outputs or any(id(r) not in matmuls for r in x_readers) or producer.output[0] != x:
+    if producer is None or x in outputs or any(r not in matmuls for r in x_readers) or producer.output[0] != x:
         return False
     if producer.op_type in _NORMS:
         slots = [i for i in _NORMS[producer.op_type] if i < len(producer.input) and producer.input[i]]

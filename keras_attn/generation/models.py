@@ -678,8 +678,8 @@ class DecoderOnlyLM(_LMBase):
             enabled: True (every block), False (none) or an int `n`: the
                 first `n` blocks only, each saving one block's activations
                 for one block's recomputation (the peak falls by about
-                `n / num_layers` of what all of them save, and the time by
-                as much of what all of them cost).
+                `n / num_layers` of what all of them save, and the time
+                grows by as much of what all of them cost).
         """
         if isinstance(enabled, bool):
             count = len(self.blocks) if enabled else 0
