@@ -25,9 +25,11 @@ per-output-channel scales; KerasHub's "QLoRA") takes PEFT-style adapters
 too: the frozen product is taken with the kernel dequantized in the compute
 dtype (weight-only, as QLoRA does; Keras's own int8 inference also
 quantizes the activations), its gradient rebuilding the dequantized kernel
-from the int8 one rather than saving it. (The step's peak memory is not
-lower for it yet: benchmarks/bench_finetune.py measured a TensorFlow step
-of an int8 base holding about every projection's float kernel at once.)
+from the int8 one rather than saving it. The projections left frozen keep
+Keras's int8 forward pass (inputs quantized too) with the same input
+gradient. On TensorFlow that gradient's kernel is rebuilt only once its
+upstream gradient exists (`keras_attn.ops.tf_kernels.after`): rebuilt as
+soon as the backward pass starts, every layer's would be alive at once.
 Such adapters cannot be merged into the int8 kernel (it would be
 requantized); save them with `keras_attn.convert.save_peft_adapter` or
 `keras_attn.training.FitCheckpoint`.
@@ -54,6 +56,7 @@ import keras
 from keras import ops
 
 from keras_attn import checks
+from keras_attn.ops import tf_kernels
 
 # Our projection names, and the names users know from `transformers`/PEFT.
 NAMES = (
@@ -126,8 +129,13 @@ def adapt(model, layers, rank, alpha, dropout=0.0):
         _check_adaptable(layer)
     _freeze_all_but(model, layers)
     for layer in layers:
-        layer.__class__ = _lora_class(type(layer))
+        cls = type(layer)
+        # A layer left frozen by an earlier `adapt` goes back to its own class first.
+        layer.__class__ = _lora_class(cls.__bases__[1] if issubclass(cls, FrozenInt8Layer) else cls)
         layer._add_adapter(rank, alpha, float(dropout))
+    for layer in model._flatten_layers(include_self=False):
+        if _keras_int8(layer) and not isinstance(layer, LoRALayer):
+            layer.__class__ = _mixed_class(FrozenInt8Layer, type(layer))
     return layers
 
 
@@ -202,6 +210,65 @@ def _a_initializer():
     +-1/sqrt(in), as an initializer of A `(in, r)`. A new one each time: an
     unseeded Keras initializer gives the same values at every call."""
     return keras.initializers.VarianceScaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _keras_int8(layer):
+    """A `Dense`/`EinsumDense` that Keras runs as int8 with its inputs quantized."""
+    return (isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+            and layer.quantization_mode == "int8" and bool(getattr(layer, "inputs_quantizer", None)))
+
+
+def _dequantize(layer, kernel, scale, dtype):
+    if isinstance(layer, keras.layers.EinsumDense):
+        scale = layer._adjust_scale_for_dequant(scale)  # Keras's own layout for it
+    return ops.divide(ops.cast(kernel, dtype), ops.cast(scale, dtype))
+
+
+def _int8_product(layer, inputs, forward):
+    """`forward(x, kernel, scale)` on `layer`'s int8 kernel and scale, whose
+    input gradient multiplies by the kernel dequantized in the backward pass:
+    not saved from the forward pass, and (`tf_kernels.after`) not rebuilt
+    before its upstream gradient exists."""
+
+    @ops.custom_gradient
+    def product(x, kernel, scale):
+        # Only tensors inside (TensorFlow's custom gradients treat a variable
+        # read here as an input).
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            w = _dequantize(layer, *tf_kernels.after((kernel, scale), upstream), upstream.dtype)
+            if isinstance(layer, keras.layers.Dense):
+                return ops.matmul(upstream, ops.transpose(w)), None, None
+            return ops.einsum(layer._custom_gradient_equation, upstream, w), None, None
+
+        return forward(x, kernel, scale), grad
+
+    return product(inputs, ops.convert_to_tensor(layer._kernel), ops.convert_to_tensor(layer.kernel_scale))
+
+
+class FrozenInt8Layer:
+    """A frozen int8 `Dense`/`EinsumDense` of a model with adapters (mixed in
+    by `adapt`): Keras's int8 forward pass, inputs quantized per row as
+    Keras does, with `_int8_product`'s input gradient."""
+
+    def _int8_call(self, inputs, training=None):
+        y = _int8_product(self, inputs, self._quantized_product)
+        if self.bias is not None:
+            y = ops.add(y, self.bias)
+        if self.activation is not None:
+            y = self.activation(y)
+        return y
+
+    def _quantized_product(self, x, kernel, scale):
+        if isinstance(self, keras.layers.Dense):
+            x, x_scale = self.inputs_quantizer(x, axis=-1)
+            y = ops.matmul(x, kernel)
+        else:
+            x, x_scale = self.inputs_quantizer(x, axis=self.quantization_axis)
+            x_scale = self._adjust_scale_for_quant(x_scale, "input")
+            y = ops.einsum(self.equation, x, kernel)
+        return ops.divide(ops.cast(y, self.compute_dtype), ops.multiply(x_scale, scale))
 
 
 class LoRALayer:
@@ -282,36 +349,18 @@ class LoRALayer:
         """The frozen kernel in `dtype`: an int8 one dequantized."""
         if self.quantization_mode is None:
             return ops.cast(self._kernel, dtype)
-        return self._dequantize(self._kernel, self.kernel_scale, dtype)
+        return _dequantize(self, self._kernel, self.kernel_scale, dtype)
 
-    def _dequantize(self, kernel, scale, dtype):
-        if isinstance(self, keras.layers.EinsumDense):
-            scale = self._adjust_scale_for_dequant(scale)  # Keras's own layout for it
-        return ops.divide(ops.cast(kernel, dtype), ops.cast(scale, dtype))
+    def _product(self, x, kernel):
+        return ops.matmul(x, kernel) if self._lora_equations is None else ops.einsum(self.equation, x, kernel)
 
     def _frozen_product(self, inputs):
-        """`inputs` times the frozen kernel, without bias or adapter."""
-        dense = self._lora_equations is None
+        """`inputs` times the frozen kernel, without bias or adapter; an int8
+        kernel dequantized in the compute dtype (weight-only)."""
         if self.quantization_mode is None:
-            return ops.matmul(inputs, self._kernel) if dense else ops.einsum(self.equation, inputs, self._kernel)
-
-        @ops.custom_gradient
-        def product(x, kernel, scale):
-            # Only tensors inside (TensorFlow's custom gradients treat a
-            # variable read here as an input); the dequantized kernel is
-            # rebuilt in the backward pass, not kept.
-            def grad(*args, upstream=None):
-                if upstream is None:
-                    (upstream,) = args
-                w = self._dequantize(kernel, scale, upstream.dtype)
-                if dense:
-                    return ops.matmul(upstream, ops.transpose(w)), None, None
-                return ops.einsum(self._custom_gradient_equation, upstream, w), None, None
-
-            w = self._dequantize(kernel, scale, x.dtype)
-            return (ops.matmul(x, w) if dense else ops.einsum(self.equation, x, w)), grad
-
-        return product(inputs, ops.convert_to_tensor(self._kernel), ops.convert_to_tensor(self.kernel_scale))
+            return self._product(inputs, self._kernel)
+        return _int8_product(self, inputs, lambda x, kernel, scale: self._product(
+            x, _dequantize(self, kernel, scale, x.dtype)))
 
     def quantized_call(self, *args, **kwargs):
         # Keras routes a quantized layer's calls here, not to `call`.
@@ -378,9 +427,15 @@ class LoRALayer:
 _CLASSES = {}
 
 
-def _lora_class(cls):
+def _mixed_class(mixin, cls):
     """The subclass of `cls` (`Dense`, `EinsumDense` or a subclass) with
-    PEFT's LoRA, made once per class."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRALayer, cls), {"__module__": __name__})
-    return _CLASSES[cls]
+    `mixin` first, made once per pair."""
+    if (mixin, cls) not in _CLASSES:
+        prefix = "LoRA" if mixin is LoRALayer else "FrozenInt8"
+        _CLASSES[mixin, cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    return _CLASSES[mixin, cls]
+
+
+def _lora_class(cls):
+    """The subclass of `cls` with PEFT's LoRA."""
+    return _mixed_class(LoRALayer, cls)

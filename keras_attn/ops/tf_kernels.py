@@ -12,7 +12,9 @@ decides when they run:
 - `layer_norm`, the Transformer blocks' LayerNorm with a written-out
   backward pass, under the same condition (`dispatch.select_kernel().cpu_kernels`);
 - `loop` and `sequential_map`, the blocked path's loops on TensorFlow (any
-  device): one iteration in flight at a time, which bounds its memory.
+  device): one iteration in flight at a time, which bounds its memory;
+- `after`, which holds a gradient function's rebuilt weights back until the
+  upstream gradient exists.
 
 Converter constraints (TFLite builtin ops only, tf2onnx), in one place:
 
@@ -223,6 +225,25 @@ def tf_cpu_attention(
         groups, query, key, value, mask.logits_mask(dim(query, 1), dim(key, 1)), bias,
         return_attention_scores=return_attention_scores,
     )
+
+
+def after(tensors, ready):
+    """`tensors`, on TensorFlow read only once `ready` exists.
+
+    TensorFlow's executor runs an op as soon as its inputs exist. A gradient
+    function that rebuilds a weight from variables alone (an int8 kernel
+    dequantized for the input gradient) would then run at the start of the
+    backward pass, for every layer at once, and hold every rebuilt weight
+    until its layer's turn (Qwen2.5-0.5B, int8 base under LoRA: 1.4 GB more
+    at the step's peak, benchmarks/bench_finetune.py). The other backends
+    trace or run the backward pass in order: `tensors` unchanged there.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return tensors
+    import tensorflow as tf
+
+    with tf.control_dependencies([ready]):
+        return tuple(tf.identity(t) for t in tensors)
 
 
 def loop(lower, upper, body, init):

@@ -296,6 +296,82 @@ def test_int8_base_gradients_match_numpy():
         tolerance.assert_close(variable.numpy(), want[name], terms=4 * 6 * 3, err_msg=name)
 
 
+def _int8_chain(seed=3):
+    """first (Dense) -> middle (Dense) -> last (EinsumDense), quantized to int8."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(5, name="first"), keras.layers.Dense(4, name="middle"),
+        keras.layers.EinsumDense("ab,bcd->acd", (2, 3), bias_axes="cd", name="last")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.quantize("int8")
+    return model
+
+
+def test_int8_frozen_layers_keep_keras_numbers():
+    """Adapting `first` of an int8 chain leaves `middle` and `last` frozen
+    with Keras's int8 forward pass (inputs quantized too) and Keras's input
+    gradient, written so TensorFlow rebuilds their dequantized kernels only
+    in their turn: one SGD step moves `first`'s A and B exactly as the same
+    chain run by Keras's own int8 layers does."""
+    x = np.random.default_rng(5).standard_normal((4, 6)).astype("float32")
+    t = np.random.default_rng(6).standard_normal((4, 2, 3)).astype("float32")
+    results = []
+    for keep_keras in (False, True):
+        model = _int8_chain()
+        (first,) = lora.adapt(model, model.layers[:1], rank=2, alpha=4)
+        frozen = model.layers[1:]
+        assert all(isinstance(layer, lora.FrozenInt8Layer) for layer in frozen)
+        assert [type(layer).__mro__[2] for layer in frozen] == [keras.layers.Dense, keras.layers.EinsumDense]
+        if keep_keras:  # the reference: Keras's own int8 layers
+            for layer in frozen:
+                layer.__class__ = type(layer).__mro__[2]
+        _randomise_b([first], seed=4)
+        forward = keras.ops.convert_to_numpy(model(x))
+        model.compile(keras.optimizers.SGD(1.0), loss=lambda t, y: keras.ops.sum(keras.ops.square(y - t)) / 2)
+        with _gradients():
+            model.train_on_batch(x, t)
+        results.append([forward] + [v.numpy() for v in (first.lora_kernel_a, first.lora_kernel_b)])
+    for got, want, name in zip(*results, ("outputs", "A", "B")):
+        tolerance.assert_close(got, want, ulps=2, terms=6 * 5 * 4, err_msg=name)
+    assert not np.array_equal(results[0][1], _int8_chain_a_start()), "A did not move"
+
+
+def _int8_chain_a_start():
+    model = _int8_chain()
+    (first,) = lora.adapt(model, model.layers[:1], rank=2, alpha=4)
+    return first.lora_kernel_a.numpy()
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's executor order")
+def test_int8_input_gradients_wait_for_their_upstream():
+    """In the traced backward pass every int8 kernel is cast to float only
+    after its layer's upstream gradient exists (a control dependency), not
+    as soon as the backward pass starts."""
+    import tensorflow as tf
+
+    model = _int8_chain()
+    lora.adapt(model, model.layers[::2], rank=2, alpha=4)  # first and last adapted, middle frozen
+    x = tf.constant(np.ones((4, 6), "float32"))
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            y = model(x)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = gradients.get_concrete_function(x).graph
+    # The forward pass's ops are under the model's name scope; the backward
+    # pass's are not. `first`'s input gradient is not needed: two casts.
+    casts = [op for op in graph.get_operations() if op.type == "Cast" and op.inputs[0].dtype == tf.int8
+             and not op.name.startswith(model.name)]
+    assert len(casts) == 2, [op.name for op in casts]
+    for op in casts:
+        source = op.inputs[0].op
+        assert source.type == "Identity" and source.control_inputs, (op.name, source.type)
+
+
 def test_int8_base_refuses_what_would_requantize(tmp_path):
     """Merging into an int8 kernel, saving a Keras file (which holds merged
     kernels) and quantizing after `enable_lora` each raise, naming the way
