@@ -212,11 +212,11 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
         direct_name="direct ONNX writer", traced_name="tf2onnx", warn=fused)
     if proto is not None:
         return proto, {"writer": "direct"}
-    if why is None:
-        return convert(model, opset=opset, check_ids=check_ids), {"writer": "tf2onnx"}
-    _check_tf2onnx_memory(model, why)
-    return convert(model, opset=opset, check_ids=check_ids), {
-        "writer": "tf2onnx", "direct_writer_skipped": why}
+    details = {"writer": "tf2onnx"}
+    if why is not None:
+        _check_tf2onnx_memory(model, why)
+        details["direct_writer_skipped"] = why
+    return convert(model, opset=opset, check_ids=check_ids), details
 
 
 def _check_quantizable(model, quantization):

@@ -177,8 +177,7 @@ def _integer_matmuls(proto, skip=()):
     also_read = {output.name for output in graph.output}
     for node, position in zip(graph.node, targets):
         also_read.update(node.input if position is None else node.input[:1])
-    quantized, activations, emptied, nodes = set(), set(), [], []
-    added = []
+    quantized, activations, emptied, nodes, added = set(), set(), [], [], []
     for node, position in zip(graph.node, targets):
         if position is None:
             nodes.append(node)
@@ -424,7 +423,7 @@ def _first_token_apart(proto, skip=()):
 
     graph = proto.graph
     weights = {t.name for t in graph.initializer}
-    used = {t.name for t in graph.initializer} | {v.name for v in graph.input}
+    used = weights | {v.name for v in graph.input}
     used |= {name for node in graph.node for name in list(node.input) + list(node.output)}
 
     def fresh(hint):
@@ -563,13 +562,14 @@ def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):
         raise ValueError(f"Received an invalid value for argument `bits`, expected 4 or 8. Received: bits={bits!r}")
     graph = proto.graph
     weights = {t.name: t for t in graph.initializer}
+    targets = set(_weighted_matmuls(proto))
     nodes = []
-    for node in graph.node:
-        tensor = weights.get(node.input[1]) if node.op_type == "MatMul" else None
-        weight = numpy_helper.to_array(tensor) if tensor is not None else None
-        if weight is None or weight.ndim != 2 or weight.dtype != np.float32:
+    for i, node in enumerate(graph.node):
+        if i not in targets:
             nodes.append(node)
             continue
+        tensor = weights[node.input[1]]
+        weight = numpy_helper.to_array(tensor)
         k, n = weight.shape
         stored, scales = nbits_weight(weight, bits, block_size)
         packed = numpy_helper.from_array(stored, f"{tensor.name}_q{bits}")
