@@ -121,8 +121,7 @@ class _Signature:
         return f"/{self.kind}/{hint}_{self.count}"
 
     def op(self, op, inputs, hint, outputs=1, **attrs):
-        name = self.name(hint)
-        return self.g.node(op, inputs, name, outputs=outputs, **attrs)
+        return self.g.node(op, inputs, self.name(hint), outputs=outputs, **attrs)
 
     def c(self, value, dtype, hint="c"):
         """A small constant inside the graph."""
@@ -137,13 +136,6 @@ class _Signature:
 
     def f32(self, value):
         return self.c(value, np.float32, "f32")
-
-    def reduce(self, op, x, axes, keepdims=1):
-        if axes is None:
-            return self.op(op, [x], op, keepdims=keepdims)
-        if self.opset >= 18:
-            return self.op(op, [x, self.i64(axes)], op, keepdims=keepdims)
-        return self.op(op, [x], op, axes=axes, keepdims=keepdims)
 
     # -- the graph ---------------------------------------------------------------
 
@@ -213,8 +205,8 @@ class _Signature:
     def token_ids(self, name, vocab):
         if self.checks == "none":
             return name
-        low = self.reduce("ReduceMin", name, None, keepdims=0)
-        high = self.reduce("ReduceMax", name, None, keepdims=0)
+        low = self.op("ReduceMin", [name], "ReduceMin", keepdims=0)
+        high = self.op("ReduceMax", [name], "ReduceMax", keepdims=0)
         self.flag(self.op("And", [self.op("GreaterOrEqual", [low, self.c(0, np.int32)], "ge"),
                                   self.op("Less", [high, self.c(vocab, np.int32)], "lt")], "ids_ok"))
         return self.op("Min", [self.op("Max", [name, self.c(0, np.int32)], "clamp"),
@@ -286,25 +278,23 @@ class _Signature:
         base = f"layers.{i}"
         h = self.norm(x, layer.attention_norm, base + ".input_norm")
         a = self.attention(i, layer.attention, h, new_keys_values)
-        a = self.post_norm(a, layer.attention_post_norm, base + ".post_attention_norm")
+        a = self.norm(a, layer.attention_post_norm, base + ".post_attention_norm")
         x = self.op("Add", [x, a], "residual")
         h = self.norm(x, layer.feedforward_norm, base + ".ffn_norm")
         f = self.g.feedforward(h, layer.feedforward, lambda x, part, dense: self.linear(
             x, f"{base}.mlp.{part}", dense, part), lambda op: self.name("gated" if op == "Mul" else op), standard=True)
-        f = self.post_norm(f, layer.feedforward_post_norm, base + ".post_ffn_norm")
+        f = self.norm(f, layer.feedforward_post_norm, base + ".post_ffn_norm")
         return self.op("Add", [x, f], "residual")
 
-    def post_norm(self, x, layer, key):
-        return x if layer is None else self.norm(x, layer, key)
-
     def norm(self, x, norm, key):
-        """A described `Norm` (RMSNorm, or LayerNorm) over the last axis."""
-        if norm.kind == "layer":
-            gamma = self.weight(key + ".weight", norm.scale.read)
-            beta = self.weight(key + ".bias", norm.bias.read)
-            return self.op("LayerNormalization", [x, gamma, beta], "LayerNorm", axis=-1,
-                           epsilon=float(norm.epsilon))
+        """A described `Norm` (RMSNorm, or LayerNorm) over the last axis; None
+        (a sandwich norm the block lacks): `x`."""
+        if norm is None:
+            return x
         scale = self.weight(key + ".weight", norm.scale.read)
+        if norm.kind == "layer":
+            beta = self.weight(key + ".bias", norm.bias.read)
+            return self.op("LayerNormalization", [x, scale, beta], "LayerNorm", axis=-1, epsilon=float(norm.epsilon))
         return self.rms_norm(x, scale, norm.epsilon)
 
     def rms_norm(self, x, scale, epsilon):
@@ -337,7 +327,7 @@ class _Signature:
         rotary = attention.rotary
         if rotary is not None:
             cos, sin = self.rotary(rotary)
-            q, k = self.rotate(q, cos, sin, rotary), self.rotate(k, cos, sin, rotary)
+            q, k = (self.g.rotate_half(t, cos, sin, d, rotary.rotary_dim, self.name) for t in (q, k))
         window = attention.window
         if self.kind == "prefill":
             keys, values = k, v
@@ -390,10 +380,6 @@ class _Signature:
             return self.op("Unsqueeze", [cos, axes], "cos"), self.op("Unsqueeze", [sin, axes], "sin")
 
         return self.g.once(("rotary", id(rotary)), make)
-
-    def rotate(self, x, cos, sin, rotary):
-        """keras_attn's RotaryEmbedding ("rotate half") over the first `rotary_dim` features."""
-        return self.g.rotate_half(x, cos, sin, self.head_dim, rotary.rotary_dim, self.name)
 
     # -- attention ---------------------------------------------------------------------
 
