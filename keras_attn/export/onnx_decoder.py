@@ -77,8 +77,11 @@ _PROJECTION_NODES = {"query": "attn/q_proj", "key": "attn/k_proj", "value": "att
                      "output": "attn/o_proj", "gate": "mlp/gate_proj", "down": "mlp/down_proj"}
 
 
-def _up_node(feedforward):
-    return "mlp/up_proj" if feedforward.gate is not None else "mlp/fc1"
+def _projection_node(part, feedforward):
+    """The node name of the projection `part` (a `_PROJECTION_NODES` key, "up" or "fc1")."""
+    if part in ("up", "fc1"):
+        return "mlp/up_proj" if feedforward.gate is not None else "mlp/fc1"
+    return _PROJECTION_NODES[part]
 
 
 def adapter_name(node, factor):
@@ -94,14 +97,14 @@ def adapter_weights(description):
     holds for the graph `decoder_model_proto(..., adapters=...)` writes."""
     weights = {}
     for i, layer in enumerate(description.layers):
-        attention, feedforward = layer.attention, layer.feedforward
-        nodes = {**{_PROJECTION_NODES[k]: getattr(attention, k) for k in ("query", "key", "value", "output")},
-                 _PROJECTION_NODES["gate"]: feedforward.gate, _up_node(feedforward): feedforward.up,
-                 _PROJECTION_NODES["down"]: feedforward.down}
-        for node, dense in nodes.items():
+        a, f = layer.attention, layer.feedforward
+        parts = {"query": a.query, "key": a.key, "value": a.value, "output": a.output, "gate": f.gate,
+                 "up": f.up, "down": f.down}
+        for part, dense in parts.items():
             if dense is not None and dense.lora is not None:
-                weights[adapter_name(f"/model/layers.{i}/{node}", "A")] = dense.lora.a.read()
-                weights[adapter_name(f"/model/layers.{i}/{node}", "B")] = dense.lora.scaled_b()
+                node = f"/model/layers.{i}/{_projection_node(part, f)}"
+                weights[adapter_name(node, "A")] = dense.lora.a.read()
+                weights[adapter_name(node, "B")] = dense.lora.scaled_b()
     return weights
 
 
@@ -372,7 +375,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         rotary = attention.rotary
         attn, _, _ = graph.node(
             "GroupQueryAttention",
-            list(qkv_inputs) + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total]
+            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total]
             + rotary_inputs(rotary),
             f"{base}/attn/GroupQueryAttention",
             outputs=[f"{base}/attn/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
@@ -391,15 +394,13 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
             residual = graph.node("GatherND", [residual, rows], f"{base}/residual/last_token/GatherND",
                                   batch_dims=1)
         pending = _dense(graph, attn, attention.output, f"{base}/{_PROJECTION_NODES['output']}")
-        pending = _post_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
+        pending = _rms_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
         residual, h = _norm(graph, residual, pending, layer.feedforward_norm,
                             f"{base}/pre_feedforward_layernorm")
-        # The projections named as the GenAI model builder names them.
-        nodes = {"gate": _PROJECTION_NODES["gate"], "up": _up_node(layer.feedforward), "fc1": _up_node(
-            layer.feedforward), "down": _PROJECTION_NODES["down"]}
-        pending = graph.feedforward(h, layer.feedforward, lambda x, part, dense: _dense(
-            graph, x, dense, f"{base}/{nodes[part]}"), lambda op: f"{base}/mlp/{op}")
-        pending = _post_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
+        nodes = {part: f"{base}/{_projection_node(part, layer.feedforward)}" for part in ("gate", "up", "fc1", "down")}
+        pending = graph.feedforward(h, layer.feedforward, lambda x, part, dense: _dense(graph, x, dense, nodes[part]),
+                                    lambda op: f"{base}/mlp/{op}")
+        pending = _rms_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
     _, h = _norm(graph, residual, pending, d.final_norm, "/model/norm")
     if head is None:
         logits = _dense(graph, h, d.head, "/lm_head")
@@ -481,12 +482,9 @@ def _head_norm(graph, x, layer, head_dim, name):
     return graph.node("Reshape", [x, flat], name + "/Reshape_back")
 
 
-def _post_norm(graph, x, layer, name):
-    """`layer` (a sandwich norm after a residual branch) applied to `x`, or `x`."""
-    return x if layer is None else _rms_norm(graph, x, layer, name)
-
-
 def _rms_norm(graph, x, layer, name):
-    """The RMSNorm `layer` of `x` over its last axis."""
+    """The RMSNorm `layer` of `x` over its last axis; None (a sandwich norm the block lacks): `x`."""
+    if layer is None:
+        return x
     return graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
                       name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)
