@@ -365,14 +365,12 @@ def _fold_division(x, s, producer, x_readers, matmuls, outputs, tensors, readers
 
     if producer is None or x in outputs or any(r not in matmuls for r in x_readers) or producer.output[0] != x:
         return False
-    if producer.op_type in _NORMS:
-        slots = [i for i in _NORMS[producer.op_type] if i < len(producer.input) and producer.input[i]]
-    elif producer.op_type == "Mul":
-        slots = [i for i in (0, 1) if producer.input[i] in tensors]
-        slots = slots if len(slots) == 1 else []
-    else:
-        slots = []
-    names = [producer.input[i] for i in slots]
+    if producer.op_type == "Mul":  # by one constant
+        names = [n for n in producer.input if n in tensors]
+        names = names if len(names) == 1 else []
+    else:  # a norm's scale (and bias)
+        names = [producer.input[i] for i in _NORMS.get(producer.op_type, ())
+                 if i < len(producer.input) and producer.input[i]]
     if not names or any(n not in tensors or len(readers[n]) != 1 for n in names):
         return False
     arrays = [numpy_helper.to_array(tensors[n]) for n in names]
@@ -499,11 +497,8 @@ def check_no_int8_saturation(proto):
 
 
 def _blockwise_symmetric(weight, bits, block_size):
-    """`(codes, scales)`: `weight` (K, N) as `bits`-bit codes with the zero
-    point 2^(bits-1), one scale per block of `block_size` along K = max |w|
-    / (2^(bits-1) - 1), laid out as MatMulNBits reads them: uint8 codes `(N,
-    blocks, block_size * bits / 8)` (K zero-padded; 4-bit codes two a byte,
-    the first in the low nibble), float32 scales `(N, blocks)`."""
+    """`nbits_weight` of a `(K, N)` float32 chunk, its scales `(N, blocks)`:
+    max |w| / (2^(bits-1) - 1) of each block (K zero-padded to whole blocks)."""
     k, n = weight.shape
     blocks = -(-k // block_size)
     # Worked on in the weight's own (K, N) layout, which reduces and divides
