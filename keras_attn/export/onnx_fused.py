@@ -22,23 +22,18 @@ Two op sets, the same arithmetic:
   bias and LayerNorm in one kernel), `BiasGelu` (erf GELU) or `FastGelu`
   (the tanh GELU, which is exactly what FastGelu computes).
 
-A block is its attention, the output projection as a `MatMul`, the residual
-norms (pre-norm: `LayerNormalization` or RMSNorm arithmetic, and `Add`;
-Gemma's sandwich norms after each branch) and the feed-forward as two
-`MatMul`s around the activation (gated: three); the embedding `Gather`s,
-`Add`s and a `LayerNormalization`. A block with rotary positions, a window,
-grouped key/value heads or QK-norm (ModernBERT, EuroBERT, NomicBERT,
-Gemma 3's text encoder) has its attention in standard ops in both op sets
-(`_Writer.grouped_attention`): the rotation's angles computed from the
-positions `0 .. T - 1` as `RotaryEmbedding` computes them, the window the
-symmetric band `|i - j| < window`, one `(T, T)` band per window size. A sentence embedding's pooling is masked sums over
-the tokens (`CumSum` of the mask picks the first and last token),
-its L2 normalization `ReduceSum`, `Sqrt`, `Reciprocal`, its truncation a
-`Slice`. What the writer covers is the capability table's
+A block with rotary positions, a window, grouped key/value heads or QK-norm
+(ModernBERT, EuroBERT, NomicBERT, Gemma 3's text encoder) has its attention
+in standard ops in both op sets (`_Writer.grouped_attention`): the angles
+computed from the positions `0 .. T - 1` as `RotaryEmbedding` computes them,
+the window the symmetric band `|i - j| < window`. A sentence embedding's
+pooling is masked sums over the tokens (`CumSum` of the mask picks the
+first and last token). What the writer covers is the capability table's
 (`keras_attn.export.capabilities`, "onnx_encoder"); anything else raises
-`NotFusableError` with its reason (then `export_onnx` uses tf2onnx). The
-written graph is verified against Keras like tf2onnx's.
+`NotFusableError` with its reason (then `export_onnx` uses tf2onnx).
 """
+
+import collections
 
 import numpy as np
 
@@ -54,12 +49,7 @@ _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 class _Writer(Graph):
     """The encoder's `Graph`: every initializer streamed, given
     `weights_file`, into the model file itself (`external=False`), values
-    named by `fresh`, and the encoder's ops.
-
-    `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
-    residual LayerNorms and GELU; otherwise the same arithmetic in standard
-    ONNX ops, which any ONNX runtime runs.
-    """
+    named by `fresh`; `fused`: the contrib op set (see the module docstring)."""
 
     def __init__(self, opset, fused, weights_file=None):
         super().__init__(weights_file)
@@ -436,11 +426,9 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
     are named as `keras_attn.export.onnx.convert` names them.
 
     `weights_file`: a binary file open for writing. Each initializer is then
-    written there, serialized, as soon as it is made (as a ModelProto piece
-    holding only it), and the returned proto has none: writing the returned
-    proto's serialization after them completes the model file, which parses
-    as one ModelProto (protobuf merges concatenated messages). The weights are
-    then never all in memory at once, nor serialized a second time.
+    written there as soon as it is made (`onnx_graph`: never all in memory,
+    nor serialized twice) and the returned proto has none: its serialization
+    written after them completes the model file.
 
     Raises `NotFusableError` (a ValueError) with the capability table's
     reason (`keras_attn.export.capabilities`, writer "onnx_encoder") before
@@ -511,10 +499,7 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
 
 def fused_op_counts(model_proto):
     """How many nodes of each onnxruntime fused op type the graph has."""
-    names = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "LayerNormalization",
-             "EmbedLayerNormalization", "BiasGelu", "FastGelu", "Gelu")
-    counts = dict.fromkeys(names, 0)
-    for node in model_proto.graph.node:
-        if node.op_type in counts:
-            counts[node.op_type] += 1
-    return counts
+    found = collections.Counter(node.op_type for node in model_proto.graph.node)
+    return {name: found[name] for name in ("Attention", "MultiHeadAttention", "SkipLayerNormalization",
+                                           "LayerNormalization", "EmbedLayerNormalization", "BiasGelu",
+                                           "FastGelu", "Gelu")}
