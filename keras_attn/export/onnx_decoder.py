@@ -4,39 +4,24 @@ The graph `onnxruntime_genai` runs for a decoder-only LM, with Hugging Face's
 I/O names (see `keras_attn.runtimes.onnx_genai`), written op by op as the ONNX
 Runtime GenAI model builder writes its own (onnxruntime-genai,
 `src/python/py/models/builders/base.py`) instead of converting the Keras
-graph with tf2onnx:
+graph with tf2onnx: per block `SkipSimplifiedLayerNormalization` (residual
+add and RMSNorm in one kernel), one packed Q/K/V `MatMul` and
+`com.microsoft` `GroupQueryAttention` (the layer's cos/sin caches, window as
+`local_window_size`, soft cap as `softcap`; the past/present caches `(B,
+H_kv, max_length, head_dim)` in one shared buffer), then the feed-forward.
 
-- the token table as a `Gather` (times `embedding_scale`, Gemma); a tied
-  table is stored once: in float32 as the table, read by the head as a
-  `Gemm` with `transB=1` (a `MatMul` would need its transpose, which
-  onnxruntime folds into a second vocabulary-sized copy when it loads the
-  model); quantized as the head's codes, looked up by `GatherBlockQuantized`
-  as the builder does for tied models;
-- per block, `SimplifiedLayerNormalization` (the first) or
-  `SkipSimplifiedLayerNormalization` (residual add and RMSNorm in one
-  kernel); one packed Q/K/V `MatMul` (+ its bias); `com.microsoft`
-  `GroupQueryAttention` with `do_rotary=1` and the layer's cos/sin caches
-  (per-layer rotary bases, partial rotary; `do_rotary=0` on layers without
-  rotary), grouped or multi-query heads, the layer's `sliding_window` as
-  `local_window_size`, QK-norm as a per-head `SimplifiedLayerNormalization`
-  of Q and K split from the packed product (GroupQueryAttention's own
-  norm inputs run on CUDA and WebGPU only), `logit_soft_cap` as `softcap`,
-  the past/present caches `(B, H_kv, max_length, head_dim)` in one shared
-  buffer; the output projection; the feed-forward (gated or not); the
-  sandwich norms after each branch where the block has them;
-- the final RMSNorm, the head and the final soft cap.
+A tied token table is stored once: in float32 as the table, read by the head
+as a `Gemm` with `transB=1` (a `MatMul` would need its transpose, which
+onnxruntime folds into a second vocabulary-sized copy when it loads the
+model); quantized as the head's codes, looked up by `GatherBlockQuantized`
+as the builder does for tied models.
 
-`seqlens_k` (tokens per row minus one) and `total_sequence_length` come from
-`attention_mask`, as in the builder's graph. The rotary caches are the
-model's own `RotaryEmbedding` evaluated at every position, so any static
-`rope_scaling` (linear, llama3) is exact; dynamic NTK scaling, which depends
-on the call's length, is not representable and is refused, as is LongRoPE
-past its original length (its factors switch with the call's length).
-
-Weights are float32 `MatMul`s, or `com.microsoft` `MatMulNBits` with
-`bits=8` or `4` (symmetric blocks along the input axis,
-`keras_attn.export.onnx_quantize.nbits_weight`), quantized as they are
-written.
+The rotary caches are the model's own `RotaryEmbedding` evaluated at every
+position, so any static `rope_scaling` (linear, llama3) is exact; dynamic
+NTK scaling, which depends on the call's length, is not representable and is
+refused, as is LongRoPE past its original length (its factors switch with
+the call's length). Weights are float32 `MatMul`s, or `MatMulNBits` with
+`bits=8` or `4` (`onnx_quantize.nbits_weight`), quantized as they are written.
 
 LoRA adapters are merged into the kernels (the description's `kernel`), or,
 with `adapters=`, kept apart as graph inputs that ONNX Runtime's adapter

@@ -17,11 +17,8 @@ TensorFlow graph is involved: it runs on every Keras backend.
   ring-buffer cache, whose positions run past `max_length`, computed from
   the layer's frequencies (`RotaryEmbedding.inverse_frequencies`) as Keras
   does. Learned and sinusoidal position tables likewise (not with a ring).
-- Blocks: RMSNorm in `ReduceMean` / `Sqrt` arithmetic, LayerNorm as
-  `LayerNormalization`; packed Q/K/V `MatMul`; QK-norm; grouped-query
-  heads grouped (no repeated keys); attention soft caps; sandwich norms;
-  SiLU / ReLU / tanh / GELU (erf and tanh forms) feed-forwards, gated or
-  not; biases; embedding scale; the final soft cap.
+- Blocks: RMSNorm in `ReduceMean` / `Sqrt` arithmetic; grouped-query heads
+  attend in their groups (no repeated keys).
 - Caches: `prefill` attends over its own block (causal, and each layer's
   window) and writes the cache `(N, 2, B, cache_length, H_kv, D)`
   (positions past a plain cache are dropped; a ring buffer keeps the last
@@ -36,11 +33,8 @@ TensorFlow graph is involved: it runs on every Keras backend.
   caller passes (`cache_slots`, a dynamic axis; `Shape` gives `L`) that
   returns the layers' new slots, `new_cache (N, 2, B, 1, H_kv, D)`.
 
-Not covered (`NotFusableError` naming the option; the dispatcher then
-uses tf2onnx): encoder-decoder models, per-layer cache shapes and shared
-key/values (Gemma 4), relative positions, dynamic NTK and LongRoPE past
-its original length, LongRoPE or absolute positions with a ring-buffer
-cache.
+What is not covered (`keras_attn.export.capabilities`, "onnx_signatures")
+raises `NotFusableError` naming the option; the dispatcher then uses tf2onnx.
 """
 
 import contextlib
