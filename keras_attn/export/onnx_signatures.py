@@ -360,16 +360,14 @@ class _Signature:
                     cos = self.op("Mul", [cos, self.f32(factor)], "cos_factor")
                     sin = self.op("Mul", [sin, self.f32(factor)], "sin_factor")
             else:
-                tables = {}
-
-                def table(part):
-                    if not tables:
-                        tables["cos"], tables["sin"] = described.tables(self.max_length)
-                    return tables.pop(part)
+                def write():  # `tables` computes cos and sin together
+                    cos, sin = described.tables(self.max_length)
+                    return self.weights.const(cos, key + ".cos"), self.weights.const(sin, key + ".sin")
 
                 rows = self.clipped(self.positions, self.max_length)
-                cos = self.op("Gather", [self.weight(key + ".cos", lambda: table("cos")), rows], "cos")
-                sin = self.op("Gather", [self.weight(key + ".sin", lambda: table("sin")), rows], "sin")
+                cos_table, sin_table = self.weights.once(key + ".tables", write)
+                cos = self.op("Gather", [cos_table, rows], "cos")
+                sin = self.op("Gather", [sin_table, rows], "sin")
             axes = self.i64([0, 2])
             return self.op("Unsqueeze", [cos, axes], "cos"), self.op("Unsqueeze", [sin, axes], "sin")
 
