@@ -59,11 +59,8 @@ def unsupported_onnx_ops(model_proto):
     """Op types in the graph that no ONNX opset defines (left over from TF)."""
     import onnx
 
-    bad = set()
-    for node in model_proto.graph.node:
-        if not onnx.defs.has(node.op_type, node.domain or ""):
-            bad.add(f"{node.op_type}" + (f" ({node.domain})" if node.domain else ""))
-    return sorted(bad)
+    return sorted({node.op_type + (f" ({node.domain})" if node.domain else "")
+                   for node in model_proto.graph.node if not onnx.defs.has(node.op_type, node.domain or "")})
 
 
 # onnxruntime has no assert op: an out-of-range id is clamped (and optionally
@@ -212,11 +209,11 @@ def model_proto_of(model, *, opset=17, check_ids="clamp", fused=False, writer="a
         direct_name="direct ONNX writer", traced_name="tf2onnx", warn=fused)
     if proto is not None:
         return proto, {"writer": "direct"}
-    if why is None:
-        return convert(model, opset=opset, check_ids=check_ids), {"writer": "tf2onnx"}
-    _check_tf2onnx_memory(model, why)
-    return convert(model, opset=opset, check_ids=check_ids), {
-        "writer": "tf2onnx", "direct_writer_skipped": why}
+    details = {"writer": "tf2onnx"}
+    if why is not None:
+        _check_tf2onnx_memory(model, why)
+        details["direct_writer_skipped"] = why
+    return convert(model, opset=opset, check_ids=check_ids), details
 
 
 def _check_quantizable(model, quantization):
@@ -289,21 +286,16 @@ def export_onnx(
             ("tf2onnx", deprecated, is "traced"). The report's
             `details["writer"]` says which wrote the file ("direct" or
             "tf2onnx").
-        quantization: None (float32) or "dynamic": int8 weights for every
-            MatMul with a constant weight, the activations quantized to
-            uint8 at run time (`quantized_proto`: 7-bit weights per output
-            channel, whose integer sums cannot saturate on any CPU, and the
-            first token's activations with their own scale; see
-            `keras_attn.export.onnx_quantize`), from either writer's
-            float32 graph (with `fused=True` the weights inside the fused
-            Attention ops stay float32), in standard ONNX ops
-            (`DynamicQuantizeLinear`, `MatMulInteger`): its MatMul weights
-            take a quarter of their float32 bytes, embedding tables stay
-            float32. Checked like a quantized TFLite export
-            (`export_tflite`): by `measure` and `threshold`, not by the
-            float32 bound; `atol` is then checked only when given. The
-            report's `details["quantization"]` names it and
-            `details["float32_bytes"]` is the float32 graph's size.
+        quantization: None (float32) or "dynamic": int8 weights (a quarter
+            of their float32 bytes) for every MatMul with a constant weight,
+            the activations quantized to uint8 at run time
+            (`quantized_proto`), from either writer's float32 graph (with
+            `fused=True` the fused Attention ops' weights and, always, the
+            embedding tables stay float32). Checked like a quantized TFLite
+            export: by `measure` and `threshold`, not by the float32 bound;
+            `atol` is then checked only when given. The report's
+            `details["quantization"]` names it and `details["float32_bytes"]`
+            is the float32 graph's size.
         measure: "dynamic" only: how each float output is compared with
             Keras (`keras_attn.export.quality.MEASURES`, see
             `export_tflite`): "auto" (default) picks argmax agreement for

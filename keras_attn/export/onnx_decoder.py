@@ -4,39 +4,24 @@ The graph `onnxruntime_genai` runs for a decoder-only LM, with Hugging Face's
 I/O names (see `keras_attn.runtimes.onnx_genai`), written op by op as the ONNX
 Runtime GenAI model builder writes its own (onnxruntime-genai,
 `src/python/py/models/builders/base.py`) instead of converting the Keras
-graph with tf2onnx:
+graph with tf2onnx: per block `SkipSimplifiedLayerNormalization` (residual
+add and RMSNorm in one kernel), one packed Q/K/V `MatMul` and
+`com.microsoft` `GroupQueryAttention` (the layer's cos/sin caches, window as
+`local_window_size`, soft cap as `softcap`; the past/present caches `(B,
+H_kv, max_length, head_dim)` in one shared buffer), then the feed-forward.
 
-- the token table as a `Gather` (times `embedding_scale`, Gemma); a tied
-  table is stored once: in float32 as the table, read by the head as a
-  `Gemm` with `transB=1` (a `MatMul` would need its transpose, which
-  onnxruntime folds into a second vocabulary-sized copy when it loads the
-  model); quantized as the head's codes, looked up by `GatherBlockQuantized`
-  as the builder does for tied models;
-- per block, `SimplifiedLayerNormalization` (the first) or
-  `SkipSimplifiedLayerNormalization` (residual add and RMSNorm in one
-  kernel); one packed Q/K/V `MatMul` (+ its bias); `com.microsoft`
-  `GroupQueryAttention` with `do_rotary=1` and the layer's cos/sin caches
-  (per-layer rotary bases, partial rotary; `do_rotary=0` on layers without
-  rotary), grouped or multi-query heads, the layer's `sliding_window` as
-  `local_window_size`, QK-norm as a per-head `SimplifiedLayerNormalization`
-  of Q and K split from the packed product (GroupQueryAttention's own
-  norm inputs run on CUDA and WebGPU only), `logit_soft_cap` as `softcap`,
-  the past/present caches `(B, H_kv, max_length, head_dim)` in one shared
-  buffer; the output projection; the feed-forward (gated or not); the
-  sandwich norms after each branch where the block has them;
-- the final RMSNorm, the head and the final soft cap.
+A tied token table is stored once: in float32 as the table, read by the head
+as a `Gemm` with `transB=1` (a `MatMul` would need its transpose, which
+onnxruntime folds into a second vocabulary-sized copy when it loads the
+model); quantized as the head's codes, looked up by `GatherBlockQuantized`
+as the builder does for tied models.
 
-`seqlens_k` (tokens per row minus one) and `total_sequence_length` come from
-`attention_mask`, as in the builder's graph. The rotary caches are the
-model's own `RotaryEmbedding` evaluated at every position, so any static
-`rope_scaling` (linear, llama3) is exact; dynamic NTK scaling, which depends
-on the call's length, is not representable and is refused, as is LongRoPE
-past its original length (its factors switch with the call's length).
-
-Weights are float32 `MatMul`s, or `com.microsoft` `MatMulNBits` with
-`bits=8` or `4` (symmetric blocks along the input axis,
-`keras_attn.export.onnx_quantize.nbits_weight`), quantized as they are
-written.
+The rotary caches are the model's own `RotaryEmbedding` evaluated at every
+position, so any static `rope_scaling` (linear, llama3) is exact; dynamic
+NTK scaling, which depends on the call's length, is not representable and is
+refused, as is LongRoPE past its original length (its factors switch with
+the call's length). Weights are float32 `MatMul`s, or `MatMulNBits` with
+`bits=8` or `4` (`onnx_quantize.nbits_weight`), quantized as they are written.
 
 LoRA adapters are merged into the kernels (the description's `kernel`), or,
 with `adapters=`, kept apart as graph inputs that ONNX Runtime's adapter
@@ -77,8 +62,11 @@ _PROJECTION_NODES = {"query": "attn/q_proj", "key": "attn/k_proj", "value": "att
                      "output": "attn/o_proj", "gate": "mlp/gate_proj", "down": "mlp/down_proj"}
 
 
-def _up_node(feedforward):
-    return "mlp/up_proj" if feedforward.gate is not None else "mlp/fc1"
+def _projection_node(part, feedforward):
+    """The node name of the projection `part` (a `_PROJECTION_NODES` key, "up" or "fc1")."""
+    if part in ("up", "fc1"):
+        return "mlp/up_proj" if feedforward.gate is not None else "mlp/fc1"
+    return _PROJECTION_NODES[part]
 
 
 def adapter_name(node, factor):
@@ -94,14 +82,14 @@ def adapter_weights(description):
     holds for the graph `decoder_model_proto(..., adapters=...)` writes."""
     weights = {}
     for i, layer in enumerate(description.layers):
-        attention, feedforward = layer.attention, layer.feedforward
-        nodes = {**{_PROJECTION_NODES[k]: getattr(attention, k) for k in ("query", "key", "value", "output")},
-                 _PROJECTION_NODES["gate"]: feedforward.gate, _up_node(feedforward): feedforward.up,
-                 _PROJECTION_NODES["down"]: feedforward.down}
-        for node, dense in nodes.items():
+        a, f = layer.attention, layer.feedforward
+        parts = {"query": a.query, "key": a.key, "value": a.value, "output": a.output, "gate": f.gate,
+                 "up": f.up, "down": f.down}
+        for part, dense in parts.items():
             if dense is not None and dense.lora is not None:
-                weights[adapter_name(f"/model/layers.{i}/{node}", "A")] = dense.lora.a.read()
-                weights[adapter_name(f"/model/layers.{i}/{node}", "B")] = dense.lora.scaled_b()
+                node = f"/model/layers.{i}/{_projection_node(part, f)}"
+                weights[adapter_name(node, "A")] = dense.lora.a.read()
+                weights[adapter_name(node, "B")] = dense.lora.scaled_b()
     return weights
 
 
@@ -372,7 +360,7 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
         rotary = attention.rotary
         attn, _, _ = graph.node(
             "GroupQueryAttention",
-            list(qkv_inputs) + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total]
+            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total]
             + rotary_inputs(rotary),
             f"{base}/attn/GroupQueryAttention",
             outputs=[f"{base}/attn/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
@@ -391,15 +379,13 @@ def _decoder_graph(d, graph, max_length, opset, last_only):
             residual = graph.node("GatherND", [residual, rows], f"{base}/residual/last_token/GatherND",
                                   batch_dims=1)
         pending = _dense(graph, attn, attention.output, f"{base}/{_PROJECTION_NODES['output']}")
-        pending = _post_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
+        pending = _rms_norm(graph, pending, layer.attention_post_norm, f"{base}/post_attention_norm")
         residual, h = _norm(graph, residual, pending, layer.feedforward_norm,
                             f"{base}/pre_feedforward_layernorm")
-        # The projections named as the GenAI model builder names them.
-        nodes = {"gate": _PROJECTION_NODES["gate"], "up": _up_node(layer.feedforward), "fc1": _up_node(
-            layer.feedforward), "down": _PROJECTION_NODES["down"]}
-        pending = graph.feedforward(h, layer.feedforward, lambda x, part, dense: _dense(
-            graph, x, dense, f"{base}/{nodes[part]}"), lambda op: f"{base}/mlp/{op}")
-        pending = _post_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
+        nodes = {part: f"{base}/{_projection_node(part, layer.feedforward)}" for part in ("gate", "up", "fc1", "down")}
+        pending = graph.feedforward(h, layer.feedforward, lambda x, part, dense: _dense(graph, x, dense, nodes[part]),
+                                    lambda op: f"{base}/mlp/{op}")
+        pending = _rms_norm(graph, pending, layer.feedforward_post_norm, f"{base}/post_feedforward_norm")
     _, h = _norm(graph, residual, pending, d.final_norm, "/model/norm")
     if head is None:
         logits = _dense(graph, h, d.head, "/lm_head")
@@ -481,12 +467,9 @@ def _head_norm(graph, x, layer, head_dim, name):
     return graph.node("Reshape", [x, flat], name + "/Reshape_back")
 
 
-def _post_norm(graph, x, layer, name):
-    """`layer` (a sandwich norm after a residual branch) applied to `x`, or `x`."""
-    return x if layer is None else _rms_norm(graph, x, layer, name)
-
-
 def _rms_norm(graph, x, layer, name):
-    """The RMSNorm `layer` of `x` over its last axis."""
+    """The RMSNorm `layer` of `x` over its last axis; None (a sandwich norm the block lacks): `x`."""
+    if layer is None:
+        return x
     return graph.node("SimplifiedLayerNormalization", [x, graph.const(layer.scale.read(), name + ".weight")],
                       name + "/SimplifiedLayerNorm", axis=-1, epsilon=float(layer.epsilon), stash_type=1)

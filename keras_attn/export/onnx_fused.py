@@ -22,23 +22,18 @@ Two op sets, the same arithmetic:
   bias and LayerNorm in one kernel), `BiasGelu` (erf GELU) or `FastGelu`
   (the tanh GELU, which is exactly what FastGelu computes).
 
-A block is its attention, the output projection as a `MatMul`, the residual
-norms (pre-norm: `LayerNormalization` or RMSNorm arithmetic, and `Add`;
-Gemma's sandwich norms after each branch) and the feed-forward as two
-`MatMul`s around the activation (gated: three); the embedding `Gather`s,
-`Add`s and a `LayerNormalization`. A block with rotary positions, a window,
-grouped key/value heads or QK-norm (ModernBERT, EuroBERT, NomicBERT,
-Gemma 3's text encoder) has its attention in standard ops in both op sets
-(`_Writer.grouped_attention`): the rotation's angles computed from the
-positions `0 .. T - 1` as `RotaryEmbedding` computes them, the window the
-symmetric band `|i - j| < window`, one `(T, T)` band per window size. A sentence embedding's pooling is masked sums over
-the tokens (`CumSum` of the mask picks the first and last token),
-its L2 normalization `ReduceSum`, `Sqrt`, `Reciprocal`, its truncation a
-`Slice`. What the writer covers is the capability table's
+A block with rotary positions, a window, grouped key/value heads or QK-norm
+(ModernBERT, EuroBERT, NomicBERT, Gemma 3's text encoder) has its attention
+in standard ops in both op sets (`_Writer.grouped_attention`): the angles
+computed from the positions `0 .. T - 1` as `RotaryEmbedding` computes them,
+the window the symmetric band `|i - j| < window`. A sentence embedding's
+pooling is masked sums over the tokens (`CumSum` of the mask picks the
+first and last token). What the writer covers is the capability table's
 (`keras_attn.export.capabilities`, "onnx_encoder"); anything else raises
-`NotFusableError` with its reason (then `export_onnx` uses tf2onnx). The
-written graph is verified against Keras like tf2onnx's.
+`NotFusableError` with its reason (then `export_onnx` uses tf2onnx).
 """
+
+import collections
 
 import numpy as np
 
@@ -54,19 +49,13 @@ _GELUS = {"gelu": "BiasGelu", "gelu_tanh": "FastGelu"}
 class _Writer(Graph):
     """The encoder's `Graph`: every initializer streamed, given
     `weights_file`, into the model file itself (`external=False`), values
-    named by `fresh`, and the encoder's ops.
-
-    `fused`: onnxruntime's contrib ops (`com.microsoft`) for attention, the
-    residual LayerNorms and GELU; otherwise the same arithmetic in standard
-    ONNX ops, which any ONNX runtime runs.
-    """
+    named by `fresh`; `fused`: the contrib op set (see the module docstring)."""
 
     def __init__(self, opset, fused, weights_file=None):
         super().__init__(weights_file)
         self.opset = opset
         self.fused = fused
         self._count = 0
-        self.values = {}  # the description's value names -> ONNX value names
 
     def fresh(self, hint):
         self._count += 1
@@ -79,27 +68,15 @@ class _Writer(Graph):
         names = [self.fresh(hint) for _ in range(outputs)]
         return super().node(op, inputs, self.fresh(op), outputs=names, domain=domain, **attrs)
 
-    def cached(self, kind, source, make):
-        return self.once((kind, source), make)  # masks derived from one input
-
     # -- building blocks ------------------------------------------------------
 
     def dense(self, x, kernel, bias, activation, hint):
         y = self.node("MatMul", [x, self.const(kernel, hint + "_kernel")], hint)
         if self.fused and activation in _GELUS and bias is not None:
-            return self.node(
-                _GELUS[activation], [y, self.const(bias, hint + "_bias")], hint, domain=MS_DOMAIN
-            )
+            return self.node(_GELUS[activation], [y, self.const(bias, hint + "_bias")], hint, domain=MS_DOMAIN)
         if bias is not None:
             y = self.node("Add", [y, self.const(bias, hint + "_bias")], hint)
         return self.activation(y, hint, activation, standard=not self.fused)
-
-    def layer_norm(self, x, gamma, beta, epsilon, hint):
-        """LayerNorm over the last axis; `beta` None: no bias."""
-        inputs = [x, self.const(gamma, hint + "_gamma")]
-        if beta is not None:
-            inputs.append(self.const(beta, hint + "_beta"))
-        return self.node("LayerNormalization", inputs, hint, axis=-1, epsilon=float(epsilon))
 
     def norm(self, x, norm, hint):
         """A described `Norm` over the last axis: LayerNorm (with or without
@@ -107,8 +84,10 @@ class _Writer(Graph):
         if norm.kind == "rms":
             return self.rms_norm(x, self.const(norm.scale.read(), hint + "_scale"), norm.epsilon, self.opset,
                                  lambda part: f"{hint}_{part}")
-        beta = None if norm.bias is None else norm.bias.read()
-        return self.layer_norm(x, norm.scale.read(), beta, norm.epsilon, hint)
+        inputs = [x, self.const(norm.scale.read(), hint + "_gamma")]
+        if norm.bias is not None:
+            inputs.append(self.const(norm.bias.read(), hint + "_beta"))
+        return self.node("LayerNormalization", inputs, hint, axis=-1, epsilon=float(norm.epsilon))
 
     def skip_layer_norm(self, x, skip, norm, bias, hint):
         """`norm(x + skip + bias)` (`bias` None: none); onnxruntime's
@@ -119,9 +98,7 @@ class _Writer(Graph):
         inputs = [x, skip, self.const(norm.scale.read(), hint + "_gamma"), self.const(norm.bias.read(), hint + "_beta")]
         if bias is not None:
             inputs.append(self.const(bias, hint + "_bias"))
-        return self.node(
-            "SkipLayerNormalization", inputs, hint, domain=MS_DOMAIN, epsilon=float(norm.epsilon)
-        )
+        return self.node("SkipLayerNormalization", inputs, hint, domain=MS_DOMAIN, epsilon=float(norm.epsilon))
 
     def positions(self, h):
         """The int64 positions `0 .. T - 1` of `h` `(B, T, ...)`."""
@@ -155,7 +132,7 @@ class _Writer(Graph):
                 tables.append(self.node("Unsqueeze", [table, axes], op))
             return tuple(tables)
 
-        return self.cached("rotary", id(layer), make)
+        return self.once(("rotary", id(layer)), make)
 
     def key_mask(self, padding, h, causal, window):
         """The bool `(B|1, 1, T|1, T)` mask of the keys each query sees: the
@@ -179,7 +156,7 @@ class _Writer(Graph):
                                                self.const(np.array([1, 2], np.int64), "axes")], "key_mask")
                 mask = keys if mask is None else self.node("And", [keys, mask], "key_mask")
             return mask
-        return self.cached("key_mask", (padding, causal, window), make)
+        return self.once(("key_mask", padding, causal, window), make)
 
     def mask_bias(self, mask):
         """The float32 bias of the bool `mask` (0 where it is true, the
@@ -190,7 +167,7 @@ class _Writer(Graph):
         weight is exp(lowest) = 0, as with the select; a query that sees no
         key is zeroed after the softmax (`_zero_unseeing_rows` and
         `grouped_attention`)."""
-        return self.cached("mask_bias", mask, lambda: self.node("Where", [
+        return self.once(("mask_bias", mask), lambda: self.node("Where", [
             mask, self.const(np.float32(0), "seen"),
             self.const(np.float32(np.finfo(np.float32).min), "lowest")], "mask_bias"))
 
@@ -227,7 +204,7 @@ class _Writer(Graph):
         if mask is not None:
             bias = self.mask_bias(mask)
             if group > 1 and (causal or a.window is not None):  # a mask per query row: per group too
-                bias = self.cached("grouped_bias", (bias, group), lambda: self.node(
+                bias = self.once(("grouped_bias", bias, group), lambda: self.node(
                     "Tile", [bias, self.const(np.array([1, 1, group, 1], np.int64), "group")], "mask_bias"))
             scores = self.node("Add", [scores, bias], hint + "_masked")
         probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
@@ -238,13 +215,7 @@ class _Writer(Graph):
         out = self.node("Reshape", [out, self.const(np.array([0, 0, heads * d], np.int64), hint)], hint + "_context")
         if padding is None:
             return out  # a query always sees itself
-
-        def seeing():  # (B, T|1, 1): 1 where a query sees a key
-            seen = _reduce(self, "ReduceMax", self.node("Cast", [mask], "seeing", to=_onnx_type("float32")),
-                           -1, 1, "seeing")
-            return self.node("Squeeze", [seen, self.const(np.array([1], np.int64), "axis")], "seeing")
-
-        return self.node("Mul", [out, self.cached("seeing_rows", mask, seeing)], hint + "_seen")
+        return self._zero_unseeing_rows(out, mask, hint)
 
     def attention(self, h, kernel, bias, padding, heads, causal, hint):
         """Multi-head self-attention of `h` (B, T, D) with the packed `(D, 3 H d)`
@@ -253,81 +224,54 @@ class _Writer(Graph):
         if self.fused:
             inputs = [h, self.const(kernel, hint + "_qkv_kernel"), self.const(bias, hint + "_qkv_bias")]
             if padding is not None:
-                inputs.append(self.cached("int", padding, lambda: self.node(
+                inputs.append(self.once(("int", padding), lambda: self.node(
                     "Cast", [padding], "mask_int", to=_onnx_type("int32"))))
             context = self.node("Attention", inputs, hint, domain=MS_DOMAIN, num_heads=heads,
                                 unidirectional=int(causal))
-            return self._zero_unseeing_rows(context, h, padding, causal, hint)
-        width = kernel.shape[1] // 3
-        head = width // heads
-        qkv = self.node("MatMul", [h, self.const(kernel, hint + "_qkv_kernel")], hint + "_qkv")
-        qkv = self.node("Add", [qkv, self.const(bias, hint + "_qkv_bias")], hint + "_qkv")
-        split = self.const(np.array([width] * 3, np.int64), hint + "_split")
-        q, k, v = self.node("Split", [qkv, split], hint + "_split", outputs=3, axis=2)
-        heads_shape = self.const(np.array([0, 0, heads, head], np.int64), hint + "_heads")
-        # q: (B, H, T, d), k: (B, H, d, T), v: (B, H, T, d)
-        q, k, v = (self.node("Transpose", [self.node("Reshape", [t, heads_shape], hint)], hint, perm=perm)
-                   for t, perm in ((q, [0, 2, 1, 3]), (k, [0, 2, 3, 1]), (v, [0, 2, 1, 3])))
-        q = self.node("Mul", [q, self.const(np.float32(1 / np.sqrt(head)), hint + "_scale")], hint)
-        scores = self.node("MatMul", [q, k], hint + "_scores")  # (B, H, T, T)
-        if padding is not None:
-            keys = self.cached("keys", padding, lambda: self.node("Unsqueeze", [
-                self.node("Cast", [padding], "mask_bool", to=_onnx_type("bool")),
-                self.const(np.array([1, 2], np.int64), "axes")], "key_mask"))
-            scores = self.node("Add", [scores, self.mask_bias(keys)], hint + "_masked")
-        if causal:
-            seen = self.cached("causal", h, lambda: self.node(
-                "Cast", [self._lower_triangle(h)], "causal", to=_onnx_type("bool")))
-            scores = self.node("Add", [scores, self.mask_bias(seen)], hint + "_causal")
-        probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
-        context = self.node("Transpose", [self.node("MatMul", [probs, v], hint)], hint, perm=[0, 2, 1, 3])
-        context = self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
-                            hint + "_context")
-        return self._zero_unseeing_rows(context, h, padding, causal, hint)
-
-    def _lower_triangle(self, h):
-        """The float `(T, T)` lower triangle of ones over `h`'s `(B, T, ...)`
-        length: query `t` sees keys `[0, t]`."""
-        def make():
-            length = self.node("Shape", [h], "length", start=1, end=2)
-            square = self.node("Concat", [length, length], "square", axis=0)
-            ones = self.node("ConstantOfShape", [square], "ones", value=_onnx_tensor(np.ones(1, np.float32)))
-            return self.node("Trilu", [ones], "causal", upper=0)
-        return self.cached("lower_triangle", h, make)
-
-    def _zero_unseeing_rows(self, context, h, padding, causal, hint):
-        """`context` (B, T, W) with the rows of queries that see no key (every
-        key padded, or none left of a causal query) set to zero, as Keras's
-        attention gives them; a softmax over only masked scores would average
-        every value instead."""
+        else:
+            width = kernel.shape[1] // 3
+            head = width // heads
+            qkv = self.node("MatMul", [h, self.const(kernel, hint + "_qkv_kernel")], hint + "_qkv")
+            qkv = self.node("Add", [qkv, self.const(bias, hint + "_qkv_bias")], hint + "_qkv")
+            split = self.const(np.array([width] * 3, np.int64), hint + "_split")
+            q, k, v = self.node("Split", [qkv, split], hint + "_split", outputs=3, axis=2)
+            heads_shape = self.const(np.array([0, 0, heads, head], np.int64), hint + "_heads")
+            # q: (B, H, T, d), k: (B, H, d, T), v: (B, H, T, d)
+            q, k, v = (self.node("Transpose", [self.node("Reshape", [t, heads_shape], hint)], hint, perm=perm)
+                       for t, perm in ((q, [0, 2, 1, 3]), (k, [0, 2, 3, 1]), (v, [0, 2, 1, 3])))
+            q = self.node("Mul", [q, self.const(np.float32(1 / np.sqrt(head)), hint + "_scale")], hint)
+            scores = self.node("MatMul", [q, k], hint + "_scores")  # (B, H, T, T)
+            if padding is not None:
+                keys = self.key_mask(padding, h, causal=False, window=None)
+                scores = self.node("Add", [scores, self.mask_bias(keys)], hint + "_masked")
+            if causal:
+                seen = self.key_mask(None, h, causal=True, window=None)
+                scores = self.node("Add", [scores, self.mask_bias(seen)], hint + "_causal")
+            probs = self.node("Softmax", [scores], hint + "_probs", axis=-1)
+            context = self.node("Transpose", [self.node("MatMul", [probs, v], hint)], hint, perm=[0, 2, 1, 3])
+            context = self.node("Reshape", [context, self.const(np.array([0, 0, width], np.int64), hint + "_merge")],
+                                hint + "_context")
         if padding is None:
-            return context  # a query always sees itself (or every key)
+            return context  # a query always sees itself
+        return self._zero_unseeing_rows(context, self.key_mask(padding, h, causal, None), hint)
 
-        def seeing():
-            keys = self.node("Cast", [padding], "seeing_keys", to=_onnx_type("float32"))  # (B, T)
-            keys = self.node("Unsqueeze", [keys, self.const(np.array([1], np.int64), "seeing_axis")],
-                             "seeing_keys")  # (B, 1, T)
-            if causal:  # query t sees keys [0, t]: the mask times the lower triangle
-                keys = self.node("Mul", [keys, self._lower_triangle(h)], "seeing_keys")  # (B, T, T)
-            # (B, 1 or T, 1): 1 where a key is seen. (`axes` is an input from opset 18.)
-            if self.opset >= 18:
-                return self.node("ReduceMax", [keys, self.const(np.array([-1], np.int64), "seeing_last")],
-                                 "seeing", keepdims=1)
-            return self.node("ReduceMax", [keys], "seeing", keepdims=1, axes=[-1])
+    def _zero_unseeing_rows(self, out, mask, hint):
+        """`out` `(B, T, W)` zero on the rows of queries that see no key of
+        the bool `mask` (`key_mask`'s: every key padded, or none left of a
+        causal query), as Keras's attention gives them; a softmax over only
+        masked scores would average every value instead."""
+        def seeing():  # (B, T|1, 1): 1 where a query sees a key
+            seen = _reduce(self, "ReduceMax", self.node("Cast", [mask], "seeing", to=_onnx_type("float32")),
+                           -1, 1, "seeing")
+            return self.node("Squeeze", [seen, self.const(np.array([1], np.int64), "axis")], "seeing")
 
-        return self.node("Mul", [context, self.cached("seeing", (padding, causal), seeing)], hint + "_seen")
+        return self.node("Mul", [out, self.once(("seeing_rows", mask), seeing)], hint + "_seen")
 
 
 def _onnx_type(dtype):
     import onnx
 
     return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
-
-def _onnx_tensor(array):
-    import onnx
-
-    return onnx.numpy_helper.from_array(array)
 
 
 def _emit_block(w, step, x, padding, rows, hint):
@@ -392,11 +336,7 @@ def _lookup(w, table, index, name, clamp):
 
 def _emit_embedding(w, step, ids, type_ids, clamp):
     hint = step.name
-
-    def lookup(table, index, name):
-        return _lookup(w, table, index, name, clamp)
-
-    x = lookup(step.tokens.read(), ids, hint + "_tokens")
+    x = _lookup(w, step.tokens.read(), ids, hint + "_tokens", clamp)
     length = w.node("Shape", [ids], hint + "_shape", start=1, end=2)
     pos = w.node(
         "Slice", [w.const(step.positions.table.read(), hint + "_positions"),
@@ -409,7 +349,7 @@ def _emit_embedding(w, step, ids, type_ids, clamp):
         if type_ids is None:
             x = w.node("Add", [x, w.const(step.types.read()[0], hint + "_type0")], hint + "_sum")
         else:
-            x = w.node("Add", [x, lookup(step.types.read(), type_ids, hint + "_types")], hint + "_sum")
+            x = w.node("Add", [x, _lookup(w, step.types.read(), type_ids, hint + "_types", clamp)], hint + "_sum")
     if step.norm is not None:
         x = w.norm(x, step.norm, hint + "_ln")
     return x
@@ -486,11 +426,9 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
     are named as `keras_attn.export.onnx.convert` names them.
 
     `weights_file`: a binary file open for writing. Each initializer is then
-    written there, serialized, as soon as it is made (as a ModelProto piece
-    holding only it), and the returned proto has none: writing the returned
-    proto's serialization after them completes the model file, which parses
-    as one ModelProto (protobuf merges concatenated messages). The weights are
-    then never all in memory at once, nor serialized a second time.
+    written there as soon as it is made (`onnx_graph`: never all in memory,
+    nor serialized twice) and the returned proto has none: its serialization
+    written after them completes the model file.
 
     Raises `NotFusableError` (a ValueError) with the capability table's
     reason (`keras_attn.export.capabilities`, writer "onnx_encoder") before
@@ -503,15 +441,14 @@ def direct_model_proto(model, *, opset=17, check_ids="clamp", fused=False, weigh
     elements = {"int32": onnx.TensorProto.INT32, "float32": onnx.TensorProto.FLOAT}
     graph_inputs = [onnx.helper.make_tensor_value_info(t.name, elements[t.dtype], _dims(t))
                     for t in encoder.inputs]
-    w.values.update((t.value, t.name) for t in encoder.inputs)
-    v = w.values
+    v = {t.value: t.name for t in encoder.inputs}  # the description's value names -> ONNX value names
     for step in encoder.steps:
         hint = step.name
         if isinstance(step, description_lib.BlockStep):
             mask = rows = None
             if step.padding is not None:
                 mask = v[step.padding]
-                rows = w.cached("rows", mask, lambda: w.node("Unsqueeze", [
+                rows = w.once(("rows", mask), lambda: w.node("Unsqueeze", [
                     w.node("Cast", [mask], "mask_float", to=onnx.TensorProto.FLOAT),
                     w.const(np.array([2], np.int64), "axis")], "rows"))
             v[step.output] = _emit_block(w, step, v[step.input], mask, rows, hint)
@@ -562,10 +499,7 @@ def fused_model_proto(model, *, opset=17, check_ids="clamp"):
 
 def fused_op_counts(model_proto):
     """How many nodes of each onnxruntime fused op type the graph has."""
-    names = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "LayerNormalization",
-             "EmbedLayerNormalization", "BiasGelu", "FastGelu", "Gelu")
-    counts = dict.fromkeys(names, 0)
-    for node in model_proto.graph.node:
-        if node.op_type in counts:
-            counts[node.op_type] += 1
-    return counts
+    found = collections.Counter(node.op_type for node in model_proto.graph.node)
+    return {name: found[name] for name in ("Attention", "MultiHeadAttention", "SkipLayerNormalization",
+                                           "LayerNormalization", "EmbedLayerNormalization", "BiasGelu",
+                                           "FastGelu", "Gelu")}

@@ -32,6 +32,8 @@ MS_DOMAIN = "com.microsoft"
 _EXTERNAL_MIN_BYTES = 1024
 _EXTERNAL_ALIGNMENT = 4096
 _COMPARE_BYTES = 1 << 26
+# onnxruntime's contrib op of each GELU.
+_MS_GELUS = {"gelu": "Gelu", "gelu_tanh": "FastGelu"}
 
 
 class Graph:
@@ -101,16 +103,12 @@ class Graph:
             return x
         if kind == "silu":
             return self.node("Mul", [x, self.node("Sigmoid", [x], name + "/Sigmoid")], name + "/Mul")
-        if kind == "relu":
-            return self.node("Relu", [x], name + "/Relu")
-        if kind == "tanh":
-            return self.node("Tanh", [x], name + "/Tanh")
-        if kind in ("gelu", "gelu_tanh") and standard:
+        if kind in ("relu", "tanh"):
+            return self.node(kind.capitalize(), [x], f"{name}/{kind.capitalize()}")
+        if kind in _MS_GELUS and standard:
             return self._standard_gelu(x, name, kind)
-        if kind == "gelu":
-            return self.node("Gelu", [x], name + "/Gelu", domain=MS_DOMAIN)
-        if kind == "gelu_tanh":
-            return self.node("FastGelu", [x], name + "/FastGelu", domain=MS_DOMAIN)
+        if kind in _MS_GELUS:
+            return self.node(_MS_GELUS[kind], [x], f"{name}/{_MS_GELUS[kind]}", domain=MS_DOMAIN)
         raise NotFusableError(f"activation {kind!r} of {name}")
 
     def soft_cap(self, x, cap, names):

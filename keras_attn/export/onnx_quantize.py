@@ -177,8 +177,7 @@ def _integer_matmuls(proto, skip=()):
     also_read = {output.name for output in graph.output}
     for node, position in zip(graph.node, targets):
         also_read.update(node.input if position is None else node.input[:1])
-    quantized, activations, emptied, nodes = set(), set(), [], []
-    added = []
+    quantized, activations, emptied, nodes, added = set(), set(), [], [], []
     for node, position in zip(graph.node, targets):
         if position is None:
             nodes.append(node)
@@ -366,14 +365,12 @@ def _fold_division(x, s, producer, x_readers, matmuls, outputs, tensors, readers
 
     if producer is None or x in outputs or any(r not in matmuls for r in x_readers) or producer.output[0] != x:
         return False
-    if producer.op_type in _NORMS:
-        slots = [i for i in _NORMS[producer.op_type] if i < len(producer.input) and producer.input[i]]
-    elif producer.op_type == "Mul":
-        slots = [i for i in (0, 1) if producer.input[i] in tensors]
-        slots = slots if len(slots) == 1 else []
-    else:
-        slots = []
-    names = [producer.input[i] for i in slots]
+    if producer.op_type == "Mul":  # by one constant
+        names = [n for n in producer.input if n in tensors]
+        names = names if len(names) == 1 else []
+    else:  # a norm's scale (and bias)
+        names = [producer.input[i] for i in _NORMS.get(producer.op_type, ())
+                 if i < len(producer.input) and producer.input[i]]
     if not names or any(n not in tensors or len(readers[n]) != 1 for n in names):
         return False
     arrays = [numpy_helper.to_array(tensors[n]) for n in names]
@@ -424,7 +421,7 @@ def _first_token_apart(proto, skip=()):
 
     graph = proto.graph
     weights = {t.name for t in graph.initializer}
-    used = {t.name for t in graph.initializer} | {v.name for v in graph.input}
+    used = weights | {v.name for v in graph.input}
     used |= {name for node in graph.node for name in list(node.input) + list(node.output)}
 
     def fresh(hint):
@@ -500,11 +497,8 @@ def check_no_int8_saturation(proto):
 
 
 def _blockwise_symmetric(weight, bits, block_size):
-    """`(codes, scales)`: `weight` (K, N) as `bits`-bit codes with the zero
-    point 2^(bits-1), one scale per block of `block_size` along K = max |w|
-    / (2^(bits-1) - 1), laid out as MatMulNBits reads them: uint8 codes `(N,
-    blocks, block_size * bits / 8)` (K zero-padded; 4-bit codes two a byte,
-    the first in the low nibble), float32 scales `(N, blocks)`."""
+    """`nbits_weight` of a `(K, N)` float32 chunk, its scales `(N, blocks)`:
+    max |w| / (2^(bits-1) - 1) of each block (K zero-padded to whole blocks)."""
     k, n = weight.shape
     blocks = -(-k // block_size)
     # Worked on in the weight's own (K, N) layout, which reduces and divides
@@ -563,13 +557,14 @@ def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):
         raise ValueError(f"Received an invalid value for argument `bits`, expected 4 or 8. Received: bits={bits!r}")
     graph = proto.graph
     weights = {t.name: t for t in graph.initializer}
+    targets = set(_weighted_matmuls(proto))
     nodes = []
-    for node in graph.node:
-        tensor = weights.get(node.input[1]) if node.op_type == "MatMul" else None
-        weight = numpy_helper.to_array(tensor) if tensor is not None else None
-        if weight is None or weight.ndim != 2 or weight.dtype != np.float32:
+    for i, node in enumerate(graph.node):
+        if i not in targets:
             nodes.append(node)
             continue
+        tensor = weights[node.input[1]]
+        weight = numpy_helper.to_array(tensor)
         k, n = weight.shape
         stored, scales = nbits_weight(weight, bits, block_size)
         packed = numpy_helper.from_array(stored, f"{tensor.name}_q{bits}")

@@ -17,11 +17,8 @@ TensorFlow graph is involved: it runs on every Keras backend.
   ring-buffer cache, whose positions run past `max_length`, computed from
   the layer's frequencies (`RotaryEmbedding.inverse_frequencies`) as Keras
   does. Learned and sinusoidal position tables likewise (not with a ring).
-- Blocks: RMSNorm in `ReduceMean` / `Sqrt` arithmetic, LayerNorm as
-  `LayerNormalization`; packed Q/K/V `MatMul`; QK-norm; grouped-query
-  heads grouped (no repeated keys); attention soft caps; sandwich norms;
-  SiLU / ReLU / tanh / GELU (erf and tanh forms) feed-forwards, gated or
-  not; biases; embedding scale; the final soft cap.
+- Blocks: RMSNorm in `ReduceMean` / `Sqrt` arithmetic; grouped-query heads
+  attend in their groups (no repeated keys).
 - Caches: `prefill` attends over its own block (causal, and each layer's
   window) and writes the cache `(N, 2, B, cache_length, H_kv, D)`
   (positions past a plain cache are dropped; a ring buffer keeps the last
@@ -36,11 +33,8 @@ TensorFlow graph is involved: it runs on every Keras backend.
   caller passes (`cache_slots`, a dynamic axis; `Shape` gives `L`) that
   returns the layers' new slots, `new_cache (N, 2, B, 1, H_kv, D)`.
 
-Not covered (`NotFusableError` naming the option; the dispatcher then
-uses tf2onnx): encoder-decoder models, per-layer cache shapes and shared
-key/values (Gemma 4), relative positions, dynamic NTK and LongRoPE past
-its original length, LongRoPE or absolute positions with a ring-buffer
-cache.
+What is not covered (`keras_attn.export.capabilities`, "onnx_signatures")
+raises `NotFusableError` naming the option; the dispatcher then uses tf2onnx.
 """
 
 import contextlib
@@ -121,8 +115,7 @@ class _Signature:
         return f"/{self.kind}/{hint}_{self.count}"
 
     def op(self, op, inputs, hint, outputs=1, **attrs):
-        name = self.name(hint)
-        return self.g.node(op, inputs, name, outputs=outputs, **attrs)
+        return self.g.node(op, inputs, self.name(hint), outputs=outputs, **attrs)
 
     def c(self, value, dtype, hint="c"):
         """A small constant inside the graph."""
@@ -137,13 +130,6 @@ class _Signature:
 
     def f32(self, value):
         return self.c(value, np.float32, "f32")
-
-    def reduce(self, op, x, axes, keepdims=1):
-        if axes is None:
-            return self.op(op, [x], op, keepdims=keepdims)
-        if self.opset >= 18:
-            return self.op(op, [x, self.i64(axes)], op, keepdims=keepdims)
-        return self.op(op, [x], op, axes=axes, keepdims=keepdims)
 
     # -- the graph ---------------------------------------------------------------
 
@@ -213,8 +199,8 @@ class _Signature:
     def token_ids(self, name, vocab):
         if self.checks == "none":
             return name
-        low = self.reduce("ReduceMin", name, None, keepdims=0)
-        high = self.reduce("ReduceMax", name, None, keepdims=0)
+        low = self.op("ReduceMin", [name], "ReduceMin", keepdims=0)
+        high = self.op("ReduceMax", [name], "ReduceMax", keepdims=0)
         self.flag(self.op("And", [self.op("GreaterOrEqual", [low, self.c(0, np.int32)], "ge"),
                                   self.op("Less", [high, self.c(vocab, np.int32)], "lt")], "ids_ok"))
         return self.op("Min", [self.op("Max", [name, self.c(0, np.int32)], "clamp"),
@@ -286,25 +272,23 @@ class _Signature:
         base = f"layers.{i}"
         h = self.norm(x, layer.attention_norm, base + ".input_norm")
         a = self.attention(i, layer.attention, h, new_keys_values)
-        a = self.post_norm(a, layer.attention_post_norm, base + ".post_attention_norm")
+        a = self.norm(a, layer.attention_post_norm, base + ".post_attention_norm")
         x = self.op("Add", [x, a], "residual")
         h = self.norm(x, layer.feedforward_norm, base + ".ffn_norm")
         f = self.g.feedforward(h, layer.feedforward, lambda x, part, dense: self.linear(
             x, f"{base}.mlp.{part}", dense, part), lambda op: self.name("gated" if op == "Mul" else op), standard=True)
-        f = self.post_norm(f, layer.feedforward_post_norm, base + ".post_ffn_norm")
+        f = self.norm(f, layer.feedforward_post_norm, base + ".post_ffn_norm")
         return self.op("Add", [x, f], "residual")
 
-    def post_norm(self, x, layer, key):
-        return x if layer is None else self.norm(x, layer, key)
-
     def norm(self, x, norm, key):
-        """A described `Norm` (RMSNorm, or LayerNorm) over the last axis."""
-        if norm.kind == "layer":
-            gamma = self.weight(key + ".weight", norm.scale.read)
-            beta = self.weight(key + ".bias", norm.bias.read)
-            return self.op("LayerNormalization", [x, gamma, beta], "LayerNorm", axis=-1,
-                           epsilon=float(norm.epsilon))
+        """A described `Norm` (RMSNorm, or LayerNorm) over the last axis; None
+        (a sandwich norm the block lacks): `x`."""
+        if norm is None:
+            return x
         scale = self.weight(key + ".weight", norm.scale.read)
+        if norm.kind == "layer":
+            beta = self.weight(key + ".bias", norm.bias.read)
+            return self.op("LayerNormalization", [x, scale, beta], "LayerNorm", axis=-1, epsilon=float(norm.epsilon))
         return self.rms_norm(x, scale, norm.epsilon)
 
     def rms_norm(self, x, scale, epsilon):
@@ -337,7 +321,7 @@ class _Signature:
         rotary = attention.rotary
         if rotary is not None:
             cos, sin = self.rotary(rotary)
-            q, k = self.rotate(q, cos, sin, rotary), self.rotate(k, cos, sin, rotary)
+            q, k = (self.g.rotate_half(t, cos, sin, d, rotary.rotary_dim, self.name) for t in (q, k))
         window = attention.window
         if self.kind == "prefill":
             keys, values = k, v
@@ -376,24 +360,18 @@ class _Signature:
                     cos = self.op("Mul", [cos, self.f32(factor)], "cos_factor")
                     sin = self.op("Mul", [sin, self.f32(factor)], "sin_factor")
             else:
-                tables = {}
-
-                def table(part):
-                    if not tables:
-                        tables["cos"], tables["sin"] = described.tables(self.max_length)
-                    return tables.pop(part)
+                def write():  # `tables` computes cos and sin together
+                    cos, sin = described.tables(self.max_length)
+                    return self.weights.const(cos, key + ".cos"), self.weights.const(sin, key + ".sin")
 
                 rows = self.clipped(self.positions, self.max_length)
-                cos = self.op("Gather", [self.weight(key + ".cos", lambda: table("cos")), rows], "cos")
-                sin = self.op("Gather", [self.weight(key + ".sin", lambda: table("sin")), rows], "sin")
+                cos_table, sin_table = self.weights.once(key + ".tables", write)
+                cos = self.op("Gather", [cos_table, rows], "cos")
+                sin = self.op("Gather", [sin_table, rows], "sin")
             axes = self.i64([0, 2])
             return self.op("Unsqueeze", [cos, axes], "cos"), self.op("Unsqueeze", [sin, axes], "sin")
 
         return self.g.once(("rotary", id(rotary)), make)
-
-    def rotate(self, x, cos, sin, rotary):
-        """keras_attn's RotaryEmbedding ("rotate half") over the first `rotary_dim` features."""
-        return self.g.rotate_half(x, cos, sin, self.head_dim, rotary.rotary_dim, self.name)
 
     # -- attention ---------------------------------------------------------------------
 
