@@ -168,10 +168,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         ids, conditions = self._check_ids(g, ids_in)
         index = g.reshape(index_in, (1,))
         # The slots held: S, or the length of the part passed to `decode_step`.
-        if step:
-            held = g.dims(cache_in, 3, 1)
-        else:
-            held = g.const(np.array([S], np.int32))
+        held = g.dims(cache_in, 3, 1) if step else g.const(np.array([S], np.int32))
         if self.flag:
             zero = g.const(np.array([0], np.int32))
             if self.ring_window:
