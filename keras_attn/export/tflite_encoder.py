@@ -156,16 +156,15 @@ class _EncoderBuilder:
         g = self.g
         if norm.kind == "rms":
             return g.mul(tflite_decoder.rms(g, x, norm.epsilon), self.const(norm.scale.read(), np.float32))
-        gamma, epsilon = norm.scale.read(), norm.epsilon
         axis = self.const([-1], np.int32)
         reduced = g.shape(x)[:-1] + (1,)
         mean = g.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
         square = g.binary("SQUARED_DIFFERENCE", x, mean)
         var = g.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
-        var = g.add(var, self.const(epsilon, np.float32))
+        var = g.add(var, self.const(norm.epsilon, np.float32))
         scale = g.op("RSQRT", [var], reduced)
         centered = g.binary("SUB", x, mean)
-        y = g.mul(g.mul(centered, scale), self.const(gamma, np.float32))
+        y = g.mul(g.mul(centered, scale), self.const(norm.scale.read(), np.float32))
         return y if norm.bias is None else g.add(y, self.const(norm.bias.read(), np.float32))
 
     def lookup(self, table, ids, name, wrap, int8=False):
@@ -229,8 +228,7 @@ class _EncoderBuilder:
         mask = None
         if padding is not None:
             if g.dtype(padding) != np.bool_:
-                zero = self.const(0, g.dtype(padding))
-                padding = g.binary("NOT_EQUAL", padding, zero)
+                padding = g.binary("NOT_EQUAL", padding, self.const(0, g.dtype(padding)))
             mask = self.reshape(padding, self.shape_of(rows, "B", 1, 1, "T"), (None, 1, 1, None))
         if causal or window is not None:
             steps = self.positions(rows)
