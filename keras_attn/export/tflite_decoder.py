@@ -33,19 +33,16 @@ TensorFlow's graph, SavedModel or converter:
   embedding scale as the model has them; a prefill signature stops after
   the last layer's cache write (it outputs only the caches).
 
-Weights are float32; with `quantization="dynamic"` int8 per output
-channel, symmetric (the converter's dynamic-range layout: FULLY_CONNECTED
-runs LiteRT's hybrid kernels with `asymmetric_quantize_inputs`); with
-`quantization="int4"` int4 in blocks of 32 along the input dimension, the
-layout ai-edge-quantizer's `dynamic_wi4b32_afp32` recipe writes
+Weights are quantized as `write_decoder_tflite`'s `quantization` says: int8
+in the converter's dynamic-range layout (FULLY_CONNECTED runs LiteRT's
+hybrid kernels with `asymmetric_quantize_inputs`), int4 in
+ai-edge-quantizer's `dynamic_wi4b32_afp32` layout
 (`tflite_writer.quantize_blocks`), which LiteRT's builtin FULLY_CONNECTED
-and XNNPACK run with int8 inputs quantized per row, and int8 per output
-channel where the input dimension is not a multiple of 32. A tied token
-table is stored once, as the head's weight, and looked up through it
-(GATHER of its rows; int8: CAST and a MUL by the gathered per-row scales,
-as for an untied int8 table; the converter's lookup table is int8 with
-one scale; int4: EMBEDDING_LOOKUP's blockwise kernel). Every constant
-streams to the file as it is made (`tflite_writer`).
+and XNNPACK run with int8 inputs quantized per row. A tied token table is
+stored once, as the head's weight, and looked up through it (int8: GATHER,
+CAST and a MUL by the gathered per-row scales, where the converter's
+lookup table is int8 with one scale; int4: EMBEDDING_LOOKUP's blockwise
+kernel). Every constant streams to the file as it is made (`tflite_writer`).
 
 With `lora_rank` (16 or 32), the signatures hold the frozen kernels of a
 model's PEFT-style adapters and take every attention projection's LoRA

@@ -11,12 +11,9 @@ SavedModel or converter (which hold several copies of the weights):
 with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
 clamped into range and a bool output `valid` (False when anything was
 clamped). The inputs, outputs and subgraphs are named and ordered as the
-converter's model has them. The decoder's layers and the rotary tables
-are `keras_attn.export.tflite_decoder.DecoderBuilder`'s; the weights
-(float32, int8 per output channel or int4 blocks, quantized as they are
-written), the layers every TFLite writer shares and the streaming of the
-constants after the flatbuffer are `keras_attn.export.tflite_writer`'s;
-what differs from LiteRT-LM's model:
+converter's model has them. The layers, weights and rotary tables are
+`keras_attn.export.tflite_decoder.DecoderBuilder`'s; what differs from
+LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and

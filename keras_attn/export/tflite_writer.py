@@ -493,10 +493,9 @@ def broadcast(a, b):
 def write_model(path, build, description="keras_attn direct TFLite writer"):
     """Writes the TFLite model `build(writer)` makes to `path`.
 
-    `build` takes a `Writer` and returns `[(subgraph, signature), ...]` in
-    subgraph order; every constant it makes streams to a temporary data file
-    beside `path` as it is made and lands after the flatbuffer, addressed by
-    offset. `description` is the model's description field.
+    `build` takes a `Writer` (its data file in a temporary folder beside
+    `path`) and returns `[(subgraph, signature), ...]` in subgraph order.
+    `description` is the model's description field.
 
     Returns:
         `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
