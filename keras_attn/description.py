@@ -338,8 +338,7 @@ def _weight(layer, attribute, shape=None):
 def _dense(layer, heads_first_input=False):
     """A Dense or attention EinsumDense as `(in, out)`: query/key/value
     `(D, H, d)` -> `(D, H*d)`; the output projection `(H, d, D)` -> `(H*d, D)`."""
-    kernel = _weight(layer, "kernel")
-    shape = kernel.source_shape
+    shape = _weight(layer, "kernel").source_shape
     flat = (int(np.prod(shape[:-1])), shape[-1]) if heads_first_input else (shape[0], int(np.prod(shape[1:])))
     bias = getattr(layer, "bias", None)
     bias = None if bias is None else _weight(layer, "bias", (int(np.prod(bias.shape)),))
@@ -365,8 +364,7 @@ def _norm(layer):
     last = axis in (-1, [-1], (-1,))
     if hasattr(layer, "gamma"):  # keras.layers.LayerNormalization
         bias = _weight(layer, "beta") if getattr(layer, "beta", None) is not None else None
-        scale = _weight(layer, "gamma")
-        return Norm(layer.name, "layer", scale, bias, float(layer.epsilon), last)
+        return Norm(layer.name, "layer", _weight(layer, "gamma"), bias, float(layer.epsilon), last)
     return Norm(layer.name, "rms", _weight(layer, "scale"), None, float(layer.epsilon), last)
 
 
@@ -747,9 +745,10 @@ def _encoder_step(op, node, name):
             return f"only the L2 norm of the last axis (received order={op.order}, axis={op.axis})"
         epsilon = keras.backend.epsilon() if op.epsilon is None else op.epsilon
         return NormalizeStep(op.name, name(args[0]), out, float(epsilon))
-    if kind == "GetItem" and len(args) == 2 and _truncation(args[1], len(args[0].shape)) is not None:
-        return TruncateStep(op.name, name(args[0]), out, _truncation(args[1], len(args[0].shape)))
     if kind == "GetItem" and len(args) == 2:
+        size = _truncation(args[1], len(args[0].shape))
+        if size is not None:
+            return TruncateStep(op.name, name(args[0]), out, size)
         key = _index_key(args[1])
         if key is None or len(key) != len(args[0].shape):
             return "only keys of ints and full slices"

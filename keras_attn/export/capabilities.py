@@ -38,15 +38,9 @@ WRITERS = {
 ALL = frozenset(WRITERS)
 ENCODERS = frozenset({"onnx_encoder", "tflite_encoder"})
 DECODERS = ALL - ENCODERS
-# Activations each writer has an emitter for.
-ACTIVATIONS = {
-    "onnx_genai": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
-    "onnx_signatures": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
-    "litertlm": ("silu", "gelu", "gelu_tanh", "relu"),
-    "tflite_signatures": ("silu", "gelu", "gelu_tanh", "relu"),
-    "onnx_encoder": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
-    "tflite_encoder": ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear"),
-}
+# Activations each writer has an emitter for: all of them but in the TFLite decoder writers.
+ACTIVATIONS = {writer: ("silu", "relu", "tanh", "gelu", "gelu_tanh", "linear") for writer in WRITERS} | {
+    writer: ("silu", "gelu", "gelu_tanh", "relu") for writer in ("litertlm", "tflite_signatures")}
 # Writers that keep one cache stacked over the layers (a ring of the window
 # when every layer has the same one): the signature writers.
 STACKED_CACHE = frozenset({"onnx_signatures", "tflite_signatures"})
@@ -111,10 +105,9 @@ def _layer_feature(test, text):
     return lambda d, c: _first(d.layers, test, lambda b: f"{b.name}: {text(b)}")
 
 
-# Layer settings every decoder writer writes, and the encoder writers those
-# of `ENCODER_LAYER_SETTINGS`: (feature, found on a layer, the model's option
-# that sets it).
-_DECODER_LAYER_SETTINGS = (
+# Layer settings every writer writes, but the encoder writers the soft cap
+# (`_ENCODERS_LACK`): (feature, found on a layer, the model's option that sets it).
+_LAYER_SETTINGS = (
     ("RMSNorm", lambda b: "rms" in (getattr(b.attention_norm, "kind", None), b.feedforward_norm.kind),
      lambda b: "normalization='rms_norm'"),
     ("sandwich norms", lambda b: b.attention_post_norm or b.feedforward_post_norm,
@@ -129,11 +122,7 @@ _DECODER_LAYER_SETTINGS = (
     ("gated feed-forward", lambda b: b.feedforward.gate, lambda b: "use_gated_feedforward=True"),
 )
 
-
-# The encoder writers that write each of them too.
-ENCODER_LAYER_SETTINGS = {"RMSNorm": ENCODERS, "rotary positions": ENCODERS, "sliding windows": ENCODERS,
-                          "gated feed-forward": ENCODERS, "grouped-query heads": ENCODERS,
-                          "QK-norm": ENCODERS, "sandwich norms": ENCODERS}
+_ENCODERS_LACK = ("attention logit soft cap",)
 _EMBEDDING, _GET_ITEM = description_lib.EmbeddingStep, description_lib.GetItemStep
 _LOOKUP = description_lib.LookupStep
 _POOLING = description_lib.PoolingStep
@@ -177,27 +166,26 @@ FEATURES = (
         "use_value_norm=True (a norm of each value head)"), frozenset()),
     Feature("block output scale", lambda d, c: any(l.output_scale is not None for l in d.layers) and (
         "use_output_scale=True (a scale on each block's output)"), frozenset()),
-    Feature("attention options not described", lambda d, c: _first(
-        d.layers, lambda l: l.attention.unsupported,
-        lambda l: f"{l.name}: " + "; ".join(f"{k} ({w})" for k, w in l.attention.unsupported)), frozenset()),
-    Feature("gated attention", lambda d, c: _first(
-        d.layers, lambda l: l.attention.gate, lambda l: f"{l.name}: use_gate=True"), frozenset()),
+    Feature("attention options not described", _layer_feature(
+        lambda l: l.attention.unsupported, lambda l: "; ".join(f"{k} ({w})" for k, w in l.attention.unsupported)),
+        frozenset()),
+    Feature("gated attention", _layer_feature(lambda l: l.attention.gate, lambda l: "use_gate=True"), frozenset()),
     Feature("relative position bias", lambda d, c: d.positions.kind == "relative" and (
         "position='relative'"), frozenset(), DECODERS),
     Feature("learned or sinusoidal positions", lambda d, c: d.positions.kind in ("learned", "sinusoidal") and (
         f"position={d.positions.kind!r}"), frozenset({"onnx_signatures"}), DECODERS),
     Feature("LayerNorm", lambda d, c: d.normalization == "layer_norm" and (
         "normalization='layer_norm'"), frozenset({"onnx_signatures"}), DECODERS),
-    *(Feature(name, _layer_feature(test, text), DECODERS | ENCODER_LAYER_SETTINGS.get(name, frozenset()))
-      for name, test, text in _DECODER_LAYER_SETTINGS),
-    Feature("rotary scaling that depends on the length", lambda d, c: _first(
-        d.layers, lambda l: l.attention.rotary is not None and (
+    *(Feature(name, _layer_feature(test, text), DECODERS if name in _ENCODERS_LACK else ALL)
+      for name, test, text in _LAYER_SETTINGS),
+    Feature("rotary scaling that depends on the length", _layer_feature(
+        lambda l: l.attention.rotary is not None and (
             l.attention.rotary.layer.rope_scaling or {}).get("rope_type") in ("dynamic", "longrope"),
-        lambda l: f"{l.name}: rope_scaling={l.attention.rotary.layer.rope_scaling!r} (its frequencies "
+        lambda l: f"rope_scaling={l.attention.rotary.layer.rope_scaling!r} (its frequencies "
                   "depend on the call's length)"), frozenset(), ENCODERS),
-    Feature("a norm over another axis than the last", lambda d, c: _first(
-        d.layers, lambda l: not (getattr(l.attention_norm, "last_axis", True) and l.feedforward_norm.last_axis),
-        lambda l: f"{l.name}: a norm over another axis than the last"), frozenset()),
+    Feature("a norm over another axis than the last", _layer_feature(
+        lambda l: not (getattr(l.attention_norm, "last_axis", True) and l.feedforward_norm.last_axis),
+        lambda l: "a norm over another axis than the last"), frozenset()),
     Feature("dynamic NTK rotary scaling", lambda d, c: (d.positions.rope_scaling or {}).get(
         "rope_type") == "dynamic" and (
         "rope_scaling of type 'dynamic' (its frequencies depend on the call's length)"), frozenset(), DECODERS),

@@ -25,15 +25,10 @@ CALIBRATED = ("int8", "int16x8")
 # Builtins-only TFLite has no assert op: an out-of-range id is clamped (and
 # optionally flagged), see saved_model.ID_CHECKS.
 TFLITE_ID_CHECKS = (None, "clamp", "flag")
-# float32 must match Keras within float32 rounding (`bounds.Float32Bound`). A quantized model's outputs move with
-# its weights' rounding, so it is checked by what each output means (see
-# quality.MEASURES, chosen per output by quality.auto_measures): argmax agreement
-# for logits/scores, per-row cosine for embeddings and hidden states, relative
-# error for the rest. Its max abs error is reported, and checked only when
-# `atol` is given. The thresholds come from measurements on a pretrained
-# sentence encoder (all-MiniLM-L6-v2, benchmarks/RESULTS.md) and on the
-# trained examples; `min_agreement` (the argmax threshold) predates them
-# and overrides DEFAULT_THRESHOLDS[...]["argmax"].
+# float32 must match Keras within float32 rounding (`bounds.Float32Bound`). A
+# quantized model's outputs move with its weights' rounding, so it is checked by
+# what each output means (`quality.MEASURES`), its max abs error only when `atol`
+# is given; `min_agreement` predates the thresholds and overrides their "argmax".
 DEFAULT_ATOL = {None: bounds.DEFAULT, "float16": None, "dynamic": None, "int8": None, "int16x8": None}
 DEFAULT_THRESHOLDS = quality.DEFAULT_THRESHOLDS
 # What int8 keeps in float with `float_ops="transformer"`: everything but the
@@ -43,7 +38,6 @@ DEFAULT_THRESHOLDS = quality.DEFAULT_THRESHOLDS
 # on a trained transformer (benchmarks/RESULTS.md, "Quantization").
 TRANSFORMER_FLOAT_OPS = ("SOFTMAX", "MEAN", "SQUARED_DIFFERENCE", "RSQRT", "SUB", "ADD",
                          "MUL", "DIV", "GELU", "TANH", "LOGISTIC", "BATCH_MATMUL")
-FALLBACK_ATOL = quality.FALLBACK_ATOL
 
 
 def _interpreter(model_content=None, model_path=None, delegates=True):
@@ -206,23 +200,17 @@ def convert(
                 content = _int8_with_float_ops(
                     make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins), float_ops)
                 details["int8_ops"] = f"int8 except {list(float_ops)} (float)"
-            elif quantization == "int8":
+            elif quantization in CALIBRATED:
+                ops_set, every = {
+                    "int8": (tf.lite.OpsSet.TFLITE_BUILTINS_INT8, "all int8 (TFLITE_BUILTINS_INT8)"),
+                    "int16x8": (tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8,
+                                "all int16x8")}[quantization]
                 try:
-                    content = make_converter([tf.lite.OpsSet.TFLITE_BUILTINS_INT8]).convert()
-                    details["int8_ops"] = "all int8 (TFLITE_BUILTINS_INT8)"
-                except Exception:  # noqa: BLE001  some op has no int8 kernel
-                    content = make_converter(
-                        [tf.lite.OpsSet.TFLITE_BUILTINS_INT8] + builtins
-                    ).convert()
-                    details["int8_ops"] = "int8 where a kernel exists, float elsewhere"
-            elif quantization == "int16x8":
-                int16x8 = tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8
-                try:
-                    content = make_converter([int16x8]).convert()
-                    details["int16x8_ops"] = "all int16x8"
-                except Exception:  # noqa: BLE001  some op has no int16x8 kernel
-                    content = make_converter([int16x8] + builtins).convert()
-                    details["int16x8_ops"] = "int16x8 where a kernel exists, float elsewhere"
+                    content = make_converter([ops_set]).convert()
+                    details[f"{quantization}_ops"] = every
+                except Exception:  # noqa: BLE001  some op has no kernel of that kind
+                    content = make_converter([ops_set] + builtins).convert()
+                    details[f"{quantization}_ops"] = f"{quantization} where a kernel exists, float elsewhere"
             else:
                 content = make_converter(builtins).convert()
         except Exception as error:  # the converter raises ConverterError
@@ -295,14 +283,8 @@ def write_tflite(model, path, *, quantization=None, representative_dataset=None,
                  builtin_ops_only=True, check_ids="clamp", float_ops=None, writer="auto"):
     """Writes `model` as TFLite to `path` (no verification); returns the
     details (`convert`'s, plus "writer": "direct" or "converter", and
-    "direct_writer_skipped": why "auto" did not use the direct writer).
-
-    `writer`: "auto" (the direct writer, `tflite_encoder`, for float32 and
-    "dynamic" where it covers the model, else the converter; for a model
-    `tflite_encoder.meant_for` says the direct writer is meant for, with
-    "direct_writer_skipped" and, unless the quantization was the reason, a
-    warning naming why), "direct" (`NotFusableError` naming what it does not
-    cover) or "traced" (the converter; "converter" is deprecated).
+    "direct_writer_skipped": why "auto" did not use the direct writer, for a
+    model `tflite_encoder.meant_for`). `writer`: as `export_tflite`'s.
     """
     writer = writers.check_writer(writer, ("converter",))
     arguments.check_choice("quantization", quantization, QUANTIZATIONS)
@@ -383,43 +365,35 @@ def export_tflite(
             kernel, calibrated likewise); the model's inputs and outputs
             stay float/int32.
         representative_dataset: for "int8" and "int16x8": a
-            `tf.data.Dataset`, a generator function (a callable returning
-            an iterable) or an iterable of input sets (array, list or dict
-            by input name, with or without the batch axis; `(inputs,
-            targets)` pairs are reduced to the inputs). None uses random
+            `tf.data.Dataset`, a generator function or an iterable of input
+            sets (as `calibration_samples` reads them). None uses random
             inputs from the input specs: calibrate on real data, a
             pretrained model's activations on random ids are not its
             activations on text.
         sample_inputs: inputs to verify with (see `export_saved_model`).
-        atol: max abs difference allowed (an absolute bound); None derives
-            float32's from float32 rounding (the magnitude of the Keras
-            outputs and the model's size, `bounds.Float32Bound`; the
-            report's `details["atol_from"]` says how) and does not check the quantized variants' error (reported as
-            `max_abs_error`), which are checked by `measure`.
+        atol: max abs difference allowed; None derives float32's from
+            float32 rounding (the magnitude of the Keras outputs and the
+            model's size, `bounds.Float32Bound`; `details["atol_from"]` says
+            how) and does not check the quantized variants' error (reported
+            as `max_abs_error`; `measure` checks them).
         min_agreement: quantized variants only: the threshold of the
             outputs measured by argmax agreement (kept from before
             `threshold`; `threshold` wins when both are given). None uses
             0.99 for float16, 0.95 for dynamic and int16x8, 0.9 for int8.
         measure: quantized variants only: how each float output is compared
             with Keras (`keras_attn.export.quality.MEASURES`): "auto"
-            (default) picks "argmax" (fraction of rows with Keras's top-1
-            index) for logits/scores: an output whose name contains
-            logit/score/prob/class/label, that comes out of a softmax, or
-            whose last axis is a vocabulary size; "cosine" (per row along
-            the last axis: its minimum and mean) for other vectors
-            (embeddings, hidden states); "relative_error" (`||export -
-            keras|| / ||keras||`) for outputs with one number per row.
-            A measure name applies it to every output; a dict
-            `{output name: measure}` sets some outputs (the rest "auto").
+            (default) picks "argmax" (Keras's top-1 index) for logits and
+            scores (by name, a softmax or a vocabulary-sized last axis,
+            `quality.auto_measures`), "cosine" (per row) for other vectors,
+            "relative_error" for one number per row; a measure name applies
+            to every output, a dict `{output name: measure}` to some (the
+            rest "auto").
         threshold: quantized variants only: the minimum argmax agreement or
             cosine, or the maximum relative error; a number (every output)
             or a dict by output name. None uses `min_agreement` for argmax
-            outputs and `DEFAULT_THRESHOLDS[quantization]` otherwise
-            (cosine 0.999 for float16, 0.98 for the others; relative error
-            0.05 for float16, 0.2 for the others).
-            Each output's measure, value (the worst: smallest agreement or
-            cosine, largest error), mean and threshold are in
-            `report.quality`.
+            outputs and `DEFAULT_THRESHOLDS[quantization]` otherwise.
+            `report.quality` has each output's measure, worst value, mean
+            and threshold.
         float_ops: "int8" only: op types kept in float (their inputs and
             outputs dequantized): "transformer" (`TRANSFORMER_FLOAT_OPS`:
             softmax, normalization, GELU, residual adds and attention
@@ -440,11 +414,10 @@ def export_tflite(
             model and the quantization (float32, "dynamic"), else
             TensorFlow's converter (with a warning naming why for a model
             with `TransformerEncoderBlock`s and 16.8M weights or more,
-            `tflite_encoder.meant_for`); "direct": the direct writer or
-            a `NotFusableError` naming what it does not cover; "traced":
-            always the converter ("converter", deprecated, is "traced").
-            The report's `details["writer"]` says which wrote the file
-            ("direct" or "converter").
+            `tflite_encoder.meant_for`); "direct": the direct writer or a
+            `NotFusableError` naming what it does not cover; "traced": the
+            converter ("converter" is its deprecated name).
+            `details["writer"]` says which ("direct" or "converter").
 
     Returns:
         An `ExportReport` with the builtin ops used.

@@ -33,28 +33,16 @@ TensorFlow's graph, SavedModel or converter:
   embedding scale as the model has them; a prefill signature stops after
   the last layer's cache write (it outputs only the caches).
 
-Weights are float32 or, with `quantization="dynamic"`, int8 per output
-channel, symmetric (zero points 0, `quantized_dimension` 0, the
-converter's dynamic-range layout: FULLY_CONNECTED runs LiteRT's hybrid
-kernels with `asymmetric_quantize_inputs`). With `quantization="int4"`
-they are int4 in blocks of 32 along the input dimension, the layout
-ai-edge-quantizer's `dynamic_wi4b32_afp32` recipe writes: an INT4 tensor
-`(N, K)` packed two codes per byte (the even element in the low nibble),
-symmetric (`max|block| / 7`, no zero points), its `BlockwiseQuantization`
-naming a float16 `(N, K / 32)` tensor of scales rounded to bfloat16's
-precision (XNNPACK's blockwise kernels read them as bfloat16); LiteRT's
-builtin FULLY_CONNECTED and XNNPACK run it with int8 inputs quantized per
-row, and the token table (blocks along the hidden axis) is read by
-EMBEDDING_LOOKUP's blockwise kernel. A weight whose input dimension is not
-a multiple of 32 is written int8 per output channel instead. A tied token
-table is stored once, as the head's weight, and looked up through it
-(GATHER of its rows; int8: CAST and a MUL by the gathered per-row scales,
-as for an untied int8 table; the converter's lookup table is int8 with
-one scale; int4: EMBEDDING_LOOKUP). Every constant is
-written to the file as it is made and addressed by offset after the
-flatbuffer (`Buffer.offset/size`, the converter's
-`_experimental_use_buffer_offset` layout): no 2 GB limit, and one weight in
-memory at a time.
+Weights are quantized as `write_decoder_tflite`'s `quantization` says: int8
+in the converter's dynamic-range layout (FULLY_CONNECTED runs LiteRT's
+hybrid kernels with `asymmetric_quantize_inputs`), int4 in
+ai-edge-quantizer's `dynamic_wi4b32_afp32` layout
+(`tflite_writer.quantize_blocks`), which LiteRT's builtin FULLY_CONNECTED
+and XNNPACK run with int8 inputs quantized per row. A tied token table is
+stored once, as the head's weight, and looked up through it (int8: GATHER,
+CAST and a MUL by the gathered per-row scales, where the converter's
+lookup table is int8 with one scale; int4: EMBEDDING_LOOKUP's blockwise
+kernel). Every constant streams to the file as it is made (`tflite_writer`).
 
 With `lora_rank` (16 or 32), the signatures hold the frozen kernels of a
 model's PEFT-style adapters and take every attention projection's LoRA
@@ -365,18 +353,14 @@ class DecoderBuilder:
             x = g.mul(x, g.const(np.array(self.d.embedding_scale, np.float32)))
         return x
 
-    rms = staticmethod(rms)
-
     # -- one signature ----------------------------------------------------
     def signature(self, name, length, with_logits):
         g = Graph(self.w, name)
         d, t_len, S = self.d, length, self.max_length
         tokens = g.tensor(f"{name}_tokens", (1, t_len), np.int32)
         input_pos = g.tensor(f"{name}_input_pos", (t_len,), np.int32)
-        caches = []
-        for i, (_, kv, hd) in enumerate(self.sizes):
-            caches.append([g.tensor(f"{name}_kv_cache_{kind}_{i}", (1, S, kv, hd), np.float32)
-                           for kind in "kv"])
+        caches = [[g.tensor(f"{name}_kv_cache_{kind}_{i}", (1, S, kv, hd), np.float32) for kind in "kv"]
+                  for i, (_, kv, hd) in enumerate(self.sizes)]
         inputs = [("tokens", tokens), ("input_pos", input_pos)] + [
             (f"kv_cache_{kind}_{i}", caches[i][j]) for i in range(len(caches)) for j, kind in enumerate("kv")]
         self.lora = {}  # (layer, letter) -> (a', b') input tensors of this signature
@@ -455,7 +439,7 @@ class DecoderBuilder:
             attention = layer.attention
             heads, kv, hd = self.sizes[i]
             groups = heads // kv
-            h = self.rms(g, x, layer.attention_norm.epsilon)
+            h = rms(g, x, layer.attention_norm.epsilon)
             q, k, v = self._qkv(g, h, layer, i)
             q = g.reshape(q, (B, t_len, heads, hd))
             k = g.reshape(k, (B, t_len, kv, hd))
@@ -563,7 +547,7 @@ class DecoderBuilder:
             k = self._rms_norm(g, k, attention.key_norm)
         if attention.rotary is not None:
             cos, sin = self._rotary(g, attention.rotary, rows)
-            q, k = self._rotate(g, q, cos, sin), self._rotate(g, k, cos, sin)
+            q, k = rotate(g, q, cos, sin), rotate(g, k, cos, sin)
         return q, k
 
     def _softmax(self, g, scores, attention, seen, neg):
@@ -582,17 +566,16 @@ class DecoderBuilder:
                                       f"{base}/attn/o")
         if self.lora:
             branch = g.add(branch, self._lora_update(g, attended, i, "o"))
-        x = g.add(x, self._post_norm(g, branch, layer.attention_post_norm))
+        x = g.add(x, self._rms_norm(g, branch, layer.attention_post_norm))
         branch = self._feedforward(g, x, layer, base)
-        return g.add(x, self._post_norm(g, branch, layer.feedforward_post_norm))
-
-    def _post_norm(self, g, x, layer):
-        """A sandwich norm (`layer`, RMSNorm) after a residual branch, or `x`."""
-        return x if layer is None else self._rms_norm(g, x, layer)
+        return g.add(x, self._rms_norm(g, branch, layer.feedforward_post_norm))
 
     def _rms_norm(self, g, x, norm, factor=np.float32(1.0)):
-        """The RMSNorm `norm` of `x` over its last axis, its scale times `factor`."""
-        return g.mul(self.rms(g, x, norm.epsilon), g.const(norm.scale.read() * factor))
+        """The RMSNorm `norm` of `x` over its last axis, its scale times
+        `factor`; `x` where `norm` is None (a sandwich norm the layer lacks)."""
+        if norm is None:
+            return x
+        return g.mul(rms(g, x, norm.epsilon), g.const(norm.scale.read() * factor))
 
     def _logits(self, g, x, leading):
         """The final RMSNorm, the head and the final soft cap over `x` `(B T,
@@ -600,7 +583,7 @@ class DecoderBuilder:
         stored (the final norm's scale multiplies `h` instead of the head's weight)."""
         d = self.d
         gamma = np.array(d.final_norm.scale.read())
-        h = self.rms(g, x, d.final_norm.epsilon)
+        h = rms(g, x, d.final_norm.epsilon)
         if d.tied:
             logits = self.fully_connected(g, g.mul(h, g.const(gamma, "final_norm/scale")), "lm_head",
                                           lambda: d.embedding.read().T, None, "lm_head")
@@ -633,12 +616,10 @@ class DecoderBuilder:
                       (g.shape(rows)[0], 1, -1))
             for part, table in (("cos", cos_table), ("sin", sin_table))))
 
-    _rotate = staticmethod(rotate)
-
     def _feedforward(self, g, x, layer, base):
         norm, feedforward = layer.feedforward_norm, layer.feedforward
         gamma = norm.scale.read()
-        h = self.rms(g, x, norm.epsilon)
+        h = rms(g, x, norm.epsilon)
 
         def folded(dense, part):
             return self.fully_connected(g, h, f"{base}/{part}", dense.kernel.read, dense.read_bias(),

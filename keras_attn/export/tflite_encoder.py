@@ -6,43 +6,32 @@ converted BERT (benchmarks/RESULTS.md, "Real sizes (issue 36): encoder
 exports"). `write_encoder_tflite` instead reads the model's description
 (`keras_attn.description.read_encoder`) and writes each step op by op with
 the builtin ops the converter emits for it, each weight once (read as a view
-of its variable), streamed to the file as it is made
-(`keras_attn.export.tflite_writer`: constants after the flatbuffer, no 2 GB
-limit). `tflite.export_tflite` uses it wherever it covers the model
-(`writer="auto"`) and the converter for the rest.
-
-It covers what the direct ONNX writer covers but negative indices and inputs
-of other ranks than `(batch, length)` and float `(batch, length, features)`
-(the capability table, `keras_attn.export.capabilities`, "tflite_encoder");
+of its variable), streamed to the file as it is made (`tflite_writer`).
+`tflite.export_tflite` uses it wherever it covers the model (`writer="auto"`):
+what the direct ONNX writer covers but negative indices and inputs of other
+ranks than `(batch, length)` and float `(batch, length, features)` (the
+capability table, `keras_attn.export.capabilities`, "tflite_encoder");
 anything else raises `NotFusableError` with the table's reason.
 
 The graph is the converter's: the signature `serving_default` with the
 model's input names (`serving_default_<name>:0` tensors) and output names
 (`StatefulPartitionedCall:<k>`), dynamic batch and sequence axes; the
 sequence runs as `(batch * length, features)` rows through FULLY_CONNECTED;
-LayerNorm as MEAN, SQUARED_DIFFERENCE, MEAN, ADD, RSQRT, SUB, MUL, MUL, ADD
-(what the converter emits for Keras's LayerNormalization); attention as
-TRANSPOSE, BATCH_MATMUL, the masked logits' bias ADD, SOFTMAX, BATCH_MATMUL,
-with query rows that see no key zeroed (as Keras's attention does) rather
-than NaN (a window: the symmetric band `|i - j| < window`, one per window
-size; rotary positions as `RotaryEmbedding` computes them, from the
-positions `0 .. T - 1`; grouped key/value heads repeated per query head;
-QK-norm before the rotation); GELU as the builtin GELU (`approximate` as the model has it); a
-sentence embedding's pooling as masked sums over the tokens (CUMSUM of the
-mask picks the first and last token), its L2 normalization SUM, RSQRT,
-MINIMUM, MUL, its truncation a SLICE. The
-`1/sqrt(head_size)` query scale is folded into the query weights (exact in
-real arithmetic). The integer inputs that feed an embedding are clamped into
-range at the graph's entry (`check_ids="clamp"`), and flagged with a
-`valid` output (`"flag"`), as `saved_model.serving_function` does for the
-converter.
+LayerNorm as the converter emits Keras's; attention as BATCH_MATMUL, the
+masked logits' bias ADD, SOFTMAX, BATCH_MATMUL, with query rows that see no
+key zeroed (as Keras's attention does) rather than NaN; a sentence
+embedding's pooling as masked sums over the tokens. The `1/sqrt(head_size)`
+query scale is folded into the query weights (exact in real arithmetic).
+The integer inputs that feed an embedding are clamped into range at the
+graph's entry (`check_ids="clamp"`), and flagged with a `valid` output
+(`"flag"`), as `saved_model.serving_function` does for the converter.
 
 Weights are float32, or with `quantization="dynamic"` int8 per output
 channel with LiteRT's hybrid FULLY_CONNECTED (`asymmetric_quantize_inputs`),
 and the token table int8 per row (GATHER, CAST, MUL by the rows' scales).
 """
 
-import types
+import collections
 
 import numpy as np
 
@@ -61,6 +50,12 @@ ID_CHECKS = (None, "clamp", "flag")
 SIGNATURE_KEY = "serving_default"
 # See `meant_for`: 16.8M parameters, 64 MiB of float32 (BERT-base: 110M).
 MEANT_FOR_PARAMETERS = 1 << 24
+# A description value's tensor, and for a `(B, T, ...)` tensor kept as
+# `(B * T, ...)` rows, the `(2,)` int32 shape `(B, T)` (else None).
+Value = collections.namedtuple("Value", "index rows")
+# The steps whose output keeps the rows of their input (`_EncoderBuilder.row_wise`).
+_ROW_WISE = (description_lib.ArithmeticStep, description_lib.NormStep, description_lib.DenseStep,
+             description_lib.CompareStep, description_lib.NormalizeStep, description_lib.TruncateStep)
 
 
 def meant_for(model):
@@ -109,10 +104,7 @@ def write_encoder_tflite(model, path, *, quantization=None, check_ids="clamp"):
 
 
 class _EncoderBuilder:
-    """The subgraph under construction. A description value's tensor is a
-    `SimpleNamespace(index, rows)`: its tensor, and for a `(B, T, ...)`
-    tensor kept as `(B * T, ...)` rows, the `(2,)` int32 shape `(B, T)`
-    (else None)."""
+    """The subgraph under construction; `values`: each description value's `Value`."""
 
     def __init__(self, writer, int8):
         self.g = tflite_writer.Graph(writer, SIGNATURE_KEY)
@@ -164,16 +156,15 @@ class _EncoderBuilder:
         g = self.g
         if norm.kind == "rms":
             return g.mul(tflite_decoder.rms(g, x, norm.epsilon), self.const(norm.scale.read(), np.float32))
-        gamma, epsilon = norm.scale.read(), norm.epsilon
         axis = self.const([-1], np.int32)
         reduced = g.shape(x)[:-1] + (1,)
         mean = g.op("MEAN", [x, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
         square = g.binary("SQUARED_DIFFERENCE", x, mean)
         var = g.op("MEAN", [square, axis], reduced, np.float32, "ReducerOptions", keepDims=True)
-        var = g.add(var, self.const(epsilon, np.float32))
+        var = g.add(var, self.const(norm.epsilon, np.float32))
         scale = g.op("RSQRT", [var], reduced)
         centered = g.binary("SUB", x, mean)
-        y = g.mul(g.mul(centered, scale), self.const(gamma, np.float32))
+        y = g.mul(g.mul(centered, scale), self.const(norm.scale.read(), np.float32))
         return y if norm.bias is None else g.add(y, self.const(norm.bias.read(), np.float32))
 
     def lookup(self, table, ids, name, wrap, int8=False):
@@ -213,7 +204,7 @@ class _EncoderBuilder:
         x = g.reshape(x, (-1, positions.shape[1]))
         if step.norm is not None:
             x = self.norm(x, step.norm)
-        return types.SimpleNamespace(index=x, rows=rows)
+        return Value(x, rows)
 
     def positions(self, rows):
         """The int32 positions `0 .. T - 1` `(T,)`."""
@@ -237,8 +228,7 @@ class _EncoderBuilder:
         mask = None
         if padding is not None:
             if g.dtype(padding) != np.bool_:
-                zero = self.const(0, g.dtype(padding))
-                padding = g.binary("NOT_EQUAL", padding, zero)
+                padding = g.binary("NOT_EQUAL", padding, self.const(0, g.dtype(padding)))
             mask = self.reshape(padding, self.shape_of(rows, "B", 1, 1, "T"), (None, 1, 1, None))
         if causal or window is not None:
             steps = self.positions(rows)
@@ -340,7 +330,7 @@ class _EncoderBuilder:
                 h = g.add(h, y if post_norm is None else self.norm(y, post_norm))
             else:
                 h = self.norm(g.add(h, fn(h)), norm)
-        return types.SimpleNamespace(index=h, rows=rows)
+        return Value(h, rows)
 
     def repeat_heads(self, x, rows, kv_heads, group, head):
         """`(B, T, H_kv, d)` -> `(B, T, H_kv * group, d)`, each head `group` times in a row."""
@@ -379,7 +369,7 @@ class _EncoderBuilder:
             same = g.binary("EQUAL", a, b)
             return g.op("CAST", [same], g.shape(same), np.float32, "CastOptions")
 
-        def take(selected):  # the token where `selected` (B, T) is 1 (zeros where none is)
+        def take(selected):  # the sum of the tokens where `selected` (B, T) is 1
             return self.reduce("SUM", g.mul(h, self.expand_last(selected)), 1, False)
 
         counted = cumsum(tokens)  # tokens up to each position
@@ -394,7 +384,7 @@ class _EncoderBuilder:
             elif mode == "lasttoken":  # the last token; zeros in a row without one
                 vectors.append(take(g.mul(equal(counted, count), tokens)))
             else:  # "mean", "mean_sqrt_len_tokens"
-                total = self.reduce("SUM", g.mul(h, self.expand_last(tokens)), 1, False)
+                total = take(tokens)
                 divisor = g.binary("MAXIMUM", count, self.const(MIN_COUNT, np.float32))
                 if mode == "mean_sqrt_len_tokens":
                     divisor = g.op("SQRT", [divisor], g.shape(divisor))
@@ -406,18 +396,24 @@ class _EncoderBuilder:
         return self.g.op("EXPAND_DIMS", [x, self.const(-1, np.int32)], self.g.shape(x) + (1,),
                          self.g.dtype(x), "ExpandDimsOptions")
 
-    def normalize(self, step, x):
-        """`x * min(rsqrt(sum(x ** 2)), 1 / epsilon)` over the last axis."""
+    def row_wise(self, step, x):
+        """The tensor of a step of `_ROW_WISE` over `x`: its rows stay the input's."""
         g = self.g
-        inverse = g.op("RSQRT", [self.reduce("SUM", g.mul(x, x), -1, True)], g.shape(x)[:-1] + (1,))
-        return g.mul(x, g.binary("MINIMUM", inverse, self.const(1.0 / step.epsilon, np.float32)))
-
-    def truncate(self, step, x):
-        """The first `step.size` features of the last axis."""
-        rank = len(self.g.shape(x))
-        return self.g.op("SLICE", [x, self.const([0] * rank, np.int32),
-                                   self.const([-1] * (rank - 1) + [step.size], np.int32)],
-                         self.g.shape(x)[:-1] + (step.size,), self.g.dtype(x), "SliceOptions")
+        if isinstance(step, description_lib.ArithmeticStep):
+            other = self.values[step.other].index if step.other is not None else self.const(step.scalar, np.float32)
+            return g.binary({"add": "ADD", "multiply": "MUL"}[step.op], x, other)
+        if isinstance(step, description_lib.NormStep):
+            return self.norm(x, step.norm)
+        if isinstance(step, description_lib.DenseStep):
+            return self.dense(x, step.dense, step.activation, step.name)
+        if isinstance(step, description_lib.CompareStep):
+            return g.binary("EQUAL" if step.equal else "NOT_EQUAL", x, self.const(step.scalar, g.dtype(x)))
+        if isinstance(step, description_lib.NormalizeStep):  # x * min(rsqrt(sum(x ** 2)), 1 / epsilon)
+            inverse = g.op("RSQRT", [self.reduce("SUM", g.mul(x, x), -1, True)], g.shape(x)[:-1] + (1,))
+            return g.mul(x, g.binary("MINIMUM", inverse, self.const(1.0 / step.epsilon, np.float32)))
+        rank = len(g.shape(x))  # TruncateStep: the first `step.size` features
+        return g.op("SLICE", [x, self.const([0] * rank, np.int32), self.const([-1] * (rank - 1) + [step.size], np.int32)],
+                    g.shape(x)[:-1] + (step.size,), g.dtype(x), "SliceOptions")
 
     # -- the model ------------------------------------------------------------
     def inputs(self, encoder, check_ids):
@@ -448,7 +444,7 @@ class _EncoderBuilder:
                                (g.shape(same)[0],), np.int32, "ReducerOptions", keepDims=False)
                     valid = row if valid is None else g.binary("MINIMUM", valid, row)
                 index = clamped
-            self.values[tensor.value] = types.SimpleNamespace(index=index, rows=rows)
+            self.values[tensor.value] = Value(index, rows)
         if check_ids == "flag":
             if valid is None:  # no embedded input: every row is valid
                 first = graph_inputs[encoder.inputs[0].name]
@@ -463,51 +459,28 @@ class _EncoderBuilder:
         clamped = {t.value for t in encoder.inputs if check_ids and t.vocabulary is not None}
         v = self.values
         for step in encoder.steps:
+            x = v[step.input]
             if isinstance(step, description_lib.BlockStep):
-                padding = None if step.padding is None else v[step.padding].index
-                result = self.block(step, v[step.input], padding)
+                result = self.block(step, x, None if step.padding is None else v[step.padding].index)
             elif isinstance(step, description_lib.EmbeddingStep):
                 types_ = None if step.type_ids is None else v[step.type_ids].index
-                result = self.embedding(step, v[step.input].index, types_, step.input in clamped)
+                result = self.embedding(step, x.index, types_, step.input in clamped)
             elif isinstance(step, description_lib.LookupStep):
-                ids = v[step.input].index
-                x = self.lookup(step.table.read(), ids, step.name, wrap=step.input not in clamped,
-                                int8=self.quantization is not None)
-                result = types.SimpleNamespace(index=g.reshape(x, (-1, step.table.shape[1])), rows=self.rows_of(ids))
-            elif isinstance(step, description_lib.ArithmeticStep):
-                x = v[step.input]
-                other = v[step.other].index if step.other is not None else self.const(step.scalar, np.float32)
-                index = g.binary({"add": "ADD", "multiply": "MUL"}[step.op], x.index, other)
-                result = types.SimpleNamespace(index=index, rows=x.rows)
-            elif isinstance(step, description_lib.NormStep):
-                x = v[step.input]
-                result = types.SimpleNamespace(index=self.norm(x.index, step.norm), rows=x.rows)
-            elif isinstance(step, description_lib.DenseStep):
-                x = v[step.input]
-                index = self.dense(x.index, step.dense, step.activation, step.name)
-                result = types.SimpleNamespace(index=index, rows=x.rows)
-            elif isinstance(step, description_lib.CompareStep):
-                x = v[step.input]
-                index = g.binary("EQUAL" if step.equal else "NOT_EQUAL", x.index,
-                                 self.const(step.scalar, g.dtype(x.index)))
-                result = types.SimpleNamespace(index=index, rows=x.rows)
+                rows = self.lookup(step.table.read(), x.index, step.name, wrap=step.input not in clamped,
+                                   int8=self.quantization is not None)
+                result = Value(g.reshape(rows, (-1, step.table.shape[1])), self.rows_of(x.index))
             elif isinstance(step, description_lib.PoolingStep):
-                index = self.pooling(step, v[step.input], self.unflatten(v[step.mask]))
-                result = types.SimpleNamespace(index=index, rows=None)
-            elif isinstance(step, description_lib.NormalizeStep):
-                x = v[step.input]
-                result = types.SimpleNamespace(index=self.normalize(step, x.index), rows=x.rows)
-            elif isinstance(step, description_lib.TruncateStep):
-                x = v[step.input]
-                result = types.SimpleNamespace(index=self.truncate(step, x.index), rows=x.rows)
+                result = Value(self.pooling(step, x, self.unflatten(v[step.mask])), None)
             elif isinstance(step, description_lib.GetItemStep):
-                index = self.unflatten(v[step.input])
+                index = self.unflatten(x)
                 for axis in reversed(range(len(step.key))):
                     if step.key[axis] is not None:
                         index = g.gather(index, self.const(step.key[axis], np.int32), axis=axis)
-                result = types.SimpleNamespace(index=index, rows=None)
+                result = Value(index, None)
+            elif isinstance(step, _ROW_WISE):
+                result = Value(self.row_wise(step, x.index), x.rows)
             else:  # a Step as it is
-                result = v[step.input]
+                result = x
             v[step.output] = result
         outputs = []
         taken = set(graph_inputs.values())

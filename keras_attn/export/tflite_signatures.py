@@ -11,12 +11,9 @@ SavedModel or converter (which hold several copies of the weights):
 with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
 clamped into range and a bool output `valid` (False when anything was
 clamped). The inputs, outputs and subgraphs are named and ordered as the
-converter's model has them. The decoder's layers and the rotary tables
-are `keras_attn.export.tflite_decoder.DecoderBuilder`'s; the weights
-(float32, int8 per output channel or int4 blocks, quantized as they are
-written), the layers every TFLite writer shares and the streaming of the
-constants after the flatbuffer are `keras_attn.export.tflite_writer`'s;
-what differs from LiteRT-LM's model:
+converter's model has them. The layers, weights and rotary tables are
+`keras_attn.export.tflite_decoder.DecoderBuilder`'s; what differs from
+LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
@@ -168,10 +165,7 @@ class SignatureBuilder(tflite_decoder.DecoderBuilder):
         ids, conditions = self._check_ids(g, ids_in)
         index = g.reshape(index_in, (1,))
         # The slots held: S, or the length of the part passed to `decode_step`.
-        if step:
-            held = g.dims(cache_in, 3, 1)
-        else:
-            held = g.const(np.array([S], np.int32))
+        held = g.dims(cache_in, 3, 1) if step else g.const(np.array([S], np.int32))
         if self.flag:
             zero = g.const(np.array([0], np.int32))
             if self.ring_window:

@@ -1,20 +1,14 @@
 """A TFLite flatbuffer written op by op, its constants streamed after it.
 
-What the direct TFLite writers (`tflite_decoder` for LiteRT-LM decoders,
-`tflite_signatures` for the prefill/decode signatures, `tflite_encoder` for
-Transformer encoders) share: `Writer` holds the model's
-buffers and operator codes and streams every constant larger than
-`INLINE_MAX_BYTES` to a data file as it is made; `Graph` builds one
-subgraph (tensors with their static shapes, None for a dynamic axis, and
-builtin operators, with the layers every writer writes: fully connected
-layers with their weights quantized as they are written (`quantize`),
-activations, int8 table lookups, and the subgraph with its signature);
-`Writer.write` packs the flatbuffer with each constant
-addressed by offset after it (`Buffer.offset/size`, the converter's
-`_experimental_use_buffer_offset` layout: no 2 GB limit, one weight in memory
-at a time) and appends the data file; `write_model(path, build)` runs the
-whole: a `Writer` whose data file lives in a temporary folder beside
-`path`, the subgraphs `build(writer)` makes, the file.
+What the direct TFLite writers (`tflite_decoder`, `tflite_signatures`,
+`tflite_encoder`) share: `Writer` holds the model's buffers and operator
+codes and streams every constant larger than `INLINE_MAX_BYTES` to a data
+file as it is made; `Graph` builds one subgraph and the layers every writer
+writes (fully connected layers with their weights quantized as they are
+written, activations, int8 table lookups); `write_model(path, build)` packs
+the flatbuffer with each constant addressed by offset after it
+(`Buffer.offset/size`, the converter's `_experimental_use_buffer_offset`
+layout: no 2 GB limit, one weight in memory at a time).
 """
 
 import hashlib
@@ -99,12 +93,9 @@ class Writer:
         model.subgraphs = subgraphs
         model.signatureDefs = signatures
         model.buffers = self.buffers
-        # As the converter marks a model whose buffers follow the flatbuffer.
-        metadata = s.MetadataT()
-        metadata.name = "buffer_location"
-        metadata.buffer = self.location_buffer
-        model.metadata = [metadata]
-        for name, field in self.metadata:
+        model.metadata = []
+        # "buffer_location": as the converter marks a model whose buffers follow the flatbuffer.
+        for name, field in [("buffer_location", self.location_buffer)] + self.metadata:
             entry = s.MetadataT()
             entry.name = name
             entry.buffer = field
@@ -183,20 +174,20 @@ def quantize_rows(weight):
     return codes, scales
 
 
-def quantize_blocks(weight, block_size=BLOCK_SIZE):
-    """int4 codes of `weight` `(N, K)` in blocks of `block_size` along K:
+def quantize_blocks(weight):
+    """int4 codes of `weight` `(N, K)` in blocks of `BLOCK_SIZE` along K:
     `(packed, scales)`, `packed` uint8 `(N, K / 2)` (element `2j` of a row
     in the low nibble of byte `j`, `2j + 1` in the high one) and `scales`
-    float16 `(N, K / block_size)`, one symmetric scale per block,
+    float16 `(N, K / BLOCK_SIZE)`, one symmetric scale per block,
     `max|block| / 7` rounded to bfloat16's 8 significant bits;
     `codes * scales` (repeated over each block) approximates `weight`."""
     n, k = weight.shape
-    blocks = k // block_size
+    blocks = k // BLOCK_SIZE
     packed = np.empty((n, k // 2), np.uint8)
     scales = np.empty((n, blocks), np.float16)
     step = max(1, SLAB_NUMBERS // max(1, k))
     for start in range(0, n, step):
-        rows = weight[start:start + step].reshape(-1, blocks, block_size)
+        rows = weight[start:start + step].reshape(-1, blocks, BLOCK_SIZE)
         scale = np.minimum(np.abs(rows).max(axis=2) / np.float32(7.0), np.float32(_SCALE_MAX))
         scale = scale.astype(ml_dtypes.bfloat16).astype(np.float16)
         scales[start:start + step] = scale
@@ -264,9 +255,8 @@ class Graph:
         s = self.s
         t = s.TensorT()
         t.name = name
-        dynamic = any(d is None for d in shape)
         t.shape = np.array([1 if d is None else d for d in shape], np.int32)
-        if dynamic:
+        if None in shape:
             t.shapeSignature = np.array([-1 if d is None else d for d in shape], np.int32)
         t.type = DTYPES[np.dtype(dtype)]
         t.buffer = buffer
@@ -283,8 +273,8 @@ class Graph:
     def dtype(self, x):
         return self.shapes[x][1]
 
-    def const(self, array, name=None, dtype=None):
-        array = np.asarray(array, dtype)
+    def const(self, array, name=None):
+        array = np.asarray(array)
         buffer = self.w.buffer(array)
         key = (buffer, array.shape, array.dtype.str)
         if key not in self.consts:
@@ -361,12 +351,10 @@ class Graph:
         return options
 
     # Elementwise helpers (shapes broadcast as NumPy's).
-    def binary(self, name, a, b, dtype=None, options=None):
-        """`a name b`: a comparison's or LOGICAL_AND's result is bool; the
-        options are the op's own (`BINARY_OPTIONS`) unless given."""
-        shape = broadcast(self.shape(a), self.shape(b))
-        dtype = dtype or (np.bool_ if name in _BOOLEAN_RESULTS else self.dtype(a))
-        return self.op(name, [a, b], shape, dtype, options or BINARY_OPTIONS[name])
+    def binary(self, name, a, b):
+        """`a name b`: a comparison's or LOGICAL_AND's result is bool."""
+        dtype = np.bool_ if name in _BOOLEAN_RESULTS else self.dtype(a)
+        return self.op(name, [a, b], broadcast(self.shape(a), self.shape(b)), dtype, BINARY_OPTIONS[name])
 
     def add(self, a, b):
         return self.binary("ADD", a, b)
@@ -413,11 +401,10 @@ class Graph:
         shape = self.op("SHAPE", [x], (len(self.shape(x)),), np.int32, "ShapeOptions", outType=2)
         return shape if count is None else self.slice(shape, [start], [count], (count,))
 
-    def gather(self, table, ids, axis=0, dtype=None):
+    def gather(self, table, ids, axis=0):
         t, i = self.shape(table), self.shape(ids)
         axis = axis % len(t)
-        shape = t[:axis] + i + t[axis + 1:]
-        return self.op("GATHER", [table, ids], shape, dtype or self.dtype(table),
+        return self.op("GATHER", [table, ids], t[:axis] + i + t[axis + 1:], self.dtype(table),
                        self.options("GatherOptions", axis=axis, batchDims=0))
 
     # Layers every writer writes.
@@ -496,25 +483,19 @@ class Graph:
 
 
 def broadcast(a, b):
+    """NumPy's broadcast of two static shapes (None: a dynamic axis)."""
     rank = max(len(a), len(b))
-    a = (1,) * (rank - len(a)) + tuple(a)
-    b = (1,) * (rank - len(b)) + tuple(b)
-    out = []
-    for x, y in zip(a, b):
-        if x is None or y is None:
-            out.append(y if x == 1 else x if y == 1 else None)
-        else:
-            out.append(max(x, y))
-    return tuple(out)
+    a, b = ((1,) * (rank - len(shape)) + tuple(shape) for shape in (a, b))
+    return tuple(max(x, y) if None not in (x, y) else y if x == 1 else x if y == 1 else None
+                 for x, y in zip(a, b))
 
 
 def write_model(path, build, description="keras_attn direct TFLite writer"):
     """Writes the TFLite model `build(writer)` makes to `path`.
 
-    `build` takes a `Writer` and returns `[(subgraph, signature), ...]` in
-    subgraph order; every constant it makes streams to a temporary data file
-    beside `path` as it is made and lands after the flatbuffer, addressed by
-    offset. `description` is the model's description field.
+    `build` takes a `Writer` (its data file in a temporary folder beside
+    `path`) and returns `[(subgraph, signature), ...]` in subgraph order.
+    `description` is the model's description field.
 
     Returns:
         `{"buffers": n, "weight_bytes": bytes after the flatbuffer,
