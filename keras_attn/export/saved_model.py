@@ -137,8 +137,7 @@ def serving_function(model, check_ids=False):
             inputs, valid = _checked_ids(inputs, vocabularies, mode)
         args = [inputs[s.name] for s in specs]
         outputs = model(args if len(args) > 1 else args[0], training=False)
-        flat = keras.tree.flatten(outputs)
-        result = {name: tensor for name, tensor in zip(names, flat)}
+        result = dict(zip(names, keras.tree.flatten(outputs)))
         if mode == "flag":
             if valid is None:  # no embedded input: every row is valid
                 valid = tf.fill(tf.shape(args[0])[:1], True)
