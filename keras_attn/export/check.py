@@ -77,8 +77,7 @@ def check_exportable(model, formats=FORMATS):
         try:
             model = precision.float32_copy(model)
         except report.ExportError as error:
-            message = _first_line(error)
-            return ExportabilityReport({fmt: message for fmt in formats}, [], warnings)
+            return ExportabilityReport({fmt: _first_line(error) for fmt in formats}, [], warnings)
         warnings.append(
             f"{len(low)} layers and sublayers compute in {policies}: the exporters export a float32 "
             "copy (same architecture and weights, float32 dtype policies) and verify "
