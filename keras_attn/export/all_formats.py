@@ -15,8 +15,9 @@ from keras_attn.export.report import FORMATS
 LABELS = {"saved_model": "SavedModel", "tflite": "TFLite", "onnx": "ONNX"}
 
 
-def _key(fmt, quantization):
-    return fmt if quantization is None else f"{fmt}_{quantization}"
+def _suffixed(base, quantization):
+    """A report key (`base` a format) or a file stem (`base` the name)."""
+    return base if quantization is None else f"{base}_{quantization}"
 
 
 def _label(fmt, quantization):
@@ -121,20 +122,16 @@ def export_all(
                             onnx_lib.QUANTIZATIONS, kind="sequence")
     arguments.check_choice("on_error", on_error, ("raise", "continue"))
     name = arguments.check_name("name", model.name if name is None else name, "file name")
-    jobs = []
-    for fmt in FORMATS:
-        if fmt not in formats:
-            continue
-        variants = {"tflite": tflite_quantizations, "onnx": onnx_quantizations}.get(fmt, (None,))
-        for quantization in variants:
-            jobs.append((fmt, quantization))
-    keys = [_key(f, q) for f, q in jobs]
+    variants = {"tflite": tflite_quantizations, "onnx": onnx_quantizations}
+    jobs = [(fmt, quantization) for fmt in FORMATS if fmt in formats
+            for quantization in variants.get(fmt, (None,))]
+    keys = [_suffixed(f, q) for f, q in jobs]
     if not isinstance(atol, dict):
         atol = arguments.resolve_atol(atol, None)
     atols = arguments.by_key("atol", atol, keys)
     if not isinstance(min_agreement, dict):
         min_agreement = arguments.resolve_min_agreement(min_agreement, None)
-    quantized_keys = [_key(f, q) for f, q in jobs if f == "tflite" and q is not None]
+    quantized_keys = [_suffixed(f, q) for f, q in jobs if f == "tflite" and q is not None]
     agreements = arguments.by_key("min_agreement", min_agreement, quantized_keys)
     samples = model_io.normalize_samples(model, sample_inputs)
     # Once for every format (one warning); the exporters then get a float32 model.
@@ -154,11 +151,16 @@ def export_all(
         # before the next starts: the peak is the largest format's, not a sum.
         staging.release_memory()
         label = _label(fmt, quantization)
+        stem = _suffixed(name, quantization)
         kwargs = {"sample_inputs": samples}
         if check_ids is not None:
             kwargs["check_ids"] = check_ids
         if atols[key] is not None:
             kwargs["atol"] = atols[key]
+        if agreements.get(key) is not None:
+            kwargs["min_agreement"] = agreements[key]
+        if quantization is not None:
+            kwargs.update(measure=measure, threshold=threshold)
         try:
             if fmt == "saved_model":
                 written = saved_model_lib.export_saved_model(
@@ -166,24 +168,16 @@ def export_all(
                     version=version, **kwargs,
                 )
             elif fmt == "tflite":
-                if agreements.get(key) is not None:
-                    kwargs["min_agreement"] = agreements[key]
-                if quantization is not None:
-                    kwargs.update(measure=measure, threshold=threshold)
                 if quantization in tflite_lib.CALIBRATED:
                     kwargs["representative_dataset"] = representative_dataset
-                suffix = "" if quantization is None else f"_{quantization}"
                 written = tflite_lib.export_tflite(
-                    model, os.path.join(output_dir, f"{name}{suffix}.tflite"),
-                    quantization=quantization, **kwargs,
+                    model, os.path.join(output_dir, f"{stem}.tflite"), quantization=quantization,
+                    **kwargs,
                 )
             else:
-                if quantization is not None:
-                    kwargs.update(measure=measure, threshold=threshold)
-                suffix = "" if quantization is None else f"_{quantization}"
                 written = onnx_lib.export_onnx(
-                    model, os.path.join(output_dir, f"{name}{suffix}.onnx"), opset=opset,
-                    quantization=quantization, **kwargs
+                    model, os.path.join(output_dir, f"{stem}.onnx"), opset=opset,
+                    quantization=quantization, **kwargs,
                 )
         except Exception as error:  # noqa: BLE001  re-raised unless on_error="continue"
             if on_error == "raise":

@@ -56,26 +56,24 @@ def check_name(arg_name, value, what):
     return value
 
 
-def resolve_atol(atol, default):
-    if atol is None:
+def _resolve_number(arg_name, value, default, in_range, expected):
+    if value is None:
         return default
-    if not _is_number(atol) or not atol >= 0:
+    if not _is_number(value) or not in_range(value):
         raise ValueError(
-            f"Received an invalid value for argument `atol`, expected a "
-            f"non-negative number or None. Received: atol={atol!r}"
+            f"Received an invalid value for argument `{arg_name}`, expected "
+            f"{expected} or None. Received: {arg_name}={value!r}"
         )
-    return float(atol)
+    return float(value)
+
+
+def resolve_atol(atol, default):
+    return _resolve_number("atol", atol, default, lambda v: v >= 0, "a non-negative number")
 
 
 def resolve_min_agreement(min_agreement, default):
-    if min_agreement is None:
-        return default
-    if not _is_number(min_agreement) or not 0 <= min_agreement <= 1:
-        raise ValueError(
-            "Received an invalid value for argument `min_agreement`, expected a "
-            f"number in [0, 1] or None. Received: min_agreement={min_agreement!r}"
-        )
-    return float(min_agreement)
+    return _resolve_number("min_agreement", min_agreement, default, lambda v: 0 <= v <= 1,
+                           "a number in [0, 1]")
 
 
 def resolve_measures(model, measure):

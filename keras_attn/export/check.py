@@ -65,22 +65,19 @@ def check_exportable(model, formats=FORMATS):
     arguments.check_formats(formats)
     model = model_io.as_functional(model)
     model_io.input_specs(model)
-    problems = {}
-    warnings = []
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.Lambda):
-            warnings.append(
-                f"Lambda layer '{layer.name}': keras.saving.load_model(safe_mode=True) "
-                "(used by `keras-attn export`) refuses it; write a registered layer."
-            )
+    warnings = [
+        f"Lambda layer '{layer.name}': keras.saving.load_model(safe_mode=True) "
+        "(used by `keras-attn export`) refuses it; write a registered layer."
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.Lambda)
+    ]
     low = precision.low_precision_layers(model)
     if low:
         policies = "/".join(sorted(set(low.values())))
         try:
             model = precision.float32_copy(model)
         except report.ExportError as error:
-            message = _first_line(error)
-            return ExportabilityReport({fmt: message for fmt in formats}, [], warnings)
+            return ExportabilityReport({fmt: _first_line(error) for fmt in formats}, [], warnings)
         warnings.append(
             f"{len(low)} layers and sublayers compute in {policies}: the exporters export a float32 "
             "copy (same architecture and weights, float32 dtype policies) and verify "
@@ -94,6 +91,7 @@ def check_exportable(model, formats=FORMATS):
         tf_ops = saved_model_lib.graph_op_types(concrete.get_concrete_function())
     except Exception as error:  # tracing errors of user layers vary
         return ExportabilityReport({"saved_model": f"tracing failed: {error}"}, [], warnings)
+    problems = {}
     for fmt, convert in (("tflite", tflite_lib.convert), ("onnx", onnx_lib.convert)):
         if fmt in formats:
             try:

@@ -56,12 +56,9 @@ def _float32_config(config):
     for key, value in config.items():
         if key == "dtype" and isinstance(value, str) and value in _LOW_POLICY_NAMES:
             value = "float32"
-        elif (
-            key == "dtype"
-            and isinstance(value, dict)
-            and value.get("class_name") in _POLICY_CLASSES
-            and value.get("config", {}).get("name") in _LOW_POLICY_NAMES
-        ):
+        elif (key == "dtype" and isinstance(value, dict)
+              and value.get("class_name") in _POLICY_CLASSES
+              and value.get("config", {}).get("name") in _LOW_POLICY_NAMES):
             value = {**value, "config": {**value["config"], "name": "float32"}}
         else:
             value = _float32_config(value)
@@ -126,12 +123,8 @@ def float32_copy(model):
             f"has different weights ({len(target)} vs {len(source)}, or other "
             "shapes). " + advice
         )
-    copy.set_weights(
-        [
-            np.asarray(keras.ops.convert_to_numpy(s)).astype(t.dtype)
-            for s, t in zip(source, target)
-        ]
-    )
+    copy.set_weights([np.asarray(keras.ops.convert_to_numpy(s)).astype(t.dtype)
+                      for s, t in zip(source, target)])
     return copy
 
 
@@ -150,13 +143,8 @@ def model_for_export(model, samples=None, *, warn=True):
     gap_text = ""
     if samples:
         names = model_io.output_names(model)
-        gap = max(
-            verify.compare(
-                model_io.keras_outputs(model, s), model_io.keras_outputs(copy, s), names,
-                "float32 copy",
-            )
-            for s in samples
-        )
+        gap = max(verify.compare(model_io.keras_outputs(model, s), model_io.keras_outputs(copy, s),
+                                 names, "float32 copy") for s in samples)
         note["max_abs_diff_vs_model"] = gap
         gap_text = f"; max |float32 copy - model| = {gap:.3g} on the sample inputs"
     if warn:

@@ -227,11 +227,8 @@ def argmax_matches(reference, got):
 
     `(0, 0)` when no output is a score vector (nothing to agree on).
     """
-    matched = total = 0
-    for ref, out in zip(reference, got):
-        m, t = _argmax_counts(ref, out)
-        matched, total = matched + m, total + t
-    return matched, total
+    counts = [_argmax_counts(ref, out) for ref, out in zip(reference, got)]
+    return sum(m for m, _ in counts), sum(t for _, t in counts)
 
 
 def _argmax_counts(ref, out):

@@ -126,15 +126,7 @@ def make_report(fmt, path, checks, *, size_bytes, atol, ops, details, float32_no
         argmax = [q["threshold"] for q in quality.values() if q["measure"] == "argmax"]
         min_agreement = min(argmax) if argmax else None
     return ExportReport(
-        format=fmt,
-        path=os.path.abspath(path),
-        size_bytes=size_bytes,
-        max_abs_error=max(c["max_abs_error"] for c in checks),
-        atol=atol,
-        ops=ops,
-        checks=checks,
-        details=details,
-        agreement=agreement,
-        min_agreement=min_agreement,
-        quality=quality,
+        format=fmt, path=os.path.abspath(path), size_bytes=size_bytes,
+        max_abs_error=max(c["max_abs_error"] for c in checks), atol=atol, ops=ops, checks=checks,
+        details=details, agreement=agreement, min_agreement=min_agreement, quality=quality,
     )

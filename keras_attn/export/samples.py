@@ -29,7 +29,16 @@ def _is_shape(structure):
         isinstance(d, (int, type(None))) for d in structure)
 
 
+def _check_is_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Expected `model` to be a keras.Model. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+
+
 def _sample_sets(sample_inputs):
+    """One set (array, list of arrays or dict) or a list of dicts, as a list of sets."""
     if (isinstance(sample_inputs, (list, tuple)) and sample_inputs
             and all(isinstance(s, dict) for s in sample_inputs)):
         return list(sample_inputs)
@@ -59,9 +68,8 @@ def _subclassed_inputs(model, sample_inputs):
         entries = [(arg, structure)]
     else:
         entries = [(f"{arg}_{i}", shape) for i, shape in enumerate(structure)]
-    given = _sample_sets(sample_inputs)
     samples = []
-    for sample in given or ():
+    for sample in _sample_sets(sample_inputs) or ():
         if isinstance(sample, dict):
             samples.append([np.asarray(sample.get(k, np.zeros(0))) for k, _ in entries])
         elif len(entries) == 1 and not isinstance(sample, (list, tuple)):
@@ -99,11 +107,7 @@ def as_functional(model, sample_inputs=None):
     its keys as output names). Every variant shares `model`'s layers and
     weights.
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "Expected `model` to be a keras.Model. Received: "
-            f"model={model!r} of type {type(model).__name__}"
-        )
+    _check_is_model(model)
     if isinstance(model, keras.Sequential):
         try:
             inputs, outputs = model.inputs, model.outputs
@@ -135,11 +139,7 @@ def input_specs(model):
         ValueError: the model has no known inputs (never built or called),
             or two inputs share a name.
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "Expected `model` to be a keras.Model. Received: "
-            f"model={model!r} of type {type(model).__name__}"
-        )
+    _check_is_model(model)
     try:
         inputs = model.inputs
     except (AttributeError, ValueError):
@@ -152,10 +152,7 @@ def input_specs(model):
             "with `keras.Input(shape=(None, ...), name=...)`. Received: "
             f"model.built={model.built}"
         )
-    specs = []
-    for tensor in inputs:
-        shape = (None,) + tuple(tensor.shape[1:])
-        specs.append(InputSpec(tensor.name, shape, str(tensor.dtype)))
+    specs = [InputSpec(t.name, (None,) + tuple(t.shape[1:]), str(t.dtype)) for t in inputs]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"The model's inputs must have unique names. Received: {names}")
@@ -176,15 +173,14 @@ def output_names(model):
         names = [t._keras_history[0].name for t in model.outputs]
     names = [str(n) for n in names]
     taken = set(names)
-    unique, seen = [], set()
+    unique = []
     for name in names:
-        if name in seen:
+        if name in unique:
             k = 1
             while f"{name}_{k}" in taken:
                 k += 1
             name = f"{name}_{k}"
             taken.add(name)
-        seen.add(name)
         unique.append(name)
     return unique
 
@@ -267,8 +263,6 @@ def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
         for spec in specs:
             shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
             if "int" in spec.dtype:
-                # A mask input: ones; token type or segment ids: the smallest
-                # table's; token ids: the table that reads them.
                 if "mask" in spec.name:
                     x = np.ones(shape, np.int64)
                 elif "type" in spec.name or "segment" in spec.name:
@@ -318,22 +312,12 @@ def normalize_samples(model, sample_inputs, arg_name="sample_inputs"):
     specs = input_specs(model)
     if sample_inputs is None:
         return make_samples(model)
-    if (
-        isinstance(sample_inputs, (list, tuple))
-        and sample_inputs
-        and all(isinstance(s, dict) for s in sample_inputs)
-    ):
-        sets = [_as_sample_dict(specs, s, arg_name) for s in sample_inputs]
-    else:
-        sets = [_as_sample_dict(specs, sample_inputs, arg_name)]
+    sets = [_as_sample_dict(specs, s, arg_name) for s in _sample_sets(sample_inputs)]
     for sample in sets:
         for spec in specs:
             x = sample[spec.name]
-            ok_rank = x.ndim == len(spec.shape)
-            ok_dims = ok_rank and all(
-                want is None or got == want for got, want in zip(x.shape, spec.shape)
-            )
-            if not ok_dims:
+            if x.ndim != len(spec.shape) or any(
+                    want is not None and got != want for got, want in zip(x.shape, spec.shape)):
                 raise ValueError(
                     f"Received an invalid `{arg_name}` for input '{spec.name}': "
                     f"expected shape {spec.shape} (None = any). Received: shape "

@@ -61,15 +61,10 @@ def embedded_inputs(model):
 
 
 # What an exported graph does with an integer id outside `[0, vocabulary_size)`
-# of an input that feeds an embedding (docs/guides/serving_validation.md):
-#   "assert": the request fails (tf.debugging.Assert; SavedModel only, since
-#             builtins-only TFLite and onnxruntime have no such op);
-#   "clamp":  the id is clipped into range before the model sees it, so the
-#             lookup and the padding mask read the same id and the answer is
-#             that of the clamped id;
-#   "flag":   "clamp", plus a boolean output `valid` (batch,) that is False
-#             for each row that held an out-of-range id;
-#   None:     the ids go to the model unchanged.
+# of an input that feeds an embedding: `export_saved_model`'s `check_ids`
+# (docs/guides/serving_validation.md). "assert" is SavedModel's alone: builtins-only
+# TFLite and onnxruntime have no such op. "clamp" clips the id before the model
+# sees it, so the lookup and the padding mask read the same id.
 ID_CHECKS = (None, "assert", "clamp", "flag")
 VALID_OUTPUT = "valid"
 
@@ -137,8 +132,7 @@ def serving_function(model, check_ids=False):
             inputs, valid = _checked_ids(inputs, vocabularies, mode)
         args = [inputs[s.name] for s in specs]
         outputs = model(args if len(args) > 1 else args[0], training=False)
-        flat = keras.tree.flatten(outputs)
-        result = {name: tensor for name, tensor in zip(names, flat)}
+        result = dict(zip(names, keras.tree.flatten(outputs)))
         if mode == "flag":
             if valid is None:  # no embedded input: every row is valid
                 valid = tf.fill(tf.shape(args[0])[:1], True)

@@ -76,14 +76,12 @@ def _predict_request_class():
     def add(file_descriptor):
         try:
             pool.FindFileByName(file_descriptor.name)
-            return
         except KeyError:
-            pass
-        for dep in file_descriptor.dependencies:
-            add(dep)
-        proto = descriptor_pb2.FileDescriptorProto()
-        file_descriptor.CopyToProto(proto)
-        pool.Add(proto)
+            for dep in file_descriptor.dependencies:
+                add(dep)
+            proto = descriptor_pb2.FileDescriptorProto()
+            file_descriptor.CopyToProto(proto)
+            pool.Add(proto)
 
     add(tensor_pb2.DESCRIPTOR)
     add(wrappers_pb2.DESCRIPTOR)
@@ -94,37 +92,27 @@ def _predict_request_class():
         syntax="proto3",
         dependency=[tensor_pb2.DESCRIPTOR.name, wrappers_pb2.DESCRIPTOR.name],
     )
+
+    def field(message, name, number, type_name=None, label=F.LABEL_OPTIONAL, **kwargs):
+        kind = F.TYPE_MESSAGE if type_name else F.TYPE_STRING
+        message.field.add(name=name, number=number, type=kind, label=label,
+                          type_name=type_name, **kwargs)
+
     spec = f.message_type.add(name="ModelSpec")
-    spec.field.add(name="name", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
+    field(spec, "name", 1)
     spec.oneof_decl.add(name="version_choice")
-    spec.field.add(
-        name="version", number=2, type=F.TYPE_MESSAGE, label=F.LABEL_OPTIONAL,
-        type_name=".google.protobuf.Int64Value", oneof_index=0,
-    )
-    spec.field.add(
-        name="version_label", number=4, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL,
-        oneof_index=0,
-    )
-    spec.field.add(name="signature_name", number=3, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
+    field(spec, "version", 2, ".google.protobuf.Int64Value", oneof_index=0)
+    field(spec, "version_label", 4, oneof_index=0)
+    field(spec, "signature_name", 3)
     request = f.message_type.add(name="PredictRequest")
     entry = request.nested_type.add(name="InputsEntry")
     entry.options.map_entry = True
-    entry.field.add(name="key", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
-    entry.field.add(
-        name="value", number=2, type=F.TYPE_MESSAGE, label=F.LABEL_OPTIONAL,
-        type_name=".tensorflow.TensorProto",
-    )
-    request.field.add(
-        name="model_spec", number=1, type=F.TYPE_MESSAGE, label=F.LABEL_OPTIONAL,
-        type_name=".tensorflow.serving.ModelSpec",
-    )
-    request.field.add(
-        name="inputs", number=2, type=F.TYPE_MESSAGE, label=F.LABEL_REPEATED,
-        type_name=".tensorflow.serving.PredictRequest.InputsEntry",
-    )
-    request.field.add(
-        name="output_filter", number=3, type=F.TYPE_STRING, label=F.LABEL_REPEATED
-    )
+    field(entry, "key", 1)
+    field(entry, "value", 2, ".tensorflow.TensorProto")
+    field(request, "model_spec", 1, ".tensorflow.serving.ModelSpec")
+    field(request, "inputs", 2, ".tensorflow.serving.PredictRequest.InputsEntry",
+          F.LABEL_REPEATED)
+    field(request, "output_filter", 3, label=F.LABEL_REPEATED)
     pool.Add(f)
     return message_factory.GetMessageClass(
         pool.FindMessageTypeByName("tensorflow.serving.PredictRequest")

@@ -10,6 +10,7 @@ what one phase of an export freed before the next one starts.
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import shutil
@@ -20,15 +21,13 @@ from keras_attn.export.report import ExportError
 
 def size_of(path):
     if os.path.isdir(path):
-        return sum(
-            os.path.getsize(os.path.join(root, f))
-            for root, _, files in os.walk(path)
-            for f in files
-        )
+        return sum(os.path.getsize(os.path.join(root, f))
+                   for root, _, files in os.walk(path) for f in files)
     return os.path.getsize(path)
 
 
 def _check_target(path, arg_name, overwrite):
+    """`(absolute path, the parent directories made for it, deepest first)`."""
     path = os.fspath(path)
     if not path:
         raise ValueError(f"Received an empty `{arg_name}`.")
@@ -39,8 +38,13 @@ def _check_target(path, arg_name, overwrite):
             "overwrite=True to replace it."
         )
     parent = os.path.dirname(path)
+    created = []
+    head = parent
+    while head and not os.path.exists(head):
+        created.append(head)
+        head = os.path.dirname(head)
     try:
-        _makedirs(parent)
+        os.makedirs(parent, exist_ok=True)
     except OSError as error:
         raise ValueError(
             f"Received an unwritable `{arg_name}`={path!r}: cannot create its "
@@ -51,29 +55,7 @@ def _check_target(path, arg_name, overwrite):
             f"Received an unwritable `{arg_name}`={path!r}: no write permission "
             f"on {parent!r}"
         )
-    return path
-
-
-_CREATED_DIRS = []
-
-
-def _makedirs(parent):
-    """`os.makedirs`, remembering the directories it created (for cleanup)."""
-    missing = []
-    head = parent
-    while head and not os.path.exists(head):
-        missing.append(head)
-        head = os.path.dirname(head)
-    os.makedirs(parent, exist_ok=True)
-    _CREATED_DIRS[:] = missing
-
-
-def _remove_created_dirs(created):
-    for directory in created:  # deepest first
-        try:
-            os.rmdir(directory)
-        except OSError:
-            break
+    return path, created
 
 
 @contextlib.contextmanager
@@ -83,8 +65,7 @@ def staged(path, arg_name, overwrite=True):
     On any exception the temporary artifact is removed and `path` is left as
     it was.
     """
-    path = _check_target(path, arg_name, overwrite)
-    created = list(_CREATED_DIRS)
+    path, created = _check_target(path, arg_name, overwrite)
     parent, base = os.path.split(path)
     tmp_root = tempfile.mkdtemp(prefix=f".{base}.partial-", dir=parent)
     tmp = os.path.join(tmp_root, base)
@@ -92,14 +73,16 @@ def staged(path, arg_name, overwrite=True):
         yield tmp
         if not os.path.exists(tmp):
             raise ExportError(f"The exporter wrote nothing at {tmp}")
-        old = None
         if os.path.exists(path):
-            old = os.path.join(tmp_root, base + ".old")
-            os.replace(path, old)
+            os.replace(path, os.path.join(tmp_root, base + ".old"))
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp_root, ignore_errors=True)
-        _remove_created_dirs(created)
+        for directory in created:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
         raise
     shutil.rmtree(tmp_root, ignore_errors=True)
 
@@ -118,15 +101,11 @@ def release_memory():
         libc.malloc_trim(0)
 
 
-_LIBC = []
-
-
+@functools.lru_cache(maxsize=1)
 def _libc():
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name) if name else None
-        except OSError:
-            libc = None
-        _LIBC.append(libc if libc is not None and hasattr(libc, "malloc_trim") else None)
-    return _LIBC[0]
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None

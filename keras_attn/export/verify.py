@@ -114,7 +114,6 @@ def check_parity(fmt, checks, atol, path, how=None):
             f"{path}. Pass `atol=` (an absolute bound) if this error is expected "
             "(quantisation, or float32 rounding in a model the default bound underrates)."
         )
-    return worst
 
 
 # What a quantized export that fails its measure can do instead, by format.
@@ -137,7 +136,6 @@ def check_quality(fmt, quality, worst, path):
             "Pass a lower `threshold` (or `measure=` another measure) if this loss "
             f"is acceptable, {LIGHTER.get(fmt, LIGHTER['TFLite'])}."
         )
-    return quality
 
 
 _MOVED = {
