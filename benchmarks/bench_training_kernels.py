@@ -181,8 +181,9 @@ def main(argv=None):
         return
     results_file.start(args)
     rows = run_child(args, "tensorflow") + run_child(args, "torch")
-    heading = (f"{args.model} shapes at T = {args.length}, batch 1; median of {args.repeats} calls, "
-               f"each framework in a fresh process; {_common.conditions()}")
+    heading = (f"{args.model} shapes at T = {args.length}, batch 1; median of {args.repeats} calls, each "
+               f"framework in a fresh process with {os.cpu_count()} threads; load average "
+               f"{os.getloadavg()[0]:.1f} at the start")
     _common.emit("\n".join([heading, "", table(rows)]), args, rows=rows)
 
 
