@@ -70,6 +70,19 @@ def _block(result):
             t.numpy()
 
 
+def time_ms(fn, repeats, warmup=2, statistic=np.median):
+    """`statistic` (median by default) of `repeats` calls of `fn`, in
+    milliseconds, after `warmup` untimed calls (tracing, first allocations)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(statistic(times)) * 1e3
+
+
 def interleaved(fns, repeats=5, calls=1, warmup=2):
     """Median seconds per call of each function in `fns` (a dict), run interleaved.
 

@@ -20,9 +20,8 @@ The KerasHub peer needs `pip install -e ".[peers]"` (or `bash benchmarks/install
 """
 
 import argparse
-import time
 
-import _common  # noqa: F401  (sets the environment first)
+import _common  # first: it sets the environment
 import results_file  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,15 +33,8 @@ from keras_attn.runtimes import signatures as gen_export  # noqa: E402
 
 
 def timeit(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
     # The minimum: on a shared machine it is the least disturbed estimate.
-    return min(times) * 1e3
+    return _common.time_ms(fn, repeats, warmup, statistic=min)
 
 
 def _np(x):

@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import _common  # first: it sets the environment
 import results_file  # noqa: E402
@@ -35,18 +34,6 @@ import results_file  # noqa: E402
 import bench_real_size  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
-
-
-def _median_ms(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return 1000.0 * times[len(times) // 2]
 
 
 def _inputs(shape, length, seed=0):
@@ -83,13 +70,13 @@ def _tensorflow_rows(arrays, dtypes, kernels, repeats):
     for dtype in dtypes:
         t = {name: tf.constant(a, dtype=dtype) for name, a in arrays.items()}
         rows.append(("matmul forward", dtype, "tensorflow",
-                     _median_ms(lambda t=t: forward(t["x"], t["w"]).numpy(), repeats)))
+                     _common.time_ms(lambda t=t: forward(t["x"], t["w"]).numpy(), repeats)))
         rows.append(("matmul input gradient", dtype, "tensorflow",
-                     _median_ms(lambda t=t: backward(t["dy"], t["w"]).numpy(), repeats)))
+                     _common.time_ms(lambda t=t: backward(t["dy"], t["w"]).numpy(), repeats)))
         rows.append(("scores (heads, T, D) x (heads, D, T)", dtype, "tensorflow",
-                     _median_ms(lambda t=t: scores(t["qh"], t["qh"]).numpy(), repeats)))
+                     _common.time_ms(lambda t=t: scores(t["qh"], t["qh"]).numpy(), repeats)))
         rows.append(("softmax (heads, T, T)", dtype, "tensorflow",
-                     _median_ms(lambda t=t: softmax(t["s"]).numpy(), repeats)))
+                     _common.time_ms(lambda t=t: softmax(t["s"]).numpy(), repeats)))
         for kernel in kernels:
             with config.attention_implementation(kernel):
                 @tf.function
@@ -101,7 +88,7 @@ def _tensorflow_rows(arrays, dtypes, kernels, repeats):
 
                 run = lambda t=t, step=step: [g.numpy() for g in step(t["q"], t["k"], t["v"], t["do"])]  # noqa: E731
                 rows.append(("attention forward + backward", dtype, f"tensorflow ({kernel})",
-                             _median_ms(run, repeats)))
+                             _common.time_ms(run, repeats)))
     return rows
 
 
@@ -114,13 +101,13 @@ def _torch_rows(arrays, dtypes, repeats):
     for dtype in dtypes:
         t = {name: torch.from_numpy(a).to(getattr(torch, dtype)) for name, a in arrays.items()}
         with torch.no_grad():
-            rows.append(("matmul forward", dtype, "torch", _median_ms(lambda t=t: t["x"] @ t["w"], repeats)))
+            rows.append(("matmul forward", dtype, "torch", _common.time_ms(lambda t=t: t["x"] @ t["w"], repeats)))
             rows.append(("matmul input gradient", dtype, "torch",
-                         _median_ms(lambda t=t: t["dy"] @ t["w"].T, repeats)))
+                         _common.time_ms(lambda t=t: t["dy"] @ t["w"].T, repeats)))
             rows.append(("scores (heads, T, D) x (heads, D, T)", dtype, "torch",
-                         _median_ms(lambda t=t: t["qh"] @ t["qh"].transpose(1, 2), repeats)))
+                         _common.time_ms(lambda t=t: t["qh"] @ t["qh"].transpose(1, 2), repeats)))
             rows.append(("softmax (heads, T, T)", dtype, "torch",
-                         _median_ms(lambda t=t: torch.softmax(t["s"], dim=-1), repeats)))
+                         _common.time_ms(lambda t=t: torch.softmax(t["s"], dim=-1), repeats)))
         # transformers' sdpa path: (B, H, T, D), the key/value heads repeated by the kernel.
         q, k, v, do = (t[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "do"))
 
@@ -129,7 +116,7 @@ def _torch_rows(arrays, dtypes, repeats):
             out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
             return torch.autograd.grad(out, leaves, grad_outputs=do)
 
-        rows.append(("attention forward + backward", dtype, "torch (sdpa)", _median_ms(step, repeats)))
+        rows.append(("attention forward + backward", dtype, "torch (sdpa)", _common.time_ms(step, repeats)))
     return rows
 
 

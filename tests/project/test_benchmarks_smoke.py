@@ -25,6 +25,7 @@ CASES = {
     "int8_schemes": ["bench_int8_schemes.py", "--quick"],
     "real_size": ["bench_real_size.py", "--quick"],
     "finetune": ["bench_finetune.py", "--quick"],
+    "training_kernels": ["bench_training_kernels.py", "--length", "32", "--repeats", "1"],
     "input": ["bench_input.py", "--examples", "48", "--batch-size", "8", "--rounds", "1",
               "--modes", "graph"],
 }
