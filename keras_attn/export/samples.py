@@ -263,9 +263,10 @@ def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
         for spec in specs:
             shape = [batch] + [length if d is None else d for d in spec.shape[1:]]
             if "int" in spec.dtype:
-                if "mask" in spec.name:
+                name = spec.name.lower()  # as `quality.padding_rows` reads the names
+                if "mask" in name:
                     x = np.ones(shape, np.int64)
-                elif "type" in spec.name or "segment" in spec.name:
+                elif "type" in name or "segment" in name:
                     x = rng.integers(0, max(vocab, 2), size=shape)
                 else:
                     x = rng.integers(1, max(id_ranges.get(spec.name, vocab), 2), size=shape)

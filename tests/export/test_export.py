@@ -492,20 +492,24 @@ def test_mixed_precision_model_that_cannot_be_rebuilt(tmp_path):
     assert not os.path.exists(tmp_path / "all") or os.listdir(tmp_path / "all") == []
 
 
-def test_make_samples_draws_ids_from_the_table_that_reads_them():
+@pytest.mark.parametrize("names", [("input_ids", "token_type_ids", "attention_mask"),
+                                   ("Input_Ids", "Token_Type_Ids", "Attention_Mask")])
+def test_make_samples_draws_ids_from_the_table_that_reads_them(names):
     """A BERT-shaped model (token ids into a 1000-row table, token types into
-    a 2-row one, an attention mask): the generated ids span the token table,
+    a 3-row one, an attention mask): the generated ids span the token table,
     not the smallest table's ids 0-1 (which gave a sequence of one repeated
     token), types stay within their table, and the mask is ones with the
-    padding zeros of every other row."""
-    ids = keras.Input((None,), dtype="int32", name="input_ids")
-    types = keras.Input((None,), dtype="int32", name="token_type_ids")
-    mask = keras.Input((None,), dtype="int32", name="attention_mask")
-    x = keras.layers.Embedding(1000, 8)(ids) + keras.layers.Embedding(2, 8)(types)
+    padding zeros of every other row; input names read in any case, as the
+    quality measures read them."""
+    ids_name, types_name, mask_name = names
+    ids = keras.Input((None,), dtype="int32", name=ids_name)
+    types = keras.Input((None,), dtype="int32", name=types_name)
+    mask = keras.Input((None,), dtype="int32", name=mask_name)
+    x = keras.layers.Embedding(1000, 8)(ids) + keras.layers.Embedding(3, 8)(types)
     x = x * keras.ops.expand_dims(keras.ops.cast(mask, "float32"), -1)
     model = keras.Model([ids, types, mask], x)
     sample = make_samples(model, shapes=((4, 64),), seed=0)[0]
-    assert sample["input_ids"].max() > 100 and sample["input_ids"].max() < 1000
-    assert set(np.unique(sample["token_type_ids"])) == {0, 1}
-    assert set(np.unique(sample["attention_mask"])) == {0, 1}
-    assert (sample["attention_mask"][0] == 1).all() and (sample["attention_mask"][1, -1] == 0)
+    assert sample[ids_name].max() > 100 and sample[ids_name].max() < 1000
+    assert set(np.unique(sample[types_name])) == {0, 1, 2}
+    assert set(np.unique(sample[mask_name])) == {0, 1}
+    assert (sample[mask_name][0] == 1).all() and (sample[mask_name][1, -1] == 0)
