@@ -404,19 +404,35 @@ class LoRALayer:
         self._kernel.assign(ops.cast(value, self._kernel.dtype))
         self.lora_merged = sign > 0
 
+    @property
+    def frozen_kernel(self):
+        """The kernel without the unmerged adapter (with it once merged)."""
+        return self._kernel
+
+    def lora_update(self, inputs, training=None, dtype=None):
+        """`(alpha / r) * dropout(inputs) @ A @ B` in the output's shape
+        (without bias) and `dtype` (default the compute dtype), or None
+        once merged. The fused projections add it to their product with
+        `frozen_kernel` (`keras_attn.layers._projections`)."""
+        if self.lora_merged:
+            return None
+        dtype = dtype or self.compute_dtype
+        x = inputs
+        if training and self.lora_dropout:
+            x = keras.random.dropout(x, self.lora_dropout, seed=self._lora_seed)
+        a, b = self._lora_factors()
+        a, b = ops.cast(a, dtype), ops.cast(b, dtype)
+        if self._lora_equations is None:  # Dense
+            update = ops.matmul(ops.matmul(x, a), b)
+        else:
+            update = ops.einsum(self._lora_equations[1], ops.einsum(self._lora_equations[0], x, a), b)
+        return ops.multiply(update, ops.cast(self.lora_alpha / self.lora_rank, dtype))
+
     def call(self, inputs, training=None):
         y = self._frozen_product(inputs)
-        if not self.lora_merged:
-            x = inputs
-            if training and self.lora_dropout:
-                x = keras.random.dropout(x, self.lora_dropout, seed=self._lora_seed)
-            a, b = self._lora_factors()
-            a, b = ops.cast(a, y.dtype), ops.cast(b, y.dtype)
-            if self._lora_equations is None:  # Dense
-                update = ops.matmul(ops.matmul(x, a), b)
-            else:
-                update = ops.einsum(self._lora_equations[1], ops.einsum(self._lora_equations[0], x, a), b)
-            y = ops.add(y, ops.multiply(update, ops.cast(self.lora_alpha / self.lora_rank, y.dtype)))
+        update = self.lora_update(inputs, training, y.dtype)
+        if update is not None:
+            y = ops.add(y, update)
         if self.bias is not None:
             y = ops.add(y, self.bias)
         if self.activation is not None:

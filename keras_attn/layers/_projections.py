@@ -79,9 +79,22 @@ def check_shapes(query_shape, value_shape, key_shape=None, ranks=True):
 
 
 def _plain(dense):
-    """Can `dense` be computed from its `kernel`/`bias` as a 2-D matmul?
-    Not when quantized (its call dequantizes)."""
-    return dense.built and dense.quantization_mode is None
+    """Can `dense` be computed from its kernel and bias as a 2-D matmul (plus
+    a LoRA layer's update)? Not when quantized (its call dequantizes), nor
+    with LoRA dropout (its call knows whether it trains)."""
+    return dense.built and dense.quantization_mode is None and not getattr(dense, "lora_dropout", 0)
+
+
+def _kernel(dense):
+    """The kernel the matmul takes: a PEFT-style LoRA layer's frozen one, its
+    low-rank update added apart (`_with_update`). The merged kernel would make
+    the backward pass form a full-size kernel gradient to reach A and B."""
+    return dense.frozen_kernel if hasattr(dense, "lora_update") else dense.kernel
+
+
+def _with_update(dense, x, y):
+    update = dense.lora_update(x, dtype=y.dtype) if hasattr(dense, "lora_update") else None
+    return y if update is None else y + update
 
 
 def _seq_dims(x):
@@ -109,7 +122,7 @@ def project(x, denses):
         return [d(x) for d in denses]
     features = x.shape[-1]
     batch, length = _seq_dims(x)
-    kernels = [d.kernel for d in denses]  # read once: with LoRA, a computed tensor
+    kernels = [_kernel(d) for d in denses]
     widths = [k.shape[1] * k.shape[2] for k in kernels]
     kernel = ops.concatenate(
         [ops.reshape(k, (features, w)) for k, w in zip(kernels, widths)], axis=1
@@ -120,7 +133,7 @@ def project(x, denses):
     pieces = ops.split(y, list(itertools.accumulate(widths[:-1])), axis=-1) if len(denses) > 1 else [y]
     outputs = []
     for d, k, piece in zip(denses, kernels, pieces):
-        piece = ops.reshape(piece, (batch, length) + tuple(k.shape[1:]))
+        piece = _with_update(d, x, ops.reshape(piece, (batch, length) + tuple(k.shape[1:])))
         outputs.append(d.activation(piece) if d.activation is not None else piece)
     return outputs
 
@@ -131,11 +144,11 @@ def project_output(x, dense):
     if len(x.shape) != 4 or not _plain(dense):
         return dense(x)
     batch, length = _seq_dims(x)
-    kernel = dense.kernel
+    kernel = _kernel(dense)
     inner = kernel.shape[0] * kernel.shape[1]
     out_dims = tuple(kernel.shape[2:])
     width = math.prod(out_dims)
     y = ops.matmul(ops.reshape(ops.cast(x, kernel.dtype), (-1, inner)), ops.reshape(kernel, (inner, width)))
     if dense.bias is not None:
         y = y + ops.reshape(dense.bias, (width,))
-    return ops.reshape(y, (batch, length) + out_dims)
+    return _with_update(dense, x, ops.reshape(y, (batch, length) + out_dims))

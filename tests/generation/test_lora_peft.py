@@ -296,6 +296,47 @@ def test_int8_base_gradients_match_numpy():
         tolerance.assert_close(variable.numpy(), want[name], terms=4 * 6 * 3, err_msg=name)
 
 
+def test_fused_projections_add_the_low_rank_update_apart():
+    """Self-attention's query, key and value run as one matmul on the frozen
+    kernels, each adapter's `x @ A @ B` added apart: the same logits as the
+    layers called one by one (the reference setting), and on TensorFlow the
+    backward pass forms no gradient of the whole `(hidden, q + k + v)`
+    kernel (the merged kernel would need one to reach A and B)."""
+    from keras_attn import config
+
+    lm = tiny_lm(vocabulary_size=50)
+    layers = lm.enable_lora(3, target_names=("q_proj", "v_proj"))
+    _randomise_b(layers)
+    ids = np.random.default_rng(2).integers(1, 50, (2, 7)).astype("int32")
+    fused = keras.ops.convert_to_numpy(lm(ids))
+    with config.attention_implementation("reference"):
+        one_by_one = keras.ops.convert_to_numpy(lm(ids))
+    tolerance.assert_close(fused, one_by_one, ulps=8, terms=24 * 2)
+    if keras.backend.backend() != "tensorflow":
+        return
+    import tensorflow as tf
+
+    @tf.function
+    def gradients(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(lm(ids)))
+        return tape.gradient(loss, [w for layer in layers for w in layer.trainable_weights])
+
+    function = gradients.get_concrete_function(tf.constant(ids))
+    # The ops the returned gradients depend on (TensorFlow prunes the rest,
+    # such as the frozen kernel's own gradient, before running).
+    needed, stack = set(), [t.op for t in function.outputs]
+    while stack:
+        op = stack.pop()
+        if op.name not in needed:
+            needed.add(op.name)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+    whole = [op.name for op in function.graph.get_operations() if op.name in needed
+             and op.type in ("MatMul", "BatchMatMulV2", "Einsum") and op.outputs[0].shape.as_list() == [24, 40]]
+    assert not whole, whole
+
+
 def _int8_chain(seed=3):
     """first (Dense) -> middle (Dense) -> last (EinsumDense), quantized to int8."""
     keras.utils.set_random_seed(seed)
