@@ -134,7 +134,7 @@ def adapt(model, layers, rank, alpha, dropout=0.0):
         layer.__class__ = _lora_class(cls.__bases__[1] if issubclass(cls, FrozenInt8Layer) else cls)
         layer._add_adapter(rank, alpha, float(dropout))
     for layer in model._flatten_layers(include_self=False):
-        if _keras_int8(layer) and not isinstance(layer, LoRALayer):
+        if _keras_int8(layer) and not isinstance(layer, (LoRALayer, FrozenInt8Layer)):
             layer.__class__ = _mixed_class(FrozenInt8Layer, type(layer))
     return layers
 

@@ -384,6 +384,19 @@ def _int8_chain_a_start():
     return first.lora_kernel_a.numpy()
 
 
+def test_int8_adapting_twice_keeps_one_class_per_layer():
+    """A second `adapt` turns a frozen int8 layer into a LoRA layer of its own
+    Keras class, and leaves the others frozen once (not wrapped twice)."""
+    model = _int8_chain()
+    lora.adapt(model, model.layers[:1], rank=2, alpha=4)
+    lora.adapt(model, model.layers[1:2], rank=2, alpha=4)
+    first, middle, last = model.layers
+    assert type(middle).__mro__[1:3] == (lora.LoRALayer, keras.layers.Dense)
+    assert type(last).__mro__[1:3] == (lora.FrozenInt8Layer, keras.layers.EinsumDense)
+    x = np.ones((2, 6), "float32")
+    assert keras.ops.convert_to_numpy(model(x)).shape == (2, 2, 3)
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's executor order")
 def test_int8_input_gradients_wait_for_their_upstream():
     """In the traced backward pass every int8 kernel is cast to float only
