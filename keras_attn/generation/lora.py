@@ -213,9 +213,11 @@ def _a_initializer():
 
 
 def _keras_int8(layer):
-    """A `Dense`/`EinsumDense` that Keras runs as int8 with its inputs quantized."""
+    """A `Dense`/`EinsumDense` that Keras runs as int8 with its inputs
+    quantized, without Keras's own LoRA (whose update its call adds)."""
     return (isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
-            and layer.quantization_mode == "int8" and bool(getattr(layer, "inputs_quantizer", None)))
+            and layer.quantization_mode == "int8" and bool(getattr(layer, "inputs_quantizer", None))
+            and not getattr(layer, "lora_enabled", False))
 
 
 def _dequantize(layer, kernel, scale, dtype):
@@ -447,8 +449,8 @@ def _mixed_class(mixin, cls):
     """The subclass of `cls` (`Dense`, `EinsumDense` or a subclass) with
     `mixin` first, made once per pair."""
     if (mixin, cls) not in _CLASSES:
-        prefix = "LoRA" if mixin is LoRALayer else "FrozenInt8"
-        _CLASSES[mixin, cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        name = mixin.__name__.removesuffix("Layer") + cls.__name__  # LoRADense, FrozenInt8EinsumDense
+        _CLASSES[mixin, cls] = type(name, (mixin, cls), {"__module__": __name__})
     return _CLASSES[mixin, cls]
 
 

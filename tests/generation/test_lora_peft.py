@@ -397,6 +397,17 @@ def test_int8_adapting_twice_keeps_one_class_per_layer():
     assert keras.ops.convert_to_numpy(model(x)).shape == (2, 2, 3)
 
 
+def test_int8_layers_with_keras_lora_keep_keras_call():
+    """A layer given Keras's own LoRA (`style="keras"`) stays Keras's layer
+    when another is adapted PEFT-style: its call keeps adding its update."""
+    model = _int8_chain()
+    model.layers[1].enable_lora(2)
+    lora.adapt(model, model.layers[:1], rank=2, alpha=4)
+    middle, last = model.layers[1:]
+    assert type(middle) is keras.layers.Dense and middle.lora_enabled
+    assert isinstance(last, lora.FrozenInt8Layer)
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's executor order")
 def test_int8_input_gradients_wait_for_their_upstream():
     """In the traced backward pass every int8 kernel is cast to float only
