@@ -159,12 +159,11 @@ def main(argv=None):
 
     _common.check_known(parser, (([args.model], bench_real_size.MODELS, "--model"), (dtypes, DTYPES, "--dtypes"),
                                  (kernels, config.IMPLEMENTATIONS, "--attention")))
-    arrays = _inputs(bench_real_size.MODELS[args.model], args.length)
-    if args.child == "tensorflow":
-        print(json.dumps(_tensorflow_rows(arrays, dtypes, kernels, args.repeats)))
-        return
-    if args.child == "torch":
-        print(json.dumps(_torch_rows(arrays, dtypes, args.repeats)))
+    if args.child:
+        arrays = _inputs(bench_real_size.MODELS[args.model], args.length)
+        rows = (_tensorflow_rows(arrays, dtypes, kernels, args.repeats) if args.child == "tensorflow"
+                else _torch_rows(arrays, dtypes, args.repeats))
+        print(json.dumps(rows))
         return
     results_file.start(args)
     rows = run_child(args, "tensorflow") + run_child(args, "torch")
