@@ -86,7 +86,8 @@ def export_all(
             a dict keyed by report key ("tflite_dynamic", ...).
         measure, threshold: for the quantized TFLite and ONNX variants, how
             each output is compared with Keras and the threshold (see
-            `export_tflite`); the same for every variant.
+            `export_tflite`); the same for every variant, and refused when
+            no variant is quantized.
         representative_dataset: calibration inputs of the "int8" and
             "int16x8" variants (see `export_tflite`); a generator is read
             once per variant, so pass a `tf.data.Dataset`, a list or a
@@ -126,13 +127,15 @@ def export_all(
     jobs = [(fmt, quantization) for fmt in FORMATS if fmt in formats
             for quantization in variants.get(fmt, (None,))]
     keys = [_suffixed(f, q) for f, q in jobs]
-    if not isinstance(atol, dict):
-        atol = arguments.resolve_atol(atol, None)
-    atols = arguments.by_key("atol", atol, keys)
-    if not isinstance(min_agreement, dict):
-        min_agreement = arguments.resolve_min_agreement(min_agreement, None)
+    atols = {k: arguments.resolve_atol(v, None)
+             for k, v in arguments.by_key("atol", atol, keys).items()}
     quantized_keys = [_suffixed(f, q) for f, q in jobs if f == "tflite" and q is not None]
-    agreements = arguments.by_key("min_agreement", min_agreement, quantized_keys)
+    agreements = {k: arguments.resolve_min_agreement(v, None)
+                  for k, v in arguments.by_key("min_agreement", min_agreement, quantized_keys).items()}
+    # Every quantized variant checks its outputs with the same measures and
+    # thresholds: refused here, not after the formats before it are written.
+    quantized = next((q for _, q in jobs if q is not None), None)
+    arguments.resolve_quality(model, quantized, measure, threshold, {})
     samples = model_io.normalize_samples(model, sample_inputs)
     # Once for every format (one warning); the exporters then get a float32 model.
     try:

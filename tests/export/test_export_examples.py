@@ -216,4 +216,17 @@ def test_export_all_rejects_bad_arguments(tmp_path):
         export.export_all(model, tmp_path, atol={"tflite_float16": 1e-2})
     with pytest.raises(ValueError, match="on_error"):
         export.export_all(model, tmp_path, on_error="ignore")
+    # Values inside a dict by report key, and the quantized variants' measure
+    # and threshold, are refused before the first format is written.
+    with pytest.raises(ValueError, match="atol"):
+        export.export_all(model, tmp_path, atol={"onnx": -1.0})
+    with pytest.raises(ValueError, match="min_agreement"):
+        export.export_all(model, tmp_path, tflite_quantizations=(None, "dynamic"),
+                          min_agreement={"tflite_dynamic": 1.5})
+    with pytest.raises(ValueError, match="measure"):
+        export.export_all(model, tmp_path, onnx_quantizations=(None, "dynamic"), measure="l2")
+    with pytest.raises(ValueError, match="threshold"):
+        export.export_all(model, tmp_path, onnx_quantizations=(None, "dynamic"), threshold=-0.5)
+    with pytest.raises(ValueError, match="threshold"):
+        export.export_all(model, tmp_path, threshold=0.9)  # no quantized variant to check
     assert not any(tmp_path.iterdir())
