@@ -16,12 +16,38 @@ class InputSpec:
     dtype: str
 
 
-def _embeds_tokens(model):
-    return any(
-        isinstance(getattr(layer, attr, None), int) and not isinstance(getattr(layer, attr), bool)
-        for layer in model._flatten_layers(include_self=False)
-        for attr in ("vocabulary_size", "input_dim")
-    )
+def vocabulary(layer):
+    """The number of rows of `layer`'s table (its `vocabulary_size` or
+    `input_dim`: ids are valid below it), or None for a layer without one."""
+    for attr in ("vocabulary_size", "input_dim"):
+        value = getattr(layer, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _vocabularies(layer):
+    return [v for v in map(vocabulary, layer._flatten_layers(include_self=False)) if v]
+
+
+def embedded_inputs(model):
+    """`{input name: vocabulary size}` of the integer inputs that a layer with a
+    table reads directly (the smallest such table; a subclassed model stands
+    for the smallest table it holds, since its sublayers are called out of
+    the functional graph's sight). For a BERT the token ids get the token
+    table's size, not the two token types'."""
+    by_id = {id(t): t.name for t in getattr(model, "inputs", None) or () if "int" in str(t.dtype)}
+    found = {}
+    for layer in model._flatten_layers(include_self=False):
+        size = vocabulary(layer)
+        if size is None and isinstance(layer, keras.Model) and not hasattr(layer, "inputs"):
+            size = min(_vocabularies(layer), default=None)
+        for node in getattr(layer, "_inbound_nodes", ()) if size else ():
+            for tensor in keras.tree.flatten((node.arguments.args, node.arguments.kwargs)):
+                name = by_id.get(id(tensor))
+                if name is not None:
+                    found[name] = min(found.get(name, size), size)
+    return found
 
 
 def _is_shape(structure):
@@ -81,7 +107,7 @@ def _subclassed_inputs(model, sample_inputs):
         shape = tuple(shape)
         if samples:
             dtype = str(samples[0][i].dtype)
-        elif len(entries) == 1 and _embeds_tokens(model):
+        elif len(entries) == 1 and _vocabularies(model):
             dtype = "int32"
         else:
             dtype = str(model.input_dtype)
@@ -197,37 +223,6 @@ def keras_outputs(model, sample):
 # Sample inputs
 
 
-def _vocabulary(layer):
-    for attr in ("vocabulary_size", "input_dim"):
-        value = getattr(layer, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    return None
-
-
-def _token_range(model):
-    """Smallest vocabulary of the embedding layers in `model` (ids < it)."""
-    sizes = [v for v in map(_vocabulary, model._flatten_layers(include_self=False)) if v]
-    return min(sizes) if sizes else 2
-
-
-def _id_ranges(model):
-    """`{input name: ids < it}` for the inputs of a functional model that a
-    layer with a vocabulary reads directly (its own vocabulary: a token
-    table's, not the smallest table's of the model, which for a BERT is
-    the two token types')."""
-    inputs = {id(t): t.name for t in getattr(model, "inputs", None) or ()}
-    ranges = {}
-    for layer in model._flatten_layers(include_self=False, recursive=False):
-        size = _vocabulary(layer)
-        for node in getattr(layer, "_inbound_nodes", ()) if size else ():
-            for tensor in keras.tree.flatten((node.arguments.args, node.arguments.kwargs)):
-                name = inputs.get(id(tensor))
-                if name is not None:
-                    ranges[name] = min(ranges.get(name, size), size)
-    return ranges
-
-
 def _max_length(model):
     lengths = [
         layer.sequence_length
@@ -252,8 +247,8 @@ def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
     """
     specs = input_specs(model)
     rng = np.random.default_rng(seed)
-    vocab = _token_range(model)
-    id_ranges = _id_ranges(model)
+    vocab = min(_vocabularies(model), default=2)  # the smallest table: token types
+    id_ranges = embedded_inputs(model)
     cap = _max_length(model)
     samples = []
     for batch, length in shapes:
@@ -267,7 +262,7 @@ def make_samples(model, shapes=DEFAULT_SHAPES, seed=0):
                 if "mask" in name:
                     x = np.ones(shape, np.int64)
                 elif "type" in name or "segment" in name:
-                    x = rng.integers(0, max(vocab, 2), size=shape)
+                    x = rng.integers(0, vocab, size=shape)
                 else:
                     x = rng.integers(1, max(id_ranges.get(spec.name, vocab), 2), size=shape)
                 if len(shape) >= 2 and shape[1] > 1:

@@ -24,42 +24,6 @@ SIGNATURE_KEY = "serving_default"
 SERVING_SAVE_OPTIONS = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
 
 
-def _vocabulary(layer):
-    vocab = getattr(layer, "vocabulary_size", getattr(layer, "input_dim", None))
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        return None
-    return vocab
-
-
-def _layer_vocabulary(layer):
-    """The layer's vocabulary size; for a subclassed model (whose sublayers are
-    called on its inputs inside `call`, out of the functional graph's sight),
-    the smallest of its embeddings'."""
-    vocab = _vocabulary(layer)
-    if vocab is None and isinstance(layer, keras.Model) and not hasattr(layer, "inputs"):
-        sizes = [v for v in map(_vocabulary, layer._flatten_layers(include_self=False)) if v]
-        vocab = min(sizes) if sizes else None
-    return vocab
-
-
-def embedded_inputs(model):
-    """`{input name: vocabulary size}` of the integer inputs fed straight into an
-    embedding layer (a layer with an int `input_dim` or `vocabulary_size`, or a
-    subclassed model holding one)."""
-    by_id = {id(t): t.name for t in model.inputs if "int" in str(t.dtype)}
-    found = {}
-    for layer in model._flatten_layers(include_self=False):
-        vocab = _layer_vocabulary(layer)
-        if vocab is None:
-            continue
-        for node in getattr(layer, "_inbound_nodes", []):
-            for tensor in keras.tree.flatten(node.arguments.args):
-                name = by_id.get(id(tensor))
-                if name is not None:
-                    found[name] = min(vocab, found.get(name, vocab))
-    return found
-
-
 # What an exported graph does with an integer id outside `[0, vocabulary_size)`
 # of an input that feeds an embedding: `export_saved_model`'s `check_ids`
 # (docs/guides/serving_validation.md). "assert" is SavedModel's alone: builtins-only
@@ -119,7 +83,7 @@ def serving_function(model, check_ids=False):
     specs = model_io.input_specs(model)
     names = model_io.output_names(model)
     signature = {s.name: tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in specs}
-    vocabularies = embedded_inputs(model) if mode else {}
+    vocabularies = model_io.embedded_inputs(model) if mode else {}
     if mode == "flag" and VALID_OUTPUT in names:
         raise ValueError(
             f"check_ids='flag' adds an output named '{VALID_OUTPUT}', and the model "
@@ -299,7 +263,7 @@ def export_saved_model(
         "signature": description,
         "inputs": [s.name for s in specs],
         "outputs": names,
-        "checked_ids": embedded_inputs(model) if check_ids else {},
+        "checked_ids": model_io.embedded_inputs(model) if check_ids else {},
         "check_ids": check_ids,
     }
     return report.make_report(
