@@ -559,19 +559,21 @@ def matmul_nbits(proto, *, bits=8, block_size=32, accuracy_level=4):
     weights = {t.name: t for t in graph.initializer}
     targets = set(_weighted_matmuls(proto))
     nodes = []
+    packed = {}  # weight name -> (codes, scales) names: a weight read twice is stored once
     for i, node in enumerate(graph.node):
         if i not in targets:
             nodes.append(node)
             continue
         tensor = weights[node.input[1]]
-        weight = numpy_helper.to_array(tensor)
-        k, n = weight.shape
-        stored, scales = nbits_weight(weight, bits, block_size)
-        packed = numpy_helper.from_array(stored, f"{tensor.name}_q{bits}")
-        scale = numpy_helper.from_array(scales, f"{tensor.name}_scales")
-        graph.initializer.extend([packed, scale])
+        k, n = tensor.dims
+        if tensor.name not in packed:
+            stored, scales = nbits_weight(numpy_helper.to_array(tensor), bits, block_size)
+            codes = numpy_helper.from_array(stored, f"{tensor.name}_q{bits}")
+            scale = numpy_helper.from_array(scales, f"{tensor.name}_scales")
+            graph.initializer.extend([codes, scale])
+            packed[tensor.name] = (codes.name, scale.name)
         nodes.append(helper.make_node(
-            "MatMulNBits", [node.input[0], packed.name, scale.name], list(node.output),
+            "MatMulNBits", [node.input[0], *packed[tensor.name]], list(node.output),
             name=f"{node.name}_q{bits}", domain="com.microsoft", K=k, N=n, bits=bits,
             block_size=block_size, accuracy_level=accuracy_level))
     del graph.node[:]

@@ -452,3 +452,44 @@ def test_calibration_bad_arguments():
         onnx_quantize.quantize_matmul_weights(proto, calibration=[{"ids": np.zeros((1, 2))}])
     with pytest.raises(TypeError, match="first_token_apart"):
         onnx_quantize.quantize_matmul_weights(proto, first_token_apart="yes")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_matmul_nbits_stores_a_weight_two_matmuls_read_once(tmp_path, bits):
+    """A weight read by two MatMuls becomes one set of codes and scales that
+    both `MatMulNBits` read (not two initializers of the same name), and each
+    output is its input times the blockwise-dequantized weight (NumPy)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from keras_attn.export import onnx_quantize
+
+    rng = np.random.default_rng(1)
+    k, n, block = 64, 16, 32
+    w = rng.standard_normal((k, n)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["a"], name="first"),
+         helper.make_node("MatMul", ["y", "w"], ["b"], name="second")],
+        "g", [helper.make_tensor_value_info(v, TensorProto.FLOAT, ["t", k]) for v in "xy"],
+        [helper.make_tensor_value_info(v, TensorProto.FLOAT, ["t", n]) for v in "ab"],
+        [numpy_helper.from_array(w, "w")])
+    proto = onnx_quantize.matmul_nbits(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), bits=bits, block_size=block)
+    names = [t.name for t in proto.graph.initializer]
+    assert len(names) == len(set(names)) == 2, names
+    assert [n.input[1:] for n in proto.graph.node][0] == [n.input[1:] for n in proto.graph.node][1]
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(tmp_path / "nbits.onnx"))
+    top = 2 ** (bits - 1) - 1
+    scale = np.abs(w.reshape(k // block, block, n)).max(1, keepdims=True) / top
+    dequantized = (np.clip(np.rint(w.reshape(k // block, block, n) / scale), -top, top) * scale).reshape(k, n)
+    feed = {v: rng.standard_normal((3, k)).astype("float32") for v in "xy"}
+    got = run_onnx(tmp_path / "nbits.onnx", feed)
+    for x, out in (("x", "a"), ("y", "b")):
+        inputs = feed[x].astype(np.float64)
+        want = inputs @ dequantized
+        # accuracy_level 4 also rounds each block of the inputs to an int8
+        # grid (step at most max |block| / 127): at most half a step per input.
+        steps = np.repeat(np.abs(inputs).reshape(3, k // block, block).max(-1) / 127, block, axis=1)
+        bound = (steps / 2) @ np.abs(dequantized) + 1e-5 * np.abs(inputs) @ np.abs(dequantized)
+        assert np.all(np.abs(got[out] - want) <= bound), out
