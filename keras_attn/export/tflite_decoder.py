@@ -240,11 +240,6 @@ def write_lora_tflite(model, path, *, lora_rank):
     return info
 
 
-def decoder_tflite_bytes(model, **kwargs):
-    """`write_decoder_tflite` into memory: the flatbuffer's bytes."""
-    return written_bytes(write_decoder_tflite, model, **kwargs)
-
-
 def written_bytes(write, model, **kwargs):
     """The bytes `write(model, path, **kwargs)` writes to a temporary `path`."""
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:

@@ -95,8 +95,8 @@ def run_onnx_signatures(lm, ids):
 
 def run_litertlm(lm, ids):
     """LiteRT-LM's schedule (chunked prefill of the first half, then decode), per row."""
-    content = tflite_decoder.decoder_tflite_bytes(lm, max_length=CACHE, prefill_lengths=(4, 8),
-                                                  read_bucket=READ_BUCKET)
+    content = tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm, max_length=CACHE,
+                                           prefill_lengths=(4, 8), read_bucket=READ_BUCKET)
     rows = [litertlm.runtime_logits(content, row) for row in ids]
     first = rows[0][1]
     return np.stack([r[0] for r in rows]), first
@@ -123,7 +123,8 @@ RUNNERS = {"onnx_genai": run_genai, "onnx_signatures": run_onnx_signatures,
 CHECKS = {
     "onnx_genai": lambda lm: decoder_model_proto(lm, max_length=CACHE),
     "onnx_signatures": lambda lm: onnx_signatures.signature_models(lm, max_length=CACHE),
-    "litertlm": lambda lm: tflite_decoder.decoder_tflite_bytes(lm, max_length=CACHE, prefill_lengths=(8,)),
+    "litertlm": lambda lm: tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm,
+                                                        max_length=CACHE, prefill_lengths=(8,)),
     "tflite_signatures": lambda lm: tflite_signatures.signatures_tflite_bytes(
         lm, max_length=CACHE, batch_size=2, prompt_length=PROMPT),
 }
