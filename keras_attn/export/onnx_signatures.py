@@ -289,10 +289,7 @@ class _Signature:
         if norm.kind == "layer":
             beta = self.weight(key + ".bias", norm.bias.read)
             return self.op("LayerNormalization", [x, scale, beta], "LayerNorm", axis=-1, epsilon=float(norm.epsilon))
-        return self.rms_norm(x, scale, norm.epsilon)
-
-    def rms_norm(self, x, scale, epsilon):
-        return self.g.rms_norm(x, scale, epsilon, self.opset, self.name)
+        return self.g.rms_norm(x, scale, norm.epsilon, self.opset, self.name)
 
     def dense(self, x, kernel_key, make_kernel, bias, hint):
         weight = self.weights.once(kernel_key, lambda: self.weights.weight(make_kernel(), kernel_key))
@@ -314,10 +311,10 @@ class _Signature:
         q, k, v = (self.op("Reshape", [t, self.i64([0, 0, n, d])], "heads")
                    for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
         if attention.query_norm is not None:
-            q = self.rms_norm(q, self.weight(base + ".q_norm", attention.query_norm.scale.read),
-                              attention.query_norm.epsilon)
-            k = self.rms_norm(k, self.weight(base + ".k_norm", attention.key_norm.scale.read),
-                              attention.key_norm.epsilon)
+            q = self.g.rms_norm(q, self.weight(base + ".q_norm", attention.query_norm.scale.read),
+                                attention.query_norm.epsilon, self.opset, self.name)
+            k = self.g.rms_norm(k, self.weight(base + ".k_norm", attention.key_norm.scale.read),
+                                attention.key_norm.epsilon, self.opset, self.name)
         rotary = attention.rotary
         if rotary is not None:
             cos, sin = self.rotary(rotary)
