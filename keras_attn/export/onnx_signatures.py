@@ -351,11 +351,8 @@ class _Signature:
                 if rotary.scaling_factor != 1.0:
                     pos = self.op("Div", [pos, self.f32(rotary.scaling_factor)], "scaled_positions")
                 angles = self.op("Mul", [self.op("Unsqueeze", [pos, self.i64([1])], "column"), freq], "angles")
+                # No attention factor: only LongRoPE has one, refused with a ring.
                 cos, sin = self.op("Cos", [angles], "cos"), self.op("Sin", [angles], "sin")
-                factor = (rotary.rope_scaling or {}).get("attention_factor", 1.0)
-                if factor != 1.0:
-                    cos = self.op("Mul", [cos, self.f32(factor)], "cos_factor")
-                    sin = self.op("Mul", [sin, self.f32(factor)], "sin_factor")
             else:
                 def write():  # `tables` computes cos and sin together
                     cos, sin = described.tables(self.max_length)

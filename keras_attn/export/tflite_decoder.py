@@ -277,7 +277,8 @@ def rotary_angles(g, described, positions):
     """`(cos, sin)` `(T, 1, rotary_dim)` of a described `Rotary` at the int32
     `positions` `(T,)`, as `RotaryEmbedding.call` computes them (float32
     angles `position / scaling_factor * frequency`, then cos and sin; `sin`
-    signed for `rotate`), once per rotary layer."""
+    signed for `rotate`), once per rotary layer. No attention factor: only
+    LongRoPE has one, which the table refuses where angles are computed."""
     rotary, head_dim = described.layer, described.head_dim
 
     def make():
@@ -290,11 +291,8 @@ def rotary_angles(g, described, positions):
         rows = -1 if t_len is None else t_len  # an encoder's length is the call's
         angles = g.mul(g.reshape(position, (rows, 1)), g.const(inverse.reshape(1, half)))
         cos, sin = g.op("COS", [angles], (t_len, half)), g.op("SIN", [angles], (t_len, half))
-        factor = np.float32((rotary.rope_scaling or {}).get("attention_factor", 1.0))
         minus = g.mul(sin, g.const(np.array(-1.0, np.float32)))
         cos, sin = g.concat([cos, cos], -1), g.concat([minus, sin], -1)
-        if factor != 1.0:
-            cos, sin = (g.mul(t, g.const(factor)) for t in (cos, sin))
         return g.reshape(cos, (rows, 1, 2 * half)), g.reshape(sin, (rows, 1, 2 * half))
 
     return g.cached(("rotary", id(rotary), head_dim), make)
