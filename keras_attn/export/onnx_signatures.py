@@ -53,9 +53,7 @@ WEIGHTS_FILE = "signatures.onnx.data"
 
 
 def check_signature_decoder(model, max_length, opset=17):
-    """`model`'s description when this writer covers it (a cache of
-    `max_length`, `opset`); else `NotFusableError` naming the first thing
-    it does not cover (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer, a cache of `max_length` and `opset`."""
     return capabilities.checked(model, "onnx_signatures", max_length, [("opset", opset, OPSETS)])
 
 

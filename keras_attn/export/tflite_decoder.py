@@ -95,11 +95,8 @@ def lora_inputs(description, rank):
 
 
 def check_direct_decoder(model, quantization=None, max_length=None, adapters=False):
-    """`model`'s description when the direct TFLite writer covers it and
-    `quantization` (caches of `max_length`, when given; its LoRA adapters
-    kept apart, with `adapters`); else
-    `NotFusableError` naming the first thing it does not cover
-    (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer and `quantization` (its LoRA
+    adapters kept apart, with `adapters`)."""
     return capabilities.checked(model, "litertlm", max_length, [("quantization", quantization, QUANTIZATIONS)],
                                 adapters)
 

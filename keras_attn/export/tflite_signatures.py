@@ -54,9 +54,7 @@ CHECKS = ("flag", "none")
 
 def check_direct_signatures(model, *, max_length, batch_size, prompt_length, quantization=None,
                             cache_dtype="float32"):
-    """`model`'s description when the direct writer covers it and the
-    options; else `NotFusableError` naming the first thing it does not
-    cover (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer and the options (static positive sizes)."""
     for name, value in (("batch_size", batch_size), ("prompt_length", prompt_length)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
