@@ -1,19 +1,13 @@
 """The prefill/decode signatures' TFLite model, written from the Keras weights.
 
-`keras_attn.runtimes.signatures.tflite_bytes`' contract (its module docstring
-has it in full), for a decoder-only LM, without TensorFlow's trace,
-SavedModel or converter (which hold several copies of the weights):
-
-    prefill(token_ids int32 (B, P)) -> logits (B, P, V), cache (N, 2, B, S, H_kv, D)
-    decode(token_ids int32 (B, 1), cache, index int32 ()) -> logits (B, 1, V), cache
-    decode_step(token_ids, cache[:, :, :, :L], index) -> logits, new_cache (N, 2, B, 1, H_kv, D)
-
-with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
-clamped into range and a bool output `valid` (False when anything was
-clamped). The inputs, outputs and subgraphs are named and ordered as the
-converter's model has them. The layers, weights and rotary tables are
-`keras_attn.export.tflite_decoder.DecoderBuilder`'s; what differs from
-LiteRT-LM's model:
+`keras_attn.runtimes.signatures.tflite_bytes`' contract (`prefill`, `decode`,
+`decode_step` and, with `checks="flag"`, the clamped ids and `index` and the
+`valid` output: that module's docstring), for a decoder-only LM with static
+`B` and `P`, without TensorFlow's trace, SavedModel or converter (which hold
+several copies of the weights). The inputs, outputs and subgraphs are named
+and ordered as the converter's model has them. The layers, weights and rotary
+tables are `keras_attn.export.tflite_decoder.DecoderBuilder`'s; what differs
+from LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
