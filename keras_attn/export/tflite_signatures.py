@@ -81,11 +81,6 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
     return tflite_writer.write_model(path, build, "keras_attn direct TFLite signatures")
 
 
-def signatures_tflite_bytes(model, **kwargs):
-    """`write_signatures_tflite` into memory: the flatbuffer's bytes."""
-    return tflite_decoder.written_bytes(write_signatures_tflite, model, **kwargs)
-
-
 class SignatureBuilder(tflite_decoder.DecoderBuilder):
     """`DecoderBuilder` with the signatures' batch, stacked cache and checks."""
 

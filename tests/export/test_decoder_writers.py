@@ -105,8 +105,8 @@ def run_litertlm(lm, ids):
 def run_tflite_signatures(lm, ids):
     from ai_edge_litert import interpreter as litert
 
-    content = tflite_signatures.signatures_tflite_bytes(lm, max_length=CACHE, batch_size=len(ids),
-                                                        prompt_length=PROMPT, read_bucket=READ_BUCKET)
+    content = tflite_decoder.written_bytes(tflite_signatures.write_signatures_tflite, lm, max_length=CACHE,
+                                           batch_size=len(ids), prompt_length=PROMPT, read_bucket=READ_BUCKET)
     interpreter = litert.Interpreter(model_content=content)
     prefill, decode = (interpreter.get_signature_runner(n) for n in ("prefill", "decode"))
     out = prefill(token_ids=ids[:, :PROMPT])
@@ -125,8 +125,8 @@ CHECKS = {
     "onnx_signatures": lambda lm: onnx_signatures.signature_models(lm, max_length=CACHE),
     "litertlm": lambda lm: tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm,
                                                         max_length=CACHE, prefill_lengths=(8,)),
-    "tflite_signatures": lambda lm: tflite_signatures.signatures_tflite_bytes(
-        lm, max_length=CACHE, batch_size=2, prompt_length=PROMPT),
+    "tflite_signatures": lambda lm: tflite_decoder.written_bytes(
+        tflite_signatures.write_signatures_tflite, lm, max_length=CACHE, batch_size=2, prompt_length=PROMPT),
 }
 
 
