@@ -301,8 +301,7 @@ class DecoderBuilder:
     def __init__(self, description, writer, max_length, quantization, read_bucket, lora_rank=None):
         self.d = description
         # With a rank, every signature holds the frozen kernels (`base_kernel`)
-        # and takes LoRA inputs: `lora` maps (layer, letter) to the current
-        # signature's (a', b') tensors.
+        # and takes LoRA inputs (`lora`, set per signature).
         self.lora_rank = lora_rank
         self.lora = {}
         self.w = writer
@@ -590,9 +589,8 @@ class DecoderBuilder:
         return g.mul(g.op("TANH", [x], g.shape(x)), g.const(np.array(cap, np.float32)))
 
     def _rotary(self, g, rotary, rows):
-        """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
-        carries the rotation's sign (`[-sin, sin]`), so a rotation is
-        `x * cos + swap_halves(x) * sin` over the first `rotary_dim` features."""
+        """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions, read from the model's
+        tables (`sin` signed, as `rotate` takes it)."""
         head_dim = rotary.head_dim
         key = (id(rotary.layer), head_dim)
         if key not in self.rotary_tables:
