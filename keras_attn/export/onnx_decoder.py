@@ -49,10 +49,7 @@ PROMPT_LOGITS = ("last", "all")
 
 
 def check_fusable_decoder(model, max_length=None, adapters=False):
-    """`model`'s description when the fused decoder writer covers it (for a
-    cache of `max_length`, when given; its LoRA adapters as graph inputs,
-    with `adapters`); else `NotFusableError` naming the first thing it does
-    not cover (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer (its LoRA adapters as graph inputs, with `adapters`)."""
     return capabilities.checked(model, "onnx_genai", max_length, adapters=adapters)
 
 

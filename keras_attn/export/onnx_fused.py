@@ -111,7 +111,8 @@ class _Writer(Graph):
     def rotary(self, rotary, h):
         """`(cos, sin)` `(1, T, 1, rotary_dim / 2)` of a described `Rotary` at
         the positions of `h`, as `RotaryEmbedding.call` computes them (float32
-        angles `position / scaling_factor * frequency`, then cos and sin)."""
+        angles `position / scaling_factor * frequency`, then cos and sin; no
+        attention factor: only LongRoPE has one, which the table refuses here)."""
         layer = rotary.layer
 
         def make():
@@ -122,15 +123,9 @@ class _Writer(Graph):
             frequencies = description_lib.array_of(layer.inverse_frequencies(rotary.head_dim)).reshape(1, -1)
             angles = self.node("Mul", [self.node("Unsqueeze", [angles, self.const(np.array([1], np.int64), "axis")],
                                                  "column"), self.const(frequencies, "frequencies")], "angles")
-            factor = (layer.rope_scaling or {}).get("attention_factor", 1.0)
             axes = self.const(np.array([0, 2], np.int64), "axes")
-            tables = []
-            for op in ("Cos", "Sin"):
-                table = self.node(op, [angles], op)
-                if factor != 1.0:
-                    table = self.node("Mul", [table, self.const(np.float32(factor), "factor")], op)
-                tables.append(self.node("Unsqueeze", [table, axes], op))
-            return tuple(tables)
+            return tuple(self.node("Unsqueeze", [self.node(op, [angles], op), axes], op)
+                         for op in ("Cos", "Sin"))
 
         return self.once(("rotary", id(layer)), make)
 

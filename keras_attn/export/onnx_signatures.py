@@ -53,9 +53,7 @@ WEIGHTS_FILE = "signatures.onnx.data"
 
 
 def check_signature_decoder(model, max_length, opset=17):
-    """`model`'s description when this writer covers it (a cache of
-    `max_length`, `opset`); else `NotFusableError` naming the first thing
-    it does not cover (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer, a cache of `max_length` and `opset`."""
     return capabilities.checked(model, "onnx_signatures", max_length, [("opset", opset, OPSETS)])
 
 
@@ -289,10 +287,7 @@ class _Signature:
         if norm.kind == "layer":
             beta = self.weight(key + ".bias", norm.bias.read)
             return self.op("LayerNormalization", [x, scale, beta], "LayerNorm", axis=-1, epsilon=float(norm.epsilon))
-        return self.rms_norm(x, scale, norm.epsilon)
-
-    def rms_norm(self, x, scale, epsilon):
-        return self.g.rms_norm(x, scale, epsilon, self.opset, self.name)
+        return self.g.rms_norm(x, scale, norm.epsilon, self.opset, self.name)
 
     def dense(self, x, kernel_key, make_kernel, bias, hint):
         weight = self.weights.once(kernel_key, lambda: self.weights.weight(make_kernel(), kernel_key))
@@ -314,10 +309,10 @@ class _Signature:
         q, k, v = (self.op("Reshape", [t, self.i64([0, 0, n, d])], "heads")
                    for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
         if attention.query_norm is not None:
-            q = self.rms_norm(q, self.weight(base + ".q_norm", attention.query_norm.scale.read),
-                              attention.query_norm.epsilon)
-            k = self.rms_norm(k, self.weight(base + ".k_norm", attention.key_norm.scale.read),
-                              attention.key_norm.epsilon)
+            q = self.g.rms_norm(q, self.weight(base + ".q_norm", attention.query_norm.scale.read),
+                                attention.query_norm.epsilon, self.opset, self.name)
+            k = self.g.rms_norm(k, self.weight(base + ".k_norm", attention.key_norm.scale.read),
+                                attention.key_norm.epsilon, self.opset, self.name)
         rotary = attention.rotary
         if rotary is not None:
             cos, sin = self.rotary(rotary)
@@ -354,11 +349,8 @@ class _Signature:
                 if rotary.scaling_factor != 1.0:
                     pos = self.op("Div", [pos, self.f32(rotary.scaling_factor)], "scaled_positions")
                 angles = self.op("Mul", [self.op("Unsqueeze", [pos, self.i64([1])], "column"), freq], "angles")
+                # No attention factor: only LongRoPE has one, refused with a ring.
                 cos, sin = self.op("Cos", [angles], "cos"), self.op("Sin", [angles], "sin")
-                factor = (rotary.rope_scaling or {}).get("attention_factor", 1.0)
-                if factor != 1.0:
-                    cos = self.op("Mul", [cos, self.f32(factor)], "cos_factor")
-                    sin = self.op("Mul", [sin, self.f32(factor)], "sin_factor")
             else:
                 def write():  # `tables` computes cos and sin together
                     cos, sin = described.tables(self.max_length)

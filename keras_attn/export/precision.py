@@ -128,7 +128,7 @@ def float32_copy(model):
     return copy
 
 
-def model_for_export(model, samples=None, *, warn=True):
+def model_for_export(model, samples=None):
     """`(model_to_export, note)`: `model` itself (note None) or its float32 copy.
 
     For a model with float16/bfloat16 layers, `note` is the dict stored in
@@ -147,14 +147,13 @@ def model_for_export(model, samples=None, *, warn=True):
                                  names, "float32 copy") for s in samples)
         note["max_abs_diff_vs_model"] = gap
         gap_text = f"; max |float32 copy - model| = {gap:.3g} on the sample inputs"
-    if warn:
-        warnings.warn(
-            f"keras_attn.export: the model `{model.name}` has layers computing in "
-            f"{'/'.join(note['replaced_policies'])} ({len(layers)} layers and sublayers, e.g. "
-            f"{next(iter(layers))!r}); exporting a float32 copy (same architecture "
-            "and weights, float32 dtype policies) and verifying the artifact "
-            f"against that copy{gap_text}.",
-            UserWarning,
-            stacklevel=3,
-        )
+    warnings.warn(
+        f"keras_attn.export: the model `{model.name}` has layers computing in "
+        f"{'/'.join(note['replaced_policies'])} ({len(layers)} layers and sublayers, e.g. "
+        f"{next(iter(layers))!r}); exporting a float32 copy (same architecture "
+        "and weights, float32 dtype policies) and verifying the artifact "
+        f"against that copy{gap_text}.",
+        UserWarning,
+        stacklevel=3,
+    )
     return copy, note

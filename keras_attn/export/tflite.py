@@ -86,7 +86,7 @@ def _flex_error(error):
     )
 
 
-def calibration_samples(model, representative_dataset, arg_name="representative_dataset"):
+def calibration_samples(model, representative_dataset):
     """The calibration inputs as a list of `{name: array}` sets (read once).
 
     `representative_dataset` is a `tf.data.Dataset`, a callable returning an
@@ -106,9 +106,9 @@ def calibration_samples(model, representative_dataset, arg_name="representative_
         source = source()
     if isinstance(source, (str, bytes, dict)) or not hasattr(source, "__iter__"):
         raise ValueError(
-            f"Received an invalid value for argument `{arg_name}`, expected a "
+            "Received an invalid value for argument `representative_dataset`, expected a "
             "tf.data.Dataset, a generator function or an iterable of input sets. "
-            f"Received: {arg_name} of type {type(representative_dataset).__name__}"
+            f"Received: representative_dataset of type {type(representative_dataset).__name__}"
         )
     sets = []
     for item in source:
@@ -116,11 +116,11 @@ def calibration_samples(model, representative_dataset, arg_name="representative_
                 and (isinstance(item[0], dict) or len(specs) == 1)):
             item = item[0]  # (inputs, targets) of a training dataset
         item = _with_batch_axis(specs, item)
-        sets.append(model_io.normalize_samples(model, item, arg_name)[0])
+        sets.append(model_io.normalize_samples(model, item, "representative_dataset")[0])
     if not sets:
         raise ValueError(
-            f"Received an empty `{arg_name}`: calibration needs at least one input "
-            f"set. Received: {arg_name}={representative_dataset!r}"
+            "Received an empty `representative_dataset`: calibration needs at least one input "
+            f"set. Received: representative_dataset={representative_dataset!r}"
         )
     return sets
 

@@ -95,11 +95,8 @@ def lora_inputs(description, rank):
 
 
 def check_direct_decoder(model, quantization=None, max_length=None, adapters=False):
-    """`model`'s description when the direct TFLite writer covers it and
-    `quantization` (caches of `max_length`, when given; its LoRA adapters
-    kept apart, with `adapters`); else
-    `NotFusableError` naming the first thing it does not cover
-    (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer and `quantization` (its LoRA
+    adapters kept apart, with `adapters`)."""
     return capabilities.checked(model, "litertlm", max_length, [("quantization", quantization, QUANTIZATIONS)],
                                 adapters)
 
@@ -240,11 +237,6 @@ def write_lora_tflite(model, path, *, lora_rank):
     return info
 
 
-def decoder_tflite_bytes(model, **kwargs):
-    """`write_decoder_tflite` into memory: the flatbuffer's bytes."""
-    return written_bytes(write_decoder_tflite, model, **kwargs)
-
-
 def written_bytes(write, model, **kwargs):
     """The bytes `write(model, path, **kwargs)` writes to a temporary `path`."""
     with tempfile.TemporaryDirectory(prefix="keras_attn_tflite_") as tmp:
@@ -282,7 +274,8 @@ def rotary_angles(g, described, positions):
     """`(cos, sin)` `(T, 1, rotary_dim)` of a described `Rotary` at the int32
     `positions` `(T,)`, as `RotaryEmbedding.call` computes them (float32
     angles `position / scaling_factor * frequency`, then cos and sin; `sin`
-    signed for `rotate`), once per rotary layer."""
+    signed for `rotate`), once per rotary layer. No attention factor: only
+    LongRoPE has one, which the table refuses where angles are computed."""
     rotary, head_dim = described.layer, described.head_dim
 
     def make():
@@ -295,11 +288,8 @@ def rotary_angles(g, described, positions):
         rows = -1 if t_len is None else t_len  # an encoder's length is the call's
         angles = g.mul(g.reshape(position, (rows, 1)), g.const(inverse.reshape(1, half)))
         cos, sin = g.op("COS", [angles], (t_len, half)), g.op("SIN", [angles], (t_len, half))
-        factor = np.float32((rotary.rope_scaling or {}).get("attention_factor", 1.0))
         minus = g.mul(sin, g.const(np.array(-1.0, np.float32)))
         cos, sin = g.concat([cos, cos], -1), g.concat([minus, sin], -1)
-        if factor != 1.0:
-            cos, sin = (g.mul(t, g.const(factor)) for t in (cos, sin))
         return g.reshape(cos, (rows, 1, 2 * half)), g.reshape(sin, (rows, 1, 2 * half))
 
     return g.cached(("rotary", id(rotary), head_dim), make)
@@ -311,8 +301,7 @@ class DecoderBuilder:
     def __init__(self, description, writer, max_length, quantization, read_bucket, lora_rank=None):
         self.d = description
         # With a rank, every signature holds the frozen kernels (`base_kernel`)
-        # and takes LoRA inputs: `lora` maps (layer, letter) to the current
-        # signature's (a', b') tensors.
+        # and takes LoRA inputs (`lora`, set per signature).
         self.lora_rank = lora_rank
         self.lora = {}
         self.w = writer
@@ -600,9 +589,8 @@ class DecoderBuilder:
         return g.mul(g.op("TANH", [x], g.shape(x)), g.const(np.array(cap, np.float32)))
 
     def _rotary(self, g, rotary, rows):
-        """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions; `sin`
-        carries the rotation's sign (`[-sin, sin]`), so a rotation is
-        `x * cos + swap_halves(x) * sin` over the first `rotary_dim` features."""
+        """`(cos, sin)` `(T, 1, rotary_dim)` at the chunk's positions, read from the model's
+        tables (`sin` signed, as `rotate` takes it)."""
         head_dim = rotary.head_dim
         key = (id(rotary.layer), head_dim)
         if key not in self.rotary_tables:

@@ -125,7 +125,7 @@ class _EncoderBuilder:
             b, t = self.dims(rows)
             pieces = [{"B": b, "T": t}[d] if isinstance(d, str) else self.const([d], np.int32)
                       for d in parts]
-            return self.g.concat(pieces, 0, np.int32)
+            return self.g.concat(pieces, 0)
         return self.g.cached(("shape", rows) + parts, make)
 
     def reshape(self, x, shape_tensor, static):
@@ -192,7 +192,7 @@ class _EncoderBuilder:
                         int8=self.quantization is not None)
         positions = step.positions.table.read()
         _, t = self.dims(rows)
-        size = g.concat([t, self.const([-1], np.int32)], 0, np.int32)
+        size = g.concat([t, self.const([-1], np.int32)], 0)
         pos = g.slice(g.const(positions, step.name + "/positions"), [0, 0], size, (None, positions.shape[1]))
         x = g.add(x, pos)
         if step.types is not None:
@@ -370,7 +370,9 @@ class _EncoderBuilder:
             return g.op("CAST", [same], g.shape(same), np.float32, "CastOptions")
 
         def take(selected):  # the sum of the tokens where `selected` (B, T) is 1
-            return self.reduce("SUM", g.mul(h, self.expand_last(selected)), 1, False)
+            selected = g.op("EXPAND_DIMS", [selected, self.const(-1, np.int32)], g.shape(selected) + (1,),
+                            g.dtype(selected), "ExpandDimsOptions")  # (B, T, 1)
+            return self.reduce("SUM", g.mul(h, selected), 1, False)
 
         counted = cumsum(tokens)  # tokens up to each position
         count = self.reduce("SUM", tokens, 1, True)  # (B, 1)
@@ -390,11 +392,6 @@ class _EncoderBuilder:
                     divisor = g.op("SQRT", [divisor], g.shape(divisor))
                 vectors.append(g.binary("DIV", total, divisor))
         return vectors[0] if len(vectors) == 1 else g.concat(vectors, -1)
-
-    def expand_last(self, x):
-        """`x` with a last axis of 1."""
-        return self.g.op("EXPAND_DIMS", [x, self.const(-1, np.int32)], self.g.shape(x) + (1,),
-                         self.g.dtype(x), "ExpandDimsOptions")
 
     def row_wise(self, step, x):
         """The tensor of a step of `_ROW_WISE` over `x`: its rows stay the input's."""

@@ -1,19 +1,13 @@
 """The prefill/decode signatures' TFLite model, written from the Keras weights.
 
-`keras_attn.runtimes.signatures.tflite_bytes`' contract (its module docstring
-has it in full), for a decoder-only LM, without TensorFlow's trace,
-SavedModel or converter (which hold several copies of the weights):
-
-    prefill(token_ids int32 (B, P)) -> logits (B, P, V), cache (N, 2, B, S, H_kv, D)
-    decode(token_ids int32 (B, 1), cache, index int32 ()) -> logits (B, 1, V), cache
-    decode_step(token_ids, cache[:, :, :, :L], index) -> logits, new_cache (N, 2, B, 1, H_kv, D)
-
-with static `B` and `P`, and, with `checks="flag"`, token ids and `index`
-clamped into range and a bool output `valid` (False when anything was
-clamped). The inputs, outputs and subgraphs are named and ordered as the
-converter's model has them. The layers, weights and rotary tables are
-`keras_attn.export.tflite_decoder.DecoderBuilder`'s; what differs from
-LiteRT-LM's model:
+`keras_attn.runtimes.signatures.tflite_bytes`' contract (`prefill`, `decode`,
+`decode_step` and, with `checks="flag"`, the clamped ids and `index` and the
+`valid` output: that module's docstring), for a decoder-only LM with static
+`B` and `P`, without TensorFlow's trace, SavedModel or converter (which hold
+several copies of the weights). The inputs, outputs and subgraphs are named
+and ordered as the converter's model has them. The layers, weights and rotary
+tables are `keras_attn.export.tflite_decoder.DecoderBuilder`'s; what differs
+from LiteRT-LM's model:
 
 - a batch: the rows run through the fully connected layers as one
   `(B * T, hidden)` matrix, and attention is a BATCH_MATMUL per row and
@@ -54,9 +48,7 @@ CHECKS = ("flag", "none")
 
 def check_direct_signatures(model, *, max_length, batch_size, prompt_length, quantization=None,
                             cache_dtype="float32"):
-    """`model`'s description when the direct writer covers it and the
-    options; else `NotFusableError` naming the first thing it does not
-    cover (`keras_attn.export.capabilities`)."""
+    """`capabilities.checked` for this writer and the options (static positive sizes)."""
     for name, value in (("batch_size", batch_size), ("prompt_length", prompt_length)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise NotFusableError(f"{name}={value!r} (the direct writer takes static positive sizes)")
@@ -87,11 +79,6 @@ def write_signatures_tflite(model, path, *, max_length, batch_size, prompt_lengt
         return graphs
 
     return tflite_writer.write_model(path, build, "keras_attn direct TFLite signatures")
-
-
-def signatures_tflite_bytes(model, **kwargs):
-    """`write_signatures_tflite` into memory: the flatbuffer's bytes."""
-    return tflite_decoder.written_bytes(write_signatures_tflite, model, **kwargs)
 
 
 class SignatureBuilder(tflite_decoder.DecoderBuilder):

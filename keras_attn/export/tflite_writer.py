@@ -375,12 +375,12 @@ class Graph:
         return self.op("TRANSPOSE", [x, self.const(np.array(perm, np.int32))], shape, self.dtype(x),
                        self.options("TransposeOptions"))
 
-    def concat(self, xs, axis, dtype=None):
+    def concat(self, xs, axis):
         shapes = [self.shape(x) for x in xs]
         out = list(shapes[0])
         out[axis] = (None if any(s[axis] is None for s in shapes)
                      else sum(s[axis] for s in shapes))
-        return self.op("CONCATENATION", xs, tuple(out), dtype or self.dtype(xs[0]),
+        return self.op("CONCATENATION", xs, tuple(out), self.dtype(xs[0]),
                        self.options("ConcatenationOptions", axis=axis))
 
     def slice(self, x, begin, size, shape):

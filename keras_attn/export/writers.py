@@ -29,7 +29,7 @@ def check_writer(writer, old=(), stacklevel=4):
     return check_choice("writer", writer, WRITERS)
 
 
-def direct_or_none(writer, direct, *, what, direct_name, traced_name, warn=True, stacklevel=4):
+def direct_or_none(writer, direct, *, what, direct_name, traced_name, warn=True):
     """`(direct(), None)` where the direct writer writes it, else
     `(None, why)`: `why` is None for `writer="traced"` and the
     `NotFusableError`'s text where "auto" falls back (warning, unless
@@ -49,5 +49,5 @@ def direct_or_none(writer, direct, *, what, direct_name, traced_name, warn=True,
                 f"Pass writer='auto' to use {traced_name} for it.") from error
         if warn:
             warnings.warn(f"{what} falls back to {traced_name}: the {direct_name} does not cover "
-                          f"this model ({error}).", UserWarning, stacklevel=stacklevel)
+                          f"this model ({error}).", UserWarning, stacklevel=4)
         return None, str(error)

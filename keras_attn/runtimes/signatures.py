@@ -79,6 +79,7 @@ import tensorflow as tf
 from keras_attn.checks import check_choice
 from keras_attn.export import onnx_graph
 from keras_attn.export import onnx_signatures
+from keras_attn.export import tflite_decoder
 from keras_attn.export import tflite_signatures
 from keras_attn.export.onnx import rename_value
 from keras_attn.export.saved_model import SERVING_SAVE_OPTIONS, graph_op_types
@@ -387,9 +388,9 @@ def _tflite_content(model, *, max_length, batch_size, prompt_length, encoder_len
         check_choice("quantization", quantization, GENERATION_QUANTIZATIONS)
         _check_arguments(model, max_length, checks, ("flag", "none"), encoder_length)
     content, _ = direct_or_none(
-        writer, lambda: tflite_signatures.signatures_tflite_bytes(
-            model, max_length=max_length, batch_size=batch_size, prompt_length=prompt_length,
-            checks=checks, quantization=quantization, cache_dtype=cache_dtype,
+        writer, lambda: tflite_decoder.written_bytes(
+            tflite_signatures.write_signatures_tflite, model, max_length=max_length, batch_size=batch_size,
+            prompt_length=prompt_length, checks=checks, quantization=quantization, cache_dtype=cache_dtype,
             read_bucket=decoder_trace.READ_BUCKET),
         what=f"The TFLite prefill/decode export of `{model.name}`",
         direct_name="direct TFLite writer", traced_name="TensorFlow's TFLite converter")

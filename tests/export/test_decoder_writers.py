@@ -95,8 +95,8 @@ def run_onnx_signatures(lm, ids):
 
 def run_litertlm(lm, ids):
     """LiteRT-LM's schedule (chunked prefill of the first half, then decode), per row."""
-    content = tflite_decoder.decoder_tflite_bytes(lm, max_length=CACHE, prefill_lengths=(4, 8),
-                                                  read_bucket=READ_BUCKET)
+    content = tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm, max_length=CACHE,
+                                           prefill_lengths=(4, 8), read_bucket=READ_BUCKET)
     rows = [litertlm.runtime_logits(content, row) for row in ids]
     first = rows[0][1]
     return np.stack([r[0] for r in rows]), first
@@ -105,8 +105,8 @@ def run_litertlm(lm, ids):
 def run_tflite_signatures(lm, ids):
     from ai_edge_litert import interpreter as litert
 
-    content = tflite_signatures.signatures_tflite_bytes(lm, max_length=CACHE, batch_size=len(ids),
-                                                        prompt_length=PROMPT, read_bucket=READ_BUCKET)
+    content = tflite_decoder.written_bytes(tflite_signatures.write_signatures_tflite, lm, max_length=CACHE,
+                                           batch_size=len(ids), prompt_length=PROMPT, read_bucket=READ_BUCKET)
     interpreter = litert.Interpreter(model_content=content)
     prefill, decode = (interpreter.get_signature_runner(n) for n in ("prefill", "decode"))
     out = prefill(token_ids=ids[:, :PROMPT])
@@ -123,9 +123,10 @@ RUNNERS = {"onnx_genai": run_genai, "onnx_signatures": run_onnx_signatures,
 CHECKS = {
     "onnx_genai": lambda lm: decoder_model_proto(lm, max_length=CACHE),
     "onnx_signatures": lambda lm: onnx_signatures.signature_models(lm, max_length=CACHE),
-    "litertlm": lambda lm: tflite_decoder.decoder_tflite_bytes(lm, max_length=CACHE, prefill_lengths=(8,)),
-    "tflite_signatures": lambda lm: tflite_signatures.signatures_tflite_bytes(
-        lm, max_length=CACHE, batch_size=2, prompt_length=PROMPT),
+    "litertlm": lambda lm: tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm,
+                                                        max_length=CACHE, prefill_lengths=(8,)),
+    "tflite_signatures": lambda lm: tflite_decoder.written_bytes(
+        tflite_signatures.write_signatures_tflite, lm, max_length=CACHE, batch_size=2, prompt_length=PROMPT),
 }
 
 

@@ -222,8 +222,8 @@ def test_int8_keeps_keras_next_tokens_of_a_trained_decoder():
     same prefix (teacher forcing, the runtime's schedule) is Keras's float32
     one at nearly every position of held-out dates."""
     lm, _, width, held_out, answer, keras_next = trained_dates_decoder()
-    content = tflite_decoder.decoder_tflite_bytes(lm, max_length=width + 1, prefill_lengths=(8,),
-                                                  quantization="dynamic")
+    content = tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm, max_length=width + 1,
+                                           prefill_lengths=(8,), quantization="dynamic")
     agree, agree_answer = [], []
     for row in range(40):
         length = int(np.count_nonzero(held_out[row]))

@@ -179,7 +179,8 @@ def test_int4_keeps_keras_next_tokens_as_the_converter_path_does(trained):
     the positions here)."""
     lm, _, width, held_out, answer, keras_next = trained
     kwargs = dict(max_length=width + 1, prefill_lengths=(8,), quantization="int4")
-    direct = _agreement(tflite_decoder.decoder_tflite_bytes(lm, **kwargs), held_out, answer, keras_next)
+    direct = _agreement(tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm, **kwargs),
+                        held_out, answer, keras_next)
     pytest.importorskip("ai_edge_quantizer")
     converted = litertlm.litertlm_tflite(lm, writer="traced", **kwargs)
     converter = _agreement(converted, held_out, answer, keras_next)
@@ -208,8 +209,8 @@ def test_int4_bundle_in_litert_lm_engine_from_text(trained, tmp_path):
     assert report.writer == "direct" and report.direct_writer_skipped is None
     # 0.83 on the export's verification sequence (the converter path too).
     assert report.agreement >= report.min_agreement == litertlm.DEFAULT_MIN_AGREEMENT["int4"]
-    content = tflite_decoder.decoder_tflite_bytes(lm, max_length=width, prefill_lengths=(8,),
-                                                  quantization="int4")
+    content = tflite_decoder.written_bytes(tflite_decoder.write_decoder_tflite, lm, max_length=width,
+                                           prefill_lengths=(8,), quantization="int4")
     engine = litert_lm.Engine(str(path), backend=litert_lm.Backend.CPU())
     same = total = 0
     try:
