@@ -513,3 +513,26 @@ def test_make_samples_draws_ids_from_the_table_that_reads_them(names):
     assert set(np.unique(sample[types_name])) == {0, 1, 2}
     assert set(np.unique(sample[mask_name])) == {0, 1}
     assert (sample[mask_name][0] == 1).all() and (sample[mask_name][1, -1] == 0)
+
+
+class _TableWithUnsetVocabulary(keras.layers.Embedding):
+    """An embedding whose `vocabulary_size` attribute exists but is None (its
+    rows are `input_dim`), as a wrapper layer may carry one."""
+
+    vocabulary_size = None
+
+
+def test_generated_samples_and_id_checks_read_tables_by_one_rule(tmp_path):
+    """Token ids read by a table whose `vocabulary_size` is None (rows in
+    `input_dim`) and token types read by a 1-row table: SavedModel's
+    `check_ids` checks both inputs against their own tables, and the
+    generated samples stay inside them (types all 0)."""
+    ids = keras.Input((None,), dtype="int32", name="input_ids")
+    types = keras.Input((None,), dtype="int32", name="token_type_ids")
+    x = _TableWithUnsetVocabulary(40, 8, name="id_table")(ids) + keras.layers.Embedding(1, 8)(types)
+    model = keras.Model([ids, types], keras.layers.Dense(3)(x))
+    sample = make_samples(model, shapes=((4, 16),), seed=0)[0]
+    assert 0 < sample["input_ids"].max() < 40
+    assert (sample["token_type_ids"] == 0).all()
+    report = kx.export_saved_model(model, tmp_path / "sm", model_name="m", check_ids="clamp")
+    assert report.details["checked_ids"] == {"input_ids": 40, "token_type_ids": 1}
